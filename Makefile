@@ -8,7 +8,13 @@ PIP    := $(VENV)/bin/pip
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.spotguard-installed
 
-.PHONY: run test bench install clean
+.PHONY: run test test-k8s k8s-assets bench install clean
+
+# A real control plane for the tests marked k8s: the bundle in ../shared, unpacked once.
+# `make test` runs them when KUBEBUILDER_ASSETS is set (as .ci/run and test-k8s do), else skips them.
+K8S_BUNDLE ?= ../shared/tools/kube-control-plane/kube-control-plane-v1.36.2.tar.xz
+K8S_ROOT   := .cache/kube-control-plane-v1.36.2
+K8S_ASSETS := $(K8S_ROOT)/k8s-rig/bin
 
 install: $(STAMP)
 
@@ -28,8 +34,17 @@ test: $(STAMP)
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose" >&2; exit 1; fi; \
 	exit $$rc
 
+k8s-assets: $(K8S_ASSETS)/kube-apiserver
+
+$(K8S_ASSETS)/kube-apiserver: $(K8S_BUNDLE)
+	mkdir -p $(K8S_ROOT)
+	tar -xJf $(K8S_BUNDLE) -C $(K8S_ROOT) && touch $@
+
+test-k8s: $(STAMP) k8s-assets
+	@KUBEBUILDER_ASSETS=$(abspath $(K8S_ASSETS)) $(PY) -m pytest -m k8s $(PYTEST_ARGS)
+
 bench: $(STAMP)
 	$(VENV)/bin/spotguard bench all
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .cache

@@ -22,3 +22,61 @@ async def make_emulator() -> AsyncIterator[Callable]:
 
     async with stack:
         yield make
+
+
+# A real control plane (tests/control_plane.py), for tests marked `k8s` ---------------------------
+
+_k8s_skipped: list[str] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without KUBEBUILDER_ASSETS, tests marked `k8s` are skipped (one summary line says why)."""
+    from tests.control_plane import assets_dir
+
+    if assets_dir() is not None:
+        return
+    skip = pytest.mark.skip(reason="no real control plane (KUBEBUILDER_ASSETS)")
+    for item in items:
+        if "k8s" in item.keywords:
+            item.add_marker(skip)
+            _k8s_skipped.append(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _k8s_skipped:
+        from tests.control_plane import ENABLE_HINT
+
+        terminalreporter.write_line(f"k8s: {len(_k8s_skipped)} tests against a real API server skipped: {ENABLE_HINT}")
+
+
+@pytest.fixture(scope="session")
+def control_plane():
+    """A real etcd + kube-apiserver + controller-manager + scheduler for the whole session, with
+    the spotguard namespace, ServiceAccounts and RBAC of `daemonset/base` applied. Tests share it:
+    each creates its objects in its own namespace (`k8s_namespace`) or with unique names."""
+    from tests.control_plane import start_control_plane
+
+    plane = start_control_plane()
+    try:
+        plane.apply_base_rbac()
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture
+def k8s_namespace(control_plane, request):
+    """A fresh namespace for one test, deleted after it."""
+    import re
+    import uuid
+
+    import kubernetes
+
+    core = kubernetes.client.CoreV1Api(control_plane.api_client())
+    base = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    name = f"{base}-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": name}})
+    try:
+        yield name
+    finally:
+        core.delete_namespace(name, grace_period_seconds=0)

@@ -1,0 +1,54 @@
+"""Helpers for tests against the real control plane (tests/control_plane.py): Nodes made Ready
+through their status (no kubelet here), pod exit codes written through `pods/status` as a kubelet
+would, and a bounded wait. Blocking calls: wrap them in `asyncio.to_thread` from async tests."""
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Callable
+
+import kubernetes
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
+    """Poll `predicate` until it returns something truthy (returned), or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def add_ready_node(plane, name: str, labels: dict | None = None, gpus: int = 1, cpu: str = "8") -> str:
+    """Create Node `name` and set its status as a kubelet would: Ready=True, capacity with GPUs.
+    Returns the name. The not-ready taint is removed by the node lifecycle controller."""
+    core = kubernetes.client.CoreV1Api(plane.api_client())
+    all_labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", **(labels or {})}
+    core.create_node({"metadata": {"name": name, "labels": all_labels}})
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    resources = {"cpu": cpu, "memory": "64Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}
+    status = {"status": {"capacity": resources, "allocatable": resources,
+                         "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                         "message": "test", "lastHeartbeatTime": now,
+                                         "lastTransitionTime": now}]}}
+    core.patch_node_status(name, status)
+    wait_until(lambda: not [t for t in (core.read_node(name).spec.taints or [])
+                            if t.key == "node.kubernetes.io/not-ready"], 30, f"node {name} schedulable")
+    return name
+
+
+def set_container_exit(plane, namespace: str, pod: str, exit_code: int, container: str | None = None) -> None:
+    """Write a terminated container status with `exit_code` through `pods/status`, as a kubelet would."""
+    core = kubernetes.client.CoreV1Api(plane.api_client())
+    current = core.read_namespaced_pod(pod, namespace)
+    name = container or current.spec.containers[0].name
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    phase = "Succeeded" if exit_code == 0 else "Failed"
+    status = {"status": {"phase": phase, "containerStatuses": [{
+        "name": name, "image": current.spec.containers[0].image, "imageID": "", "ready": False,
+        "restartCount": 0, "state": {"terminated": {"exitCode": exit_code, "startedAt": now,
+                                                     "finishedAt": now, "reason": "Error" if exit_code else "Completed"}}}]}}
+    core.patch_namespaced_pod_status(pod, namespace, status)
