@@ -4,11 +4,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import signal
 
 from spotguard.config import ConfigError, env_default, positive_int
 
 log = logging.getLogger(__name__)
+
+
+# The sidecar's resources (requests AND limits: a quota on limits.* refuses a container without).
+SIDECAR_RESOURCES = {"sidecar-cpu-request": "10m", "sidecar-cpu-limit": "200m",
+                     "sidecar-memory-request": "32Mi", "sidecar-memory-limit": "96Mi"}
+QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)(m|k|M|G|T|Ki|Mi|Gi|Ti|e\d+)?")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,6 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--tls-key", required=True, help="PEM private key (the Secret's tls.key)")
     serve.add_argument("--image", default=env_default("sidecar_image"), help="sidecar image (env SPOTGUARD_SIDECAR_IMAGE)")
     serve.add_argument("--grace-seconds", default="120", help="default terminationGracePeriodSeconds floor (default 120)")
+    for flag, default in SIDECAR_RESOURCES.items():
+        serve.add_argument(f"--{flag}", default=default, help=f"the sidecar's {flag[8:].replace('-', ' ')} (default {default})")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=run_serve)
     certgen = sub.add_parser("certgen", help="create the webhook's TLS Secret and caBundle (install Job)")
@@ -58,7 +67,19 @@ def run_serve(args: argparse.Namespace) -> int:
         ctx = tls_context(args.tls_cert, args.tls_key)
     except (OSError, ValueError) as exc:
         raise ConfigError("--tls-cert", f"cannot load the certificate/key ({exc})") from None
-    return asyncio.run(_serve(host, port, ctx, InjectorConfig(image=args.image, grace_seconds=grace)))
+    return asyncio.run(_serve(host, port, ctx, InjectorConfig(image=args.image, grace_seconds=grace,
+                                                              **sidecar_resources(args))))
+
+
+def sidecar_resources(args: argparse.Namespace) -> dict[str, str]:
+    """InjectorConfig's resource fields from the --sidecar-* flags; ConfigError names a bad one."""
+    out = {}
+    for flag in SIDECAR_RESOURCES:
+        value = str(getattr(args, flag.replace("-", "_"))).strip()
+        if not QUANTITY.fullmatch(value):
+            raise ConfigError(f"--{flag}", f"expected a Kubernetes quantity like 100m or 64Mi, got {value!r}")
+        out[flag[len("sidecar-"):].replace("-", "_")] = value
+    return out
 
 
 async def _serve(host: str, port: int, ctx, cfg) -> int:

@@ -9,6 +9,10 @@ A pod labelled `spotguard.io/inject: "true"` gets:
   checkpoint is durable (it returns at once when no notice is live);
 - with annotations `spotguard.io/hostfile` (and `spotguard.io/deepspeed-config`): the sidecar is
   told to rewrite that DeepSpeed hostfile, and gets the app container's volume holding it;
+- admissible wherever the pod was: the sidecar satisfies Pod Security `restricted` (non-root,
+  no privilege escalation, no capabilities, RuntimeDefault seccomp), runs as the app
+  containers' user where the pod sets one, and has cpu/memory requests AND limits (quotas on
+  limits.* refuse containers without them);
 - `terminationGracePeriodSeconds` raised to cover the save (annotation
   `spotguard.io/grace-seconds`, default 120), never lowered;
 - annotation `spotguard.io/injected: "true"`.
@@ -36,6 +40,7 @@ SIDECAR_PORT = 9741
 AGENT_PORT = 9740
 DEFAULT_GRACE = 120
 MAX_GRACE = 3600
+SIDECAR_IMAGE_USER = 65532  # the image's USER (daemonset/Dockerfile)
 
 
 class PodSpecError(ValueError):
@@ -49,6 +54,7 @@ class InjectorConfig:
     agent_port: int = AGENT_PORT
     sidecar_port: int = SIDECAR_PORT
     cpu_request: str = "10m"
+    cpu_limit: str = "200m"
     memory_request: str = "32Mi"
     memory_limit: str = "96Mi"
 
@@ -119,8 +125,36 @@ def local_world_size(pod: dict[str, Any]) -> int:
     return max(1, gpus)
 
 
+def app_identity(pod: dict[str, Any]) -> dict[str, int]:
+    """The runAsUser/runAsGroup the pod's app containers run as, where the pod sets them: the
+    first regular container's own setting, else the pod's. Absent keys: the image decides."""
+    spec = pod.get("spec") or {}
+    pod_ctx = spec.get("securityContext") or {}
+    out: dict[str, int] = {}
+    for key in ("runAsUser", "runAsGroup"):
+        values = [((c or {}).get("securityContext") or {}).get(key) for c in spec.get("containers") or []]
+        value = next((v for v in values if v is not None), pod_ctx.get(key))
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PodSpecError(f"spec.securityContext.{key}: expected a whole number >= 0, got {value!r}")
+            out[key] = value
+    return out
+
+
+def sidecar_security_context(identity: dict[str, int]) -> dict[str, Any]:
+    """Pod Security `restricted` for the sidecar, as the app's user: the hooks token it writes
+    with mode 0600 must be readable by the trainer containers. An app running as root (only
+    admissible outside `restricted`) reads it anyway; the sidecar then keeps its image's user."""
+    ctx: dict[str, Any] = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                           "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    ctx["runAsUser"] = identity.get("runAsUser") or SIDECAR_IMAGE_USER
+    if "runAsGroup" in identity:
+        ctx["runAsGroup"] = identity["runAsGroup"]
+    return ctx
+
+
 def sidecar_container(cfg: InjectorConfig, extra_args: list[str] = (), extra_mounts: list[dict] = (),
-                      local_world_size: int = 1) -> dict[str, Any]:
+                      local_world_size: int = 1, identity: dict[str, int] | None = None) -> dict[str, Any]:
     return {
         "name": SIDECAR_NAME,
         "image": cfg.image,
@@ -135,11 +169,8 @@ def sidecar_container(cfg: InjectorConfig, extra_args: list[str] = (), extra_mou
             {"name": "SPOTGUARD_LOCAL_WORLD_SIZE", "value": str(local_world_size)},
         ],
         "resources": {"requests": {"cpu": cfg.cpu_request, "memory": cfg.memory_request},
-                      "limits": {"memory": cfg.memory_limit}},
-        # Same user as the pod's other containers (no runAsUser here): the hooks token it writes
-        # with mode 0600 must be readable by the trainer containers.
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}},
+                      "limits": {"cpu": cfg.cpu_limit, "memory": cfg.memory_limit}},
+        "securityContext": sidecar_security_context(identity or {}),
         "volumeMounts": [{"name": SHARED_VOLUME, "mountPath": SHARED_DIR},
                          {"name": PODINFO_VOLUME, "mountPath": PODINFO_DIR, "readOnly": True},
                          {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
@@ -190,7 +221,8 @@ def build_patch(pod: dict[str, Any], cfg: InjectorConfig) -> list[dict[str, Any]
     if not isinstance(spec, dict) or not isinstance(spec.get("containers"), list) or not spec["containers"]:
         raise PodSpecError("spec.containers: a pod needs at least one container")
     grace = grace_for(pod, cfg)
-    sidecar = sidecar_container(cfg, *hostfile_wiring(pod), local_world_size=local_world_size(pod))
+    sidecar = sidecar_container(cfg, *hostfile_wiring(pod), local_world_size=local_world_size(pod),
+                                identity=app_identity(pod))
     ops: list[dict[str, Any]] = []
 
     if spec.get("initContainers"):

@@ -160,6 +160,19 @@ def test_sidecar_learns_its_pods_rank_count_and_node():
     env = {e["name"]: e for e in sidecar["env"]}
     assert env["SPOTGUARD_LOCAL_WORLD_SIZE"]["value"] == "4"
     assert env["SPOTGUARD_NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
-    assert "runAsUser" not in sidecar["securityContext"]  # same user as the trainer: it reads the 0600 token
+    assert sidecar["securityContext"]["runAsUser"] == 65532  # no user set by the pod: the image's
+    assert sidecar["resources"]["limits"].keys() == {"cpu", "memory"}
     original["metadata"]["annotations"]["spotguard.io/local-world-size"] = "2"
     assert {e["name"]: e for e in build_patch(original, CFG)[0]["value"][0]["env"]}["SPOTGUARD_LOCAL_WORLD_SIZE"]["value"] == "2"
+
+
+@pytest.mark.parametrize("pod_ctx,container_ctx,expected", [
+    ({"runAsUser": 1000, "runAsGroup": 1000}, {}, (1000, 1000)),
+    ({"runAsUser": 1000}, {"runAsUser": 1001, "runAsGroup": 7}, (1001, 7)),
+    ({"runAsUser": 0}, {}, (65532, None)),  # a root app reads the token anyway; the sidecar stays non-root
+])
+def test_sidecar_runs_as_the_apps_user_and_never_as_root(pod_ctx, container_ctx, expected):
+    original = pod(labels={"spotguard.io/inject": "true"}, securityContext=pod_ctx)
+    original["spec"]["containers"][0]["securityContext"] = container_ctx
+    ctx = build_patch(original, CFG)[0]["value"][0]["securityContext"]
+    assert (ctx["runAsUser"], ctx.get("runAsGroup"), ctx["runAsNonRoot"]) == (*expected, True)
