@@ -1,8 +1,8 @@
 """Self-signed TLS for the webhook, created at install time (`spotguard injector certgen`).
 
 `make_certificate` builds a CA and a serving certificate for the webhook Service's DNS names.
-`ensure_secret_and_ca_bundle` (run once by the install Job) stores them in a TLS Secret if it
-does not exist yet, and writes the CA into the MutatingWebhookConfiguration's caBundle. With
+`ensure_secret_and_ca_bundle` (run once by the install Job) stores them in the TLS Secret the
+manifests pre-create (empty) unless it holds a certificate already, and writes the CA into the MutatingWebhookConfiguration's caBundle. With
 cert-manager present, use the `cert-manager` overlay instead and skip the Job.
 """
 from __future__ import annotations
@@ -61,11 +61,22 @@ def make_certificate(dns_names: list[str], ip_addresses: list[str] = (), days: i
     )
 
 
+TLS_KEYS = ("tls.crt", "tls.key", "ca.crt")
+
+
+class MissingSecret(RuntimeError):
+    """The TLS Secret the manifests pre-create is absent (certgen may not create Secrets)."""
+
+
 def ensure_secret_and_ca_bundle(api_client, namespace: str, secret_name: str, service: str,
                                 webhook_name: str) -> bool:
-    """Creates the TLS Secret unless it exists, then patches the webhook's caBundle from it.
+    """Fills the pre-created TLS Secret unless it holds a certificate already, then patches the
+    webhook's caBundle from it.
 
-    Returns True when a new certificate was made. Blocking (Kubernetes client): call in a thread.
+    The Secret is created (empty) by the manifests, never here: certgen may only get and patch
+    that one Secret, so it cannot mint a Secret of another type (a service-account token).
+    Returns True when a new certificate was made. Raises MissingSecret when the Secret is absent.
+    Blocking (Kubernetes client): call in a thread.
     """
     import kubernetes
 
@@ -74,26 +85,27 @@ def ensure_secret_and_ca_bundle(api_client, namespace: str, secret_name: str, se
     created = False
     try:
         secret = core.read_namespaced_secret(secret_name, namespace)
-        ca_pem = base64.b64decode(secret.data["ca.crt"])
     except kubernetes.client.ApiException as exc:
-        if exc.status != 404:
-            raise
+        if exc.status == 404:
+            raise MissingSecret(f"secret {namespace}/{secret_name} is missing: the manifests create it "
+                                "(kubectl apply -k daemonset/)") from None
+        raise
+    data = secret.data or {}
+    if all(data.get(k) for k in TLS_KEYS):
+        ca_pem = base64.b64decode(data["ca.crt"])
+    else:
         material = make_certificate(service_dns_names(service, namespace))
-        body = kubernetes.client.V1Secret(
-            metadata=kubernetes.client.V1ObjectMeta(name=secret_name, namespace=namespace,
-                                                    labels={"app.kubernetes.io/part-of": "spotguard"}),
-            type="kubernetes.io/tls",
-            data={"tls.crt": base64.b64encode(material.cert_pem).decode(),
-                  "tls.key": base64.b64encode(material.key_pem).decode(),
-                  "ca.crt": base64.b64encode(material.ca_pem).decode()})
-        try:
-            core.create_namespaced_secret(namespace, body)
+        body = {"metadata": {"resourceVersion": secret.metadata.resource_version},
+                "data": {"tls.crt": base64.b64encode(material.cert_pem).decode(),
+                         "tls.key": base64.b64encode(material.key_pem).decode(),
+                         "ca.crt": base64.b64encode(material.ca_pem).decode()}}
+        try:  # conditional on the read resourceVersion: a concurrent certgen run makes this a 409
+            core.patch_namespaced_secret(secret_name, namespace, body)
             ca_pem, created = material.ca_pem, True
         except kubernetes.client.ApiException as exc:
-            if exc.status != 409:  # another certgen run won the race: use its certificate
+            if exc.status != 409:
                 raise
-            secret = core.read_namespaced_secret(secret_name, namespace)
-            ca_pem = base64.b64decode(secret.data["ca.crt"])
+            ca_pem = base64.b64decode(core.read_namespaced_secret(secret_name, namespace).data["ca.crt"])
     config = admission.read_mutating_webhook_configuration(webhook_name)
     ops = [{"op": "replace" if (w.client_config.ca_bundle or None) else "add",
             "path": f"/webhooks/{i}/clientConfig/caBundle",

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         serve.add_argument(f"--{flag}", default=default, help=f"the sidecar's {flag[8:].replace('-', ' ')} (default {default})")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=run_serve)
-    certgen = sub.add_parser("certgen", help="create the webhook's TLS Secret and caBundle (install Job)")
+    certgen = sub.add_parser("certgen", help="fill the webhook's pre-created TLS Secret, set its caBundle (install Job)")
     certgen.add_argument("--namespace", default="spotguard")
     certgen.add_argument("--secret", default="spotguard-injector-tls")
     certgen.add_argument("--service", default="spotguard-injector")
@@ -101,10 +101,16 @@ async def _serve(host: str, port: int, ctx, cfg) -> int:
 
 
 def run_certgen(args: argparse.Namespace) -> int:
-    from spotguard.injector.certs import ensure_secret_and_ca_bundle
+    import sys
+
+    from spotguard.injector.certs import MissingSecret, ensure_secret_and_ca_bundle
     from spotguard.kube import load_api_client
 
     api = load_api_client(args.kubeconfig)
-    created = ensure_secret_and_ca_bundle(api, args.namespace, args.secret, args.service, args.webhook)
+    try:
+        created = ensure_secret_and_ca_bundle(api, args.namespace, args.secret, args.service, args.webhook)
+    except MissingSecret as exc:
+        print(f"spotguard injector certgen: {exc}", file=sys.stderr)
+        return 1
     print("created a new certificate" if created else "kept the existing certificate", "and set the caBundle")
     return 0

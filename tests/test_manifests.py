@@ -1,4 +1,4 @@
-"""Every manifest renders with `kubectl kustomize` and validates strictly against 1.29+ schemas."""
+"""Every manifest renders with `kubectl kustomize` and validates strictly against 1.30+ schemas."""
 from __future__ import annotations
 
 import shutil
@@ -11,7 +11,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1] / "daemonset"
 TARGETS = [ROOT, *sorted(p for p in (ROOT / "overlays").iterdir() if p.is_dir())]
-VERSIONS = ["1.29.0", "1.33.0"]
+VERSIONS = ["1.30.0", "1.36.0"]  # 1.30: ValidatingAdmissionPolicy v1 (GA)
 # Custom resources: no upstream schema to validate against; checked for shape only.
 CUSTOM_KINDS = {"Certificate", "Issuer", "ServiceMonitor", "PyTorchJob"}
 

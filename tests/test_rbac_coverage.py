@@ -672,7 +672,11 @@ def test_no_component_gets_secrets_or_pod_deletion():
             if rule.resource.split("/")[0] == "secrets":
                 assert sa == certgen.service_account, (sa, rule)
                 assert rule.namespace == certgen.namespace, rule
-                assert rule.verb == "create" or rule.names == {secret_name}, rule
+                # No create: certgen could mint a service-account-token Secret and read its token.
+                assert rule.verb in ("get", "patch") and rule.names == {secret_name}, rule
+    pre_created = [d for d in rendered() if d["kind"] == "Secret" and d["metadata"]["name"] == secret_name]
+    assert [d["metadata"]["namespace"] for d in pre_created] == [certgen.namespace], "the manifests create it"
+    assert pre_created[0]["type"] == "Opaque" and not pre_created[0].get("data"), "re-applying never wipes it"
 
 
 def test_resource_names_match_the_names_the_workloads_use():
@@ -861,6 +865,9 @@ async def test_certgen_requests_are_all_authorized():
         setup = setup_client(url)
         admission = kubernetes.client.AdmissionregistrationV1Api(setup)
         await asyncio.to_thread(admission.create_mutating_webhook_configuration, webhook)
+        secret = next(d for d in rendered() if d["kind"] == "Secret" and d["metadata"]["name"] == args["--secret"])
+        await asyncio.to_thread(kubernetes.client.CoreV1Api(setup).create_namespaced_secret,
+                                secret["metadata"]["namespace"], secret)
         api = load_api_client(host=url)
         try:
             assert await asyncio.to_thread(ensure_secret_and_ca_bundle, api, args["--namespace"], args["--secret"],
@@ -872,3 +879,27 @@ async def test_certgen_requests_are_all_authorized():
             setup.close()
         observed = assert_authorized(component_requests(km), ("injector", "certgen"))
     assert observed == static_by_component()[("injector", "certgen")].triples()
+
+
+def test_every_unpinned_write_of_the_supervisor_is_fenced_by_an_admission_policy():
+    """RBAC cannot say which fields: each object kind the supervisor may patch anywhere (not one
+    named object, not a status subresource) has a ValidatingAdmissionPolicy for its
+    ServiceAccount, bound with Deny (tests/test_k8s_supervisor_admission.py checks them on a
+    real API server)."""
+    sa = workload(("supervisor",)).service_account
+    bound = {d["spec"]["policyName"] for d in rendered()
+             if d["kind"] == "ValidatingAdmissionPolicyBinding" and "Deny" in d["spec"]["validationActions"]}
+    fenced = set()
+    for policy in rendered():
+        if policy["kind"] != "ValidatingAdmissionPolicy" or policy["metadata"]["name"] not in bound:
+            continue
+        conditions = " ".join(c["expression"] for c in policy["spec"].get("matchConditions") or [])
+        if f":{sa}'" not in conditions:
+            continue
+        for rule in policy["spec"]["matchConstraints"]["resourceRules"]:
+            if "UPDATE" in rule["operations"]:
+                fenced |= {(g, r) for g in rule["apiGroups"] for r in rule["resources"]}
+    writes = {(r.group, r.resource) for r in grants()[sa]
+              if r.verb in ("patch", "update") and "/" not in r.resource and r.names is None}
+    assert writes == {("", "pods"), ("batch", "jobs"), ("kubeflow.org", "pytorchjobs")}, writes
+    assert writes <= fenced, f"writes without an admission policy: {sorted(writes - fenced)}"
