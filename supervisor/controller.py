@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
-from spotguard.agent.notice import Kind, Notice, NoticeFormatError
+from spotguard.agent.notice import Kind, Notice, NoticeFormatError, parse_time
 from spotguard.backoff import Backoff
 from spotguard.supervisor import capacity, conditions, membership, names
 from spotguard.supervisor.cost import CostLedger
@@ -363,13 +363,33 @@ class Controller:
         return [p for p in pods if p is not None and capacity.pod_active(p) and adapter.is_replica_pod(p)]
 
     def _drained(self, pods: Iterable[Mapping[str, Any]], since: datetime | None) -> bool:
+        """Whether a container exited 83/84 (in `state` or `lastState`) at or after `since`:
+        an older drain (restartPolicy OnFailure keeps it in lastState) belongs to an earlier
+        notice. finishedAt has whole seconds, so `since` is compared floored to its second."""
+        floor = since.replace(microsecond=0) if since is not None else None
         for pod in pods:
             for status in (pod.get("status") or {}).get("containerStatuses") or []:
                 for state in (status.get("state") or {}, status.get("lastState") or {}):
                     term = state.get("terminated") or {}
-                    if term.get("exitCode") in (names.EXIT_PREEMPTED, names.EXIT_CHECKPOINT_FAILED):
+                    if term.get("exitCode") not in (names.EXIT_PREEMPTED, names.EXIT_CHECKPOINT_FAILED):
+                        continue
+                    try:
+                        finished = parse_time(term.get("finishedAt"), "finishedAt")
+                    except NoticeFormatError:
+                        continue  # no time: cannot tell it from an old drain
+                    if floor is None or finished >= floor:
                         return True
         return False
+
+    def _checkpoint_since(self, pods: Iterable[Mapping[str, Any]], record: Record) -> datetime | None:
+        """When the notices being checkpointed began: the earliest detection of a handled notice
+        still on one of the job's nodes, else the supervisor's decision time."""
+        times = [record.decided_at] if record.decided_at is not None else []
+        for pod in pods:
+            notice = self.node_notice(self.nodes.get((pod.get("spec") or {}).get("nodeName") or ""))
+            if notice is not None and notice.id in record.handled:
+                times.append(notice.detected_at)
+        return min(times) if times else None
 
     def job_state(self, key: JobKey, obj: Mapping[str, Any], adapter: JobAdapter, policy, record: Record) -> JobState:
         all_pods = [self.pods[k] for k in self._pods_by_owner.get(key, ()) if k in self.pods]
@@ -396,7 +416,7 @@ class Controller:
         free = 0
         if needs_capacity(policy, record, replicas_now, suspended):
             free = self.free_slots(key, adapter.pod_spec(obj), ignore_own=suspended)
-        drained = record.phase == CHECKPOINTING and self._drained(all_pods, record.decided_at)
+        drained = record.phase == CHECKPOINTING and self._drained(all_pods, self._checkpoint_since(all_pods, record))
         return JobState(policy=policy, replicas=replicas_now, suspended=suspended, record=record,
                         notices=unique_hits, healthy_replicas=healthy, free_slots=free, drained=drained)
 

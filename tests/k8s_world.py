@@ -40,15 +40,19 @@ def add_ready_node(plane, name: str, labels: dict | None = None, gpus: int = 1, 
     return name
 
 
-def set_container_exit(plane, namespace: str, pod: str, exit_code: int, container: str | None = None) -> None:
-    """Write a terminated container status with `exit_code` through `pods/status`, as a kubelet would."""
+def set_container_exit(plane, namespace: str, pod: str, exit_code: int, container: str | None = None,
+                       finished_at: datetime | None = None, restarted: bool = False) -> None:
+    """Write a terminated container status with `exit_code` at `finished_at` (default now) through
+    `pods/status`, as a kubelet would; `restarted`: the container runs again and the exit is its
+    lastState (restartPolicy OnFailure)."""
     core = kubernetes.client.CoreV1Api(plane.api_client())
     current = core.read_namespaced_pod(pod, namespace)
     name = container or current.spec.containers[0].name
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    phase = "Succeeded" if exit_code == 0 else "Failed"
-    status = {"status": {"phase": phase, "containerStatuses": [{
-        "name": name, "image": current.spec.containers[0].image, "imageID": "", "ready": False,
-        "restartCount": 0, "state": {"terminated": {"exitCode": exit_code, "startedAt": now,
-                                                     "finishedAt": now, "reason": "Error" if exit_code else "Completed"}}}]}}
-    core.patch_namespaced_pod_status(pod, namespace, status)
+    when = (finished_at or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    term = {"terminated": {"exitCode": exit_code, "startedAt": when, "finishedAt": when,
+                           "reason": "Error" if exit_code else "Completed"}}
+    phase = "Running" if restarted else ("Succeeded" if exit_code == 0 else "Failed")
+    status = {"name": name, "image": current.spec.containers[0].image, "imageID": "", "ready": restarted,
+              "restartCount": 1 if restarted else 0}
+    status.update({"state": {"running": {"startedAt": when}}, "lastState": term} if restarted else {"state": term})
+    core.patch_namespaced_pod_status(pod, namespace, {"status": {"phase": phase, "containerStatuses": [status]}})

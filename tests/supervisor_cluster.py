@@ -85,9 +85,16 @@ class Cluster:
             "spec": {"taints": [{"key": names.TAINT_RECLAIM, "value": kind, "effect": "NoSchedule"}]}})
         return notice
 
-    async def exit_pod(self, job: str, index: int, code: int) -> None:
+    async def exit_pod(self, job: str, index: int, code: int, finished_at: datetime | None = None,
+                       restarted: bool = False) -> None:
+        """Container `train` exited `code` at `finished_at` (default now), as a kubelet writes it:
+        `restarted` keeps the pod Running with the exit in lastState (restartPolicy OnFailure)."""
+        finished = (finished_at or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        term = {"terminated": {"exitCode": code, "finishedAt": finished}}
+        status = ({"name": "train", "state": {"running": {"startedAt": finished}}, "lastState": term} if restarted
+                  else {"name": "train", "state": term})
         await self.call(self.kube.patch, PODS, NS, f"{job}-{index}", {"status": {
-            "phase": "Failed", "containerStatuses": [{"name": "train", "state": {"terminated": {"exitCode": code}}}]}})
+            "phase": "Running" if restarted else "Failed", "containerStatuses": [status]}})
 
     async def job(self, name: str, kind: str = "Job") -> dict:
         return await self.call(self.kube.get, JOBS if kind == "Job" else PYTORCHJOBS, NS, name)

@@ -246,3 +246,42 @@ async def test_pytorchjob_elastic_scales_worker_replicas():
             assert await cluster.events("pt", names.EVENT_SCALED)
         finally:
             await controller.stop()
+
+
+async def test_a_drain_before_the_notice_is_not_its_checkpoint():
+    """restartPolicy OnFailure keeps an earlier drain's exit 83 in lastState: a new notice must
+    still wait for a drain of its own (finishedAt at/after the notice) before suspending."""
+    from datetime import datetime, timedelta, timezone
+
+    async with running_cluster() as cluster:
+        for node in NODES:
+            await cluster.add_node(node)
+        await cluster.add_job_with_pods("j1", NODES, {names.ANN_POLICY: "fixed"})
+        await cluster.exit_pod("j1", 0, names.EXIT_PREEMPTED, restarted=True,
+                               finished_at=datetime.now(timezone.utc) - timedelta(hours=1))
+        controller = cluster.controller()
+        await controller.start()
+        try:
+            await cluster.notice("n0")
+
+            async def checkpointing():
+                return record_of(await cluster.job("j1"))["phase"] == "Checkpointing"
+            await eventually(checkpointing, what="checkpoint wait")
+            # Give a supervisor that took the old drain for this one time to suspend (the old
+            # code did within milliseconds), then drain for real.
+            await asyncio.sleep(1.0)
+            job = await cluster.job("j1")
+            assert job["spec"]["suspend"] is False and record_of(job)["phase"] == "Checkpointing", record_of(job)
+            drained_at = datetime.now(timezone.utc).replace(microsecond=0)
+            await cluster.exit_pod("j1", 0, names.EXIT_PREEMPTED, restarted=True)
+
+            async def suspended():
+                job = await cluster.job("j1")
+                rec = record_of(job)
+                return job if job["spec"]["suspend"] is True and rec["phase"] == "Suspended" else None
+            job = await eventually(suspended, what="suspension after the fresh drain")
+            rec = record_of(job)
+            assert rec["reason"] == "Checkpointed", rec
+            assert datetime.fromisoformat(rec["decided_at"].replace("Z", "+00:00")) >= drained_at
+        finally:
+            await controller.stop()
