@@ -279,9 +279,12 @@ class ControlPlane:
             "current-context": "test"}))
         return path
 
-    def kubeconfig(self) -> Path:
-        """An admin kubeconfig file (for CLIs under test that take `--kubeconfig`)."""
-        return self._kubeconfig("admin", self.admin_token)
+    def kubeconfig(self, service_account: str | None = None, namespace: str = SPOTGUARD_NAMESPACE) -> Path:
+        """A kubeconfig file for CLIs under test that take `--kubeconfig`: the admin's, or with
+        `service_account` one that authenticates as that ServiceAccount (TokenRequest, 1 h)."""
+        if service_account is None:
+            return self._kubeconfig("admin", self.admin_token)
+        return self._kubeconfig(f"{namespace}-{service_account}", self.service_account_token(service_account, namespace))
 
     def _get(self, path: str) -> int:
         ctx = ssl.create_default_context(cafile=str(self.pki.ca_cert))

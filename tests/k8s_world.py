@@ -56,3 +56,35 @@ def set_container_exit(plane, namespace: str, pod: str, exit_code: int, containe
               "restartCount": 1 if restarted else 0}
     status.update({"state": {"running": {"startedAt": when}}, "lastState": term} if restarted else {"state": term})
     core.patch_namespaced_pod_status(pod, namespace, {"status": {"phase": phase, "containerStatuses": [status]}})
+
+
+def set_pod_running(plane, namespace: str, pod: str) -> None:
+    """Write `phase: Running` with a running container through `pods/status`, as a kubelet would."""
+    core = kubernetes.client.CoreV1Api(plane.api_client())
+    current = core.read_namespaced_pod(pod, namespace)
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    statuses = [{"name": c.name, "image": c.image, "imageID": "", "ready": True, "restartCount": 0,
+                 "state": {"running": {"startedAt": now}}} for c in current.spec.containers]
+    core.patch_namespaced_pod_status(pod, namespace, {"status": {"phase": "Running", "containerStatuses": statuses}})
+
+
+def wait_service_account(plane, namespace: str, name: str = "default", timeout: float = 30) -> None:
+    """Wait until the controller-manager created ServiceAccount `namespace/name` (pods need it)."""
+    core = kubernetes.client.CoreV1Api(plane.api_client())
+
+    def exists():
+        try:
+            return core.read_namespaced_service_account(name, namespace)
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+    wait_until(exists, timeout, f"serviceaccount {namespace}/{name}")
+
+
+def refusals(caplog) -> list[str]:
+    """Log lines that show the API server refusing a component: 403 / Forbidden (RBAC)."""
+    import re
+
+    pattern = re.compile(r"\b403\b|forbidden", re.IGNORECASE)
+    return [r.getMessage() for r in caplog.records if pattern.search(r.getMessage() + (r.exc_text or ""))]
