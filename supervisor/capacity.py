@@ -2,10 +2,12 @@
 
 A node counts when it is Ready, schedulable (`spec.unschedulable` not set), carries no
 spotguard notice (annotation `spotguard.io/notice` or taint `spotguard.io/reclaim`), matches the
-pod template's `nodeSelector`, and every NoSchedule/NoExecute taint is tolerated. How many
+pod template's `nodeSelector` and required node affinity (`matchExpressions`: In, NotIn, Exists,
+DoesNotExist, Gt, Lt), and every NoSchedule/NoExecute taint is tolerated. How many
 replicas fit on it is the minimum over the pod's requested resources (plus one `pods` slot) of
 floor(free / request), free being allocatable minus the requests of its non-terminal pods.
-Node affinity and topology spread are not evaluated (the scheduler still has the last word).
+Preferred affinity, `matchFields` and topology spread are not evaluated (the scheduler still has the
+last word).
 """
 from __future__ import annotations
 
@@ -108,13 +110,44 @@ def tolerates(tolerations: Iterable[Mapping[str, Any]] | None, taint: Mapping[st
     return False
 
 
+def _expression_matches(labels: Mapping[str, str], expr: Mapping[str, Any]) -> bool:
+    key, operator, values = expr.get("key", ""), expr.get("operator"), expr.get("values") or []
+    if operator == "In":
+        return key in labels and labels[key] in values
+    if operator == "NotIn":
+        return labels.get(key) not in values
+    if operator == "Exists":
+        return key in labels
+    if operator == "DoesNotExist":
+        return key not in labels
+    if operator in ("Gt", "Lt") and len(values) == 1:
+        try:
+            have, bound = int(labels.get(key, "")), int(values[0])
+        except ValueError:
+            return False
+        return have > bound if operator == "Gt" else have < bound
+    return False
+
+
+def affinity_matches(labels: Mapping[str, str], affinity: Mapping[str, Any] | None) -> bool:
+    """The required node affinity (any term whose matchExpressions all match) admits the labels."""
+    required = ((affinity or {}).get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    terms = required.get("nodeSelectorTerms")
+    if not terms:
+        return True
+    return any(all(_expression_matches(labels, e) for e in term.get("matchExpressions") or []) for term in terms)
+
+
 def node_matches(node: Mapping[str, Any], pod_spec: Mapping[str, Any] | None) -> bool:
-    """The pod template's nodeSelector matches the node and its taints are all tolerated."""
+    """The pod template's nodeSelector and required node affinity match the node and its taints
+    are all tolerated."""
     spec = pod_spec or {}
     labels = (node.get("metadata") or {}).get("labels") or {}
     for key, value in (spec.get("nodeSelector") or {}).items():
         if labels.get(key) != value:
             return False
+    if not affinity_matches(labels, spec.get("affinity")):
+        return False
     for taint in (node.get("spec") or {}).get("taints") or []:
         if taint.get("effect") in ("NoSchedule", "NoExecute") and not tolerates(spec.get("tolerations"), taint):
             return False

@@ -4,6 +4,8 @@
   GaveUp), reason = the record's reason (BelowMin, Checkpointed, DeadlineReached,
   MaxWaitExceeded); False with reason `Running`/`Checkpointing` otherwise.
 - `SpotguardMaxWaitExceeded`: True once the job stopped waiting (phase GaveUp).
+- `SpotguardOnDemand`: True while the job runs on on-demand capacity after a fallback
+  (fallback.py); False with reason `ReturnedToSpot` once it is back.
 Written only once the supervisor has decided something for the job. Other conditions (the job
 controller's own) are kept as they are; lastTransitionTime changes only when status changes.
 """
@@ -14,9 +16,10 @@ from typing import Any, Iterable, Mapping
 
 from spotguard.agent.notice import format_time
 from spotguard.supervisor import names
+from spotguard.supervisor.capacity_type import ON_DEMAND
 from spotguard.supervisor.record import CHECKPOINTING, GAVE_UP, SUSPENDED, Record
 
-OURS = (names.COND_SUSPENDED, names.COND_MAX_WAIT)
+OURS = (names.COND_SUSPENDED, names.COND_MAX_WAIT, names.COND_ON_DEMAND)
 
 
 def wanted(record: Record) -> list[dict]:
@@ -30,6 +33,12 @@ def wanted(record: Record) -> list[dict]:
             "message": record.message[:1024]}]
     if record.phase == GAVE_UP:
         out.append({"type": names.COND_MAX_WAIT, "status": "True", "reason": "MaxWaitExceeded",
+                    "message": record.message[:1024]})
+    if record.capacity == ON_DEMAND:
+        out.append({"type": names.COND_ON_DEMAND, "status": "True", "reason": "FellBackToOnDemand",
+                    "message": "running on on-demand capacity until spot capacity returns"})
+    elif record.reason == "ReturnedToSpot":
+        out.append({"type": names.COND_ON_DEMAND, "status": "False", "reason": "ReturnedToSpot",
                     "message": record.message[:1024]})
     return out
 

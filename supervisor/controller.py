@@ -25,7 +25,8 @@ from typing import Any, Iterable, Mapping
 
 from spotguard.agent.notice import Kind, Notice, NoticeFormatError, parse_time
 from spotguard.backoff import Backoff
-from spotguard.supervisor import capacity, conditions, membership, names
+from spotguard.supervisor import capacity, conditions, membership, names, progress
+from spotguard.supervisor.fallback import ON_DEMAND, on_demand_directives
 from spotguard.supervisor.cost import CostLedger
 from spotguard.supervisor.events import event_body
 from spotguard.supervisor.informer import Informer
@@ -33,7 +34,7 @@ from spotguard.supervisor.jobs import ADAPTERS, JobAdapter
 from spotguard.supervisor.jobs.base import merge
 from spotguard.supervisor.kubeapi import EVENTS, NODES, PODS, ApiError, Conflict, Kube, NotFound
 from spotguard.supervisor.metrics import SupervisorMetrics
-from spotguard.supervisor.policy import (ELASTIC, RESUME, SCALE, SUSPEND, Decision, JobState, NoticeHit,
+from spotguard.supervisor.policy import (ELASTIC, MOVE, RESUME, SCALE, SUSPEND, Decision, JobState, NoticeHit,
                                          PolicyError, Settings, decide, decision_key, needs_capacity, parse_policy)
 from spotguard.supervisor.record import CHECKPOINTING, RUNNING, Record, RecordError, parse_record
 
@@ -55,6 +56,7 @@ class ControllerConfig:
     workers: int = 4
     membership_hosts: str = "node"
     cost_interval: float = 15.0
+    cost_save_interval: float = 300.0  # how often the cost totals are saved into the decision record
 
 
 def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -115,6 +117,7 @@ class Controller:
         self._reported_invalid: dict[JobKey, str] = {}
         self._capacity_generation = 0  # bumped by every change that can move free capacity
         self._capacity_cache: dict[tuple, tuple[int, int]] = {}
+        self._cost_saved_at = 0.0
         self._informers: list[Informer] = []
         self._tasks: list[asyncio.Task] = []
         self._stop = asyncio.Event()
@@ -199,7 +202,8 @@ class Controller:
         for key, obj in list(self.jobs.items()):
             annotations = _meta(obj).get("annotations") or {}
             status = annotations.get(names.ANN_STATUS) or ""
-            if '"phase":"Suspended"' in status or annotations.get(names.ANN_POLICY) == ELASTIC:
+            if ('"phase":"Suspended"' in status or '"capacity":"on-demand"' in status
+                    or annotations.get(names.ANN_POLICY) == ELASTIC):
                 self.enqueue(key)
 
     async def _worker(self) -> None:
@@ -233,6 +237,9 @@ class Controller:
         while True:
             await asyncio.sleep(self.config.cost_interval)
             self._observe_costs()
+            if time.monotonic() - self._cost_saved_at >= self.config.cost_save_interval:
+                self._cost_saved_at = time.monotonic()
+                await self._save_costs()
 
     # ---- cache maintenance (event loop) ----------------------------------------------------
     def _on_node_event(self, kind: str, payload: Any) -> None:
@@ -328,6 +335,7 @@ class Controller:
                 for obj in payload:
                     key = (adapter.kind, _meta(obj).get("namespace", ""), _meta(obj).get("name", ""))
                     self.jobs[key] = obj
+                    self._restore_cost(key, obj)
                     self.enqueue(key)
                 return
             key = (adapter.kind, _meta(payload).get("namespace", ""), _meta(payload).get("name", ""))
@@ -337,6 +345,7 @@ class Controller:
                 self._reported_invalid.pop(key, None)
                 return
             self.jobs[key] = payload
+            self._restore_cost(key, payload)
             self.enqueue(key)
         return handle
 
@@ -365,21 +374,8 @@ class Controller:
     def _drained(self, pods: Iterable[Mapping[str, Any]], since: datetime | None) -> bool:
         """Whether a container exited 83/84 (in `state` or `lastState`) at or after `since`:
         an older drain (restartPolicy OnFailure keeps it in lastState) belongs to an earlier
-        notice. finishedAt has whole seconds, so `since` is compared floored to its second."""
-        floor = since.replace(microsecond=0) if since is not None else None
-        for pod in pods:
-            for status in (pod.get("status") or {}).get("containerStatuses") or []:
-                for state in (status.get("state") or {}, status.get("lastState") or {}):
-                    term = state.get("terminated") or {}
-                    if term.get("exitCode") not in (names.EXIT_PREEMPTED, names.EXIT_CHECKPOINT_FAILED):
-                        continue
-                    try:
-                        finished = parse_time(term.get("finishedAt"), "finishedAt")
-                    except NoticeFormatError:
-                        continue  # no time: cannot tell it from an old drain
-                    if floor is None or finished >= floor:
-                        return True
-        return False
+        notice, and an exit without finishedAt cannot be told from one (progress.drained_exits)."""
+        return any(True for _ in progress.drained_exits(pods, since))
 
     def _checkpoint_since(self, pods: Iterable[Mapping[str, Any]], record: Record) -> datetime | None:
         """When the notices being checkpointed began: the earliest detection of a handled notice
@@ -413,18 +409,34 @@ class Controller:
         unique_hits = tuple({h.id: h for h in hits}.values())
         replicas_now = adapter.replicas(obj)
         suspended = adapter.suspended(obj)
-        free = 0
+        free = alt = 0
+        directives = adapter.directives(obj) if policy.fallback is not None or record.move_to else {}
         if needs_capacity(policy, record, replicas_now, suspended):
             free = self.free_slots(key, adapter.pod_spec(obj), ignore_own=suspended)
+            alt_spec = self._alternative_pod_spec(adapter, obj, directives, record)
+            if alt_spec is not None:
+                alt = self.free_slots(key, alt_spec, ignore_own=True)
         drained = record.phase == CHECKPOINTING and self._drained(all_pods, self._checkpoint_since(all_pods, record))
         return JobState(policy=policy, replicas=replicas_now, suspended=suspended, record=record,
-                        notices=unique_hits, healthy_replicas=healthy, free_slots=free, drained=drained)
+                        notices=unique_hits, healthy_replicas=healthy, free_slots=free, drained=drained,
+                        directives=directives, alt_slots=alt, template_mutable=adapter.template_mutable(obj))
+
+    @staticmethod
+    def _alternative_pod_spec(adapter: JobAdapter, obj: Mapping[str, Any], directives: Mapping[str, Mapping],
+                              record: Record) -> dict | None:
+        """The replica pod spec on the other capacity: on-demand while on spot, the saved spot
+        directives while on on-demand (fallback.py); None when there is none."""
+        if not directives:
+            return None
+        other = record.spot_directives if record.capacity == ON_DEMAND else on_demand_directives(directives)
+        wanted = (other or {}).get(adapter.replica_role)
+        return None if wanted is None else {**adapter.pod_spec(obj), **wanted}
 
     def free_slots(self, key: JobKey, pod_spec: Mapping[str, Any], ignore_own: bool) -> int:
         """capacity.free_slots over the caches, memoized per pod shape until capacity changes."""
         shape = repr((pod_spec.get("containers") and [c.get("resources") for c in pod_spec["containers"]],
                       pod_spec.get("initContainers") and [c.get("resources") for c in pod_spec["initContainers"]],
-                      pod_spec.get("nodeSelector"), pod_spec.get("tolerations")))
+                      pod_spec.get("nodeSelector"), pod_spec.get("affinity"), pod_spec.get("tolerations")))
         cache_key = (shape, key if ignore_own else None)
         cached = self._capacity_cache.get(cache_key)
         if cached is not None and cached[0] == self._capacity_generation:
@@ -460,6 +472,8 @@ class Controller:
         state = self.job_state(key, obj, adapter, policy, record)
         now = _now()
         decision = decide(state, now, self.config.settings, self.config.identity)
+        if decision.acts and key in self.ledger.jobs:  # the cost totals travel with every decision
+            decision = replace(decision, record=decision.record.with_(cost=self.ledger.jobs[key].totals()))
         if decision.action == SCALE:  # the new membership travels with the decision: one write less
             hosts = self._members(key, adapter)[1]
             if hosts and hosts != decision.record.members:
@@ -476,8 +490,12 @@ class Controller:
             self.enqueue(key, max(0.05, (decision.recheck_at - _now()).total_seconds() + 0.01))
         await self._ensure_event(obj, record)
         obj = await self._ensure_conditions(key, obj, adapter, record)
+        if obj is not None:
+            obj = await self._ensure_steps_lost(key, obj, adapter)
         if obj is not None and policy.mode == ELASTIC:
             await self._ensure_membership(key, obj, adapter, record)
+        if obj is not None and record.drain and record.phase == CHECKPOINTING:
+            await self._ensure_drain(key, obj, adapter, record)
         return decision
 
     async def _apply(self, key: JobKey, obj: dict, adapter: JobAdapter, decision: Decision) -> dict | None:
@@ -488,6 +506,9 @@ class Controller:
             body = adapter.suspend_patch(True)
         elif decision.action == RESUME:
             body = adapter.suspend_patch(False, decision.replicas)
+        elif decision.action == MOVE:
+            body = merge(adapter.suspend_patch(False, decision.replicas),
+                         adapter.directives_patch(obj, decision.directives or {}))
         else:
             body = {}
         meta: dict = {"annotations": {names.ANN_STATUS: decision.record.to_json()}}
@@ -555,7 +576,8 @@ class Controller:
     async def _ensure_event(self, obj: Mapping[str, Any], record: Record) -> None:
         if not record.key or record.key in self._evented:
             return
-        event_type = "Warning" if record.event in (names.EVENT_MAX_WAIT, names.EVENT_SUSPENDED) else "Normal"
+        event_type = ("Warning" if record.event in (names.EVENT_MAX_WAIT, names.EVENT_SUSPENDED, names.EVENT_FELL_BACK)
+                      else "Normal")
         if await self._create_event(obj, key=record.key, reason=record.event or "SpotguardDecision",
                                     message=record.message, event_type=event_type, action=record.phase):
             self._evented.add(record.key)
@@ -607,7 +629,73 @@ class Controller:
             except NotFound:
                 continue
 
+    async def _ensure_drain(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record) -> None:
+        """A return to spot under way: the drain request rides the membership annotation to every
+        active replica pod (sidecar -> Guard: a `drain` notice, checkpoint, exit 83)."""
+        pods, hosts, members = self._members(key, adapter)
+        world = len(members) * membership.processes_per_replica(adapter.pod_spec(obj))
+        value = membership.membership_json(record.generation, hosts, world, drain=record.drain)
+        for pod in membership.pods_to_update(pods, value):
+            if not self.is_leader():
+                return
+            try:
+                await asyncio.to_thread(self.kube.patch, PODS, _meta(pod).get("namespace"), _meta(pod).get("name"),
+                                        membership.pod_patch(value))
+            except NotFound:
+                continue
+
+    async def _ensure_steps_lost(self, key: JobKey, obj: dict, adapter: JobAdapter) -> dict | None:
+        """Adds the steps lost that newly drained pods report (their termination message) to the
+        record and writes the total as `spotguard.io/steps-lost`."""
+        annotations = _meta(obj).get("annotations") or {}
+        try:
+            record = parse_record(annotations.get(names.ANN_STATUS))
+        except RecordError:
+            return obj
+        pods = [self.pods[k] for k in self._pods_by_owner.get(key, ()) if k in self.pods]
+        counted = progress.count_steps_lost(pods, record.steps_lost, record.counted_exits)
+        if counted is None and (record.decided_at is None or annotations.get(names.ANN_STEPS_LOST) is not None):
+            return obj
+        total, exits = counted or (record.steps_lost, record.counted_exits)
+        meta: dict = {"annotations": {names.ANN_STATUS: record.with_(steps_lost=total, counted_exits=exits).to_json(),
+                                      names.ANN_STEPS_LOST: str(total)}}
+        if _meta(obj).get("resourceVersion"):
+            meta["resourceVersion"] = _meta(obj)["resourceVersion"]
+        return await self._write_job(key, adapter, {"metadata": meta})
+
     # ---- cost ------------------------------------------------------------------------------
+    def _restore_cost(self, key: JobKey, obj: Mapping[str, Any]) -> None:
+        if key in self.ledger.jobs:
+            return
+        try:
+            record = parse_record((_meta(obj).get("annotations") or {}).get(names.ANN_STATUS))
+        except RecordError:
+            return
+        self.ledger.restore(key, record.cost)
+
+    async def _save_costs(self) -> None:
+        """Writes each job's cost totals into its decision record when they changed (leader only)."""
+        for key, obj in list(self.jobs.items()):
+            entry, adapter = self.ledger.jobs.get(key), self.adapters.get(key[0])
+            if entry is None or adapter is None or not self.is_leader():
+                continue
+            annotations = _meta(obj).get("annotations") or {}
+            try:
+                record = parse_record(annotations.get(names.ANN_STATUS))
+            except RecordError:
+                continue
+            totals = entry.totals()
+            if record.decided_at is None and not totals["cost"] and not totals["spot_hours"] \
+                    and not totals["on_demand_hours"] or record.cost == totals:
+                continue
+            meta: dict = {"annotations": {names.ANN_STATUS: record.with_(cost=totals).to_json()}}
+            if _meta(obj).get("resourceVersion"):
+                meta["resourceVersion"] = _meta(obj)["resourceVersion"]
+            try:
+                await self._write_job(key, adapter, {"metadata": meta})
+            except ApiError as exc:
+                log.warning("saving the cost of %s/%s failed: %s", key[1], key[2], exc)
+
     def _observe_costs(self) -> None:
         now = time.monotonic()
         for key in list(self.jobs):

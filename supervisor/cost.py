@@ -1,15 +1,14 @@
 """Cost accounting: node-hours on spot vs on-demand nodes per job, priced from a table.
 
-Capacity type comes from node labels (first match wins; configurable in the price file under
-`spot-labels`): karpenter.sh/capacity-type=spot, eks.amazonaws.com/capacityType=SPOT,
-cloud.google.com/gke-spot=true, cloud.google.com/gke-preemptible=true,
-kubernetes.azure.com/scalesetpriority=spot; anything else is on-demand. The instance type is
+Capacity type comes from node labels: the table in capacity_type.py (Karpenter, EKS, GKE, AKS;
+replaceable in the price file under `spot-labels`); anything else is on-demand. The instance type is
 `node.kubernetes.io/instance-type` (or the beta label).
 
 Attribution: every node that runs at least one of a job's running replica pods counts fully for
 that job while it does (training nodes are normally dedicated to one job). The ledger integrates
-piecewise between `observe` calls, so call it on each change and periodically. It lives in
-memory: totals restart from zero with the supervisor (Prometheus handles counter resets).
+piecewise between `observe` calls, so call it on each change and periodically. The totals are
+seeded from, and saved to, the job's decision record (`restore`, `JobCost.totals`), so they
+survive a supervisor restart up to the last save.
 
 Price file (YAML or JSON), dollars per node-hour:
     default: {spot: 1.0, on-demand: 3.0}
@@ -23,16 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from spotguard.config import ConfigError
+from spotguard.supervisor import capacity_type
 
-DEFAULT_SPOT_LABELS: dict[str, tuple[str, ...]] = {
-    "karpenter.sh/capacity-type": ("spot",),
-    "eks.amazonaws.com/capacityType": ("SPOT",),
-    "cloud.google.com/gke-spot": ("true",),
-    "cloud.google.com/gke-preemptible": ("true",),
-    "kubernetes.azure.com/scalesetpriority": ("spot",),
-}
+DEFAULT_SPOT_LABELS: dict[str, tuple[str, ...]] = capacity_type.spot_labels()
 INSTANCE_TYPE_LABELS = ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type")
-SPOT, ON_DEMAND = "spot", "on-demand"
+SPOT, ON_DEMAND = capacity_type.SPOT, capacity_type.ON_DEMAND
+TOTALS = ("spot_hours", "on_demand_hours", "cost", "on_demand_equivalent")
 
 
 def _price(field_name: str, value: Any) -> float:
@@ -121,6 +116,10 @@ class JobCost:
     last_seen: float | None = None
     nodes: tuple = ()
 
+    def totals(self) -> dict[str, float]:
+        """The running totals, rounded for the decision record."""
+        return {name: round(getattr(self, name), 9) for name in TOTALS}
+
     @property
     def savings_ratio(self) -> float:
         """1 - cost / on-demand equivalent (0 when nothing was spent yet)."""
@@ -150,6 +149,16 @@ class CostLedger:
         entry.last_seen = now
         entry.nodes = tuple((self.prices.capacity_type(n), self.prices.prices(n)) for n in nodes)
         return entry
+
+    def restore(self, job: Any, totals: Mapping[str, Any] | None) -> None:
+        """Seeds a job not yet seen by this process with the totals saved in its record."""
+        if job in self.jobs or not totals:
+            return
+        entry = self.jobs[job] = JobCost()
+        for name in TOTALS:
+            value = totals.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+                setattr(entry, name, float(value))
 
     def forget(self, job: Any) -> None:
         self.jobs.pop(job, None)

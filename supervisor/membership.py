@@ -8,6 +8,8 @@ Wire form (docs/protocols.md, read by the sidecar from its downward-API file):
 - world_size: processes across those replicas: each replica counts its `nvidia.com/gpu`
   request (at least 1).
 - generation: strictly increasing per job; the last pushed one is kept in the decision record.
+- drain (optional): an id; the sidecar turns it into a `drain` notice for its ranks, so the job
+  checkpoints and exits 83 (the supervisor's return to spot, fallback.py).
 """
 from __future__ import annotations
 
@@ -53,9 +55,12 @@ def processes_per_replica(pod_spec: Mapping[str, Any] | None) -> int:
     return max(1, int(pod_requests(pod_spec).get("nvidia.com/gpu", 0)))
 
 
-def membership_json(generation: int, hosts: Iterable[str], world_size: int) -> str:
-    return json.dumps({"v": 1, "generation": generation, "hosts": list(hosts), "world_size": world_size},
-                      separators=(",", ":"), sort_keys=True)
+def membership_json(generation: int, hosts: Iterable[str], world_size: int, drain: str = "") -> str:
+    """The wire form; `drain` (an id) asks every member to checkpoint and drain (a `drain` notice)."""
+    obj: dict[str, Any] = {"v": 1, "generation": generation, "hosts": list(hosts), "world_size": world_size}
+    if drain:
+        obj["drain"] = drain
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True)
 
 
 def pods_to_update(pods: Iterable[Mapping[str, Any]], value: str) -> list[Mapping[str, Any]]:

@@ -14,15 +14,18 @@ Policies (annotation `spotguard.io/policy`, default `fixed`):
   capacity for all replicas exists.
 - a suspended job that cannot get its minimum within `max-wait` seconds stops waiting
   (phase GaveUp): it stays suspended and the supervisor no longer resumes it.
+- `spotguard.io/fallback: on-demand`: moves between spot and on-demand capacity (fallback.py,
+  consulted first).
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Mapping
 
 from spotguard.config import ConfigError
+from spotguard.supervisor import fallback as fallback_rules
 from spotguard.supervisor import names
 from spotguard.supervisor.record import CHECKPOINTING, GAVE_UP, RUNNING, SUSPENDED, Record
 
@@ -36,6 +39,7 @@ SCALE = "scale"  # set the job's replicas
 SUSPEND = "suspend"
 RESUME = "resume"  # unsuspend at `replicas`
 RECORD = "record"  # only the decision record changes (checkpoint wait, give-up)
+MOVE = "move"  # switch the pod template's scheduling directives and unsuspend at `replicas`
 
 
 class PolicyError(ConfigError):
@@ -50,6 +54,7 @@ class Policy:
     min_replicas: int
     max_replicas: int
     max_wait: float | None = None
+    fallback: fallback_rules.Fallback | None = None
 
 
 def _int_annotation(annotations: Mapping[str, str], name: str) -> int | None:
@@ -87,7 +92,11 @@ def parse_policy(annotations: Mapping[str, str] | None, default_max: int, defaul
             max_wait = -1.0
         if not (max_wait > 0 and max_wait < float("inf")):
             raise PolicyError(names.ANN_MAX_WAIT, f"expected seconds > 0, got {raw_wait!r}")
-    return Policy(mode, min_replicas, max_replicas, max_wait)
+    try:
+        fallback = fallback_rules.parse_fallback(annotations)
+    except ConfigError as exc:
+        raise PolicyError(exc.field, exc.message) from None
+    return Policy(mode, min_replicas, max_replicas, max_wait, fallback)
 
 
 @dataclass(frozen=True)
@@ -106,7 +115,10 @@ class JobState:
 
     `healthy_replicas`: active replica pods on nodes without a notice; `free_slots`: further
     replicas of this job's pod shape that fit on healthy, schedulable nodes; `drained`: a
-    replica exited 83/84 (the Guard drained after its checkpoint).
+    replica exited 83/84 (the Guard drained after its checkpoint). Fallback (fallback.py):
+    `directives` are the pod roles' scheduling directives now; `alt_slots` the free slots on the
+    other capacity (on-demand while on spot, the saved spot directives while on on-demand);
+    `template_mutable` whether the API server lets the template change now.
     """
 
     policy: Policy
@@ -117,6 +129,9 @@ class JobState:
     healthy_replicas: int = 0
     free_slots: int = 0
     drained: bool = False
+    directives: Mapping[str, Mapping] = field(default_factory=dict)
+    alt_slots: int = 0
+    template_mutable: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,7 +146,8 @@ class Settings:
 class Decision:
     """One decision: the action, the record to write with it, and the Event that explains it.
 
-    `replicas` is the target for SCALE/RESUME. `key` is the idempotency key (empty for NONE).
+    `replicas` is the target for SCALE/RESUME/MOVE; `directives` the scheduling directives per
+    pod role that MOVE writes. `key` is the idempotency key (empty for NONE).
     `recheck_at` asks the controller to look again then even if nothing changes.
     """
 
@@ -143,6 +159,7 @@ class Decision:
     event_type: str = "Normal"
     key: str = ""
     recheck_at: datetime | None = None
+    directives: Mapping[str, Mapping] | None = None
 
     @property
     def acts(self) -> bool:
@@ -155,12 +172,13 @@ def decision_key(*parts: object) -> str:
 
 
 def _act(action: str, state: JobState, now: datetime, identity: str, *, event: str, message: str, key: str,
-         replicas: int | None = None, event_type: str = "Normal", recheck_at: datetime | None = None, **changes) -> Decision:
+         replicas: int | None = None, event_type: str = "Normal", recheck_at: datetime | None = None,
+         directives: Mapping[str, Mapping] | None = None, **changes) -> Decision:
     if replicas is not None:
         changes["replicas"] = replicas
     record = state.record.with_(decided_at=now, decided_by=identity, event=event, message=message, key=key, **changes)
     return Decision(action, record, replicas=replicas, reason=event, message=message, event_type=event_type, key=key,
-                    recheck_at=recheck_at)
+                    recheck_at=recheck_at, directives=directives)
 
 
 def decide(state: JobState, now: datetime, settings: Settings = Settings(), identity: str = "") -> Decision:
@@ -172,6 +190,11 @@ def decide(state: JobState, now: datetime, settings: Settings = Settings(), iden
     if rec.phase == GAVE_UP:
         return Decision(NONE, rec)
 
+    move = fallback_rules.decide_move(state, now, settings, identity)
+    if move is not None and (move.acts or move.recheck_at is None or rec.phase != SUSPENDED):
+        return move
+    fallback_recheck = move.recheck_at if move is not None else None
+
     if rec.phase == SUSPENDED:
         need = policy.min_replicas if elastic else (rec.replicas or policy.max_replicas)
         slots = state.free_slots
@@ -180,7 +203,7 @@ def decide(state: JobState, now: datetime, settings: Settings = Settings(), iden
             return _act(RESUME, state, now, identity, event=names.EVENT_RESUMED, replicas=target,
                         key=decision_key("resume", previous, target),
                         message=f"capacity for {target} replicas returned (needed {need}); resuming at {target}",
-                        phase=RUNNING, reason="CapacityReturned", waiting_since=None)
+                        phase=RUNNING, reason="CapacityReturned", waiting_since=None, lacking_since=None)
         waiting_since = rec.waiting_since or rec.decided_at or now
         if policy.max_wait is not None:
             expiry = waiting_since + timedelta(seconds=policy.max_wait)
@@ -190,8 +213,8 @@ def decide(state: JobState, now: datetime, settings: Settings = Settings(), iden
                             message=(f"waited {policy.max_wait:g}s (max-wait) without capacity for {need} replicas "
                                      f"({slots} available): no longer waiting, the job stays suspended"),
                             phase=GAVE_UP, reason="MaxWaitExceeded")
-            return Decision(NONE, rec, recheck_at=expiry)
-        return Decision(NONE, rec)
+            return Decision(NONE, rec, recheck_at=min(expiry, fallback_recheck or expiry))
+        return Decision(NONE, rec, recheck_at=fallback_recheck)
 
     if state.suspended:
         return Decision(NONE, rec)  # suspended by someone else: not ours to resume
@@ -213,7 +236,7 @@ def decide(state: JobState, now: datetime, settings: Settings = Settings(), iden
                                  f"{names.EXIT_PREEMPTED}/{names.EXIT_CHECKPOINT_FAILED}) until "
                                  f"{deadline.isoformat()}, then suspending"),
                         recheck_at=deadline, phase=CHECKPOINTING, reason="NoticeReceived", handled=handled,
-                        checkpoint_deadline=deadline, replicas=state.replicas)
+                        checkpoint_deadline=deadline, replicas=state.replicas, lacking_since=rec.lacking_since or now)
         target = min(state.healthy_replicas, policy.max_replicas)
         if target >= policy.min_replicas:
             return _act(SCALE, state, now, identity, event=names.EVENT_SCALED, replicas=target,
@@ -225,7 +248,8 @@ def decide(state: JobState, now: datetime, settings: Settings = Settings(), iden
         return _act(SUSPEND, state, now, identity, event=names.EVENT_SUSPENDED, key=decision_key("suspend", *ids),
                     message=(f"notice {', '.join(ids)} on {nodes}: only {target} replicas on unaffected nodes, below "
                              f"min {policy.min_replicas}; suspending until capacity returns"),
-                    phase=SUSPENDED, reason="BelowMin", handled=handled, replicas=state.replicas, waiting_since=now)
+                    phase=SUSPENDED, reason="BelowMin", handled=handled, replicas=state.replicas, waiting_since=now,
+                    lacking_since=now)
 
     if rec.phase == CHECKPOINTING:
         deadline = rec.checkpoint_deadline or now
@@ -252,7 +276,8 @@ def decide(state: JobState, now: datetime, settings: Settings = Settings(), iden
 
 
 def needs_capacity(state_policy: Policy, record: Record, replicas: int, suspended: bool) -> bool:
-    """Whether `decide` would look at `free_slots` (so the controller can skip computing it)."""
-    if record.phase == SUSPENDED:
+    """Whether `decide` would look at `free_slots` / `alt_slots` (so the controller can skip
+    computing them)."""
+    if record.phase == SUSPENDED or (state_policy.fallback is not None and record.capacity == fallback_rules.ON_DEMAND):
         return True
     return state_policy.mode == ELASTIC and not suspended and record.phase == RUNNING and replicas < state_policy.max_replicas

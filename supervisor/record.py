@@ -7,6 +7,13 @@ action. Contract:
   `MAX_HANDLED`); a notice in it never causes a second action.
 - `key` is the idempotency key of the last decision; its Event is named after it, so an Event
   re-sent after a restart collides (409) instead of duplicating.
+- Fallback (fallback.py): `capacity` is where the job runs now ("" = as created, "on-demand"
+  after a fallback), `spot_directives` the scheduling directives saved before the fallback (per
+  pod role, restored on return), `move_to` a move under way, `lacking_since` / `spot_free_since`
+  the clocks of `fallback-after` / `return-after`, `drain` the id of the drain notice sent
+  through the membership for the return.
+- `cost` keeps the cost totals (cost.py) and `steps_lost` / `counted_exits` the steps lost
+  reported by drained pods, so both survive a restart.
 - Reading never fails: a missing, malformed or newer-version record reads as a fresh record
   (`RECORD_ERROR` tells the caller why), and the next decision overwrites it.
 """
@@ -28,6 +35,8 @@ CHECKPOINTING = "Checkpointing"  # fixed policy: a notice arrived, waiting for t
 SUSPENDED = "Suspended"  # suspended by the supervisor, waiting for capacity
 GAVE_UP = "GaveUp"  # max-wait passed without capacity: stays suspended, no more waiting
 PHASES = (RUNNING, CHECKPOINTING, SUSPENDED, GAVE_UP)
+TIMES = ("decided_at", "waiting_since", "checkpoint_deadline", "lacking_since", "spot_free_since")
+MAX_COUNTED_EXITS = 64
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,15 @@ class Record:
     members: tuple[str, ...] = ()  # membership hosts last pushed
     reclaims_survived: int = 0
     decided_by: str = ""
+    capacity: str = ""  # "" (as created) or "on-demand" (fallen back)
+    spot_directives: dict | None = None  # {role: {nodeSelector, affinity, tolerations}} before the fallback
+    move_to: str = ""  # a move under way: "spot" | "on-demand"
+    lacking_since: datetime | None = None  # spot capacity missing since (fallback-after clock)
+    spot_free_since: datetime | None = None  # spot capacity free since (return-after clock)
+    drain: str = ""  # id of the drain requested through the membership
+    cost: dict | None = None  # cost totals (cost.TOTALS)
+    steps_lost: int = 0
+    counted_exits: tuple[str, ...] = ()  # "<pod uid>/<container>" whose steps lost were counted
 
     def handled_add(self, *notice_ids: str) -> tuple[str, ...]:
         kept = [i for i in self.handled if i not in notice_ids] + list(notice_ids)
@@ -59,11 +77,12 @@ class Record:
     def to_json(self) -> str:
         obj = asdict(self)
         obj = {"v": RECORD_VERSION, **obj}
-        for name in ("decided_at", "waiting_since", "checkpoint_deadline"):
+        for name in TIMES:
             value = getattr(self, name)
             obj[name] = None if value is None else format_time(value)
         obj["handled"] = list(self.handled)
         obj["members"] = list(self.members)
+        obj["counted_exits"] = list(self.counted_exits)
         return json.dumps(obj, separators=(",", ":"), sort_keys=True)
 
 
@@ -86,7 +105,7 @@ def parse_record(text: str | None) -> Record:
         if phase not in PHASES:
             raise RecordError(f"unknown phase {phase!r}")
         times = {}
-        for name in ("decided_at", "waiting_since", "checkpoint_deadline"):
+        for name in TIMES:
             value = obj.get(name)
             times[name] = None if value is None else parse_time(value, name)
         replicas = obj.get("replicas")
@@ -94,8 +113,12 @@ def parse_record(text: str | None) -> Record:
             raise RecordError(f"replicas: bad value {replicas!r}")
         handled = obj.get("handled", [])
         members = obj.get("members", [])
-        if not all(isinstance(x, str) for x in handled) or not all(isinstance(x, str) for x in members):
-            raise RecordError("handled/members: expected lists of strings")
+        counted = obj.get("counted_exits", [])
+        if not all(isinstance(x, list) and all(isinstance(i, str) for i in x) for x in (handled, members, counted)):
+            raise RecordError("handled/members/counted_exits: expected lists of strings")
+        for name in ("spot_directives", "cost"):
+            if obj.get(name) is not None and not isinstance(obj[name], dict):
+                raise RecordError(f"{name}: expected an object")
         return Record(
             phase=phase,
             reason=str(obj.get("reason", "")),
@@ -108,6 +131,13 @@ def parse_record(text: str | None) -> Record:
             members=tuple(members),
             reclaims_survived=int(obj.get("reclaims_survived", 0)),
             decided_by=str(obj.get("decided_by", "")),
+            capacity=str(obj.get("capacity", "")),
+            spot_directives=obj.get("spot_directives"),
+            move_to=str(obj.get("move_to", "")),
+            drain=str(obj.get("drain", "")),
+            cost=obj.get("cost"),
+            steps_lost=int(obj.get("steps_lost", 0)),
+            counted_exits=tuple(counted),
             **times,
         )
     except (NoticeFormatError, TypeError, ValueError) as exc:

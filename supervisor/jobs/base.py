@@ -18,6 +18,7 @@ class JobAdapter(ABC):
     resource: Resource
     kind: str
     optional: bool = True  # a CRD-backed kind may not be installed
+    replica_role: str  # the key of `directives()` whose pods are the scalable replicas
 
     @abstractmethod
     def replicas(self, obj: Mapping[str, Any]) -> int:
@@ -49,6 +50,18 @@ class JobAdapter(ABC):
     @abstractmethod
     def suspend_patch(self, suspend: bool, replicas: int | None = None) -> dict:
         """Merge-patch body that suspends, or resumes (at `replicas` when given)."""
+
+    @abstractmethod
+    def directives(self, obj: Mapping[str, Any]) -> dict[str, dict]:
+        """{pod role: its scheduling directives (capacity_type.DIRECTIVES)}."""
+
+    @abstractmethod
+    def directives_patch(self, obj: Mapping[str, Any], desired: Mapping[str, Mapping]) -> dict:
+        """Merge-patch body that sets each role's directives to exactly `desired[role]`."""
+
+    def template_mutable(self, obj: Mapping[str, Any]) -> bool:
+        """Whether the API server accepts a change of the pod templates' scheduling directives now."""
+        return self.suspended(obj)
 
     def finished(self, obj: Mapping[str, Any]) -> bool:
         """True once the job completed or failed for good: no decisions any more."""

@@ -2,12 +2,15 @@
 
 Replicas are `spec.pytorchReplicaSpecs.Worker.replicas`; defaults for min/max come from
 `spec.elasticPolicy.minReplicas/maxReplicas`; suspension is `spec.runPolicy.suspend`. Only
-worker pods (label `training.kubeflow.org/replica-type: worker`) count as replicas.
+worker pods (label `training.kubeflow.org/replica-type: worker`) count as replicas. The
+scheduling directives of every replica type (Master, Worker) move together; a suspended
+PyTorchJob's templates may change (the CRD sets no rule against it).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+from spotguard.supervisor.capacity_type import directives_of, merge_patch
 from spotguard.supervisor.jobs.base import JobAdapter
 from spotguard.supervisor.kubeapi import PYTORCHJOBS
 
@@ -26,6 +29,7 @@ def _int(value: Any) -> int | None:
 class PyTorchJobAdapter(JobAdapter):
     resource = PYTORCHJOBS
     kind = "PyTorchJob"
+    replica_role = "Worker"
     optional = True
 
     def replicas(self, obj: Mapping[str, Any]) -> int:
@@ -48,6 +52,19 @@ class PyTorchJobAdapter(JobAdapter):
     def is_replica_pod(self, pod: Mapping[str, Any]) -> bool:
         labels = (pod.get("metadata") or {}).get("labels") or {}
         return str(labels.get(REPLICA_TYPE_LABEL, "worker")).lower() == "worker"
+
+    def directives(self, obj: Mapping[str, Any]) -> dict[str, dict]:
+        specs = (obj.get("spec") or {}).get("pytorchReplicaSpecs") or {}
+        return {role: directives_of((spec.get("template") or {}).get("spec")) for role, spec in sorted(specs.items())
+                if isinstance(spec, Mapping)}
+
+    def directives_patch(self, obj: Mapping[str, Any], desired: Mapping[str, Mapping]) -> dict:
+        current = self.directives(obj)
+        roles = {}
+        for role, wanted in desired.items():
+            if role in current and (patch := merge_patch(current[role], dict(wanted))):
+                roles[role] = {"template": {"spec": patch}}
+        return {"spec": {"pytorchReplicaSpecs": roles}} if roles else {}
 
     def scale_patch(self, replicas: int) -> dict:
         return {"spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": replicas}}}}
