@@ -194,7 +194,7 @@ async def run_real(args) -> dict:
     plane = await asyncio.to_thread(start_control_plane, False)  # no controllers: the bench plays them
     watcher = None
     try:
-        plane.apply_base_rbac()
+        plane.apply_base_access()
         admin = Kube(plane.api_client())
         created = await asyncio.to_thread(create_world, plane, args.jobs, args.pods_per_job)
         print(f"  real kube-apiserver: control plane up and {created} objects created in "

@@ -52,13 +52,14 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="session")
 def control_plane():
     """A real etcd + kube-apiserver + controller-manager + scheduler for the whole session, with
-    the spotguard namespace, ServiceAccounts and RBAC of `daemonset/base` applied. Tests share it:
+    the spotguard namespace, ServiceAccounts, RBAC and admission policies of `daemonset/base`
+    applied (every test's supervisor writes pass through the policies). Tests share it:
     each creates its objects in its own namespace (`k8s_namespace`) or with unique names."""
     from tests.control_plane import start_control_plane
 
     plane = start_control_plane()
     try:
-        plane.apply_base_rbac()
+        plane.apply_base_access()
         yield plane
     finally:
         plane.stop()

@@ -36,6 +36,7 @@ BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler
 REPO = Path(__file__).resolve().parents[1]
 BASE_MANIFESTS = REPO / "daemonset" / "base"
 SPOTGUARD_NAMESPACE = "spotguard"
+ADMISSION_POLICIES = BASE_MANIFESTS / "supervisor" / "admission-policy.yaml"
 ENABLE_HINT = (f"set {ASSETS_ENV} to a folder with {', '.join(BINARIES)} "
                "(`make test-k8s` unpacks ../shared/tools/kube-control-plane and does it)")
 
@@ -250,12 +251,22 @@ class ControlPlane:
             resource.server_side_apply(body=doc, name=doc["metadata"]["name"], namespace=ns,
                                        field_manager="spotguard-tests", force_conflicts=True)
 
-    def apply_base_rbac(self) -> None:
-        """The spotguard namespace and every ServiceAccount, (Cluster)Role and binding of
-        `daemonset/base`, as `kubectl apply -k daemonset/` would create them."""
+    def apply_base_access(self) -> None:
+        """The spotguard namespace, every ServiceAccount, (Cluster)Role and binding of
+        `daemonset/base`, and its admission policies (what the supervisor may change), as
+        `kubectl apply -k daemonset/` would create them; returns once the policies are in force."""
+        import kubernetes
+
         self.apply(load_manifests(BASE_MANIFESTS / "namespace.yaml"))
         docs = [d for f in sorted(BASE_MANIFESTS.glob("*/rbac.yaml")) for d in load_manifests(f)]
         self.apply(docs, namespace=SPOTGUARD_NAMESPACE)
+        policies = load_manifests(ADMISSION_POLICIES)
+        self.apply(policies)
+        admission = kubernetes.client.AdmissionregistrationV1Api(self.api_client())
+        for doc in policies:
+            if doc["kind"] == "ValidatingAdmissionPolicy":
+                self._wait(lambda: admission.read_validating_admission_policy(doc["metadata"]["name"]).status,
+                           30, f"policy {doc['metadata']['name']} type-checked")
 
     # internals -----------------------------------------------------------------------------
 

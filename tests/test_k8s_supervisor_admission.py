@@ -37,23 +37,13 @@ def _status(call) -> int:
 
 @pytest.fixture(scope="module")
 def policies(control_plane):
-    """The base's admission policies, applied for this module and removed after it."""
-    docs = load_manifests(POLICIES)
-    control_plane.apply(docs)
+    """The base's admission policies (applied by the session fixture), checked to type-check."""
     admission = kubernetes.client.AdmissionregistrationV1Api(control_plane.api_client())
-    for doc in docs:
+    for doc in load_manifests(POLICIES):
         if doc["kind"] == "ValidatingAdmissionPolicy":
-            checked = wait_until(lambda: admission.read_validating_admission_policy(doc["metadata"]["name"]).status,
-                                 30, "the policy type-checked")
-            assert not (checked.type_checking and checked.type_checking.expression_warnings), checked
-    try:
-        yield control_plane
-    finally:
-        for doc in docs:
-            if doc["kind"] == "ValidatingAdmissionPolicyBinding":
-                admission.delete_validating_admission_policy_binding(doc["metadata"]["name"])
-            else:
-                admission.delete_validating_admission_policy(doc["metadata"]["name"])
+            status = admission.read_validating_admission_policy(doc["metadata"]["name"]).status
+            assert not (status.type_checking and status.type_checking.expression_warnings), status
+    return control_plane
 
 
 def _pod(namespace: str) -> dict:
