@@ -11,6 +11,9 @@ Contract:
   `config.ready_grace` seconds passed. The marker gets the live set first at readiness (so a
   restarted agent does not wipe the marks of a notice its sources have not re-read yet), then
   after every change.
+- Complete once every source has had one successful read (or has ended), never by a grace:
+  until then the table is not authoritative, and the stream's snapshots say so (`complete:
+  false`), so no consumer takes a notice missing from them for withdrawn.
 - `await agent.stop()` (what SIGTERM does): stops the sources, ends every stream cleanly,
   stops the marker without removing marks, closes the server and the Kubernetes client.
 """
@@ -152,14 +155,21 @@ class Agent:
                 log.exception("source %s broke; restarting in %.1fs", origin, delay, extra={"source": source.name})
                 await asyncio.sleep(delay)
 
+    def pending_sources(self) -> list[str]:
+        """The origins that have not read successfully yet (and are still running)."""
+        return [o for o, s in self.origins.items()
+                if s.stats.successes == 0 and not (o in self._tasks and self._tasks[o].done())]
+
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        pending = [o for o, s in self.origins.items()
-                   if s.stats.successes == 0 and not (o in self._tasks and self._tasks[o].done())]
+        pending = self.pending_sources()
+        if not pending and not self.table.complete:
+            self.table.mark_complete()
+            log.info("every source has read: the notice table is complete")
         waited = time.monotonic() - self._started_monotonic
         if not self.ready and (not pending or waited >= self.config.ready_grace):
             self._became_ready(pending)
         return self.ready, {"node": self.config.node, "pending_sources": pending,
-                            "notices": len(self.table.live())}
+                            "complete": self.table.complete, "notices": len(self.table.live())}
 
     def _became_ready(self, pending: list[str]) -> None:
         self.ready = True
@@ -169,7 +179,8 @@ class Agent:
             self.marker.notify(self.table.live())
 
     async def _await_ready(self) -> None:
-        while not self.readiness()[0]:
+        """Checks readiness and completeness until both are reached."""
+        while not (self.readiness()[0] and self.table.complete):
             await asyncio.sleep(0.1)
 
     def _notify_marker(self, published: Published) -> None:

@@ -2,12 +2,14 @@
 
 Read-only, open (they reveal only what the node's metadata service already says):
 - `GET /v1/notices` -> `{"v": 1, "node": ..., "notices": [...]}`, most urgent first.
-- `GET /v1/stream` -> Server-Sent Events: `event: snapshot` (`{"v":1,"node":...,"notices":[...]}`)
-  on connect, then `event: notice` (a new or changed notice) and `event: withdrawn` (a
-  withdrawal). Every event has `id: <sequence number>` (the snapshot's id is the sequence
-  number it reflects, so the next change has a higher one); `: keepalive` every `keepalive`
-  seconds. A subscriber with more than `max_buffered` bytes unsent is disconnected; reconnecting
-  gives a fresh snapshot, so nothing is lost. The stream ends cleanly when the agent stops.
+- `GET /v1/stream` -> Server-Sent Events: `event: snapshot`
+  (`{"v":1,"node":...,"notices":[...],"complete":bool}`, agent/snapshot.py) on connect, then
+  `event: notice` (a new or changed notice) and `event: withdrawn` (a withdrawal), and one more
+  `event: snapshot` (complete) when the table becomes complete after the subscriber connected.
+  Every event has `id: <sequence number>` (a snapshot's id is the sequence number it reflects,
+  so the next change has a higher one); `: keepalive` every `keepalive` seconds. A subscriber
+  with more than `max_buffered` bytes unsent is disconnected; reconnecting gives a fresh
+  snapshot, so nothing is lost. The stream ends cleanly when the agent stops.
 - `GET /metrics` (Prometheus text), `GET /healthz` (200 while the loop runs), `GET /readyz`
   (200 once ready, else 503; JSON says which sources are still pending).
 State-changing, authenticated (see agent/auth.py):
@@ -28,10 +30,11 @@ from aiohttp import web
 
 from spotguard.agent.auth import Authenticator, AuthError
 from spotguard.agent.metrics import CONTENT_TYPE, AgentMetrics
-from spotguard.agent.notice import Notice, WIRE_VERSION
+from spotguard.agent.notice import Notice
 from spotguard.agent.reports import ReportBook, ReportFormatError, parse_report
+from spotguard.agent.snapshot import snapshot_wire
 from spotguard.agent.sse import KEEPALIVE, encode
-from spotguard.agent.table import TICK, NoticeTable, Published
+from spotguard.agent.table import TICK, NoticeTable, Published, Resync
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +88,18 @@ class AgentServer:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    def _snapshot(self, notices: list[Notice]) -> dict[str, Any]:
-        return {"v": WIRE_VERSION, "node": self.table.node, "notices": [n.to_wire() for n in notices]}
+    def _snapshot(self, notices: list[Notice], complete: bool) -> dict[str, Any]:
+        return snapshot_wire(self.table.node, notices, complete)
 
     # -- read-only -----------------------------------------------------------------------------
 
     async def notices(self, request: web.Request) -> web.Response:
-        return web.json_response(self._snapshot(self.table.live()), dumps=_dumps)
+        return web.json_response(self._snapshot(self.table.live(), self.table.complete), dumps=_dumps)
 
-    def frame(self, published: Published) -> bytes:
+    def frame(self, published: Published | Resync) -> bytes:
         """The SSE frame of a change, encoded once however many subscribers send it."""
+        if isinstance(published, Resync):
+            return encode("snapshot", self._snapshot(published.notices, True), id=published.seq)
         frame = self._frames.get(published.seq)
         if frame is None:
             change = published.change
@@ -116,7 +121,7 @@ class AgentServer:
             response.enable_chunked_encoding()
         try:
             await response.prepare(request)
-            await response.write(encode("snapshot", self._snapshot(sub.snapshot), id=sub.seq))
+            await response.write(encode("snapshot", self._snapshot(sub.snapshot, sub.complete), id=sub.seq))
             # From here on the table writes each change straight to this connection as it
             # publishes it (one pre-encoded frame for all subscribers, no task wake-up each).
             sub.attach(self._sink(request.transport, response.chunked))

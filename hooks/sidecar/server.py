@@ -7,9 +7,11 @@ only its own containers share.
 
 Endpoints (docs/protocols.md, "Sidecar"):
 - GET /v1/notices: `{"v": 1, "node", "notices": [...]}`, most urgent first;
-- GET /v1/stream: SSE; `snapshot` on connect, then the current `membership` (if any), then
-  `notice` / `withdrawn` / `membership` as they happen, each with a sequence `id`;
-  `: keepalive` every `keepalive` s; a reader `max_queue` events behind is disconnected;
+- GET /v1/stream: SSE; `snapshot` on connect (`complete` once the agent's snapshot was, see
+  agent/snapshot.py; a fresh complete `snapshot` follows when that happens later), then the
+  current `membership` (if any), then `notice` / `withdrawn` / `membership` as they happen,
+  each with a sequence `id`; `: keepalive` every `keepalive` s; a reader `max_queue` events
+  behind is disconnected;
 - POST /v1/hooks: `Authorization: Bearer <token>` (constant-time compare), body a
   `HookReport`; 401 without a valid token, 400 with `{"error": ...}` for a malformed body, in
   both cases changing nothing; 200 with the pod's progress for that notice;
@@ -23,7 +25,7 @@ import asyncio
 import hmac
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -61,12 +63,8 @@ class SidecarAPI:
         app.router.add_get("/healthz", self.healthz)
         return app
 
-    def _snapshot(self) -> dict[str, Any]:
-        live = self.sidecar.live
-        return {"v": 1, "node": live.node, "notices": [n.to_wire() for n in live.notices()]}
-
     async def notices(self, request: web.Request) -> web.Response:
-        return web.json_response(self._snapshot())
+        return web.json_response(self.sidecar.snapshot_wire())
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "agent_connected": self.sidecar.relay.connected})
@@ -77,7 +75,7 @@ class SidecarAPI:
         broadcaster = self.sidecar.broadcaster
         # Subscribe and take the snapshot with no await in between: nothing is missed or repeated.
         queue = broadcaster.subscribe()
-        frames = [encode("snapshot", self._snapshot(), broadcaster.next_seq())]
+        frames = [encode("snapshot", self.sidecar.snapshot_wire(), broadcaster.next_seq())]
         membership = self.sidecar.topology.current
         if membership is not None:
             frames.append(encode("membership", membership, broadcaster.next_seq()))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from spotguard.agent.snapshot import snapshot_wire
 from spotguard.config import ConfigError
 from spotguard.hooks.hostfile import (ElasticityError, ElasticRule, Host, HostfileError,
                                       elastic_rule_from_config, read_hostfile, write_atomic)
@@ -158,9 +159,16 @@ class Sidecar:
                 log.info("not reporting %s to the agent: not one of its notices", report.notice_id)
         return progress
 
+    def snapshot_wire(self) -> dict:
+        """The sidecar's snapshot: its live set, complete once the agent's was."""
+        return snapshot_wire(self.live.node, self.live.notices(), self.live.complete)
+
     async def _on_relay_change(self, changes: list[Change]) -> None:
         for change in changes:
-            self.broadcaster.publish(*change.to_event())
+            if change.resync:  # subscribers that got an incomplete snapshot learn what is gone
+                self.broadcaster.publish("snapshot", self.snapshot_wire())
+            else:
+                self.broadcaster.publish(*change.to_event())
         self.pulse.notify()
         try:
             await self.topology.set_notices(self.live.notices())
