@@ -35,6 +35,7 @@ from spotguard.agent.sources.base import Source
 from spotguard.agent.table import NoticeTable, Published
 from spotguard.backoff import Backoff
 from spotguard.config import ConfigError
+from spotguard.http_server import ServerLimits, start_server
 
 log = logging.getLogger(__name__)
 
@@ -114,18 +115,15 @@ class Agent:
         self.table.add_listener(self.metrics.observe)
         self.table.add_listener(self._notify_marker)
         self.metrics.registry.add_collector(self._collect)
+        cfg = self.config
         self.server = AgentServer(self.table, self.metrics, self.readiness, self.reports, self.authenticator,
-                                  keepalive=self.config.keepalive)
-        self._runner = web.AppRunner(self.server.make_app(), access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=2.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+                                  keepalive=cfg.keepalive, max_subscribers=cfg.max_streams,
+                                  max_per_client=cfg.max_streams_per_client, body_timeout=cfg.header_timeout)
         try:
-            await site.start()
+            self._runner, host, port = await start_server(self.server.make_app(), cfg.host, cfg.port,
+                                                          ServerLimits(header_timeout=cfg.header_timeout))
         except OSError as exc:
-            await self._runner.cleanup()
-            raise ConfigError("--listen", f"cannot listen on {self.config.listen}: {exc.strerror or exc}") from None
-        host, port = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+            raise ConfigError("--listen", f"cannot listen on {cfg.listen}: {exc.strerror or exc}") from None
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if self.marker is not None:
             await self.marker.start()

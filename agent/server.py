@@ -9,13 +9,16 @@ Read-only, open (they reveal only what the node's metadata service already says)
   Every event has `id: <sequence number>` (a snapshot's id is the sequence number it reflects,
   so the next change has a higher one); `: keepalive` every `keepalive` seconds. A subscriber
   with more than `max_buffered` bytes unsent is disconnected; reconnecting gives a fresh
-  snapshot, so nothing is lost. The stream ends cleanly when the agent stops.
+  snapshot, so nothing is lost. The stream ends cleanly when the agent stops. Streams are
+  bounded: `max_subscribers` in all (503 past it) and `max_per_client` per client IP address
+  (429 past it), both with `Retry-After`.
 - `GET /metrics` (Prometheus text), `GET /healthz` (200 while the loop runs), `GET /readyz`
   (200 once ready, else 503; JSON says which sources are still pending).
 State-changing, authenticated (see agent/auth.py):
 - `POST /v1/reports` -> 202 `{"recorded": true, "approved": bool, ...}`; 400 bad body (names
-  the field), 401/403 authentication, 404 no such live notice, 413 body too large, 503 auth
-  backend unreachable.
+  the field; not UTF-8 JSON, nested too deep, broken), 401/403 authentication, 404 no such live
+  notice, 408 body not sent within `body_timeout`, 413 body too large, 503 auth backend
+  unreachable.
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ from spotguard.agent.reports import ReportBook, ReportFormatError, parse_report
 from spotguard.agent.snapshot import snapshot_wire
 from spotguard.agent.sse import KEEPALIVE, encode
 from spotguard.agent.table import TICK, NoticeTable, Published, Resync
+from spotguard.http_server import BodyError, client_address, read_json
+from spotguard.stream_slots import SlotRefused, StreamSlots
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +56,16 @@ class AgentServer:
 
     def __init__(self, table: NoticeTable, metrics: AgentMetrics, readiness: Readiness,
                  reports: ReportBook, authenticator: Authenticator, keepalive: float = 10.0,
-                 max_subscribers: int = 512, max_buffered: int = 1 << 20):
+                 max_subscribers: int = 512, max_per_client: int | None = 32, max_buffered: int = 1 << 20,
+                 body_timeout: float = 10.0):
         self.table = table
         self.metrics = metrics
         self.readiness = readiness
         self.reports = reports
         self.authenticator = authenticator
         self.keepalive = keepalive
-        self.max_subscribers = max_subscribers
+        self.slots = StreamSlots(max_subscribers, max_per_client)
+        self.body_timeout = body_timeout
         self.max_buffered = max_buffered  # bytes unsent to one subscriber before it is cut off
         self._frames: dict[int, bytes] = {}  # seq -> encoded frame, shared by every subscriber
 
@@ -112,8 +119,17 @@ class AgentServer:
         return frame
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        if self.table.subscriber_count >= self.max_subscribers:
-            return web.json_response({"error": "too many subscribers"}, status=503, headers={"Retry-After": "1"})
+        try:
+            slot = self.slots.take(client_address(request))
+        except SlotRefused as exc:
+            self.metrics.streams_refused.inc(status=str(exc.status))
+            return web.json_response({"error": exc.message}, status=exc.status, headers={"Retry-After": "1"})
+        try:
+            return await self._serve_stream(request)
+        finally:
+            slot.release()
+
+    async def _serve_stream(self, request: web.Request) -> web.StreamResponse:
         sub = self.table.subscribe()
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -173,16 +189,13 @@ class AgentServer:
             headers = {"WWW-Authenticate": 'Bearer realm="spotguard"'} if exc.status == 401 else None
             return web.json_response({"error": exc.message}, status=exc.status, headers=headers)
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self.metrics.reports.inc(result="too_large")
-            return web.json_response({"error": f"body larger than {MAX_REPORT_BYTES} bytes"}, status=413)
-        try:
-            report = parse_report(json.loads(raw))
-        except (ValueError, UnicodeDecodeError) as exc:
-            message = str(exc) if isinstance(exc, ReportFormatError) else "body: not JSON"
+            report = parse_report(await read_json(request, MAX_REPORT_BYTES, self.body_timeout))
+        except BodyError as exc:
+            self.metrics.reports.inc(result="too_large" if exc.status == 413 else "bad_request")
+            return web.json_response({"error": exc.message}, status=exc.status)
+        except ReportFormatError as exc:
             self.metrics.reports.inc(result="bad_request")
-            return web.json_response({"error": message}, status=400)
+            return web.json_response({"error": str(exc)}, status=400)
         if not caller.may_report_for(report.namespace, report.pod):
             self.metrics.reports.inc(result="forbidden")
             return web.json_response({"error": "the token does not belong to that pod"}, status=403)

@@ -186,6 +186,8 @@ async def test_config_file_and_environment_fill_in_for_flags(make_emulator, http
     ([], {"SPOTGUARD_TIMEOUT": "soon"}, "SPOTGUARD_TIMEOUT"),
     (["--config", "{config}"], {}, "bogus_key"),
     (["--report-token-file", "/nonexistent/token"], {}, "--report-token-file"),
+    (["--max-streams", "8", "--max-streams-per-client", "9"], {}, "--max-streams-per-client"),
+    ([], {"SPOTGUARD_HEADER_TIMEOUT": "0"}, "SPOTGUARD_HEADER_TIMEOUT"),
 ])
 def test_bad_config_exits_2_naming_the_field(args, env, field, tmp_path):
     config = tmp_path / "bad.yaml"
