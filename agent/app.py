@@ -11,6 +11,9 @@ Contract:
   `config.ready_grace` seconds passed. The marker gets the live set first at readiness (so a
   restarted agent does not wipe the marks of a notice its sources have not re-read yet), then
   after every change.
+- Complete once every source has had one successful read (or has ended), never by a grace:
+  until then the table is not authoritative, and the stream's snapshots say so (`complete:
+  false`), so no consumer takes a notice missing from them for withdrawn.
 - `await agent.stop()` (what SIGTERM does): stops the sources, ends every stream cleanly,
   stops the marker without removing marks, closes the server and the Kubernetes client.
 """
@@ -32,6 +35,7 @@ from spotguard.agent.sources.base import Source
 from spotguard.agent.table import NoticeTable, Published
 from spotguard.backoff import Backoff
 from spotguard.config import ConfigError
+from spotguard.http_server import ServerLimits, start_server
 
 log = logging.getLogger(__name__)
 
@@ -111,18 +115,15 @@ class Agent:
         self.table.add_listener(self.metrics.observe)
         self.table.add_listener(self._notify_marker)
         self.metrics.registry.add_collector(self._collect)
+        cfg = self.config
         self.server = AgentServer(self.table, self.metrics, self.readiness, self.reports, self.authenticator,
-                                  keepalive=self.config.keepalive)
-        self._runner = web.AppRunner(self.server.make_app(), access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=2.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+                                  keepalive=cfg.keepalive, max_subscribers=cfg.max_streams,
+                                  max_per_client=cfg.max_streams_per_client, body_timeout=cfg.header_timeout)
         try:
-            await site.start()
+            self._runner, host, port = await start_server(self.server.make_app(), cfg.host, cfg.port,
+                                                          ServerLimits(header_timeout=cfg.header_timeout))
         except OSError as exc:
-            await self._runner.cleanup()
-            raise ConfigError("--listen", f"cannot listen on {self.config.listen}: {exc.strerror or exc}") from None
-        host, port = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+            raise ConfigError("--listen", f"cannot listen on {cfg.listen}: {exc.strerror or exc}") from None
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if self.marker is not None:
             await self.marker.start()
@@ -152,14 +153,21 @@ class Agent:
                 log.exception("source %s broke; restarting in %.1fs", origin, delay, extra={"source": source.name})
                 await asyncio.sleep(delay)
 
+    def pending_sources(self) -> list[str]:
+        """The origins that have not read successfully yet (and are still running)."""
+        return [o for o, s in self.origins.items()
+                if s.stats.successes == 0 and not (o in self._tasks and self._tasks[o].done())]
+
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        pending = [o for o, s in self.origins.items()
-                   if s.stats.successes == 0 and not (o in self._tasks and self._tasks[o].done())]
+        pending = self.pending_sources()
+        if not pending and not self.table.complete:
+            self.table.mark_complete()
+            log.info("every source has read: the notice table is complete")
         waited = time.monotonic() - self._started_monotonic
         if not self.ready and (not pending or waited >= self.config.ready_grace):
             self._became_ready(pending)
         return self.ready, {"node": self.config.node, "pending_sources": pending,
-                            "notices": len(self.table.live())}
+                            "complete": self.table.complete, "notices": len(self.table.live())}
 
     def _became_ready(self, pending: list[str]) -> None:
         self.ready = True
@@ -169,7 +177,8 @@ class Agent:
             self.marker.notify(self.table.live())
 
     async def _await_ready(self) -> None:
-        while not self.readiness()[0]:
+        """Checks readiness and completeness until both are reached."""
+        while not (self.readiness()[0] and self.table.complete):
             await asyncio.sleep(0.1)
 
     def _notify_marker(self, published: Published) -> None:

@@ -45,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-grace", default=None,
                    help="seconds after which /readyz says ready even if a source never answered (default 30)")
     p.add_argument("--keepalive", default=None, help="seconds between stream keepalive comments (default 10)")
+    p.add_argument("--header-timeout", default=None,
+                   help="seconds a connection has to send a request's headers, or its body; idle "
+                        "keep-alive connections close after it too (default 10)")
+    p.add_argument("--max-streams", default=None, help="open /v1/stream subscriptions at most (default 512)")
+    p.add_argument("--max-streams-per-client", default=None,
+                   help="open /v1/stream subscriptions per client IP address at most (default 32)")
     p.set_defaults(func=run)
 
 

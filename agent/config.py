@@ -24,6 +24,14 @@ raises `ConfigError` naming the field as the user wrote it (`--interval`,
 | log_level         | --log-level           | SPOTGUARD_LOG_LEVEL         | info |
 | ready_grace       | --ready-grace         | SPOTGUARD_READY_GRACE       | 30 |
 | keepalive         | --keepalive           | SPOTGUARD_KEEPALIVE         | 10 |
+| header_timeout    | --header-timeout      | SPOTGUARD_HEADER_TIMEOUT    | 10 |
+| max_streams       | --max-streams         | SPOTGUARD_MAX_STREAMS       | 512 |
+| max_streams_per_client | --max-streams-per-client | SPOTGUARD_MAX_STREAMS_PER_CLIENT | 32 |
+
+`header_timeout`: seconds a connection has to send a request's headers (from connecting, or
+from its previous response) and, separately, a request body; idle keep-alive connections
+are closed after it too. `max_streams` bounds open `/v1/stream` subscriptions in all,
+`max_streams_per_client` per client IP address (at most `max_streams`).
 """
 from __future__ import annotations
 
@@ -34,17 +42,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from spotguard.config import ConfigError, one_of, positive_float
+from spotguard.config import ConfigError, one_of, positive_float, positive_int
 
 CLOUD_CHOICES = ("aws", "gcp", "azure", "alibaba", "auto")
 GPU_CHOICES = ("auto", "on", "nvml", "off", "fake:<scenario file>")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LISTEN = "0.0.0.0:9740"
 FILE_KEYS = ("cloud", "metadata_url", "node", "interval", "timeout", "listen", "kubernetes", "kubeconfig",
-             "kube_host", "cordon", "gpu", "gpu_policy", "report_token_file", "log_level", "ready_grace", "keepalive")
+             "kube_host", "cordon", "gpu", "gpu_policy", "report_token_file", "log_level", "ready_grace", "keepalive",
+             "header_timeout", "max_streams", "max_streams_per_client")
 DEFAULTS: dict[str, Any] = {"cloud": "auto", "timeout": "2", "listen": DEFAULT_LISTEN, "kubernetes": True,
                             "cordon": False, "gpu": "auto", "log_level": "info", "ready_grace": "30",
-                            "keepalive": "10"}
+                            "keepalive": "10", "header_timeout": "10", "max_streams": "512",
+                            "max_streams_per_client": "32"}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -68,6 +78,9 @@ class AgentConfig:
     log_level: str = "info"
     ready_grace: float = 30.0
     keepalive: float = 10.0
+    header_timeout: float = 10.0
+    max_streams: int = 512
+    max_streams_per_client: int = 32
 
     @property
     def listen(self) -> str:
@@ -193,6 +206,13 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentCo
     log_level, level_field = layers.get("log_level", "--log-level")
     grace, grace_field = layers.get("ready_grace", "--ready-grace")
     keepalive, keepalive_field = layers.get("keepalive", "--keepalive")
+    header_timeout, header_timeout_field = layers.get("header_timeout", "--header-timeout")
+    max_streams, max_streams_field = layers.get("max_streams", "--max-streams")
+    per_client, per_client_field = layers.get("max_streams_per_client", "--max-streams-per-client")
+    max_streams = positive_int(max_streams_field, max_streams)
+    per_client = positive_int(per_client_field, per_client)
+    if per_client > max_streams:
+        raise ConfigError(per_client_field, f"must be <= max_streams ({max_streams}), got {per_client}")
     return AgentConfig(
         cloud=cloud,
         metadata_url=source["base_url"],
@@ -210,6 +230,9 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentCo
         log_level=one_of(level_field, str(log_level).lower(), LOG_LEVELS),
         ready_grace=positive_float(grace_field, grace, allow_zero=True),
         keepalive=positive_float(keepalive_field, keepalive),
+        header_timeout=positive_float(header_timeout_field, header_timeout),
+        max_streams=max_streams,
+        max_streams_per_client=per_client,
     )
 
 

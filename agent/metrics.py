@@ -200,7 +200,8 @@ class AgentMetrics:
       last successful read; a notice appearing now is seen at the latest this long plus one
       read later, so this bounds the detection delay (and shows a stuck source).
     - `spotguard_source_polls_total{source}`, `spotguard_source_errors_total{source,reason}`.
-    - `spotguard_subscribers` (gauge), `spotguard_subscribers_dropped_total` (slow readers cut off).
+    - `spotguard_subscribers` (gauge), `spotguard_subscribers_dropped_total` (slow readers cut off),
+      `spotguard_streams_refused_total{status}` (429: a client's share used up; 503: all taken).
     - `spotguard_node_marking_total{result}`: the node marker's counters (marked, unmarked,
       errors, events).
     - `spotguard_gpu_warnings_total{reason}`: GPU warnings (not fatal, so not notices).
@@ -227,6 +228,8 @@ class AgentMetrics:
         self.subscribers = r.gauge("spotguard_subscribers", "Open stream subscriptions.")
         self.dropped = r.counter("spotguard_subscribers_dropped_total",
                                  "Stream subscribers cut off for falling too far behind.")
+        self.streams_refused = r.counter("spotguard_streams_refused_total",
+                                         "Stream requests refused: 429 per-client cap, 503 total cap.", ("status",))
         self.marking = r.counter("spotguard_node_marking_total", "Node marker results.", ("result",))
         self.gpu_warnings = r.counter("spotguard_gpu_warnings_total", "GPU health warnings.", ("reason",))
         self.reports = r.counter("spotguard_reports_total", "POST /v1/reports by result.", ("result",))

@@ -2,18 +2,23 @@
 
 Read-only, open (they reveal only what the node's metadata service already says):
 - `GET /v1/notices` -> `{"v": 1, "node": ..., "notices": [...]}`, most urgent first.
-- `GET /v1/stream` -> Server-Sent Events: `event: snapshot` (`{"v":1,"node":...,"notices":[...]}`)
-  on connect, then `event: notice` (a new or changed notice) and `event: withdrawn` (a
-  withdrawal). Every event has `id: <sequence number>` (the snapshot's id is the sequence
-  number it reflects, so the next change has a higher one); `: keepalive` every `keepalive`
-  seconds. A subscriber with more than `max_buffered` bytes unsent is disconnected; reconnecting
-  gives a fresh snapshot, so nothing is lost. The stream ends cleanly when the agent stops.
+- `GET /v1/stream` -> Server-Sent Events: `event: snapshot`
+  (`{"v":1,"node":...,"notices":[...],"complete":bool}`, agent/snapshot.py) on connect, then
+  `event: notice` (a new or changed notice) and `event: withdrawn` (a withdrawal), and one more
+  `event: snapshot` (complete) when the table becomes complete after the subscriber connected.
+  Every event has `id: <sequence number>` (a snapshot's id is the sequence number it reflects,
+  so the next change has a higher one); `: keepalive` every `keepalive` seconds. A subscriber
+  with more than `max_buffered` bytes unsent is disconnected; reconnecting gives a fresh
+  snapshot, so nothing is lost. The stream ends cleanly when the agent stops. Streams are
+  bounded: `max_subscribers` in all (503 past it) and `max_per_client` per client IP address
+  (429 past it), both with `Retry-After`.
 - `GET /metrics` (Prometheus text), `GET /healthz` (200 while the loop runs), `GET /readyz`
   (200 once ready, else 503; JSON says which sources are still pending).
 State-changing, authenticated (see agent/auth.py):
 - `POST /v1/reports` -> 202 `{"recorded": true, "approved": bool, ...}`; 400 bad body (names
-  the field), 401/403 authentication, 404 no such live notice, 413 body too large, 503 auth
-  backend unreachable.
+  the field; not UTF-8 JSON, nested too deep, broken), 401/403 authentication, 404 no such live
+  notice, 408 body not sent within `body_timeout`, 413 body too large, 503 auth backend
+  unreachable.
 """
 from __future__ import annotations
 
@@ -28,10 +33,13 @@ from aiohttp import web
 
 from spotguard.agent.auth import Authenticator, AuthError
 from spotguard.agent.metrics import CONTENT_TYPE, AgentMetrics
-from spotguard.agent.notice import Notice, WIRE_VERSION
+from spotguard.agent.notice import Notice
 from spotguard.agent.reports import ReportBook, ReportFormatError, parse_report
+from spotguard.agent.snapshot import snapshot_wire
 from spotguard.agent.sse import KEEPALIVE, encode
-from spotguard.agent.table import TICK, NoticeTable, Published
+from spotguard.agent.table import TICK, NoticeTable, Published, Resync
+from spotguard.http_server import BodyError, client_address, read_json
+from spotguard.stream_slots import SlotRefused, StreamSlots
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +56,16 @@ class AgentServer:
 
     def __init__(self, table: NoticeTable, metrics: AgentMetrics, readiness: Readiness,
                  reports: ReportBook, authenticator: Authenticator, keepalive: float = 10.0,
-                 max_subscribers: int = 512, max_buffered: int = 1 << 20):
+                 max_subscribers: int = 512, max_per_client: int | None = 32, max_buffered: int = 1 << 20,
+                 body_timeout: float = 10.0):
         self.table = table
         self.metrics = metrics
         self.readiness = readiness
         self.reports = reports
         self.authenticator = authenticator
         self.keepalive = keepalive
-        self.max_subscribers = max_subscribers
+        self.slots = StreamSlots(max_subscribers, max_per_client)
+        self.body_timeout = body_timeout
         self.max_buffered = max_buffered  # bytes unsent to one subscriber before it is cut off
         self._frames: dict[int, bytes] = {}  # seq -> encoded frame, shared by every subscriber
 
@@ -85,16 +95,18 @@ class AgentServer:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    def _snapshot(self, notices: list[Notice]) -> dict[str, Any]:
-        return {"v": WIRE_VERSION, "node": self.table.node, "notices": [n.to_wire() for n in notices]}
+    def _snapshot(self, notices: list[Notice], complete: bool) -> dict[str, Any]:
+        return snapshot_wire(self.table.node, notices, complete)
 
     # -- read-only -----------------------------------------------------------------------------
 
     async def notices(self, request: web.Request) -> web.Response:
-        return web.json_response(self._snapshot(self.table.live()), dumps=_dumps)
+        return web.json_response(self._snapshot(self.table.live(), self.table.complete), dumps=_dumps)
 
-    def frame(self, published: Published) -> bytes:
+    def frame(self, published: Published | Resync) -> bytes:
         """The SSE frame of a change, encoded once however many subscribers send it."""
+        if isinstance(published, Resync):
+            return encode("snapshot", self._snapshot(published.notices, True), id=published.seq)
         frame = self._frames.get(published.seq)
         if frame is None:
             change = published.change
@@ -107,8 +119,17 @@ class AgentServer:
         return frame
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        if self.table.subscriber_count >= self.max_subscribers:
-            return web.json_response({"error": "too many subscribers"}, status=503, headers={"Retry-After": "1"})
+        try:
+            slot = self.slots.take(client_address(request))
+        except SlotRefused as exc:
+            self.metrics.streams_refused.inc(status=str(exc.status))
+            return web.json_response({"error": exc.message}, status=exc.status, headers={"Retry-After": "1"})
+        try:
+            return await self._serve_stream(request)
+        finally:
+            slot.release()
+
+    async def _serve_stream(self, request: web.Request) -> web.StreamResponse:
         sub = self.table.subscribe()
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -116,7 +137,7 @@ class AgentServer:
             response.enable_chunked_encoding()
         try:
             await response.prepare(request)
-            await response.write(encode("snapshot", self._snapshot(sub.snapshot), id=sub.seq))
+            await response.write(encode("snapshot", self._snapshot(sub.snapshot, sub.complete), id=sub.seq))
             # From here on the table writes each change straight to this connection as it
             # publishes it (one pre-encoded frame for all subscribers, no task wake-up each).
             sub.attach(self._sink(request.transport, response.chunked))
@@ -168,16 +189,13 @@ class AgentServer:
             headers = {"WWW-Authenticate": 'Bearer realm="spotguard"'} if exc.status == 401 else None
             return web.json_response({"error": exc.message}, status=exc.status, headers=headers)
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self.metrics.reports.inc(result="too_large")
-            return web.json_response({"error": f"body larger than {MAX_REPORT_BYTES} bytes"}, status=413)
-        try:
-            report = parse_report(json.loads(raw))
-        except (ValueError, UnicodeDecodeError) as exc:
-            message = str(exc) if isinstance(exc, ReportFormatError) else "body: not JSON"
+            report = parse_report(await read_json(request, MAX_REPORT_BYTES, self.body_timeout))
+        except BodyError as exc:
+            self.metrics.reports.inc(result="too_large" if exc.status == 413 else "bad_request")
+            return web.json_response({"error": exc.message}, status=exc.status)
+        except ReportFormatError as exc:
             self.metrics.reports.inc(result="bad_request")
-            return web.json_response({"error": message}, status=400)
+            return web.json_response({"error": str(exc)}, status=400)
         if not caller.may_report_for(report.namespace, report.pod):
             self.metrics.reports.inc(result="forbidden")
             return web.json_response({"error": "the token does not belong to that pod"}, status=403)

@@ -16,6 +16,11 @@ Contract:
   (it reconnects and gets a fresh snapshot, so it loses nothing).
 - Listeners (`add_listener`) are plain callables called synchronously after every change; an
   exception in one is logged and never stops the table.
+- `complete` says whether the table is authoritative (its owner calls `mark_complete()` once
+  every source has read at least once). Subscriptions carry it with their snapshot; on
+  `mark_complete()` every subscriber gets a `Resync` (the live set at the current sequence
+  number, now complete) in order with the changes, so a consumer that was given an
+  incomplete snapshot learns what is really gone.
 
 The table is single-threaded: use it from one event loop.
 """
@@ -59,18 +64,30 @@ TICK = object()
 """What `Subscription.next()` returns after `NoticeTable.tick()`: time for a keepalive."""
 
 
-class Subscription:
-    """A subscriber's view: `snapshot` (live notices at `seq`), then changes via `next()`.
+@dataclass(frozen=True)
+class Resync:
+    """The whole live set at sequence number `seq`, sent to subscribers when the table became
+    complete (the server sends it as a fresh snapshot)."""
 
-    `next()` returns the next `Published` change, `TICK` after a `NoticeTable.tick()`, or None
-    once the subscription is closed (agent shutting down, or the subscriber fell too far
-    behind: `overflowed` says which).
+    seq: int
+    notices: list[Notice]
+
+
+class Subscription:
+    """A subscriber's view: `snapshot` (live notices at `seq`; `complete` when the table was
+    authoritative then), then changes via `next()`.
+
+    `next()` returns the next `Published` change, a `Resync`, `TICK` after a
+    `NoticeTable.tick()`, or None once the subscription is closed (agent shutting down, or the
+    subscriber fell too far behind: `overflowed` says which).
     """
 
-    def __init__(self, table: "NoticeTable", snapshot: list[Notice], seq: int, max_backlog: int):
+    def __init__(self, table: "NoticeTable", snapshot: list[Notice], seq: int, max_backlog: int,
+                 complete: bool = True):
         self._table = table
         self.snapshot = snapshot
         self.seq = seq
+        self.complete = complete
         self._queue: asyncio.Queue[Published | None] = asyncio.Queue()
         self._max_backlog = max_backlog
         self._sink: Sink | None = None
@@ -102,7 +119,7 @@ class Subscription:
             self.overflowed = problem == "full"
             self._close()
 
-    def _push(self, published: Published) -> None:
+    def _push(self, published: "Published | Resync") -> None:
         if self.closed:
             return
         if self._sink is not None:
@@ -127,7 +144,7 @@ class Subscription:
         elif not self.closed and self._queue.empty():
             self._queue.put_nowait(TICK)  # type: ignore[arg-type]
 
-    async def next(self, timeout: float | None = None) -> Published | None:
+    async def next(self, timeout: float | None = None) -> "Published | Resync | None":
         """The next change (or TICK); None when closed. TimeoutError after `timeout` seconds."""
         if timeout is None:
             return await self._queue.get()
@@ -151,6 +168,7 @@ class NoticeTable:
         self._subscribers: set[Subscription] = set()
         self._listeners: list[Listener] = []
         self.closed = False
+        self.complete = False
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -173,7 +191,7 @@ class NoticeTable:
 
     def subscribe(self) -> Subscription:
         """Registers a subscriber; its snapshot and the changes after it never overlap or gap."""
-        sub = Subscription(self, self.live(), self.seq, self.max_backlog)
+        sub = Subscription(self, self.live(), self.seq, self.max_backlog, self.complete)
         if self.closed:
             sub._close()
         else:
@@ -184,6 +202,15 @@ class NoticeTable:
         """Wakes every idle subscriber with TICK (the server sends keepalives on it)."""
         for sub in list(self._subscribers):
             sub._tick()
+
+    def mark_complete(self) -> None:
+        """The table is authoritative from now on; every subscriber gets a `Resync`. Idempotent."""
+        if self.complete or self.closed:
+            return
+        self.complete = True
+        resync = Resync(self.seq, self.live())
+        for sub in list(self._subscribers):
+            sub._push(resync)
 
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)

@@ -40,6 +40,7 @@ class _Subscriber(asyncio.Protocol):
     def __init__(self, host: str, on_snapshot, on_notice):
         self.host, self.on_snapshot, self.on_notice = host, on_snapshot, on_notice
         self.decoder = SSEDecoder()
+        self.subscribed = False
 
     def connection_made(self, transport) -> None:
         transport.write(f"GET /v1/stream HTTP/1.1\r\nHost: {self.host}\r\nAccept: text/event-stream\r\n\r\n".encode())
@@ -47,7 +48,8 @@ class _Subscriber(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         now = time.monotonic()
         for event in self.decoder.feed(data):
-            if event.event == "snapshot":
+            if event.event == "snapshot" and not self.subscribed:  # not the agent's later complete one
+                self.subscribed = True
                 self.on_snapshot()
             elif event.event == "notice":
                 self.on_notice(event.json()["id"] + "@" + (event.id or ""), now)
@@ -109,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> list[float]:
         async with Emulator(args.cloud) as emu:
-            proc, address = await asyncio.to_thread(start_agent, args.cloud, emu.url)
+            streams = str(max(512, args.subscribers))  # every subscriber is one client (127.0.0.1)
+            proc, address = await asyncio.to_thread(start_agent, args.cloud, emu.url, "--max-streams", streams,
+                                                    "--max-streams-per-client", streams)
             ctx = mp.get_context("spawn")
             results, ready = ctx.Queue(), ctx.Queue()
             shares = [args.subscribers // args.procs + (1 if i < args.subscribers % args.procs else 0)

@@ -3,7 +3,8 @@
 A rule matches requests whose path starts with `path` (default: any cloud path) and applies to
 the next `count` of them (default 1; 0 means until cleared). Kinds:
 - latency: delay the answer by `seconds`;        - hang: never answer (until the client gives up);
-- status: answer `status` (5xx, 429, ...);       - malformed: 200 with a corrupt body;
+- status: answer `status` (5xx, 429, ...), with `Retry-After: <retry_after>` when given;
+- malformed: 200 with a corrupt body;
 - oversized: 200 with a body of `bytes` (default 1 MiB);
 - drop: close the connection without an answer;  - expired-token: invalidate issued tokens.
 """
@@ -29,10 +30,11 @@ class FaultRule:
     seconds: float = 0.0
     status: int = 503
     size: int = 1 << 20
+    retry_after: int | None = None
 
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "kind": self.kind, "path": self.path, "remaining": self.remaining,
-                "seconds": self.seconds, "status": self.status, "bytes": self.size}
+                "seconds": self.seconds, "status": self.status, "bytes": self.size, "retry_after": self.retry_after}
 
 
 def _number(spec: dict, key: str, default: float, low: float, high: float) -> float:
@@ -64,6 +66,7 @@ class FaultTable:
             seconds=float(_number(spec, "seconds", 3600.0 if kind == "hang" else 0.5, 0, 86400)),
             status=int(_number(spec, "status", 503, 100, 599)),
             size=int(_number(spec, "bytes", 1 << 20, 0, 64 << 20)),
+            retry_after=None if spec.get("retry_after") is None else int(_number(spec, "retry_after", 0, 0, 86400)),
         )
         self.rules.append(rule)
         return rule

@@ -5,7 +5,7 @@ changes what the emulated cloud says; the token is random unless given):
 - POST   /_emulator/notices         {"kind", "in": s, "lead": s, ...cloud fields} -> notice
 - GET    /_emulator/notices         -> {"notices": [...]} with scheduled and served times
 - DELETE /_emulator/notices/{id}    cancel (a maintenance shows as canceled where the cloud does)
-- POST   /_emulator/faults          {"kind", "path", "count", "seconds", "status", "bytes"}
+- POST   /_emulator/faults          {"kind", "path", "count", "seconds", "status", "bytes", "retry_after"}
 - DELETE /_emulator/faults          clear all faults
 - POST   /_emulator/reset           drop every notice and fault
 - GET    /_emulator/requests        -> {"total": n, "by_path": {...}} cloud requests served
@@ -119,7 +119,8 @@ class Emulator:
             await asyncio.sleep(rule.seconds)
             return _json_error(504, "hung")
         if rule.kind == "status":
-            return web.Response(status=rule.status, text=f"emulated status {rule.status}")
+            headers = {} if rule.retry_after is None else {"Retry-After": str(rule.retry_after)}
+            return web.Response(status=rule.status, text=f"emulated status {rule.status}", headers=headers)
         if rule.kind == "malformed":
             return web.Response(status=200, body=self.handler.malformed_body(request.path),
                                 headers=self._cloud_headers())

@@ -5,8 +5,11 @@ Contract:
   `http.client` (no asyncio in a training process), decodes with `agent.sse.SSEDecoder` and calls
   `on_notice(notice)` for every notice that is new, or whose content changed (dedupe by id).
   `on_withdrawn(notice_id)` gets withdrawals. Both run on this thread and must be quick.
-- A `snapshot` event delivers its notices the same way; `membership` events are not the
-  Guard's business (the sidecar rewrites the hostfile) and are skipped quietly.
+- A `snapshot` event is applied by the rule every consumer shares (`agent.snapshot.reconcile`):
+  its new or changed notices are delivered the same way, and a notice delivered earlier that
+  it lacks is withdrawn (`on_withdrawn`) only when the snapshot is complete; a snapshot with
+  any bad part is refused whole. `membership` events are not the Guard's business (the
+  sidecar rewrites the hostfile) and are skipped quietly.
 - Malformed input (bad JSON, a bad notice, an unknown event type) is logged with what was wrong
   and skipped: nothing changes. A broken byte stream (not UTF-8, an endless line) drops the
   connection and reconnects with a fresh decoder.
@@ -26,6 +29,7 @@ import urllib.parse
 from typing import Any, Callable
 
 from spotguard.agent.notice import WIRE_VERSION, Notice, NoticeFormatError
+from spotguard.agent.snapshot import parse_snapshot, reconcile
 from spotguard.agent.sse import SSEDecoder, SSEError, SSEEvent
 from spotguard.backoff import Backoff
 
@@ -121,21 +125,16 @@ class NoticeListener(threading.Thread):
             if event.event == "notice":
                 self._accept(Notice.from_wire(self._json(event)))
             elif event.event == "snapshot":
-                body = self._json(event)
-                if not isinstance(body, dict) or body.get("v") != WIRE_VERSION or not isinstance(body.get("notices"), list):
-                    raise NoticeFormatError("snapshot: expected {\"v\": 1, \"notices\": [...]}")
-                for item in body["notices"]:
-                    try:
-                        self._accept(Notice.from_wire(item))
-                    except NoticeFormatError as exc:
-                        self._malformed(event, exc)
+                diff = reconcile(self._seen, parse_snapshot(self._json(event)))
+                for notice_id in diff.withdrawn:
+                    self._withdraw(notice_id, "absent from a complete snapshot")
+                for notice in diff.upserts:
+                    self._accept(notice)
             elif event.event == "withdrawn":
                 body = self._json(event)
                 if not isinstance(body, dict) or body.get("v") != WIRE_VERSION or not isinstance(body.get("withdrawn"), str) or not body["withdrawn"]:
                     raise NoticeFormatError("withdrawn: expected {\"v\": 1, \"withdrawn\": \"<id>\", ...}")
-                log.info("notice %s withdrawn (%s)", body["withdrawn"], body.get("reason", "no reason given"))
-                self._seen.pop(body["withdrawn"], None)
-                self._on_withdrawn(body["withdrawn"])
+                self._withdraw(body["withdrawn"], body.get("reason", "no reason given"))
             elif event.event == "membership":
                 log.debug("membership event ignored by the Guard (the sidecar handles it)")
             else:
@@ -153,6 +152,11 @@ class NoticeListener(threading.Thread):
     def _malformed(self, event: SSEEvent, exc: Exception) -> None:
         self.stats["malformed"] += 1
         log.warning("ignored malformed %r event id=%s from the sidecar: %s", event.event, event.id, exc)
+
+    def _withdraw(self, notice_id: str, reason: Any) -> None:
+        log.info("notice %s withdrawn (%s)", notice_id, reason)
+        self._seen.pop(notice_id, None)
+        self._on_withdrawn(notice_id)
 
     def _accept(self, notice: Notice) -> None:
         known = self._seen.get(notice.id)

@@ -42,6 +42,7 @@ class Publisher:
         self.reports: list[dict] = []
         self.report_auth: list[str] = []
         self.report_statuses: list[int] = []  # statuses to answer with first (then 200)
+        self.complete: bool | None = None  # the snapshots' `complete` (None: the field is left out)
         self._streams: set[web.StreamResponse] = set()
         self._queues: set[asyncio.Queue] = set()
         self._seq = 0
@@ -91,6 +92,17 @@ class Publisher:
         for queue in list(self._queues):
             queue.put_nowait(None)
 
+    def snapshot(self) -> dict:
+        body = {"v": 1, "node": self.node, "notices": list(self.live.values())}
+        if self.complete is not None:
+            body["complete"] = self.complete
+        return body
+
+    def resync(self) -> None:
+        """Becomes complete and sends every subscriber a fresh snapshot, as the agent does."""
+        self.complete = True
+        self._send(encode("snapshot", self.snapshot(), self._next_id()))
+
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         if self.refuse_next > 0:
             self.refuse_next -= 1
@@ -101,8 +113,7 @@ class Publisher:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues.add(queue)
         try:
-            snapshot = {"v": 1, "node": self.node, "notices": list(self.live.values())}
-            await resp.write(encode("snapshot", snapshot, self._next_id()))
+            await resp.write(encode("snapshot", self.snapshot(), self._next_id()))
             while True:
                 try:
                     frame = await asyncio.wait_for(queue.get(), 1.0)
@@ -192,8 +203,12 @@ def sidecar_config(tmp_path, agent_url: str, **overrides: Any) -> SidecarConfig:
 
 
 @contextlib.asynccontextmanager
-async def running_sidecar(tmp_path, agent_url: str, **overrides: Any) -> AsyncIterator[Sidecar]:
+async def running_sidecar(tmp_path, agent_url: str, settle: bool = True, **overrides: Any) -> AsyncIterator[Sidecar]:
+    """A started sidecar; with `settle`, only once it applied its agent's first complete snapshot,
+    so a subscriber opened next gets one complete snapshot (no later resync snapshot)."""
     async with Sidecar(sidecar_config(tmp_path, agent_url, **overrides)) as sidecar:
+        if settle:
+            await eventually(lambda: sidecar.live.complete, timeout=10, what="the sidecar heard from its agent")
         yield sidecar
 
 

@@ -165,6 +165,11 @@ async def test_config_file_and_environment_fill_in_for_flags(make_emulator, http
         await proc.started()
         async with http.get(proc.url + "/v1/notices") as resp:
             assert (await resp.json())["node"] == "from-flag"  # the flag beats env and file
+
+        async def complete() -> bool:
+            async with http.get(proc.url + "/v1/notices") as resp:
+                return (await resp.json())["complete"]
+        await wait_for(complete, timeout=10)  # so the stream starts with a complete snapshot, no resync
         async with http.get(proc.url + "/v1/stream") as resp:
             await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
             assert await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5) == b": keepalive\n\n"  # env value
@@ -181,6 +186,8 @@ async def test_config_file_and_environment_fill_in_for_flags(make_emulator, http
     ([], {"SPOTGUARD_TIMEOUT": "soon"}, "SPOTGUARD_TIMEOUT"),
     (["--config", "{config}"], {}, "bogus_key"),
     (["--report-token-file", "/nonexistent/token"], {}, "--report-token-file"),
+    (["--max-streams", "8", "--max-streams-per-client", "9"], {}, "--max-streams-per-client"),
+    ([], {"SPOTGUARD_HEADER_TIMEOUT": "0"}, "SPOTGUARD_HEADER_TIMEOUT"),
 ])
 def test_bad_config_exits_2_naming_the_field(args, env, field, tmp_path):
     config = tmp_path / "bad.yaml"

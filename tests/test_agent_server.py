@@ -62,9 +62,10 @@ async def test_stream_snapshot_then_changes_with_increasing_ids(start_agent, htt
     a = FedSource("test.a")
     agent, url = await start_agent([a])
     a.show()
+    await wait_for(lambda: agent.table.complete)  # the one source has read: the table is authoritative
     async with stream(http, url) as s:
         snap = await s.next()
-        assert snap.event == "snapshot" and snap.json() == {"v": 1, "node": "n1", "notices": []}
+        assert snap.event == "snapshot" and snap.json() == {"v": 1, "node": "n1", "notices": [], "complete": True}
         x = make_notice("test.a:x", deadline_in=120)
         a.show(x)
         new = await s.next()
@@ -81,10 +82,34 @@ async def test_stream_snapshot_then_changes_with_increasing_ids(start_agent, htt
         assert (await resp.json())["notices"] == []
 
 
+async def test_snapshots_say_whether_every_source_has_read_and_the_stream_resyncs_when_it_has(start_agent, http):
+    a, b = FedSource("test.a"), FedSource("test.b")
+    agent, url = await start_agent([a, b], ready_grace=0.0)  # readiness by grace never makes it complete
+    async with stream(http, url) as s:
+        first = await s.next()
+        assert first.event == "snapshot" and first.json()["complete"] is False
+        x = make_notice("test.a:x")
+        a.show(x)
+        assert (await s.next()).json()["id"] == x.id
+        async with http.get(url + "/v1/notices") as resp:
+            assert (await resp.json())["complete"] is False
+        b.show()
+        resync = await s.next()
+        assert resync.event == "snapshot" and resync.json()["complete"] is True
+        assert [n["id"] for n in resync.json()["notices"]] == [x.id] and int(resync.id) > int(first.id)
+        a.show()
+        assert (await s.next()).event == "withdrawn"
+    async with http.get(url + "/v1/notices") as resp:
+        assert (await resp.json())["complete"] is True
+
+
 async def test_same_id_from_two_sources_is_published_once_earliest_deadline(start_agent, http):
     a, b = FedSource("test.a"), FedSource("test.b")
     agent, url = await start_agent([a, b])
     late, early = make_notice("shared:1", deadline_in=300), make_notice("shared:1", deadline_in=60)
+    a.show()
+    b.show()
+    await wait_for(lambda: agent.table.complete)
     async with stream(http, url) as s:
         await s.next()  # snapshot
         a.show(late)

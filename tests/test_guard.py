@@ -134,6 +134,30 @@ def test_broken_byte_stream_reconnects_and_snapshot_redelivers(sidecar):
         guard.close()
 
 
+def test_listener_withdraws_a_notice_only_when_a_complete_snapshot_lacks_it(sidecar):
+    """The Guard's listener applies the consumers' shared snapshot rule (agent/snapshot.py)."""
+    from spotguard.hooks.notice_listener import NoticeListener
+
+    delivered, withdrawn = [], []
+    listener = NoticeListener(sidecar.url, lambda n: delivered.append(n.id), withdrawn.append)
+    listener.start()
+    try:
+        wait_until(listener.connected.is_set)
+        x, y = notice(nid="aws.spot:x"), notice(nid="aws.spot:y")
+        sidecar.push("notice", x.to_wire())
+        wait_until(lambda: delivered == [x.id])
+        # not authoritative (a producer that has not read since it restarted): x stays
+        sidecar.push("snapshot", {"v": 1, "node": "n1", "notices": [y.to_wire()], "complete": False})
+        wait_until(lambda: delivered == [x.id, y.id])
+        assert withdrawn == []
+        # authoritative, and x is not in it: x is withdrawn, y (held, unchanged) is not redelivered
+        sidecar.push("snapshot", {"v": 1, "node": "n1", "notices": [y.to_wire()], "complete": True})
+        wait_until(lambda: withdrawn == [x.id])
+        assert delivered == [x.id, y.id]
+    finally:
+        listener.stop()
+
+
 def test_withdrawn_before_agreement_and_rebalance_are_not_acted_on(sidecar):
     guard = make_guard(sidecar)
     try:

@@ -28,7 +28,7 @@ def test_live_set_returns_only_changes():
 
 async def test_reconnect_mid_notice_keeps_the_notice_without_duplicate_or_withdrawal(tmp_path):
     async with Publisher() as pub, running_sidecar(tmp_path, pub.url) as sc, StreamReader(sc.url) as guard:
-        assert await guard.next() == ("snapshot", {"v": 1, "node": None, "notices": []})
+        assert await guard.next() == ("snapshot", {"v": 1, "node": "node-a", "notices": [], "complete": True})
         first = make_notice(tag="first")
         await eventually(lambda: pub.connections == 1, what="relay connected")
         pub.add(first)
@@ -69,6 +69,46 @@ async def test_changes_missed_while_disconnected_arrive_with_the_next_snapshot(t
         assert [n.id for n in sc.live.notices()] == [new.id]
 
 
+async def test_an_incomplete_agent_snapshot_withdraws_nothing_and_completion_resyncs_the_pod(tmp_path):
+    async with Publisher() as pub, running_sidecar(tmp_path, pub.url) as sc:
+        held, gone = make_notice(tag="held"), make_notice(tag="gone")
+        await eventually(lambda: pub.connections == 1)
+        pub.add(held)
+        pub.add(gone)
+        await eventually(lambda: len(sc.live) == 2, what="both relayed")
+        # The agent restarts: it has not read its sources yet, so its snapshot is empty and says so.
+        pub.live.clear()
+        pub.complete = False
+        pub.drop_connections()
+        await eventually(lambda: sc.relay.snapshots == 2, timeout=10, what="relay reconnected")
+        assert {n.id for n in sc.live.notices()} == {held.id, gone.id} and sc.live.complete
+        async with StreamReader(sc.url) as pod:
+            event, data = await pod.next()
+            assert event == "snapshot" and data["complete"] is True and len(data["notices"]) == 2
+            # Its sources have read: `held` is live, `gone` really is gone.
+            pub.add_silently(held)
+            pub.resync()
+            assert await pod.next() == ("withdrawn", {"v": 1, "withdrawn": gone.id, "source": "test.src",
+                                                      "node": "node-a", "reason": "absent from snapshot"})
+            await pod.quiet(0.3)
+        assert [n.id for n in sc.live.notices()] == [held.id]
+
+
+async def test_a_pod_subscribed_before_the_agent_answered_gets_a_complete_snapshot_later(tmp_path):
+    async with Publisher() as pub:
+        pub.complete = False
+        pub.add_silently(make_notice(tag="early"))
+        async with running_sidecar(tmp_path, pub.url, settle=False) as sc:
+            await eventually(lambda: sc.relay.snapshots == 1, what="relay connected")
+            async with StreamReader(sc.url) as pod:
+                event, first = await pod.next()
+                assert event == "snapshot" and first["complete"] is False and len(first["notices"]) == 1
+                pub.resync()
+                event, second = await pod.next()
+                assert event == "snapshot" and second["complete"] is True and second["notices"] == first["notices"]
+                await pod.quiet(0.3)
+
+
 async def test_withdrawn_propagates(tmp_path):
     async with Publisher() as pub, running_sidecar(tmp_path, pub.url) as sc, StreamReader(sc.url) as guard:
         await guard.next()
@@ -98,7 +138,8 @@ async def test_changed_deadline_is_relayed_and_late_subscribers_get_the_snapshot
         assert await guard.next() == ("notice", moved.to_wire())
         await guard.quiet(0.2)
         async with StreamReader(sc.url) as late:
-            assert await late.next() == ("snapshot", {"v": 1, "node": "node-a", "notices": [moved.to_wire()]})
+            assert await late.next() == ("snapshot", {"v": 1, "node": "node-a", "notices": [moved.to_wire()],
+                                                      "complete": True})
 
 
 async def test_malformed_agent_messages_are_logged_ignored_and_the_relay_keeps_running(tmp_path, caplog):

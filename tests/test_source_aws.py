@@ -12,6 +12,7 @@ from spotguard.agent.sources.aws import (TOKEN_PATH, ImdsClient, LifecycleSource
                                          RebalanceSource, SpotInterruptionSource, aws_sources,
                                          parse_maintenance_time)
 from spotguard.agent.sources.base import SourceError
+from spotguard.agent.sources.retry import RetryPolicy
 from spotguard.backoff import Backoff
 from tests.helpers import next_update, poll_until
 from tests.source_runner import RunningSource
@@ -289,7 +290,7 @@ async def test_run_survives_every_fault_in_a_row(make_emulator):
     emu, control = await make_emulator("aws")
     imds = ImdsClient(emu.url, timeout=0.3)
     source = SpotInterruptionSource(imds, "n1", interval=0.02, owns_client=True)
-    source.backoff = Backoff(base=0.02, cap=0.1)  # ten failures in a row: keep the test short
+    source.retry = RetryPolicy(source.interval, transient=Backoff(base=0.02, cap=0.1))  # keep the test short
     running = RunningSource(source)
     try:
         for fault, _ in FAULTS:

@@ -6,8 +6,9 @@ into updates: a new or changed notice is yielded as a `Notice`, one that disappe
 successful report as a `Withdrawal`. A failed read never withdraws anything.
 
 Contract of `run()`: it never raises out of its loop (only cancellation ends it), counts every
-failure in `stats.errors` by reason, backs off exponentially with jitter on consecutive
-failures, and keeps the first `detected_at` of a notice for as long as it stays live.
+failure in `stats.errors` by reason, waits after a failure as `retry.RetryPolicy` says (at
+most the interval + 1 s, except after throttling, which waits as the server asks, bounded),
+and keeps the first `detected_at` of a notice for as long as it stays live.
 """
 from __future__ import annotations
 
@@ -20,17 +21,20 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from spotguard.agent.notice import Notice, Update, Withdrawal
+from spotguard.agent.sources.retry import RetryPolicy
 from spotguard.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
 
 class SourceError(Exception):
-    """A read gave no clean answer. `reason` is a short label for metrics (timeout, http_503...)."""
+    """A read gave no clean answer. `reason` is a short label for metrics (timeout, http_503...);
+    `retry_after` the seconds the server asked us to wait (a 429's Retry-After), if it did."""
 
-    def __init__(self, reason: str, message: str = ""):
+    def __init__(self, reason: str, message: str = "", retry_after: float | None = None):
         super().__init__(f"{reason}: {message}" if message else reason)
         self.reason = reason
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -49,7 +53,7 @@ class Source(abc.ABC):
 
     Subclasses set `name` (e.g. "aws.spot") and implement `poll()`. `interval` is the pause
     between reads; a source whose read blocks until something changes (GCP's hanging GET, a
-    Kubernetes watch) uses 0.
+    Kubernetes watch) uses 0. `backoff`, if given, replaces the transient-failure schedule.
     """
 
     name: str = "source"
@@ -57,7 +61,7 @@ class Source(abc.ABC):
     def __init__(self, node: str, interval: float, backoff: Backoff | None = None):
         self.node = node
         self.interval = interval
-        self.backoff = backoff or Backoff(base=max(interval, 0.2), cap=10.0)
+        self.retry = RetryPolicy(interval, transient=backoff)
         self.stats = SourceStats()
         self._live: dict[str, Notice] = {}
 
@@ -104,14 +108,14 @@ class Source(abc.ABC):
                 except asyncio.CancelledError:
                     raise
                 except SourceError as exc:
-                    delay = self._failed(exc.reason, str(exc))
+                    delay = self._failed(exc.reason, str(exc), exc.retry_after)
                 except Exception as exc:  # a bug or an unexpected library error: count it, go on
                     log.exception("source %s: unexpected error", self.name)
                     delay = self._failed("internal", repr(exc))
                 else:
                     self.stats.successes += 1
                     self.stats.last_success_monotonic = time.monotonic()
-                    self.backoff.reset()
+                    self.retry.reset()
                     for update in self.reconcile(current):
                         yield update
                     delay = self.interval
@@ -122,10 +126,10 @@ class Source(abc.ABC):
         finally:
             await self.close()
 
-    def _failed(self, reason: str, message: str) -> float:
+    def _failed(self, reason: str, message: str, retry_after: float | None = None) -> float:
         self.stats.errors[reason] += 1
         self.stats.last_error = message
-        delay = max(self.interval, self.backoff.next_delay())
+        delay = self.retry.after_failure(reason, retry_after)
         log.warning("source %s: %s; retrying in %.2fs", self.name, message, delay,
                     extra={"source": self.name, "reason": reason})
         return delay

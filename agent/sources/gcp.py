@@ -28,7 +28,7 @@ from typing import Mapping
 
 from spotguard.agent.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
-from spotguard.agent.sources.http import MetadataClient, Response, expect_status
+from spotguard.agent.sources.http import MetadataClient, Response, expect_status, header
 
 DEFAULT_URL = "http://metadata.google.internal"
 PREFIX = "/computeMetadata/v1/instance"
@@ -41,15 +41,6 @@ MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_
 PREEMPT_LEAD = 30.0
 MAINTENANCE_LEAD = 60.0
 _ETAG = re.compile(r"[\x21-\x7e]{1,128}")
-
-
-def header(headers: Mapping[str, str], name: str) -> str | None:
-    """The value of header `name`, matched case-insensitively (None when absent)."""
-    wanted = name.lower()
-    for key, value in headers.items():
-        if isinstance(key, str) and key.lower() == wanted:
-            return value
-    return None
 
 
 def read_value(status: int, headers: Mapping[str, str], body: bytes, *, path: str,

@@ -7,7 +7,10 @@ transport failure becomes a `SourceError` with a metrics label.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 from typing import Mapping
 
 import aiohttp
@@ -89,12 +92,41 @@ class MetadataClient:
             self._session = None
 
 
+def header(headers: Mapping[str, str], name: str) -> str | None:
+    """The value of header `name`, matched case-insensitively (None when absent)."""
+    wanted = name.lower()
+    for key, value in headers.items():
+        if isinstance(key, str) and key.lower() == wanted:
+            return value
+    return None
+
+
+def retry_after_seconds(value: str | None, now: datetime | None = None) -> float | None:
+    """Seconds a `Retry-After` value asks for (delta-seconds or an HTTP date); None when absent
+    or unreadable. Never negative."""
+    if not isinstance(value, str) or not value.strip() or len(value) > 64:
+        return None
+    text = value.strip()
+    if text.isdigit():
+        return float(min(int(text), 1 << 31))
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    seconds = (when - (now or datetime.now(timezone.utc))).total_seconds()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
 def expect_status(resp: Response, path: str, *ok: int) -> None:
-    """Raises SourceError labelled by status class unless resp.status is one of `ok`."""
+    """Raises SourceError labelled by status class unless resp.status is one of `ok`; a 429
+    carries the seconds of its Retry-After, if any."""
     if resp.status in ok:
         return
     if resp.status == 429:
-        raise SourceError("http_429", f"{path}: throttled")
+        raise SourceError("http_429", f"{path}: throttled",
+                          retry_after=retry_after_seconds(header(resp.headers, "Retry-After")))
     if resp.status >= 500:
         raise SourceError("http_5xx", f"{path}: server error {resp.status}")
     raise SourceError(f"http_{resp.status}", f"{path}: unexpected status {resp.status}")

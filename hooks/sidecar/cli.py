@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--local-world-size", default=None,
                    help="ranks in this pod, for preStop (default $SPOTGUARD_LOCAL_WORLD_SIZE, "
                         "else the world size in the first hook report)")
+    p.add_argument("--header-timeout", default=None,
+                   help="seconds a connection has to send a request's headers, or its body; idle "
+                        "keep-alive connections close after it too (default $SPOTGUARD_HEADER_TIMEOUT or 10)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
     sub = p.add_subparsers(dest="sidecar_command", metavar="SUBCOMMAND")
@@ -97,6 +100,7 @@ def build_config(args: argparse.Namespace):
         raise ConfigError("--token-file", "not given and SPOTGUARD_TOKEN_FILE is unset")
     local = args.local_world_size if args.local_world_size is not None else env_default("LOCAL_WORLD_SIZE")
     host, port = parse_listen(args.listen)
+    header_timeout = args.header_timeout if args.header_timeout is not None else env_default("HEADER_TIMEOUT", 10)
     return SidecarConfig(
         agent_url=agent_url,
         token_file=token_file,
@@ -108,6 +112,7 @@ def build_config(args: argparse.Namespace):
         local_world_size=None if local is None else positive_int("--local-world-size", local),
         pod=env_default("POD_NAME") or socket.gethostname(),
         namespace=env_default("POD_NAMESPACE") or _default_namespace(),
+        header_timeout=positive_float("--header-timeout", header_timeout),
     )
 
 

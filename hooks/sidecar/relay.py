@@ -1,10 +1,15 @@
 """The sidecar's subscription to its node agent's stream, and the live notice set it keeps.
 
-`LiveSet` is the set of live notices by id: a snapshot replaces it, a notice upserts, a
-withdrawal removes. Every method returns only the *changes* it made, so a reconnect whose
-snapshot repeats what we hold changes nothing downstream (no duplicate, no withdrawal), and a
-notice withdrawn while we were disconnected is withdrawn downstream when the next snapshot
-lacks it.
+`LiveSet` is the set of live notices by id: a snapshot is applied by the rule every consumer
+shares (`agent.snapshot.reconcile`: new or changed notices upserted; held ones it lacks
+withdrawn only when the snapshot is complete), a notice upserts, a withdrawal removes. Every
+method returns only the *changes* it made, so a reconnect whose snapshot repeats what we hold
+changes nothing downstream (no duplicate, no withdrawal); an incomplete snapshot (an agent
+whose sources have not all read since it restarted) never withdraws; and a notice withdrawn
+while we were disconnected is withdrawn downstream once a complete snapshot lacks it.
+`LiveSet.complete` turns true with the first complete snapshot and stays so (the sidecar's own
+snapshots say it); that first one also yields a `Change(resync=True)`, telling the sidecar to
+send its subscribers a fresh, complete snapshot.
 
 `Relay.run()` keeps one GET /v1/stream open to the agent, reconnecting with backoff (reset
 after each good snapshot) and treating a silent connection (no bytes, not even the agent's
@@ -23,6 +28,7 @@ from typing import Any, Awaitable, Callable, Mapping
 import aiohttp
 
 from spotguard.agent.notice import WIRE_VERSION, Notice, NoticeFormatError, Withdrawal
+from spotguard.agent.snapshot import Snapshot, parse_snapshot, reconcile
 from spotguard.agent.sse import SSEDecoder, SSEError
 from spotguard.backoff import Backoff
 
@@ -33,12 +39,15 @@ MAX_ID = 512
 
 @dataclass(frozen=True)
 class Change:
-    """One change to the live set: a new/changed notice, or a withdrawal."""
+    """One change to the live set: a new/changed notice, a withdrawal, or (`resync`) the set
+    becoming complete (authoritative) for the first time."""
 
     notice: Notice | None = None
     withdrawal: Withdrawal | None = None
+    resync: bool = False
 
     def to_event(self) -> tuple[str, dict[str, Any]]:
+        """(event, data) of a notice or withdrawal; a resync has no event of its own."""
         if self.notice is not None:
             return "notice", self.notice.to_wire()
         assert self.withdrawal is not None
@@ -63,25 +72,6 @@ def parse_withdrawal(obj: Any) -> Withdrawal:
     return Withdrawal(notice_id, **fields)
 
 
-def parse_snapshot(obj: Any) -> tuple[str | None, list[Notice]]:
-    """(node, notices) of a snapshot object; NoticeFormatError for any bad part."""
-    if not isinstance(obj, Mapping):
-        raise NoticeFormatError(f"snapshot: expected a JSON object, got {type(obj).__name__}")
-    if obj.get("v") != WIRE_VERSION or isinstance(obj.get("v"), bool):
-        raise NoticeFormatError(f"v: unsupported wire version {obj.get('v')!r:.20}")
-    notices = obj.get("notices")
-    if not isinstance(notices, list):
-        raise NoticeFormatError("notices: expected a list")
-    parsed = []
-    for index, item in enumerate(notices):
-        try:
-            parsed.append(Notice.from_wire(item))
-        except NoticeFormatError as exc:
-            raise NoticeFormatError(f"notices[{index}]: {exc}") from None
-    node = obj.get("node")
-    return (node if isinstance(node, str) and node else None), parsed
-
-
 class LiveSet:
     """Live notices by id. Every mutation returns the list of changes it made."""
 
@@ -90,6 +80,7 @@ class LiveSet:
         self.node: str | None = None
         self.remember = remember
         self._seen: dict[str, None] = {}  # ids ever live, oldest first, at most `remember`
+        self.complete = False  # a complete snapshot has been applied
 
     def seen(self, notice_id: str) -> bool:
         """True if the notice is or was live (among the last `remember` ids)."""
@@ -121,19 +112,25 @@ class LiveSet:
             return []
         return [Change(withdrawal=withdrawal)]
 
-    def replace(self, notices: list[Notice], node: str | None = None) -> list[Change]:
-        """Makes the set equal to a snapshot's notices."""
-        if node:
-            self.node = node
-        fresh = {n.id: n for n in notices}
+    def apply_snapshot(self, snapshot: Snapshot) -> list[Change]:
+        """Applies a snapshot by the shared rule (module docstring)."""
+        if snapshot.node:
+            self.node = snapshot.node
+        diff = reconcile(self._notices, snapshot)
         changes = []
-        for notice_id, held in list(self._notices.items()):
-            if notice_id not in fresh:
-                del self._notices[notice_id]
-                changes.append(Change(withdrawal=Withdrawal(notice_id, held.source, held.node, "absent from snapshot")))
-        for notice in fresh.values():
+        for notice_id in diff.withdrawn:
+            held = self._notices.pop(notice_id)
+            changes.append(Change(withdrawal=Withdrawal(notice_id, held.source, held.node, "absent from snapshot")))
+        for notice in diff.upserts:
             changes.extend(self.upsert(notice))
+        if snapshot.complete and not self.complete:
+            self.complete = True
+            changes.append(Change(resync=True))
         return changes
+
+    def replace(self, notices: list[Notice], node: str | None = None) -> list[Change]:
+        """Makes the set equal to the notices of a complete snapshot."""
+        return self.apply_snapshot(Snapshot(node, notices, complete=True))
 
 
 class Relay:
@@ -192,8 +189,7 @@ class Relay:
         try:
             obj = json.loads(data)
             if event == "snapshot":
-                node, notices = parse_snapshot(obj)
-                changes = self.live.replace(notices, node)
+                changes = self.live.apply_snapshot(parse_snapshot(obj))
                 self.snapshots += 1
                 self.backoff.reset()
             elif event == "notice":

@@ -7,12 +7,16 @@ only its own containers share.
 
 Endpoints (docs/protocols.md, "Sidecar"):
 - GET /v1/notices: `{"v": 1, "node", "notices": [...]}`, most urgent first;
-- GET /v1/stream: SSE; `snapshot` on connect, then the current `membership` (if any), then
-  `notice` / `withdrawn` / `membership` as they happen, each with a sequence `id`;
-  `: keepalive` every `keepalive` s; a reader `max_queue` events behind is disconnected;
-- POST /v1/hooks: `Authorization: Bearer <token>` (constant-time compare), body a
-  `HookReport`; 401 without a valid token, 400 with `{"error": ...}` for a malformed body, in
-  both cases changing nothing; 200 with the pod's progress for that notice;
+- GET /v1/stream: SSE; `snapshot` on connect (`complete` once the agent's snapshot was, see
+  agent/snapshot.py; a fresh complete `snapshot` follows when that happens later), then the
+  current `membership` (if any), then `notice` / `withdrawn` / `membership` as they happen,
+  each with a sequence `id`; `: keepalive` every `keepalive` s; a reader `max_queue` events
+  behind is disconnected; at most `max_streams` open at once (503 past it);
+- POST /v1/hooks: `Authorization: Bearer <token>` (compared as bytes in constant time, any
+  header encoding), body a `HookReport`; 401 without a valid token, 400 with `{"error": ...}`
+  for a malformed body (not UTF-8 JSON, nested too deep, broken), 408 when it is not sent
+  within `body_timeout` s, 413 past `MAX_BODY`, in every case changing nothing; 200 with the
+  pod's progress for that notice;
 - GET /v1/prestop?timeout=s (default 120, at most 3600): see `prestop.wait_for_pod`; 200 with
   the outcome either way;
 - GET /healthz: `{"ok": true, "agent_connected": bool}`.
@@ -21,15 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from spotguard.agent.sse import KEEPALIVE, encode
 from spotguard.hooks.sidecar.broadcast import CLOSED, CUT_OFF
 from spotguard.hooks.sidecar.prestop import HookFormatError, HookReport, wait_for_pod
+from spotguard.http_server import BodyError, client_address, read_json
+from spotguard.stream_slots import SlotRefused, StreamSlots
 
 if TYPE_CHECKING:
     from spotguard.hooks.sidecar.service import Sidecar
@@ -48,9 +53,12 @@ def _error(status: int, message: str, **headers: str) -> web.Response:
 class SidecarAPI:
     """Route handlers over a running `Sidecar`'s state."""
 
-    def __init__(self, sidecar: "Sidecar", keepalive: float = 10.0):
+    def __init__(self, sidecar: "Sidecar", keepalive: float = 10.0, max_streams: int = 256,
+                 body_timeout: float = 10.0):
         self.sidecar = sidecar
         self.keepalive = keepalive
+        self.slots = StreamSlots(max_streams)
+        self.body_timeout = body_timeout
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
@@ -61,23 +69,29 @@ class SidecarAPI:
         app.router.add_get("/healthz", self.healthz)
         return app
 
-    def _snapshot(self) -> dict[str, Any]:
-        live = self.sidecar.live
-        return {"v": 1, "node": live.node, "notices": [n.to_wire() for n in live.notices()]}
-
     async def notices(self, request: web.Request) -> web.Response:
-        return web.json_response(self._snapshot())
+        return web.json_response(self.sidecar.snapshot_wire())
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "agent_connected": self.sidecar.relay.connected})
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
+        try:
+            slot = self.slots.take(client_address(request))
+        except SlotRefused as exc:
+            return _error(exc.status, exc.message, **{"Retry-After": "1"})
+        try:
+            return await self._serve_stream(request)
+        finally:
+            slot.release()
+
+    async def _serve_stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         broadcaster = self.sidecar.broadcaster
         # Subscribe and take the snapshot with no await in between: nothing is missed or repeated.
         queue = broadcaster.subscribe()
-        frames = [encode("snapshot", self._snapshot(), broadcaster.next_seq())]
+        frames = [encode("snapshot", self.sidecar.snapshot_wire(), broadcaster.next_seq())]
         membership = self.sidecar.topology.current
         if membership is not None:
             frames.append(encode("membership", membership, broadcaster.next_seq()))
@@ -106,22 +120,18 @@ class SidecarAPI:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
             return False
-        return hmac.compare_digest(token.strip().encode(), self.sidecar.token.encode())
+        # aiohttp decodes header bytes that are not UTF-8 as surrogates: encode them back.
+        supplied = token.strip().encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(supplied, self.sidecar.token.encode())
 
     async def hooks(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return _error(401, "missing or wrong bearer token (see SPOTGUARD_TOKEN_FILE)",
                           **{"WWW-Authenticate": "Bearer"})
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"body larger than {MAX_BODY} bytes")
-        try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return _error(400, f"body: not JSON ({exc})")
-        try:
-            report = HookReport.from_wire(obj)
+            report = HookReport.from_wire(await read_json(request, MAX_BODY, self.body_timeout))
+        except BodyError as exc:
+            return _error(exc.status, exc.message)
         except HookFormatError as exc:
             return _error(400, str(exc))
         progress = self.sidecar.record_hook(report)

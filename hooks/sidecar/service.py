@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from spotguard.agent.snapshot import snapshot_wire
 from spotguard.config import ConfigError
+from spotguard.http_server import ServerLimits, start_server
 from spotguard.hooks.hostfile import (ElasticityError, ElasticRule, Host, HostfileError,
                                       elastic_rule_from_config, read_hostfile, write_atomic)
 from spotguard.hooks.sidecar.broadcast import Broadcaster, Pulse
@@ -46,6 +48,8 @@ class SidecarConfig:
     namespace: str = "default"
     podinfo_interval: float = 1.0
     keepalive: float = 10.0
+    header_timeout: float = 10.0
+    max_streams: int = 256
     agent_idle_timeout: float = 35.0
     report_give_up: float = 120.0
 
@@ -107,16 +111,13 @@ class Sidecar:
             self.topology = Topology(self._on_membership, cfg.hostfile, hosts, rule)
         self.token = await asyncio.to_thread(write_token, cfg.token_file)
         await self.topology.update()
-        self._runner = web.AppRunner(SidecarAPI(self, cfg.keepalive).make_app(), access_log=None,
-                                     handler_cancellation=True, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, cfg.listen_host, cfg.listen_port)
+        api = SidecarAPI(self, cfg.keepalive, max_streams=cfg.max_streams, body_timeout=cfg.header_timeout)
         try:
-            await site.start()
+            self._runner, host, port = await start_server(api.make_app(), cfg.listen_host, cfg.listen_port,
+                                                          ServerLimits(header_timeout=cfg.header_timeout),
+                                                          shutdown_timeout=1.0)
         except OSError as exc:
-            await self._runner.cleanup()
             raise ConfigError("--listen", f"cannot listen on {cfg.listen_host}:{cfg.listen_port}: {exc.strerror or exc}") from None
-        host, port = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
         self.url = f"http://{host}:{port}"
         self._tasks = [asyncio.create_task(self.relay.run(), name="sidecar-relay"),
                        asyncio.create_task(self.reporter.run(), name="sidecar-reporter")]
@@ -158,9 +159,16 @@ class Sidecar:
                 log.info("not reporting %s to the agent: not one of its notices", report.notice_id)
         return progress
 
+    def snapshot_wire(self) -> dict:
+        """The sidecar's snapshot: its live set, complete once the agent's was."""
+        return snapshot_wire(self.live.node, self.live.notices(), self.live.complete)
+
     async def _on_relay_change(self, changes: list[Change]) -> None:
         for change in changes:
-            self.broadcaster.publish(*change.to_event())
+            if change.resync:  # subscribers that got an incomplete snapshot learn what is gone
+                self.broadcaster.publish("snapshot", self.snapshot_wire())
+            else:
+                self.broadcaster.publish(*change.to_event())
         self.pulse.notify()
         try:
             await self.topology.set_notices(self.live.notices())
