@@ -122,3 +122,31 @@ async def test_a_restarted_agent_with_failing_metadata_never_releases_a_pending_
         if listener is not None:
             await asyncio.to_thread(listener.stop, 5.0)
         await agent.stop()
+
+
+async def test_a_restarted_sidecar_holds_prestop_until_it_has_heard_its_agent(make_emulator, tmp_path):
+    """A sidecar that starts (or restarts) while its agent cannot read metadata has no complete
+    view: a prestop then waits instead of answering `no-notice`, and keeps waiting for the ranks
+    once the agent reads the live reclaim."""
+    emu, control = await make_emulator("aws")
+    await control.schedule("reclaim", lead=120)
+    await control.fault("status", status=503, count=0)
+    agent = await start_agent(emu.url)
+    waiting: asyncio.Task | None = None
+    try:
+        async with running_sidecar(tmp_path, f"http://{agent.address}", local_world_size=1, settle=False) as sc, \
+                aiohttp.ClientSession(trust_env=False) as http:
+            await eventually(lambda: sc.relay.snapshots >= 1, timeout=10, what="the agent's first snapshot")
+            assert not sc.live.complete and len(sc.live) == 0
+            waiting = asyncio.create_task(prestop(http, sc, 120))
+            await asyncio.sleep(3.0)
+            assert not waiting.done(), f"prestop released before the sidecar heard its agent: {waiting.result()}"
+            await control.clear_faults()
+            await eventually(lambda: sc.live.complete and len(sc.live) == 1, timeout=10,
+                             what="the reclaim at the sidecar")
+            await asyncio.sleep(0.5)
+            assert not waiting.done(), f"prestop released with a live notice and no rank done: {waiting.result()}"
+    finally:
+        if waiting is not None:
+            waiting.cancel()
+        await agent.stop()

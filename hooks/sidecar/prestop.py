@@ -12,7 +12,11 @@ A rank is *done* for a notice when its last checkpoint outcome was `checkpoint-d
 reported `drained` without a failed checkpoint; it has *failed* when its last checkpoint outcome
 was `failed`. `wait_for_pod` (GET /v1/prestop) returns when some live notice has every expected
 rank done, when every expected rank has reported an outcome and one failed, when no notice is
-live, or when the timeout or the earliest live deadline passes.
+live, or when the timeout or the earliest live deadline passes. "No notice is live" is believed
+only once the sidecar's view is complete (a complete snapshot from its agent): a sidecar that
+has just restarted, or whose agent has not read its sources yet, waits up to
+`UNSETTLED_WAIT_SECONDS` for it before it answers `no-notice`, so a restart never releases a
+pod whose notice it has not heard of again yet.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from spotguard.hooks.sidecar.broadcast import Pulse
 from spotguard.hooks.sidecar.relay import LiveSet
 
 PHASES = ("checkpoint-durable", "drained", "failed")
+UNSETTLED_WAIT_SECONDS = 30.0
 MAX_ID = 512
 
 
@@ -177,10 +182,11 @@ class PrestopResult:
         return body
 
 
-async def wait_for_pod(live: LiveSet, book: HookBook, pulse: Pulse, timeout: float) -> PrestopResult:
+async def wait_for_pod(live: LiveSet, book: HookBook, pulse: Pulse, timeout: float,
+                       unsettled_wait: float = UNSETTLED_WAIT_SECONDS) -> PrestopResult:
     """Blocks until the pod's ranks are done with a live notice, or it is pointless to wait.
 
-    `pulse` must fire on every change of `live` and of `book`.
+    `pulse` must fire on every change of `live` (its completeness included) and of `book`.
     """
     start = time.monotonic()
     had_notice = False
@@ -188,7 +194,11 @@ async def wait_for_pod(live: LiveSet, book: HookBook, pulse: Pulse, timeout: flo
         notices = live.notices()
         waited = time.monotonic() - start
         if not notices:
-            return PrestopResult("withdrawn" if had_notice else "no-notice", waited, None, None)
+            settle_left = min(timeout, unsettled_wait) - waited
+            if live.complete or settle_left <= 0:
+                return PrestopResult("withdrawn" if had_notice else "no-notice", waited, None, None)
+            await pulse.wait(settle_left)
+            continue
         had_notice = True
         watched = [(n, book.progress(n.id)) for n in notices]
         for notice, progress in watched:
