@@ -1,6 +1,7 @@
 """Membership from the pod's downward-API annotations file (Go-quoted), and what a change does."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -77,8 +78,10 @@ def test_bad_membership_values_name_the_field(value, field):
     assert str(info.value).startswith(field)
 
 
-def membership_line(generation: int, hosts: list[str], world_size: int) -> str:
+def membership_line(generation: int, hosts: list[str], world_size: int, drain: str = "") -> str:
     value = {"v": 1, "generation": generation, "hosts": hosts, "world_size": world_size}
+    if drain:
+        value["drain"] = drain
     return "spotguard.io/membership=" + go_quote(json.dumps(value))
 
 
@@ -142,3 +145,50 @@ async def test_without_a_hostfile_the_membership_is_relayed(tmp_path):
         assert await guard.next() == ("membership", {"v": 1, "generation": 2, "hosts": ["a", "b"],
                                                      "world_size": 16, "departing": []})
         assert sc.topology.rewrites == 0
+
+
+async def _events_until_quiet(reader: StreamReader, quiet: float = 0.5) -> list[tuple[str, dict]]:
+    events = []
+    while True:
+        try:
+            event, data, *_ = await asyncio.wait_for(reader.events.get(), quiet)
+        except asyncio.TimeoutError:
+            return events
+        events.append((event, data))
+
+
+async def test_the_supervisors_drain_request_becomes_a_drain_notice_that_snapshots_keep(tmp_path):
+    """A `drain` in the membership (the supervisor returning a job to spot) is a `drain` notice
+    for the pod's ranks; the agent's complete snapshots, which never list it, do not withdraw
+    it; the membership without it does."""
+    podinfo = tmp_path / "podinfo"
+    async with Publisher(node="w0") as pub, running_sidecar(tmp_path, pub.url, podinfo_dir=str(podinfo)) as sc, \
+            StreamReader(sc.url) as guard:
+        assert (await guard.next())[0] == "snapshot"
+        write_annotations(podinfo, [membership_line(3, ["w0"], 1, drain="return-7")])
+        notices = [d for e, d in await _events_until_quiet(guard) if e == "notice"]
+        assert len(notices) == 1
+        notice = notices[0]
+        assert notice["kind"] == "drain" and notice["source"] == "supervisor.drain"
+        assert notice["detail"] == {"request": "return-7"} and notice["deadline"] is None
+
+        before = sc.relay.snapshots
+        pub.resync()  # a complete agent snapshot without it: the drain stays
+        await eventually(lambda: sc.relay.snapshots > before, what="the agent's snapshot applied")
+        assert "withdrawn" not in [e for e, _ in await _events_until_quiet(guard)]
+        assert [n.id for n in sc.live.notices()] == [notice["id"]]
+        write_annotations(podinfo, [membership_line(3, ["w0"], 1, drain="return-7"), 'other="x"'])
+        assert await _events_until_quiet(guard) == []  # the same request read again: nothing new
+
+        write_annotations(podinfo, [membership_line(5, ["w0"], 1)])
+        events = await _events_until_quiet(guard)
+        assert ("withdrawn", notice["id"]) in [(e, d.get("withdrawn")) for e, d in events]
+        assert len(sc.live) == 0
+
+
+@pytest.mark.parametrize("drain", [5, " x", "y" * 300])
+def test_a_bad_drain_request_names_the_field(drain):
+    value = {"v": 1, "generation": 1, "hosts": [], "world_size": 0, "drain": drain}
+    with pytest.raises(MembershipFormatError) as info:
+        Membership.from_wire(value)
+    assert str(info.value).startswith("drain")

@@ -6,6 +6,8 @@ The kubelet writes a pod's annotations into a downward-API volume file as lines
 and rejects anything else with `AnnotationFormatError` naming the line.
 
 `spotguard.io/membership` holds `{"v": 1, "generation": n, "hosts": [...], "world_size": n}`
+and optionally `"drain": "<id>"`, the supervisor asking every member to checkpoint and drain
+(a return from on-demand to spot capacity; the sidecar turns it into a `drain` notice)
 (`Membership`). `AnnotationWatcher` polls the file (stat signature, then content, read in a
 thread) and calls back with each new valid membership; a missing file means "none yet", and a
 malformed file or value is logged and ignored, keeping the last good membership.
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 MEMBERSHIP_KEY = "spotguard.io/membership"
 ANNOTATIONS_FILE = "annotations"
 MAX_FILE_BYTES = 1 << 20
+MAX_DRAIN_ID = 256
 
 _SIMPLE_ESCAPES = {"a": 7, "b": 8, "f": 12, "n": 10, "r": 13, "t": 9, "v": 11, "\\": 92, '"': 34}
 _HEX = "0123456789abcdefABCDEF"
@@ -115,9 +118,14 @@ class Membership:
     generation: int
     hosts: tuple[str, ...]
     world_size: int
+    drain: str = ""  # the supervisor's drain request id ("" when none)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": 1, "generation": self.generation, "hosts": list(self.hosts), "world_size": self.world_size}
+        wire: dict[str, Any] = {"v": 1, "generation": self.generation, "hosts": list(self.hosts),
+                                "world_size": self.world_size}
+        if self.drain:
+            wire["drain"] = self.drain
+        return wire
 
     @classmethod
     def from_wire(cls, obj: Any) -> "Membership":
@@ -132,7 +140,10 @@ class Membership:
             raise MembershipFormatError("hosts: expected a list of non-empty host names")
         if len(set(hosts)) != len(hosts):
             raise MembershipFormatError("hosts: a host is listed twice")
-        return cls(generation, tuple(hosts), world_size)
+        drain = obj.get("drain", "")
+        if not isinstance(drain, str) or len(drain) > MAX_DRAIN_ID or drain != drain.strip():
+            raise MembershipFormatError(f"drain: expected a request id of at most {MAX_DRAIN_ID} characters")
+        return cls(generation, tuple(hosts), world_size, drain)
 
     @classmethod
     def from_json(cls, text: str) -> "Membership":

@@ -81,6 +81,7 @@ class LiveSet:
         self.remember = remember
         self._seen: dict[str, None] = {}  # ids ever live, oldest first, at most `remember`
         self.complete = False  # a complete snapshot has been applied
+        self._local: set[str] = set()  # ids of notices raised in this pod (set_local), not the agent's
 
     def seen(self, notice_id: str) -> bool:
         """True if the notice is or was live (among the last `remember` ids)."""
@@ -116,7 +117,7 @@ class LiveSet:
         """Applies a snapshot by the shared rule (module docstring)."""
         if snapshot.node:
             self.node = snapshot.node
-        diff = reconcile(self._notices, snapshot)
+        diff = reconcile({k: n for k, n in self._notices.items() if k not in self._local}, snapshot)
         changes = []
         for notice_id in diff.withdrawn:
             held = self._notices.pop(notice_id)
@@ -126,6 +127,20 @@ class LiveSet:
         if snapshot.complete and not self.complete:
             self.complete = True
             changes.append(Change(resync=True))
+        return changes
+
+    def set_local(self, notices: list[Notice], reason: str = "request withdrawn") -> list[Change]:
+        """Makes the pod-local notices (not the agent's: e.g. the supervisor's drain request)
+        equal to `notices`. Agent snapshots never withdraw them; only this call does."""
+        changes: list[Change] = []
+        wanted = {n.id: n for n in notices}
+        for notice_id in sorted(self._local - wanted.keys()):
+            held = self._notices.pop(notice_id, None)
+            if held is not None:
+                changes.append(Change(withdrawal=Withdrawal(notice_id, held.source, held.node, reason)))
+        self._local = set(wanted)
+        for notice in notices:
+            changes.extend(self.upsert(notice))
         return changes
 
     def replace(self, notices: list[Notice], node: str | None = None) -> list[Change]:

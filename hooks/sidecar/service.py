@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from spotguard.agent.notice import Kind, Notice, now_utc
+from spotguard.agent.notice import notice_id as notice_id_of
 from spotguard.agent.snapshot import snapshot_wire
 from spotguard.config import ConfigError
 from spotguard.http_server import ServerLimits, start_server
@@ -31,6 +33,8 @@ from spotguard.hooks.sidecar.server import SidecarAPI
 from spotguard.hooks.sidecar.topology import Topology
 
 log = logging.getLogger(__name__)
+
+DRAIN_SOURCE = "supervisor.drain"  # the source of drain notices the supervisor asks for by membership
 
 
 @dataclass
@@ -177,6 +181,19 @@ class Sidecar:
 
     async def _on_annotation(self, membership: Membership) -> None:
         await self.topology.set_membership(membership)
+        await self._on_relay_change(self.live.set_local(self._drain_notices(membership)))
+
+    def _drain_notices(self, membership: Membership) -> list[Notice]:
+        """The supervisor's drain request as a `drain` notice for the pod's ranks (kept with the
+        time it was first seen, so a re-read of the annotation changes nothing)."""
+        if not membership.drain:
+            return []
+        notice_id = notice_id_of(DRAIN_SOURCE, self.config.pod or "pod", membership.drain)
+        held = self.live.get(notice_id)
+        if held is not None:
+            return [held]
+        return [Notice(notice_id, Kind.DRAIN, DRAIN_SOURCE, self.live.node or self.config.pod or "unknown",
+                       now_utc(), None, {"request": membership.drain})]
 
     async def _on_membership(self, data: dict) -> None:
         self.broadcaster.publish("membership", data)
