@@ -10,7 +10,8 @@ Layout under `root` (a local path or a mounted PVC):
   atomically after the rename; readers treat it as a hint, the manifests are the truth;
 - `.locks/`, `.store.lock`: writer liveness (see locks.py); `.trash-*`: directories being deleted;
   `.replaced-<tag>-<id>`: the previous copy of a re-committed tag, deleted once the new one is
-  in place and named by `latest`.
+  in place and named by `latest`;
+- `_<kind>/`: copies derived from checkpoints (derived.py), pruned with them.
 
 Ordering of a commit: part manifests checked -> manifest written + fsynced -> an existing `<tag>`
 renamed aside -> pending dir renamed to `<tag>` -> root fsynced -> `latest` replaced -> the
@@ -38,6 +39,7 @@ from typing import Any, Mapping
 from spotguard.config import ConfigError, positive_int
 
 from . import fsutil
+from .derived import DerivedCopies, derived_areas
 from .locks import WriterLock, live_tags_reaping_dead, store_lock
 from .manifest import (LATEST, MANIFEST, MANIFEST_VERSION, PART_PREFIX, PENDING_PREFIX, REPLACED_PREFIX, TAG_RE,
                        TRASH_PREFIX, aside_name, fingerprint, read_manifest)
@@ -432,8 +434,23 @@ class CheckpointStore:
         fsutil.fsync_dir(self.root)
         shutil.rmtree(trash, ignore_errors=True)
 
+    def derived(self, kind: str) -> DerivedCopies:
+        """The copies of kind `kind` derived from this store's checkpoints (`<root>/_<kind>/`, derived.py)."""
+        return DerivedCopies(self.root, kind)
+
+    def _prune_derived(self) -> list[str]:
+        """Removes derived copies except those made from one of the newest `keep_last` checkpoints as committed now."""
+        areas = derived_areas(self.root)
+        if not areas:
+            return []
+        keep = self.list()[-self.keep_last:]
+        return [f"_{area.kind}/{name}" for area in areas for name in area.prune(keep)]
+
     def apply_retention(self, protect: set[str] = frozenset()) -> list[str]:
-        """Deletes complete checkpoints beyond the newest `keep_last`, except notice ones; returns tags removed."""
+        """Deletes complete checkpoints beyond the newest `keep_last`, except notice ones; returns tags removed.
+
+        Derived copies (derived.py) are kept only for the newest `keep_last` checkpoints.
+        """
         complete = self.list()
         keep = {c.tag for c in complete[-self.keep_last:]} | set(protect)
         keep |= {c.tag for c in complete if c.metadata.get("reason") == "notice"}
@@ -446,8 +463,9 @@ class CheckpointStore:
                 removed.append(info.tag)
             except OSError as exc:
                 log.warning("retention: cannot remove %s: %s", info.tag, exc)
-        if removed:
-            log.info("retention removed %s", ", ".join(removed))
+        pruned = self._prune_derived()
+        if removed or pruned:
+            log.info("retention removed %s", ", ".join(removed + pruned))
         return removed
 
     def cleanup(self) -> list[str]:
@@ -456,7 +474,7 @@ class CheckpointStore:
         First the newest complete copy of every tag (a decided pending commit, or a copy set aside
         by a re-commit) becomes `<tag>/` again and `latest` names the newest checkpoint
         (recovery.py); only then are pending dirs, set-aside copies, trash and temp files
-        deleted. Returns the names removed. A pending dir is left
+        deleted, and derived copies pruned. Returns the names removed. A pending dir is left
         alone while any writer still holds its lock (see locks.py).
         """
         removed = []
@@ -484,6 +502,7 @@ class CheckpointStore:
                 fsutil.fsync_dir(self.root)
             newest = self.latest()
             repair_latest(self.root, newest.tag if newest is not None else None)
+            removed += self._prune_derived()
         if recovered:
             log.warning("finished checkpoint commits a crash interrupted: %s", ", ".join(recovered))
         if removed:
