@@ -43,6 +43,7 @@ def parse(argv=None):
     p.add_argument("--signal-at", type=int, default=-1, help="rank --signal-rank sends itself SIGTERM after this step")
     p.add_argument("--signal-rank", type=int, default=1)
     p.add_argument("--no-compare", action="store_true", help="skip the full-state dumps")
+    p.add_argument("--fresh", action="store_true", help="start at step 0 without loading any checkpoint")
     return p.parse_args(argv)
 
 
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
     def record(step, notice):
         dump("save")
 
-    start = guard.resume()
+    start = 0 if args.fresh else guard.resume()
     if start:
         dump("resume")
     try:
