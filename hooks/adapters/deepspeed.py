@@ -1,8 +1,8 @@
 """DeepSpeed: `save_checkpoint` on every rank with the same tag, resume at any data-parallel size.
 
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
-    guard = Guard.from_env(checkpoint_dir="/ckpt")
-    ckpt = DeepSpeedAdapter(guard, engine, extra_state=lambda: {"data_pos": pos})
+    ckpt = DeepSpeedAdapter(engine, checkpoint_dir="/ckpt", extra_state=lambda: {"data_pos": pos})
+    guard = Guard.from_env(adapter=ckpt)
     start = guard.resume()        # converts to a universal checkpoint when the DP size changed
 
 Contract:
@@ -88,12 +88,12 @@ class StoreCheckpointEngine(CheckpointEngine):
 class DeepSpeedAdapter(StoreAdapter):
     """Checkpoints a DeepSpeed engine through the store; see the module docstring."""
 
-    def __init__(self, guard, engine, **kwargs):
+    def __init__(self, engine, **kwargs):
         self.engine = engine
         self.ds_engine = StoreCheckpointEngine()
         engine.checkpoint_engine = self.ds_engine
         self._scratch = Path(tempfile.mkdtemp(prefix="spotguard-ds-snapshot-"))
-        super().__init__(guard, **kwargs)
+        super().__init__(**kwargs)
 
     # ---- sizes ----------------------------------------------------------------------------
     def dp_world_size(self) -> int:

@@ -149,20 +149,20 @@ def main(argv=None) -> int:
         if rank == 0:
             torch.save(state, out / f"state-{tag}.pt")
 
-    guard = Guard.from_env(checkpoint_dir=args.ckpt, agree_every=args.agree_every, grace_seconds=args.grace,
-                           snapshot_every=args.snapshot_every)
     if args.mode == "deepspeed":
         from spotguard.hooks.adapters.deepspeed import DeepSpeedAdapter
 
-        adapter = DeepSpeedAdapter(guard, job.engine)
+        adapter = DeepSpeedAdapter(job.engine, checkpoint_dir=args.ckpt)
     elif args.mode == "plain":
         from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
 
-        adapter = PlainTorchAdapter(guard, job.model, job.optimizer)
+        adapter = PlainTorchAdapter(job.model, job.optimizer, checkpoint_dir=args.ckpt)
     else:
         from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 
-        adapter = TorchDCPAdapter(guard, job.model, job.optimizer)
+        adapter = TorchDCPAdapter(job.model, job.optimizer, checkpoint_dir=args.ckpt)
+    guard = Guard.from_env(adapter=adapter, agree_every=args.agree_every, grace_seconds=args.grace,
+                           snapshot_every=args.snapshot_every)
 
     @guard.on_reclaim
     def record(step, notice):
