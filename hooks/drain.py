@@ -8,7 +8,8 @@
 3. `all_ok`: the checkpoint counts only when every rank succeeded; report `checkpoint-durable`
    (or `failed`) with the seconds taken;
 4. when it succeeded: the `@on_drain` hooks (a failure is logged, the rank leaves anyway) and
-   report `drained`. Returns the `DrainRecord`.
+   report `drained`; the termination message (steps lost) for the supervisor
+   (`termination_message`). Returns the `DrainRecord`.
 A SystemExit or KeyboardInterrupt inside a save or hook propagates; anything else counts as a
 failed checkpoint.
 
@@ -39,6 +40,7 @@ from spotguard.hooks.agreement.base import Verdict
 from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.exit_codes import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
 from spotguard.hooks.hook_reporter import HookReporter
+from spotguard.hooks.termination_message import write_termination_message
 
 if TYPE_CHECKING:
     from spotguard.hooks.adapters.base import CheckpointAdapter
@@ -121,6 +123,7 @@ class DrainSequence:
             drain_seconds = time.monotonic() - t1
             self._report(notice, saved_step, "drained", drain_seconds, extra)
         code = EXIT_PREEMPTED if ok else EXIT_CHECKPOINT_FAILED
+        write_termination_message(notice.id, step, saved_step, ok)
         log.warning("rank %d drained for notice %s at step %d (checkpoint of step %d %s in %.3fs): exit %d",
                     self.collectives.rank, notice.id, step, saved_step, "durable" if ok else "FAILED",
                     checkpoint_seconds, code)

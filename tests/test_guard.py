@@ -5,6 +5,7 @@ sidecar's protocol (docs/protocols.md), so the Guard's listener reads real HTTP/
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -20,6 +21,8 @@ from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
 from spotguard.hooks.adapters.store import CheckpointStore
 from spotguard.hooks.exit_codes import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, describe
 from spotguard.hooks.guard import Guard
+from spotguard.hooks.termination_message import TERMINATION_LOG_ENV
+from spotguard.supervisor.progress import steps_lost_of
 from tests.workers.sidecar_stub import SidecarStub
 
 
@@ -285,7 +288,9 @@ def test_plain_torch_resume_is_exact_and_answered_notice_is_ignored(tmp_path, si
         guard2.close()
 
 
-def test_deadline_too_short_persists_last_snapshot(tmp_path, sidecar):
+def test_deadline_too_short_persists_last_snapshot(tmp_path, sidecar, monkeypatch):
+    termination_log = tmp_path / "termination-log"
+    monkeypatch.setenv(TERMINATION_LOG_ENV, str(termination_log))
     model, opt = tiny_job()
     guard = make_guard(sidecar, adapter=PlainTorchAdapter(model, opt, checkpoint_dir=tmp_path / "ck"), snapshot_every=4,
                        save_margin_seconds=1.0)
@@ -303,6 +308,10 @@ def test_deadline_too_short_persists_last_snapshot(tmp_path, sidecar):
         assert info.step == 4 and info.metadata["snapshot"] is True and info.metadata["reason"] == "notice"
         durable = [r for r in sidecar.reports if r["phase"] == "checkpoint-durable"]
         assert durable[0]["step"] == 4 and durable[0]["steps_lost"] == 2
+        # the container's termination message tells the supervisor the same (supervisor/progress.py)
+        message = termination_log.read_text()
+        assert json.loads(message)["saved_step"] == 4
+        assert steps_lost_of({"message": message}) == 2
     finally:
         guard.close()
     # a notice with time to spare saves fresh
