@@ -5,9 +5,9 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 
 from spotguard.config import ConfigError, env_default, positive_int
+from spotguard.daemon import run_daemon
 
 CLOUDS = ("aws", "gcp", "azure", "alibaba")
 
@@ -35,16 +35,11 @@ def run(args: argparse.Namespace) -> int:
         options["imdsv1"] = not args.imdsv2_only
     if args.cloud == "alibaba":
         options["hardened"] = args.alibaba_hardened
-    return asyncio.run(_serve(args.cloud, args.host, port, args.control_token, options))
+    return run_daemon(lambda stop: _serve(args.cloud, args.host, port, args.control_token, options, stop))
 
 
-async def _serve(cloud: str, host: str, port: int, token: str | None, options: dict) -> int:
+async def _serve(cloud: str, host: str, port: int, token: str | None, options: dict, stop: asyncio.Event) -> int:
     from spotguard.emulator.server import Emulator
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     async with Emulator(cloud, host=host, port=port, control_token=token, **options) as emu:
         print(json.dumps({"cloud": cloud, "url": emu.url, "control_token": emu.control_token,
                           "pid": os.getpid()}), flush=True)

@@ -5,9 +5,9 @@ import argparse
 import asyncio
 import logging
 import re
-import signal
 
 from spotguard.config import ConfigError, env_default, positive_int
+from spotguard.daemon import run_daemon
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ def run_serve(args: argparse.Namespace) -> int:
         ctx = tls_context(args.tls_cert, args.tls_key)
     except (OSError, ValueError) as exc:
         raise ConfigError("--tls-cert", f"cannot load the certificate/key ({exc})") from None
-    return asyncio.run(_serve(host, port, ctx, InjectorConfig(image=args.image, grace_seconds=grace,
-                                                              **sidecar_resources(args))))
+    cfg = InjectorConfig(image=args.image, grace_seconds=grace, **sidecar_resources(args))
+    return run_daemon(lambda stop: _serve(host, port, ctx, cfg, stop))
 
 
 def sidecar_resources(args: argparse.Namespace) -> dict[str, str]:
@@ -82,7 +82,7 @@ def sidecar_resources(args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
-async def _serve(host: str, port: int, ctx, cfg) -> int:
+async def _serve(host: str, port: int, ctx, cfg, stop: asyncio.Event) -> int:
     from aiohttp import web
 
     from spotguard.injector.server import make_app
@@ -91,10 +91,6 @@ async def _serve(host: str, port: int, ctx, cfg) -> int:
     await runner.setup()
     await web.TCPSite(runner, host, port, ssl_context=ctx).start()
     log.info("injector serving", extra={"listen": f"{host}:{port}"})
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
     return 0

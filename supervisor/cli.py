@@ -11,11 +11,10 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
-import sys
 
 from spotguard.config import ConfigError, env_default, one_of, positive_float, positive_int
+from spotguard.daemon import run_daemon
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -103,27 +102,18 @@ def options_from_args(args: argparse.Namespace, environ=os.environ):
 
 
 def run(args: argparse.Namespace) -> int:
-    from spotguard.logs import setup_logging
-
     level = str(_value(args, "log-level", "info")).lower()
     one_of("--log-level", level, ("debug", "info", "warning", "error"))
     options = options_from_args(args)
-    setup_logging(level)
-    return asyncio.run(_main(options))
+    return run_daemon(lambda stop: _main(options, stop), log_level=level)
 
 
-async def _main(options) -> int:
+async def _main(options, stop: asyncio.Event) -> int:
     from spotguard.supervisor.app import run_supervisor
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
 
     def announce(address: str) -> None:
         print(json.dumps({"event": "listening", "listen": address, "identity": options.identity, "pid": os.getpid()}),
               flush=True)
 
     await run_supervisor(options, stop, announce)
-    sys.stdout.flush()
     return 0

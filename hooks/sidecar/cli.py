@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import socket
 import sys
 import urllib.error
@@ -25,6 +24,7 @@ import urllib.parse
 import urllib.request
 
 from spotguard.config import ConfigError, env_default, http_url, positive_float, positive_int
+from spotguard.daemon import run_daemon
 
 DEFAULT_LISTEN = "127.0.0.1:9741"
 DEFAULT_URL = "http://127.0.0.1:9741"
@@ -117,20 +117,13 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from spotguard.logs import setup_logging
-
     config = build_config(args)
-    setup_logging(args.log_level)
-    return asyncio.run(_serve(config))
+    return run_daemon(lambda stop: _serve(config, stop), log_level=args.log_level)
 
 
-async def _serve(config) -> int:
+async def _serve(config, stop: asyncio.Event) -> int:
     from spotguard.hooks.sidecar.service import Sidecar
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     async with Sidecar(config):
         await stop.wait()
     return 0
