@@ -6,7 +6,7 @@ import asyncio
 import logging
 import re
 
-from spotguard.config import ConfigError, env_default, positive_int
+from spotguard.config import ConfigError, Layers, positive_int
 from spotguard.daemon import run_daemon
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--listen", default="0.0.0.0:9443", help="ADDR:PORT (default 0.0.0.0:9443)")
     serve.add_argument("--tls-cert", required=True, help="PEM certificate (the Secret's tls.crt)")
     serve.add_argument("--tls-key", required=True, help="PEM private key (the Secret's tls.key)")
-    serve.add_argument("--image", default=env_default("sidecar_image"), help="sidecar image (env SPOTGUARD_SIDECAR_IMAGE)")
+    serve.add_argument("--image", default=None, help="sidecar image (env SPOTGUARD_SIDECAR_IMAGE)")
     serve.add_argument("--grace-seconds", default="120", help="default terminationGracePeriodSeconds floor (default 120)")
     for flag, default in SIDECAR_RESOURCES.items():
         serve.add_argument(f"--{flag}", default=default, help=f"the sidecar's {flag[8:].replace('-', ' ')} (default {default})")
@@ -56,7 +56,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from spotguard.logs import setup_logging
 
     host, port = parse_listen(args.listen)
-    if not args.image:
+    image = Layers(args).value("image", env="SPOTGUARD_SIDECAR_IMAGE")
+    if not image:
         raise ConfigError("--image", "the sidecar image is required (or set SPOTGUARD_SIDECAR_IMAGE)")
     grace = positive_int("--grace-seconds", args.grace_seconds)
     if grace > MAX_GRACE:
@@ -67,7 +68,7 @@ def run_serve(args: argparse.Namespace) -> int:
         ctx = tls_context(args.tls_cert, args.tls_key)
     except (OSError, ValueError) as exc:
         raise ConfigError("--tls-cert", f"cannot load the certificate/key ({exc})") from None
-    cfg = InjectorConfig(image=args.image, grace_seconds=grace, **sidecar_resources(args))
+    cfg = InjectorConfig(image=image, grace_seconds=grace, **sidecar_resources(args))
     return run_daemon(lambda stop: _serve(host, port, ctx, cfg, stop))
 
 
