@@ -12,10 +12,9 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import sys
 
 from spotguard.agent.watch import add_source_flags
+from spotguard.daemon import run_daemon
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,25 +55,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from spotguard.agent.config import load_config
-    from spotguard.logs import setup_logging
-
     config = load_config(args, os.environ)
-    setup_logging(config.log_level)
-    return asyncio.run(_main(config))
+    return run_daemon(lambda stop: _main(config, stop), log_level=config.log_level)
 
 
-async def _main(config) -> int:
+async def _main(config, stop: asyncio.Event) -> int:
     from spotguard.agent.app import Agent, run_agent
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
 
     def announce(address: str) -> None:
         print(json.dumps({"event": "listening", "listen": address, "node": config.node, "pid": os.getpid()}),
               flush=True)
 
     await run_agent(Agent(config), stop, announce)
-    sys.stdout.flush()
     return 0

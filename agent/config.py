@@ -1,10 +1,9 @@
-"""The agent's configuration: flags, then SPOTGUARD_* environment variables, then an optional
-YAML/JSON file (`--config FILE` or SPOTGUARD_CONFIG), then defaults; the first that sets a
-value wins.
+"""The agent's configuration, resolved by `spotguard.config.Layers` (flags > SPOTGUARD_*
+environment > `--config FILE` or SPOTGUARD_CONFIG > defaults).
 
 Contract: `load_config(args, environ)` validates everything before the agent starts and
 raises `ConfigError` naming the field as the user wrote it (`--interval`,
-`SPOTGUARD_INTERVAL`, or `interval (in FILE)`). Unknown keys in the file are errors.
+`--interval (from SPOTGUARD_INTERVAL)`, or `interval (in FILE)`). Unknown keys in the file are errors.
 
 | key (file)        | flag                  | env                         | default |
 |-------------------|-----------------------|-----------------------------|---------|
@@ -36,13 +35,11 @@ are closed after it too. `max_streams` bounds open `/v1/stream` subscriptions in
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
-from spotguard.config import ConfigError, one_of, positive_float, positive_int
+from spotguard.config import ConfigError, Layers, http_url, one_of, positive_float, positive_int
 
 CLOUD_CHOICES = ("aws", "gcp", "azure", "alibaba", "auto")
 GPU_CHOICES = ("auto", "on", "nvml", "off", "fake:<scenario file>")
@@ -126,64 +123,21 @@ def parse_bool(field: str, value: Any) -> bool:
     raise ConfigError(field, f"expected true or false, got {value!r}")
 
 
-def read_config_file(path: str, field: str) -> dict[str, Any]:
-    """Reads a YAML (or JSON) mapping; ConfigError on unreadable files, bad syntax, unknown keys."""
-    import yaml
-
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(field, f"cannot read {path}: {exc}") from None
-    try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(field, f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(field, f"{path}: expected a mapping of settings")
-    normalized: dict[str, Any] = {}
-    for key, value in data.items():
-        name = str(key).replace("-", "_")
-        if name not in FILE_KEYS:
-            raise ConfigError(f"{key} (in {path})", f"unknown setting; known: {', '.join(FILE_KEYS)}")
-        normalized[name] = value
-    return normalized
-
-
-class _Layers:
-    """Looks a key up in flags, environment, file, defaults; remembers where each came from."""
-
-    def __init__(self, args: argparse.Namespace, environ: Mapping[str, str], file: Mapping[str, Any], path: str | None):
-        self.args, self.environ, self.file, self.path = args, environ, file, path
-
-    def get(self, key: str, flag: str, env: str | None = None, extra_env: tuple[str, ...] = ()) -> tuple[Any, str]:
-        value = getattr(self.args, key, None)
-        if value is not None:
-            return value, flag
-        for name in ((env or f"SPOTGUARD_{key.upper()}"), *extra_env):
-            if self.environ.get(name) not in (None, ""):
-                return self.environ[name], name
-        if key in self.file and self.file[key] is not None:
-            return self.file[key], f"{key} (in {self.path})"
-        return DEFAULTS.get(key), flag
-
-
 def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentConfig:
     """Merges and validates every setting; see the module docstring."""
     from spotguard.agent.watch import resolve_source_config
 
-    config_path = getattr(args, "config", None) or environ.get("SPOTGUARD_CONFIG") or None
-    config_field = "--config" if getattr(args, "config", None) else "SPOTGUARD_CONFIG"
-    file = read_config_file(config_path, config_field) if config_path else {}
-    layers = _Layers(args, environ, file, config_path)
+    layers = Layers(args, environ, file_keys=FILE_KEYS)
 
-    cloud, cloud_field = layers.get("cloud", "--cloud")
+    def get(key: str, **kwargs: Any) -> tuple[Any, str]:
+        return layers.get(key, DEFAULTS.get(key), **kwargs)
+
+    cloud, cloud_field = get("cloud")
     one_of(cloud_field, cloud, CLOUD_CHOICES)
-    metadata_url, url_field = layers.get("metadata_url", "--metadata-url")
-    interval, interval_field = layers.get("interval", "--interval")
-    timeout, timeout_field = layers.get("timeout", "--timeout")
-    node, _ = layers.get("node", "--node", extra_env=("NODE_NAME",))
+    metadata_url, url_field = get("metadata_url")
+    interval, interval_field = get("interval")
+    timeout, timeout_field = get("timeout")
+    node, _ = get("node", also_env=("NODE_NAME",))
     by_flag = {"--metadata-url": url_field, "--interval": interval_field, "--timeout": timeout_field}
     try:  # the same validation as `spotguard watch`, reported under the field actually used
         source = resolve_source_config(argparse.Namespace(
@@ -192,23 +146,22 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentCo
     except ConfigError as exc:
         raise ConfigError(by_flag.get(exc.field, exc.field), exc.message) from None
 
-    host, port = parse_listen(*reversed(layers.get("listen", "--listen")))
-    kubernetes_value, kube_field = _kubernetes_layer(args, environ, file, config_path)
-    kubeconfig, _ = layers.get("kubeconfig", "--kubeconfig")
-    kube_host, kube_host_field = layers.get("kube_host", "--kube-host")
+    host, port = parse_listen(*reversed(get("listen")))
+    kubernetes_value = _kubernetes_layer(args, layers)
+    kubeconfig, _ = get("kubeconfig")
+    kube_host, kube_host_field = get("kube_host")
     if kube_host is not None:
-        from spotguard.config import http_url
         kube_host = http_url(kube_host_field, kube_host)
-    cordon, cordon_field = layers.get("cordon", "--cordon")
-    gpu, gpu_field = layers.get("gpu", "--gpu")
-    gpu_policy, _ = layers.get("gpu_policy", "--gpu-policy")
-    token_file, _ = layers.get("report_token_file", "--report-token-file")
-    log_level, level_field = layers.get("log_level", "--log-level")
-    grace, grace_field = layers.get("ready_grace", "--ready-grace")
-    keepalive, keepalive_field = layers.get("keepalive", "--keepalive")
-    header_timeout, header_timeout_field = layers.get("header_timeout", "--header-timeout")
-    max_streams, max_streams_field = layers.get("max_streams", "--max-streams")
-    per_client, per_client_field = layers.get("max_streams_per_client", "--max-streams-per-client")
+    cordon, cordon_field = get("cordon")
+    gpu, gpu_field = get("gpu")
+    gpu_policy, _ = get("gpu_policy")
+    token_file, _ = get("report_token_file")
+    log_level, level_field = get("log_level")
+    grace, grace_field = get("ready_grace")
+    keepalive, keepalive_field = get("keepalive")
+    header_timeout, header_timeout_field = get("header_timeout")
+    max_streams, max_streams_field = get("max_streams")
+    per_client, per_client_field = get("max_streams_per_client")
     max_streams = positive_int(max_streams_field, max_streams)
     per_client = positive_int(per_client_field, per_client)
     if per_client > max_streams:
@@ -236,16 +189,10 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentCo
     )
 
 
-def _kubernetes_layer(args: argparse.Namespace, environ: Mapping[str, str], file: Mapping[str, Any],
-                      path: str | None) -> tuple[bool, str]:
-    """`--no-kubernetes` (flag), SPOTGUARD_KUBERNETES / SPOTGUARD_NO_KUBERNETES, or `kubernetes:`."""
+def _kubernetes_layer(args: argparse.Namespace, layers: Layers) -> bool:
+    """`--no-kubernetes` (flag), SPOTGUARD_KUBERNETES / SPOTGUARD_NO_KUBERNETES, or `kubernetes:`:
+    the layers' order, with the one flag and one variable that say the opposite."""
     if getattr(args, "no_kubernetes", None):
-        return False, "--no-kubernetes"
-    for name, invert in (("SPOTGUARD_KUBERNETES", False), ("SPOTGUARD_NO_KUBERNETES", True)):
-        if environ.get(name) not in (None, ""):
-            value = parse_bool(name, environ[name])
-            return (not value if invert else value), name
-    if file.get("kubernetes") is not None:
-        field = f"kubernetes (in {path})"
-        return parse_bool(field, file["kubernetes"]), field
-    return True, "--no-kubernetes"
+        return False
+    value, field = layers.get("kubernetes", True, flag="--no-kubernetes", also_env=("SPOTGUARD_NO_KUBERNETES",))
+    return parse_bool(field, value) != field.endswith("(from SPOTGUARD_NO_KUBERNETES)")

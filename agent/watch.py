@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import socket
 
 from spotguard.config import http_url, positive_float, positive_int
+from spotguard.daemon import run_daemon, until_stopped
 
 CLOUD_CHOICES = ("aws", "gcp", "azure", "alibaba", "auto")
 
@@ -61,20 +61,16 @@ async def resolve_cloud(cloud: str, base_url: str | None) -> str:
 def run(args: argparse.Namespace) -> int:
     config = resolve_source_config(args)
     count = positive_int("--count", args.count, allow_zero=True)
-    return asyncio.run(_watch(config, count))
+    return run_daemon(lambda stop: _watch(config, count, stop))
 
 
-async def _watch(config: dict, count: int) -> int:
+async def _watch(config: dict, count: int, stop: asyncio.Event) -> int:
     from spotguard.agent.sources.merge import merged_updates
     from spotguard.agent.sources.registry import build_sources
 
     cloud = await resolve_cloud(config["cloud"], config["base_url"])
     sources = build_sources(cloud, node=config["node"], base_url=config["base_url"],
                             interval=config["interval"], timeout=config["timeout"])
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
 
     async def consume() -> None:
         seen = 0
@@ -90,10 +86,5 @@ async def _watch(config: dict, count: int) -> int:
         finally:
             await updates.aclose()
 
-    consumer = asyncio.create_task(consume())
-    stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    for task in (consumer, stopper):
-        task.cancel()
-    await asyncio.gather(consumer, stopper, return_exceptions=True)
+    await until_stopped(stop, consume())
     return 0

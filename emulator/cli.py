@@ -5,9 +5,9 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 
-from spotguard.config import ConfigError, env_default, positive_int
+from spotguard.config import ConfigError, Layers, positive_int
+from spotguard.daemon import run_daemon
 
 CLOUDS = ("aws", "gcp", "azure", "alibaba")
 
@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cloud", required=True, choices=CLOUDS)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", default="0", help="port (default: an ephemeral one, printed at start)")
-    p.add_argument("--control-token", default=env_default("emulator_token"),
+    p.add_argument("--control-token", default=None,
                    help="bearer token for the control API (default: random; env SPOTGUARD_EMULATOR_TOKEN)")
     p.add_argument("--imdsv2-only", action="store_true", help="aws: refuse GETs without a session token")
     p.add_argument("--alibaba-hardened", action="store_true", help="alibaba: require a session token")
@@ -35,16 +35,12 @@ def run(args: argparse.Namespace) -> int:
         options["imdsv1"] = not args.imdsv2_only
     if args.cloud == "alibaba":
         options["hardened"] = args.alibaba_hardened
-    return asyncio.run(_serve(args.cloud, args.host, port, args.control_token, options))
+    token = Layers(args).value("control_token", env="SPOTGUARD_EMULATOR_TOKEN")
+    return run_daemon(lambda stop: _serve(args.cloud, args.host, port, token, options, stop))
 
 
-async def _serve(cloud: str, host: str, port: int, token: str | None, options: dict) -> int:
+async def _serve(cloud: str, host: str, port: int, token: str | None, options: dict, stop: asyncio.Event) -> int:
     from spotguard.emulator.server import Emulator
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     async with Emulator(cloud, host=host, port=port, control_token=token, **options) as emu:
         print(json.dumps({"cloud": cloud, "url": emu.url, "control_token": emu.control_token,
                           "pid": os.getpid()}), flush=True)

@@ -5,9 +5,9 @@ import argparse
 import asyncio
 import logging
 import re
-import signal
 
-from spotguard.config import ConfigError, env_default, positive_int
+from spotguard.config import ConfigError, Layers, positive_int
+from spotguard.daemon import run_daemon
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--listen", default="0.0.0.0:9443", help="ADDR:PORT (default 0.0.0.0:9443)")
     serve.add_argument("--tls-cert", required=True, help="PEM certificate (the Secret's tls.crt)")
     serve.add_argument("--tls-key", required=True, help="PEM private key (the Secret's tls.key)")
-    serve.add_argument("--image", default=env_default("sidecar_image"), help="sidecar image (env SPOTGUARD_SIDECAR_IMAGE)")
+    serve.add_argument("--image", default=None, help="sidecar image (env SPOTGUARD_SIDECAR_IMAGE)")
     serve.add_argument("--grace-seconds", default="120", help="default terminationGracePeriodSeconds floor (default 120)")
     for flag, default in SIDECAR_RESOURCES.items():
         serve.add_argument(f"--{flag}", default=default, help=f"the sidecar's {flag[8:].replace('-', ' ')} (default {default})")
@@ -56,7 +56,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from spotguard.logs import setup_logging
 
     host, port = parse_listen(args.listen)
-    if not args.image:
+    image = Layers(args).value("image", env="SPOTGUARD_SIDECAR_IMAGE")
+    if not image:
         raise ConfigError("--image", "the sidecar image is required (or set SPOTGUARD_SIDECAR_IMAGE)")
     grace = positive_int("--grace-seconds", args.grace_seconds)
     if grace > MAX_GRACE:
@@ -67,8 +68,8 @@ def run_serve(args: argparse.Namespace) -> int:
         ctx = tls_context(args.tls_cert, args.tls_key)
     except (OSError, ValueError) as exc:
         raise ConfigError("--tls-cert", f"cannot load the certificate/key ({exc})") from None
-    return asyncio.run(_serve(host, port, ctx, InjectorConfig(image=args.image, grace_seconds=grace,
-                                                              **sidecar_resources(args))))
+    cfg = InjectorConfig(image=image, grace_seconds=grace, **sidecar_resources(args))
+    return run_daemon(lambda stop: _serve(host, port, ctx, cfg, stop))
 
 
 def sidecar_resources(args: argparse.Namespace) -> dict[str, str]:
@@ -82,7 +83,7 @@ def sidecar_resources(args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
-async def _serve(host: str, port: int, ctx, cfg) -> int:
+async def _serve(host: str, port: int, ctx, cfg, stop: asyncio.Event) -> int:
     from aiohttp import web
 
     from spotguard.injector.server import make_app
@@ -91,10 +92,6 @@ async def _serve(host: str, port: int, ctx, cfg) -> int:
     await runner.setup()
     await web.TCPSite(runner, host, port, ssl_context=ctx).start()
     log.info("injector serving", extra={"listen": f"{host}:{port}"})
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
     return 0

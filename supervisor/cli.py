@@ -2,8 +2,10 @@
 
 At start it prints one JSON line to stdout, `{"event": "listening", "listen": "host:port",
 "identity": ..., "pid": ...}` (with `--listen 127.0.0.1:0` this is how a caller learns the
-port); logs are JSON lines on stderr. SIGTERM/SIGINT: release the Lease, exit 0. Bad flags:
-exit 2 naming the flag. Every flag also reads SPOTGUARD_<FLAG> from the environment.
+port); logs are JSON lines on stderr. SIGTERM/SIGINT: release the Lease, exit 0. Bad settings:
+exit 2 naming the field. Settings resolve as every command's do (`spotguard.config.Layers`):
+flag > SPOTGUARD_<FLAG> environment variable > `--config FILE` (keys as the flags, `_` or `-`)
+> default.
 """
 from __future__ import annotations
 
@@ -11,11 +13,10 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
-import sys
 
-from spotguard.config import ConfigError, env_default, one_of, positive_float, positive_int
+from spotguard.config import ConfigError, Layers, http_url, one_of, positive_float, positive_int
+from spotguard.daemon import run_daemon
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,88 +43,85 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--membership-hosts", default=None, help="hosts in the membership: node (default), pod-ip, pod-name")
     p.add_argument("--workers", default=None, help="concurrent job reconciles (default 4)")
     p.add_argument("--log-level", default=None, help="debug, info (default), warning, error")
+    p.add_argument("--config", default=None, help="YAML or JSON file of settings (keys as the flags)")
     p.set_defaults(func=run)
 
 
-def _value(args: argparse.Namespace, name: str, default=None):
-    value = getattr(args, name.replace("-", "_"), None)
-    return env_default(name, default) if value is None else value
+FILE_KEYS = ("kubeconfig", "kube_host", "namespace", "lease_name", "lease_namespace", "identity", "listen", "prices",
+             "resync", "lease_duration", "checkpoint_timeout", "scale_out_delay", "membership_hosts", "workers",
+             "log_level")
 
 
-def parse_listen(value: str) -> tuple[str, int]:
+def layers_from_args(args: argparse.Namespace, environ=os.environ) -> Layers:
+    """The supervisor's settings: flags, SPOTGUARD_* variables, the --config file, defaults."""
+    return Layers(args, environ, file_keys=FILE_KEYS)
+
+
+def parse_listen(value: str, field: str = "--listen") -> tuple[str, int]:
     host, sep, port = str(value).rpartition(":")
     if not sep or not host:
-        raise ConfigError("--listen", f"expected ADDR:PORT, got {value!r}")
+        raise ConfigError(field, f"expected ADDR:PORT, got {value!r}")
     try:
         number = int(port)
     except ValueError:
-        raise ConfigError("--listen", f"bad port in {value!r}") from None
+        raise ConfigError(field, f"bad port in {value!r}") from None
     if not 0 <= number <= 65535:
-        raise ConfigError("--listen", f"port out of range in {value!r}")
+        raise ConfigError(field, f"port out of range in {value!r}")
     return host.strip("[]"), number
 
 
 def options_from_args(args: argparse.Namespace, environ=os.environ):
-    """Validated Options; ConfigError names the flag."""
+    """Validated Options; ConfigError names the field."""
     from spotguard.supervisor.app import Options
     from spotguard.supervisor.cost import PriceTable
     from spotguard.supervisor.membership import HOST_MODES
 
-    namespace = _value(args, "namespace")
+    layers = layers_from_args(args, environ)
+    namespace = layers.value("namespace")
     if namespace in ("", "all", "*"):
         namespace = None
-    host, port = parse_listen(_value(args, "listen", "0.0.0.0:9742"))
-    prices_path = _value(args, "prices")
+    host, port = layers.parse("listen", "0.0.0.0:9742", lambda f, v: parse_listen(v, f))
+    prices_path = layers.value("prices")
     prices = PriceTable.from_file(prices_path) if prices_path else None
-    lease_duration = positive_float("--lease-duration", _value(args, "lease-duration", 15))
+    lease_duration, lease_field = layers.get("lease_duration", 15)
+    lease_duration = positive_float(lease_field, lease_duration)
     if lease_duration < 2:
-        raise ConfigError("--lease-duration", "must be >= 2 seconds")
-    kube_host = _value(args, "kube-host")
+        raise ConfigError(lease_field, "must be >= 2 seconds")
+    kube_host, kube_host_field = layers.get("kube_host")
     if kube_host is not None:
-        from spotguard.config import http_url
-
-        kube_host = http_url("--kube-host", kube_host)
+        kube_host = http_url(kube_host_field, kube_host)
     return Options(
-        kubeconfig=_value(args, "kubeconfig"),
+        kubeconfig=layers.value("kubeconfig"),
         kube_host=kube_host,
         namespace=namespace,
-        lease_namespace=_value(args, "lease-namespace") or environ.get("POD_NAMESPACE") or namespace or "default",
-        lease_name=_value(args, "lease-name", "spotguard-supervisor"),
-        identity=_value(args, "identity") or environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}",
+        lease_namespace=layers.value("lease_namespace") or environ.get("POD_NAMESPACE") or namespace or "default",
+        lease_name=layers.value("lease_name", "spotguard-supervisor"),
+        identity=layers.value("identity") or environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}",
         listen_host=host,
         listen_port=port,
         prices=prices,
-        resync=positive_float("--resync", _value(args, "resync", 60)),
+        resync=layers.parse("resync", 60, positive_float),
         lease_duration=lease_duration,
-        checkpoint_timeout=positive_float("--checkpoint-timeout", _value(args, "checkpoint-timeout", 120)),
-        scale_out_delay=positive_float("--scale-out-delay", _value(args, "scale-out-delay", 30), allow_zero=True),
-        membership_hosts=one_of("--membership-hosts", _value(args, "membership-hosts", "node"), HOST_MODES),
-        workers=positive_int("--workers", _value(args, "workers", 4)),
+        checkpoint_timeout=layers.parse("checkpoint_timeout", 120, positive_float),
+        scale_out_delay=layers.parse("scale_out_delay", 30, lambda f, v: positive_float(f, v, allow_zero=True)),
+        membership_hosts=layers.parse("membership_hosts", "node", lambda f, v: one_of(f, v, HOST_MODES)),
+        workers=layers.parse("workers", 4, positive_int),
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from spotguard.logs import setup_logging
-
-    level = str(_value(args, "log-level", "info")).lower()
-    one_of("--log-level", level, ("debug", "info", "warning", "error"))
+    level, level_field = layers_from_args(args).get("log_level", "info")
+    level = one_of(level_field, str(level).lower(), ("debug", "info", "warning", "error"))
     options = options_from_args(args)
-    setup_logging(level)
-    return asyncio.run(_main(options))
+    return run_daemon(lambda stop: _main(options, stop), log_level=level)
 
 
-async def _main(options) -> int:
+async def _main(options, stop: asyncio.Event) -> int:
     from spotguard.supervisor.app import run_supervisor
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
 
     def announce(address: str) -> None:
         print(json.dumps({"event": "listening", "listen": address, "identity": options.identity, "pid": os.getpid()}),
               flush=True)
 
     await run_supervisor(options, stop, announce)
-    sys.stdout.flush()
     return 0

@@ -8,7 +8,7 @@ import json
 import pynvml
 import pytest
 
-from spotguard.agent.gpu.fake_backend import FakeGpuBackend
+from spotguard.emulator.nvml import FakeGpuBackend
 from spotguard.agent.gpu.policy import GpuPolicy, parse_xid_list
 from spotguard.agent.gpu.select import make_backend
 from spotguard.agent.sources.gpu import GpuHealthSource

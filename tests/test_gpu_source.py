@@ -10,7 +10,7 @@ import pynvml
 import pytest
 
 from spotguard.agent.gpu import backend as gb
-from spotguard.agent.gpu.fake_backend import FakeGpu, FakeGpuBackend
+from spotguard.emulator.nvml import FakeGpu, FakeGpuBackend
 from spotguard.agent.notice import Kind, Notice, Withdrawal
 from spotguard.agent.sources.gpu import GpuHealthSource
 

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
-import signal
 import sys
 import time
 from pathlib import Path
 
 from spotguard.config import ConfigError, positive_int
+from spotguard.daemon import run_daemon, until_stopped
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,10 +49,11 @@ def run(args: argparse.Namespace) -> int:
     if extra and extra[0] == "--":
         extra = extra[1:]
     run_dir = Path(args.out or f"runs/dryrun-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    return asyncio.run(_run(scenario, run_dir, extra, time_limit, live=not args.no_live and sys.stdout.isatty()))
+    live = not args.no_live and sys.stdout.isatty()
+    return run_daemon(lambda stop: _run(scenario, run_dir, extra, time_limit, live, stop))
 
 
-async def _run(scenario, run_dir: Path, extra: list[str], time_limit: int, live: bool) -> int:
+async def _run(scenario, run_dir: Path, extra: list[str], time_limit: int, live: bool, stop: asyncio.Event) -> int:
     from spotguard.trainer.dryrun import DryRun, write_outputs
     from spotguard.trainer.progress import LiveView
     from spotguard.trainer.report import render_text
@@ -64,17 +66,9 @@ async def _run(scenario, run_dir: Path, extra: list[str], time_limit: int, live:
           f"{scenario.framework}, {scenario.policy} policy; run dir {run_dir}", flush=True)
     view = LiveView(scenario) if live else None
     dry = DryRun(scenario, run_dir, extra, on_update=view.update if view else None, time_limit=time_limit)
-    task = asyncio.create_task(dry.run())
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, task.cancel)  # run() stops every process it started
-    try:
-        if view:
-            with view:
-                report = await task
-        else:
-            report = await task
-    except asyncio.CancelledError:
+    with view or contextlib.nullcontext():
+        report = await until_stopped(stop, dry.run())  # cancelled, run() stops every process it started
+    if report is None:
         print("dry-run interrupted: every process it started was stopped", file=sys.stderr)
         return 130
     report_path, plot_path = write_outputs(report, run_dir)

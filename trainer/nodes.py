@@ -15,7 +15,7 @@ from typing import Any
 
 from spotguard.agent.app import Agent
 from spotguard.agent.config import AgentConfig
-from spotguard.agent.gpu.fake_backend import FakeGpuBackend
+from spotguard.emulator.nvml import FakeGpuBackend
 from spotguard.agent.sources.gpu import GpuHealthSource
 from spotguard.emulator.control import EmulatorControl
 from spotguard.emulator.server import Emulator

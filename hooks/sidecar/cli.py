@@ -4,7 +4,9 @@ Defaults come from the environment the pod spec sets (downward API): the agent i
 `http://$SPOTGUARD_NODE_IP:9740` (`status.hostIP`), the token file is $SPOTGUARD_TOKEN_FILE,
 the agent's bearer token $SPOTGUARD_AGENT_TOKEN_FILE, the podinfo volume
 $SPOTGUARD_PODINFO_DIR (else /etc/podinfo), the pod's rank count $SPOTGUARD_LOCAL_WORLD_SIZE,
-the pod name and namespace $SPOTGUARD_POD_NAME / $SPOTGUARD_POD_NAMESPACE.
+the pod name and namespace $SPOTGUARD_POD_NAME / $SPOTGUARD_POD_NAMESPACE. A flag beats its
+variable (`spotguard.config.Layers`); `--listen`, `--hostfile`, `--deepspeed-config` and
+`--log-level` have no variable, and the sidecar reads no config file: the pod spec is its config.
 
 `spotguard sidecar prestop` runs in the trainer container as an `exec` preStop hook (an
 `httpGet` hook would come from the kubelet to the pod IP, not to loopback). It prints the
@@ -17,14 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import socket
 import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 
-from spotguard.config import ConfigError, env_default, http_url, positive_float, positive_int
+from spotguard.config import ConfigError, Layers, http_url, positive_float, positive_int
+from spotguard.daemon import run_daemon
 
 DEFAULT_LISTEN = "127.0.0.1:9741"
 DEFAULT_URL = "http://127.0.0.1:9741"
@@ -40,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "and keep a DeepSpeed hostfile in step with the job's membership.")
     p.add_argument("--agent-url", default=None,
                    help="node agent base URL (default http://$SPOTGUARD_NODE_IP:9740)")
-    p.add_argument("--listen", default=DEFAULT_LISTEN, help=f"host:port to serve on (default {DEFAULT_LISTEN})")
+    p.add_argument("--listen", default=None, help=f"host:port to serve on (default {DEFAULT_LISTEN})")
     p.add_argument("--token-file", default=None,
                    help="where to write the hooks token, mode 0600 (default $SPOTGUARD_TOKEN_FILE)")
     p.add_argument("--agent-token-file", default=None,
@@ -66,13 +68,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pre.set_defaults(func=run_prestop)
 
 
-def parse_listen(value: str) -> tuple[str, int]:
+def parse_listen(value: str, field: str = "--listen") -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host:
-        raise ConfigError("--listen", f"expected host:port, got {value!r}")
-    number = positive_int("--listen", port, allow_zero=True)
+        raise ConfigError(field, f"expected host:port, got {value!r}")
+    number = positive_int(field, port, allow_zero=True)
     if number > 65535:
-        raise ConfigError("--listen", f"port out of range: {number}")
+        raise ConfigError(field, f"port out of range: {number}")
     return host.strip("[]"), number
 
 
@@ -84,53 +86,46 @@ def _default_namespace() -> str:
         return "default"
 
 
-def build_config(args: argparse.Namespace):
-    """The SidecarConfig the flags and environment describe; ConfigError names the bad flag."""
+def build_config(args: argparse.Namespace, environ=None):
+    """The SidecarConfig the flags and environment describe; ConfigError names the bad field."""
     from spotguard.hooks.sidecar.service import SidecarConfig
 
-    agent_url = args.agent_url
+    layers = Layers(args, environ)
+    agent_url, agent_url_field = layers.get("agent_url", env=None)
     if agent_url is None:
-        node_ip = env_default("NODE_IP")
+        node_ip = layers.value("node_ip")
         if node_ip is None:
             raise ConfigError("--agent-url", "not given and SPOTGUARD_NODE_IP is unset (downward API status.hostIP)")
         agent_url = f"http://{node_ip}:9740"
-    agent_url = http_url("--agent-url", agent_url)
-    token_file = args.token_file or env_default("TOKEN_FILE")
+    agent_url = http_url(agent_url_field, agent_url)
+    token_file = layers.value("token_file")
     if not token_file:
         raise ConfigError("--token-file", "not given and SPOTGUARD_TOKEN_FILE is unset")
-    local = args.local_world_size if args.local_world_size is not None else env_default("LOCAL_WORLD_SIZE")
-    host, port = parse_listen(args.listen)
-    header_timeout = args.header_timeout if args.header_timeout is not None else env_default("HEADER_TIMEOUT", 10)
+    local, local_field = layers.get("local_world_size")
+    host, port = layers.parse("listen", DEFAULT_LISTEN, lambda f, v: parse_listen(v, f), env=None)
     return SidecarConfig(
         agent_url=agent_url,
         token_file=token_file,
         listen_host=host, listen_port=port,
-        agent_token_file=args.agent_token_file or env_default("AGENT_TOKEN_FILE"),
-        podinfo_dir=args.podinfo_dir or env_default("PODINFO_DIR", "/etc/podinfo"),
-        hostfile=args.hostfile,
-        deepspeed_config=args.deepspeed_config,
-        local_world_size=None if local is None else positive_int("--local-world-size", local),
-        pod=env_default("POD_NAME") or socket.gethostname(),
-        namespace=env_default("POD_NAMESPACE") or _default_namespace(),
-        header_timeout=positive_float("--header-timeout", header_timeout),
+        agent_token_file=layers.value("agent_token_file") or None,
+        podinfo_dir=layers.value("podinfo_dir") or "/etc/podinfo",
+        hostfile=layers.value("hostfile", env=None),
+        deepspeed_config=layers.value("deepspeed_config", env=None),
+        local_world_size=None if local is None else positive_int(local_field, local),
+        pod=layers.value("pod_name") or socket.gethostname(),
+        namespace=layers.value("pod_namespace") or _default_namespace(),
+        header_timeout=layers.parse("header_timeout", 10, positive_float),
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from spotguard.logs import setup_logging
-
     config = build_config(args)
-    setup_logging(args.log_level)
-    return asyncio.run(_serve(config))
+    return run_daemon(lambda stop: _serve(config, stop), log_level=args.log_level)
 
 
-async def _serve(config) -> int:
+async def _serve(config, stop: asyncio.Event) -> int:
     from spotguard.hooks.sidecar.service import Sidecar
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     async with Sidecar(config):
         await stop.wait()
     return 0
@@ -138,7 +133,7 @@ async def _serve(config) -> int:
 
 def run_prestop(args: argparse.Namespace) -> int:
     timeout = positive_float("--timeout", args.timeout)
-    base = http_url("--url", args.url or env_default("SIDECAR_URL", DEFAULT_URL))
+    base = Layers(args).parse("url", DEFAULT_URL, http_url, env="SPOTGUARD_SIDECAR_URL")
     url = f"{base}/v1/prestop?{urllib.parse.urlencode({'timeout': f'{timeout:g}'})}"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
     try:

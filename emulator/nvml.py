@@ -1,6 +1,8 @@
-"""A scriptable fake GPU backend: GPUs whose readings, events and failures a test or a
-scenario file sets, raising the real `pynvml` error classes. Used by tests, by the dry-run
-(GPU fault injection) and by `spotguard agent --gpu fake:<scenario>`.
+"""A scriptable fake GPU backend (a test double, beside the cloud metadata emulator): GPUs whose
+readings, events and failures a test or a scenario file sets, behind the backend interface
+`spotguard.agent.gpu.backend.GpuBackend`, raising the real `pynvml` error classes. Used by tests,
+by the dry-run (GPU fault injection) and by `spotguard agent --gpu fake:<scenario>` (which loads
+it by name: the product image does not ship it).
 
 Scripting, from code (thread-safe, any thread):
 - `set(i, **fields)`: change readings of GPU i (fields of `FakeGpu`);
