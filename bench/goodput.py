@@ -45,8 +45,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from spotguard.trainer.goodput import MODES, Comparison, render, run_mode  # noqa: E402
-from spotguard.trainer.scenario import ScenarioError, parse_trace, scenario_from_trace  # noqa: E402
+from spotguard.trainer.goodput import MODES, Comparison, render, run_mode
+from spotguard.trainer.scenario import ScenarioError, parse_trace, scenario_from_trace
 
 TRACES = Path("/work/shared/data/spot-traces")
 DEFAULT_TRACE = TRACES / "aws-p3-bamboo.csv"

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from pathlib import Path
 
 import kmock
@@ -101,7 +101,7 @@ def supervisor_command(args, connection: list[str], lease_namespace: str) -> lis
 
 
 def notice_patch(node: str, trial: int) -> dict:
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     notice = Notice(id=notice_id("aws.spot", node, trial), kind="reclaim", source="aws.spot", node=node,
                     detected_at=now, deadline=now + timedelta(seconds=120))
     return {"metadata": {"annotations": {names.ANN_NOTICE: notice.to_json()}},

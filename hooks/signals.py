@@ -16,7 +16,7 @@ import signal
 import socket
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 from spotguard.agent.notice import Kind, Notice, notice_id
 
@@ -58,7 +58,7 @@ class SignalTrap:
             signal.signal(signum, previous)
         self._previous.clear()
 
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+    def _handle(self, signum, frame) -> None:  # signal handler signature
         if self.received is None:
             self.received = (signum, time.time())
 
@@ -69,7 +69,7 @@ class SignalTrap:
             return None
         self.received = None
         signum, at = received
-        detected = datetime.fromtimestamp(at, timezone.utc)
+        detected = datetime.fromtimestamp(at, UTC)
         name = signal.Signals(signum).name
         return Notice(
             id=notice_id(SOURCE, self.node, name, f"{at:.6f}"),

@@ -32,7 +32,7 @@ def make_certificate(dns_names: list[str], ip_addresses: list[str] = (), days: i
     """A fresh CA and a serving certificate (ECDSA P-256) for `dns_names` and `ip_addresses`."""
     import ipaddress
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "spotguard-injector-ca")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())

@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 import torch

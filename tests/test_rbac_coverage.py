@@ -32,7 +32,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 import aiohttp
 import kmock
@@ -229,7 +229,7 @@ def api_sources() -> dict[str, Path]:
 SERIALIZE = re.compile(r"def _(\w+)_serialize\(.*?method='(\w+)',\s*resource_path='([^']+)'", re.S)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def endpoints(cls_name: str) -> dict[str, tuple[str, str]]:
     """API method -> (HTTP method, path template), read from the generated client's
     `_<method>_serialize` functions (one `param_serialize(method=..., resource_path=...)` each)."""
@@ -253,7 +253,7 @@ def method_index() -> dict[str, set[str]]:
 
 # ---- static scan: modules and their import closure -----------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module_path(name: str) -> Path | None:
     try:
         spec = importlib.util.find_spec(name)
@@ -264,7 +264,7 @@ def module_path(name: str) -> Path | None:
     return Path(spec.origin)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def parse(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 

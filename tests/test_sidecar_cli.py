@@ -35,7 +35,7 @@ async def stop(proc: asyncio.subprocess.Process) -> int:
         proc.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), 15)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await asyncio.wait_for(proc.wait(), 10)
     return proc.returncode

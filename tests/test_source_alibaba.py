@@ -1,7 +1,7 @@
 """Alibaba: the emulated ECS metadata (plain and hardened) and its source, over real HTTP."""
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 import aiohttp
 import pytest
@@ -20,7 +20,7 @@ def spot_source(url: str) -> TerminationTimeSource:
 
 
 def deadline_of(scheduled: dict) -> datetime:
-    return datetime.fromtimestamp(int(scheduled["deadline"]), timezone.utc)
+    return datetime.fromtimestamp(int(scheduled["deadline"]), UTC)
 
 
 async def test_emulator_paths_and_hardened_mode(make_emulator):

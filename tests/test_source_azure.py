@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 import aiohttp
 import pytest
@@ -23,7 +23,7 @@ def events_source(url: str, vm_name: str | None = None, interval: float = 0.25) 
 
 
 def deadline_of(scheduled: dict) -> datetime:
-    return datetime.fromtimestamp(int(scheduled["deadline"]), timezone.utc)
+    return datetime.fromtimestamp(int(scheduled["deadline"]), UTC)
 
 
 # -- the emulated service --------------------------------------------------------------------

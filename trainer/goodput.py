@@ -31,7 +31,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from spotguard.trainer.dryrun import DryRun
 from spotguard.trainer.events import read_events

@@ -130,6 +130,6 @@ class Generation:
         self.signal_all(signal.SIGTERM)
         try:
             await asyncio.wait_for(self.wait(), grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.signal_all(signal.SIGKILL)
             await self.wait()

@@ -107,7 +107,7 @@ class Reporter:
                     await self._deliver(session, body)
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # noqa: BLE001 - one bad report must not stop the next
+                except Exception:  # one bad report must not stop the next
                     log.exception("report for %s not delivered", body.get("notice_id"))
 
     async def _deliver(self, session: aiohttp.ClientSession, body: dict[str, Any]) -> bool:
@@ -139,5 +139,5 @@ class Reporter:
                 if resp.status in RETRY_STATUSES or resp.status >= 500:
                     return f"HTTP {resp.status} {text}"
                 return f"final:HTTP {resp.status} {text}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return f"{type(exc).__name__}: {exc}"
