@@ -87,7 +87,7 @@ def measure_fast(state, directory: Path, files: int, mode: str) -> tuple[float, 
     with FastCheckpointer(files=files, mode=mode) as fast:
         fast.prepare(state)
         started = time.perf_counter()
-        snap, done = fast.save(store, "bench", state, step=1)
+        _snap, done = fast.save(store, "bench", state, step=1)
         stall = time.perf_counter() - started
         done.result()
         durable = time.perf_counter() - started

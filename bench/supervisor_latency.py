@@ -45,6 +45,7 @@ from spotguard.supervisor import names
 from spotguard.supervisor.kubeapi import NODES, Kube
 from spotguard.supervisor.testing import VersionedKubernetesEmulator
 
+REPO = Path(__file__).resolve().parents[1]
 NS = "bench"
 
 
@@ -187,7 +188,7 @@ async def run_kmock(args) -> dict:
 
 
 async def run_real(args) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO))
     from tests.control_plane import SPOTGUARD_NAMESPACE, start_control_plane
 
     started = time.monotonic()

@@ -16,7 +16,10 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, UTC
+from types import FrameType
+from typing import Any
 
 from spotguard.agent.notice import Kind, Notice, notice_id
 
@@ -40,7 +43,7 @@ class SignalTrap:
         self.signals = tuple(dict.fromkeys(int(s) for s in signals))
         self.node = node or node_name()
         self.received: tuple[int, float] | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def install(self) -> bool:
         """Installs the handlers; False (with a log line) off the main thread."""

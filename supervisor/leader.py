@@ -118,7 +118,7 @@ class LeaderElector:
             except Exception:
                 log.exception("lease %s/%s: election attempt crashed", self.namespace, self.name)
             self._notify()
-            delay = self.renew_period if self.is_leader() else self.renew_period
+            delay = self.renew_period
             try:
                 await asyncio.wait_for(stop.wait(), delay)
             except TimeoutError:

@@ -58,7 +58,7 @@ class Publisher:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        self.url = "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -240,7 +240,7 @@ def go_quote(text: str) -> str:
         elif ch == "\t":
             out.append("\\t")
         elif ord(ch) < 0x20 or ord(ch) == 0x7f:
-            out.append("\\x%02x" % ord(ch))
+            out.append(f"\\x{ord(ch):02x}")
         else:
             out.append(ch)
     out.append('"')

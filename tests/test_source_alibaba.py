@@ -90,7 +90,7 @@ async def test_plain_mode_works_without_a_token(make_emulator):
 
 
 async def test_registry_default_interval(make_emulator):
-    emu, control = await make_emulator("alibaba")
+    emu, _control = await make_emulator("alibaba")
     [built] = build_sources("alibaba", node=NODE, base_url=emu.url)
     assert built.name == "alibaba.spot" and built.interval == 1.0
     assert alibaba_sources(NODE)[0].client.http.base_url == "http://100.100.100.200"

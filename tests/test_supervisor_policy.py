@@ -42,7 +42,10 @@ def test_parse_policy_errors_name_the_annotation(annotations, field_name):
     assert err.value.field == field_name and isinstance(err.value, ConfigError)
 
 
-def state(policy=EL, replicas=4, suspended=False, record=Record(), notices=(), healthy=4, free=0, drained=False):
+NO_RECORD = Record()
+
+
+def state(policy=EL, replicas=4, suspended=False, record=NO_RECORD, notices=(), healthy=4, free=0, drained=False):
     return JobState(policy, replicas, suspended, record, tuple(notices), healthy, free, drained)
 
 

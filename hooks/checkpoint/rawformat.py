@@ -61,7 +61,8 @@ def plan_files(total: int, count: int) -> list[tuple[int, int]]:
     if total <= 0:
         return [(0, 0)]
     count = max(1, min(count, -(-total // (1 << 20))))  # no file under ~1 MiB
-    step = -(-(-(-total // count)) // FILE_ALIGN) * FILE_ALIGN
+    per_file = -(-total // count)
+    step = -(-per_file // FILE_ALIGN) * FILE_ALIGN
     return [(start, min(total, start + step)) for start in range(0, total, step)]
 
 

@@ -127,6 +127,8 @@ class Reporter:
 
     async def _attempt(self, session: aiohttp.ClientSession, body: dict[str, Any]) -> str | None:
         """None on success, else what went wrong (prefixed "final:" when retrying is useless)."""
+        if self.token_file is None:
+            return "final: no agent token file"
         try:
             token = await asyncio.to_thread(read_token, self.token_file)
         except (OSError, UnicodeDecodeError) as exc:
