@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine with Python 3.11:
 #   make run    the main job (the local dry-run on its embedded default scenario)
 #   make test   the whole test suite
+#   make lint   ruff, mypy on the product parts, the import contracts (docs/developing.md)
 # Both create .venv and install what they need, with torch pinned by constraints.txt.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -8,7 +9,7 @@ PIP    := $(VENV)/bin/pip
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.spotguard-installed
 
-.PHONY: run test test-k8s k8s-assets bench install clean
+.PHONY: run test lint test-k8s k8s-assets bench install clean
 
 # A real control plane for the tests marked k8s: the bundle in ../shared, unpacked once.
 # `make test` runs them when KUBEBUILDER_ASSETS is set (as .ci/run and test-k8s do), else skips them.
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	DS_BUILD_OPS=0 $(PIP) install -q -c constraints.txt --no-build-isolation deepspeed
-	$(PIP) install -q -c constraints.txt -e '.[train,deepspeed,k8s,gpu,ui,test]'
+	$(PIP) install -q -c constraints.txt -e '.[train,deepspeed,k8s,gpu,ui,test,lint]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -32,6 +33,23 @@ run: $(STAMP)
 test: $(STAMP)
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose" >&2; exit 1; fi; \
+	exit $$rc
+
+# mypy and import-linter read packages from the filesystem and cannot follow setup.py's folder
+# mapping: they run inside the symlink tree tools/package_tree.py builds, with that tree as the
+# current directory (import-linter puts the cwd first on sys.path, ahead of the editable install).
+TREE := .cache/package-tree
+PRODUCT_PARTS := spotguard.agent spotguard.hooks spotguard.supervisor spotguard.injector
+
+# All three run, so one CI log shows every finding; the target fails if any of them failed.
+lint: $(STAMP)
+	@$(PY) tools/package_tree.py $(TREE) >/dev/null
+	@rc=0; \
+	echo "== ruff"; $(VENV)/bin/ruff check . || rc=1; \
+	echo "== mypy"; (cd $(TREE) && $(abspath $(VENV))/bin/mypy --config-file $(abspath pyproject.toml) \
+		$(addprefix -p ,$(PRODUCT_PARTS))) || rc=1; \
+	echo "== import contracts"; (cd $(TREE) && $(abspath $(VENV))/bin/lint-imports \
+		--config $(abspath pyproject.toml)) || rc=1; \
 	exit $$rc
 
 k8s-assets: $(K8S_ASSETS)/kube-apiserver

@@ -99,7 +99,7 @@ class SharedSecretAuth:
         self._secret_digest = _digest(secret)
 
     @classmethod
-    def from_file(cls, path: str, field: str = "--report-token-file") -> "SharedSecretAuth":
+    def from_file(cls, path: str, field: str = "--report-token-file") -> SharedSecretAuth:
         """Reads the secret (surrounding whitespace stripped); ConfigError(field) if unusable."""
         try:
             text = Path(path).read_text(encoding="utf-8").strip()

@@ -27,7 +27,8 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from aiohttp import web
 

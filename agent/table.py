@@ -31,7 +31,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from spotguard.agent.notice import Notice, Update, Withdrawal
 
@@ -82,7 +82,7 @@ class Subscription:
     subscriber fell too far behind: `overflowed` says which).
     """
 
-    def __init__(self, table: "NoticeTable", snapshot: list[Notice], seq: int, max_backlog: int,
+    def __init__(self, table: NoticeTable, snapshot: list[Notice], seq: int, max_backlog: int,
                  complete: bool = True):
         self._table = table
         self.snapshot = snapshot
@@ -94,7 +94,7 @@ class Subscription:
         self.closed = False
         self.overflowed = False
 
-    def attach(self, sink: "Sink") -> None:
+    def attach(self, sink: Sink) -> None:
         """Delivers every later change (and TICK) by calling `sink(item)` synchronously from the
         publisher, after first passing it what is queued: the fastest fan-out, no task wake-up
         per subscriber. `sink` returns None when delivered, "full" when the subscriber is too
@@ -109,7 +109,7 @@ class Subscription:
         if not self.closed:
             self._sink = sink
 
-    def _deliver(self, sink: "Sink", item: "Published | object") -> None:
+    def _deliver(self, sink: Sink, item: Published | object) -> None:
         try:
             problem = sink(item)
         except Exception:
@@ -119,7 +119,7 @@ class Subscription:
             self.overflowed = problem == "full"
             self._close()
 
-    def _push(self, published: "Published | Resync") -> None:
+    def _push(self, published: Published | Resync) -> None:
         if self.closed:
             return
         if self._sink is not None:
@@ -144,7 +144,7 @@ class Subscription:
         elif not self.closed and self._queue.empty():
             self._queue.put_nowait(TICK)  # type: ignore[arg-type]
 
-    async def next(self, timeout: float | None = None) -> "Published | Resync | None":
+    async def next(self, timeout: float | None = None) -> Published | Resync | None:
         """The next change (or TICK); None when closed. TimeoutError after `timeout` seconds."""
         if timeout is None:
             return await self._queue.get()

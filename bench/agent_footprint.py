@@ -16,6 +16,7 @@ import asyncio
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import aiohttp
 import psutil
@@ -39,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 async def _run(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         scenario = os.path.join(tmp, "gpus.yaml")
-        with open(scenario, "w") as f:
-            f.write("gpus: 2\n")
+        await asyncio.to_thread(Path(scenario).write_text, "gpus: 2\n")
         async with Emulator("aws") as emu:
             gpu = ["--gpu", "off"] if args.no_gpu else ["--gpu", f"fake:{scenario}"]
             proc, address = await asyncio.to_thread(start_agent, "aws", emu.url, *gpu)

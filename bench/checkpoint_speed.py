@@ -25,11 +25,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import torch  # noqa: E402
+import torch
 
-from spotguard.hooks.checkpoint import CheckpointStore, FastCheckpointer  # noqa: E402
-from spotguard.hooks.checkpoint.layout import flatten  # noqa: E402
-from spotguard.hooks.checkpoint.rawformat import as_bytes  # noqa: E402
+from spotguard.hooks.checkpoint import CheckpointStore, FastCheckpointer
+from spotguard.hooks.checkpoint.layout import flatten
+from spotguard.hooks.checkpoint.rawformat import as_bytes
 
 
 def build_state(size_mb: int):
@@ -87,7 +87,7 @@ def measure_fast(state, directory: Path, files: int, mode: str) -> tuple[float, 
     with FastCheckpointer(files=files, mode=mode) as fast:
         fast.prepare(state)
         started = time.perf_counter()
-        snap, done = fast.save(store, "bench", state, step=1)
+        _snap, done = fast.save(store, "bench", state, step=1)
         stall = time.perf_counter() - started
         done.result()
         durable = time.perf_counter() - started

@@ -45,8 +45,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from spotguard.trainer.goodput import MODES, Comparison, render, run_mode  # noqa: E402
-from spotguard.trainer.scenario import ScenarioError, parse_trace, scenario_from_trace  # noqa: E402
+from spotguard.trainer.goodput import MODES, Comparison, render, run_mode
+from spotguard.trainer.scenario import ScenarioError, parse_trace, scenario_from_trace
 
 TRACES = Path("/work/shared/data/spot-traces")
 DEFAULT_TRACE = TRACES / "aws-p3-bamboo.csv"
@@ -57,7 +57,7 @@ def _positive(kind):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {'whole ' if kind is int else ''}number, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected a {'whole ' if kind is int else ''}number, got {text!r}") from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
         return value
@@ -68,7 +68,7 @@ def _non_negative(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from pathlib import Path
 
 import kmock
@@ -45,6 +45,7 @@ from spotguard.supervisor import names
 from spotguard.supervisor.kubeapi import NODES, Kube
 from spotguard.supervisor.testing import VersionedKubernetesEmulator
 
+REPO = Path(__file__).resolve().parents[1]
 NS = "bench"
 
 
@@ -101,7 +102,7 @@ def supervisor_command(args, connection: list[str], lease_namespace: str) -> lis
 
 
 def notice_patch(node: str, trial: int) -> dict:
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     notice = Notice(id=notice_id("aws.spot", node, trial), kind="reclaim", source="aws.spot", node=node,
                     detected_at=now, deadline=now + timedelta(seconds=120))
     return {"metadata": {"annotations": {names.ANN_NOTICE: notice.to_json()}},
@@ -187,7 +188,7 @@ async def run_kmock(args) -> dict:
 
 
 async def run_real(args) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO))
     from tests.control_plane import SPOTGUARD_NAMESPACE, start_control_plane
 
     started = time.monotonic()

@@ -18,7 +18,7 @@ class EmulatorControl:
         self._headers = {"Authorization": f"Bearer {token}"}
         self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "EmulatorControl":
+    async def __aenter__(self) -> EmulatorControl:
         self._session = aiohttp.ClientSession(trust_env=False, headers=self._headers)
         return self
 

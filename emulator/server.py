@@ -71,7 +71,7 @@ class Emulator:
         ])
         return app
 
-    async def start(self) -> "Emulator":
+    async def start(self) -> Emulator:
         self._runner = web.AppRunner(self.make_app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
@@ -87,7 +87,7 @@ class Emulator:
             await self._runner.cleanup()
             self._runner = None
 
-    async def __aenter__(self) -> "Emulator":
+    async def __aenter__(self) -> Emulator:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:

@@ -89,7 +89,7 @@ class EmulatorState:
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.version != since_version), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return False
         return True
 

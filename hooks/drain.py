@@ -31,8 +31,9 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Callable, Sequence
+from datetime import datetime, UTC
+from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 from spotguard.agent.notice import Notice
 from spotguard.hooks import save_decision
@@ -78,7 +79,7 @@ def agreed_notice(collectives: Collectives, verdict: Verdict) -> Notice:
             payload = verdict.pending.to_json().encode()
         notice = Notice.from_json(collectives.broadcast_bytes(payload, verdict.source_rank))
     if math.isfinite(verdict.deadline_ts):
-        notice = notice.with_deadline(datetime.fromtimestamp(verdict.deadline_ts, timezone.utc))
+        notice = notice.with_deadline(datetime.fromtimestamp(verdict.deadline_ts, UTC))
     return notice
 
 
@@ -102,7 +103,7 @@ class DrainSequence:
         saved_step, used_snapshot, ok = step, False, True
         try:
             saved_step, used_snapshot = self._checkpoint(step, notice)
-        except BaseException as exc:  # noqa: BLE001 - a failed save must still drain with its own exit code
+        except BaseException as exc:  # a failed save must still drain with its own exit code
             if isinstance(exc, (SystemExit, KeyboardInterrupt)):
                 raise
             log.exception("checkpoint for notice %s at step %d failed on rank %d", notice.id, step,
@@ -118,7 +119,7 @@ class DrainSequence:
             for hook in self.drain_hooks:
                 try:
                     hook(step, notice)
-                except Exception:  # noqa: BLE001 - the checkpoint is durable; leave anyway
+                except Exception:  # the checkpoint is durable; leave anyway
                     log.exception("@on_drain hook %s failed", getattr(hook, "__name__", hook))
             drain_seconds = time.monotonic() - t1
             self._report(notice, saved_step, "drained", drain_seconds, extra)
@@ -201,6 +202,6 @@ class ExitProcess:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         os._exit(self._code)

@@ -56,7 +56,8 @@ from __future__ import annotations
 import logging
 import os
 import signal as signal_module
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
 
 from spotguard.agent.notice import Kind, Notice, now_utc
 from spotguard.config import ConfigError, http_url, positive_float, positive_int
@@ -124,7 +125,7 @@ class Guard:
             self.attach(adapter)
 
     @classmethod
-    def from_env(cls, grace_seconds: float | None = None, agree_every: int | None = None, **kwargs) -> "Guard":
+    def from_env(cls, grace_seconds: float | None = None, agree_every: int | None = None, **kwargs) -> Guard:
         """A Guard configured from SPOTGUARD_* variables (docs/protocols.md); arguments win over them."""
         env = os.environ
         url = env.get("SPOTGUARD_SIDECAR_URL") or None

@@ -20,7 +20,8 @@ import re
 import tempfile
 from dataclasses import dataclass
 from functools import reduce
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 _LINE = re.compile(r"^(?P<host>[^\s#=]+)\s+slots\s*=\s*(?P<slots>\d+)\s*(?:#.*)?$")
 
@@ -160,7 +161,7 @@ class ElasticRule:
     world_sizes: tuple[int, ...]
 
     @classmethod
-    def from_block(cls, block: Any) -> "ElasticRule | None":
+    def from_block(cls, block: Any) -> ElasticRule | None:
         """The rule of an `elasticity` block; None when it is absent or disabled."""
         if block is None:
             return None
@@ -192,7 +193,7 @@ class ElasticRule:
 
     @classmethod
     def compute(cls, micro: Sequence[int], max_batch: int, min_gpus: int, max_gpus: int,
-                prefer_larger: bool = True) -> "ElasticRule":
+                prefer_larger: bool = True) -> ElasticRule:
         bases = set(micro) | {reduce(math.lcm, micro)}
         candidates = set()
         for base in bases:

@@ -24,7 +24,7 @@ import math
 import threading
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Iterable
+from collections.abc import Iterable
 
 from spotguard.agent.notice import Kind, Notice
 

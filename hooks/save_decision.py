@@ -13,7 +13,7 @@ the same `decide(combined)`:
 from __future__ import annotations
 
 import enum
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class SaveChoice(enum.Enum):

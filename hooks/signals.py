@@ -16,7 +16,10 @@ import signal
 import socket
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from collections.abc import Callable
+from datetime import datetime, timedelta, UTC
+from types import FrameType
+from typing import Any
 
 from spotguard.agent.notice import Kind, Notice, notice_id
 
@@ -40,7 +43,7 @@ class SignalTrap:
         self.signals = tuple(dict.fromkeys(int(s) for s in signals))
         self.node = node or node_name()
         self.received: tuple[int, float] | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def install(self) -> bool:
         """Installs the handlers; False (with a log line) off the main thread."""
@@ -58,7 +61,7 @@ class SignalTrap:
             signal.signal(signum, previous)
         self._previous.clear()
 
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+    def _handle(self, signum, frame) -> None:  # signal handler signature
         if self.received is None:
             self.received = (signum, time.time())
 
@@ -69,7 +72,7 @@ class SignalTrap:
             return None
         self.received = None
         signum, at = received
-        detected = datetime.fromtimestamp(at, timezone.utc)
+        detected = datetime.fromtimestamp(at, UTC)
         name = signal.Signals(signum).name
         return Notice(
             id=notice_id(SOURCE, self.node, name, f"{at:.6f}"),

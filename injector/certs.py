@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -28,11 +29,11 @@ def service_dns_names(service: str, namespace: str) -> list[str]:
     return [service, f"{service}.{namespace}", f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local"]
 
 
-def make_certificate(dns_names: list[str], ip_addresses: list[str] = (), days: int = 3650) -> TlsMaterial:
+def make_certificate(dns_names: list[str], ip_addresses: Sequence[str] = (), days: int = 3650) -> TlsMaterial:
     """A fresh CA and a serving certificate (ECDSA P-256) for `dns_names` and `ip_addresses`."""
     import ipaddress
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "spotguard-injector-ca")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())

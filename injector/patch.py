@@ -20,6 +20,7 @@ A pod without the label, or already injected, gets an empty patch.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,7 +154,7 @@ def sidecar_security_context(identity: dict[str, int]) -> dict[str, Any]:
     return ctx
 
 
-def sidecar_container(cfg: InjectorConfig, extra_args: list[str] = (), extra_mounts: list[dict] = (),
+def sidecar_container(cfg: InjectorConfig, extra_args: Sequence[str] = (), extra_mounts: Sequence[dict] = (),
                       local_world_size: int = 1, identity: dict[str, int] | None = None) -> dict[str, Any]:
     return {
         "name": SIDECAR_NAME,

@@ -4,13 +4,14 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from typing import ClassVar
 import time
 
 
 class JsonFormatter(logging.Formatter):
     """Formats a record as one JSON object: ts, level, logger, msg, plus any `extra` fields."""
 
-    _STANDARD = set(vars(logging.makeLogRecord({})))
+    _STANDARD: ClassVar[set[str]] = set(vars(logging.makeLogRecord({})))
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {

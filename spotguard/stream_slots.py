@@ -21,7 +21,7 @@ class SlotRefused(Exception):
 class Slot:
     """One taken slot; `release()` gives it back (once)."""
 
-    def __init__(self, owner: "StreamSlots", client: str):
+    def __init__(self, owner: StreamSlots, client: str):
         self._owner = owner
         self.client = client
         self._released = False

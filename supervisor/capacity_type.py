@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 SPOT, ON_DEMAND = "spot", "on-demand"
 DIRECTIVES = ("nodeSelector", "affinity", "tolerations")

@@ -12,7 +12,8 @@ controller's own) are kept as they are; lastTransitionTime changes only when sta
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from spotguard.agent.notice import format_time
 from spotguard.supervisor import names

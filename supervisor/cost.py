@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from spotguard.config import ConfigError
 from spotguard.supervisor import capacity_type
@@ -57,7 +58,7 @@ class PriceTable:
     spot_labels: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_SPOT_LABELS))
 
     @classmethod
-    def from_mapping(cls, obj: Any, field_name: str = "--prices") -> "PriceTable":
+    def from_mapping(cls, obj: Any, field_name: str = "--prices") -> PriceTable:
         if not isinstance(obj, Mapping):
             raise ConfigError(field_name, "expected a mapping with default / instance-types / spot-labels")
         unknown = set(obj) - {"default", "instance-types", "spot-labels"}
@@ -78,7 +79,7 @@ class PriceTable:
         return cls(default, types, labels)
 
     @classmethod
-    def from_file(cls, path: str) -> "PriceTable":
+    def from_file(cls, path: str) -> PriceTable:
         import yaml
 
         try:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import hashlib
 from datetime import datetime
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from spotguard.agent.notice import format_time
 from spotguard.supervisor import names

@@ -28,7 +28,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 from spotguard.config import ConfigError
 from spotguard.supervisor import capacity_type, names
@@ -97,7 +98,7 @@ def _seconds(a: datetime, b: datetime) -> float:
     return (b - a).total_seconds()
 
 
-def decide_move(state: "JobState", now: datetime, settings: "Settings", identity: str) -> "Decision | None":
+def decide_move(state: JobState, now: datetime, settings: Settings, identity: str) -> Decision | None:
     """The move decision for `state` (module docstring), or None to let the policy decide."""
     from spotguard.supervisor.policy import MOVE, NONE, RECORD, RESUME, SUSPEND, Decision, _act, decision_key
 

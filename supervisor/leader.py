@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import datetime, timezone
-from typing import Callable
+from datetime import datetime, UTC
+from collections.abc import Callable
 
 from spotguard.supervisor.kubeapi import LEASES, ApiError, Conflict, Kube, NotFound
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def _micro_time(dt: datetime) -> str:
-    return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class LeaderElector:
@@ -64,7 +64,7 @@ class LeaderElector:
     def try_acquire_or_renew(self) -> bool:
         """One attempt (blocking). True when we hold the lease afterwards."""
         started = self.clock()
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         spec_new = {"holderIdentity": self.identity, "leaseDurationSeconds": max(1, round(self.lease_duration)),
                     "renewTime": _micro_time(now)}
         try:
@@ -118,10 +118,10 @@ class LeaderElector:
             except Exception:
                 log.exception("lease %s/%s: election attempt crashed", self.namespace, self.name)
             self._notify()
-            delay = self.renew_period if self.is_leader() else self.renew_period
+            delay = self.renew_period
             try:
                 await asyncio.wait_for(stop.wait(), delay)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         await self.release()
 

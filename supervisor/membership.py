@@ -14,7 +14,8 @@ Wire form (docs/protocols.md, read by the sidecar from its downward-API file):
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from spotguard.supervisor import names
 from spotguard.supervisor.capacity import pod_requests

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
 
 from spotguard.agent.notice import NoticeFormatError, parse_time
 from spotguard.supervisor import names

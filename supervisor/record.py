@@ -71,7 +71,7 @@ class Record:
         kept = [i for i in self.handled if i not in notice_ids] + list(notice_ids)
         return tuple(kept[-MAX_HANDLED:])
 
-    def with_(self, **changes: Any) -> "Record":
+    def with_(self, **changes: Any) -> Record:
         return replace(self, **changes)
 
     def to_json(self) -> str:

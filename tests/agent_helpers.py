@@ -10,7 +10,7 @@ import re
 import signal
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from typing import Any
 
 import aiohttp
@@ -180,4 +180,4 @@ async def wait_for(predicate, timeout: float = 5.0, pause: float = 0.02) -> Any:
 
 
 def utc_seconds(text: str) -> datetime:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(timezone.utc)
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(UTC)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 

@@ -27,7 +27,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import yaml
 
@@ -74,13 +75,13 @@ class Pki:
     sa_pub: Path
 
     @classmethod
-    def generate(cls, folder: Path) -> "Pki":
+    def generate(cls, folder: Path) -> Pki:
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import ec, rsa
         from cryptography.x509.oid import NameOID
 
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         ca_key = ec.generate_private_key(ec.SECP256R1())
         ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "spotguard-test-ca")])
         ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
@@ -136,7 +137,7 @@ class ControlPlane:
     admin_token: str = ""
     pki: Pki | None = None
 
-    def start(self, timeout: float = 120.0) -> "ControlPlane":
+    def start(self, timeout: float = 120.0) -> ControlPlane:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.pki = Pki.generate(self.workdir)
         self.admin_token = secrets.token_urlsafe(24)

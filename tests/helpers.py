@@ -19,7 +19,7 @@ async def poll_until(source: Source, predicate, timeout: float = 5.0, pause: flo
     while True:
         try:
             result = await source.poll()
-        except Exception as exc:  # noqa: BLE001 - the predicate decides what counts
+        except Exception as exc:  # the predicate decides what counts
             result = exc
         if predicate(result):
             return result

@@ -5,8 +5,8 @@ would, the Kubeflow PyTorchJob CRD, and a bounded wait. Blocking calls: wrap the
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
-from typing import Callable
+from datetime import datetime, UTC
+from collections.abc import Callable
 
 import kubernetes
 
@@ -29,7 +29,7 @@ def add_ready_node(plane, name: str, labels: dict | None = None, gpus: int = 1, 
     core = kubernetes.client.CoreV1Api(plane.api_client())
     all_labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", **(labels or {})}
     core.create_node({"metadata": {"name": name, "labels": all_labels}})
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     resources = {"cpu": cpu, "memory": "64Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}
     status = {"status": {"capacity": resources, "allocatable": resources,
                          "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
@@ -49,7 +49,7 @@ def set_container_exit(plane, namespace: str, pod: str, exit_code: int, containe
     core = kubernetes.client.CoreV1Api(plane.api_client())
     current = core.read_namespaced_pod(pod, namespace)
     name = container or current.spec.containers[0].name
-    when = (finished_at or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    when = (finished_at or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
     term = {"terminated": {"exitCode": exit_code, "startedAt": when, "finishedAt": when,
                            "reason": "Error" if exit_code else "Completed", **({"message": message} if message else {})}}
     phase = "Running" if restarted else ("Succeeded" if exit_code == 0 else "Failed")
@@ -63,7 +63,7 @@ def set_pod_running(plane, namespace: str, pod: str) -> None:
     """Write `phase: Running` with a running container through `pods/status`, as a kubelet would."""
     core = kubernetes.client.CoreV1Api(plane.api_client())
     current = core.read_namespaced_pod(pod, namespace)
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     statuses = [{"name": c.name, "image": c.image, "imageID": "", "ready": True, "restartCount": 0,
                  "state": {"running": {"startedAt": now}}} for c in current.spec.containers]
     core.patch_namespaced_pod_status(pod, namespace, {"status": {"phase": "Running", "containerStatuses": statuses}})

@@ -13,7 +13,8 @@ import json
 import os
 import secrets
 from datetime import timedelta
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -49,7 +50,7 @@ class Publisher:
         self._runner: web.AppRunner | None = None
         self.url = ""
 
-    async def __aenter__(self) -> "Publisher":
+    async def __aenter__(self) -> Publisher:
         app = web.Application()
         app.router.add_get("/v1/stream", self._stream)
         app.router.add_post("/v1/reports", self._report)
@@ -57,7 +58,7 @@ class Publisher:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        self.url = "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -117,7 +118,7 @@ class Publisher:
             while True:
                 try:
                     frame = await asyncio.wait_for(queue.get(), 1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     await resp.write(KEEPALIVE)
                     continue
                 if frame is None:
@@ -151,7 +152,7 @@ class StreamReader:
         self._task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "StreamReader":
+    async def __aenter__(self) -> StreamReader:
         self._session = aiohttp.ClientSession(trust_env=False)
         resp = await self._session.get(self.url + "/v1/stream", timeout=aiohttp.ClientTimeout(total=None, sock_read=30))
         assert resp.status == 200, resp.status
@@ -181,7 +182,7 @@ class StreamReader:
         """Asserts that no event arrives within `seconds`."""
         try:
             event = await asyncio.wait_for(self.events.get(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return
         raise AssertionError(f"unexpected event {event!r}")
 
@@ -239,7 +240,7 @@ def go_quote(text: str) -> str:
         elif ch == "\t":
             out.append("\\t")
         elif ord(ch) < 0x20 or ord(ch) == 0x7f:
-            out.append("\\x%02x" % ord(ch))
+            out.append(f"\\x{ord(ch):02x}")
         else:
             out.append(ch)
     out.append('"')

@@ -8,7 +8,8 @@ cloud's tests share.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from spotguard.agent.notice import Notice, Update, Withdrawal
 from spotguard.agent.sources.base import Source
@@ -35,7 +36,7 @@ class SourceRunner:
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    async def __aenter__(self) -> "SourceRunner":
+    async def __aenter__(self) -> SourceRunner:
         self._task = asyncio.create_task(self._pump())
         return self
 
@@ -72,7 +73,7 @@ class SourceRunner:
                 await self._changed.wait()
         try:
             return await asyncio.wait_for(scan(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise AssertionError(f"{self.source.name}: no matching update within {timeout}s; "
                                  f"got {self.updates!r}; stats {self.source.stats!r}") from None
 

@@ -32,7 +32,7 @@ class RunningSource:
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def wait_errors(self, reason: str, n: int = 1, timeout: float = 5.0) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import datetime, timedelta, timezone
-from typing import Any, AsyncIterator
+from datetime import datetime, timedelta, UTC
+from typing import Any
+from collections.abc import AsyncIterator
 
 import kmock
 
@@ -77,7 +78,7 @@ class Cluster:
         return job
 
     async def notice(self, node: str, kind: str = "reclaim", deadline_in: float | None = 120.0, ident: str = "1") -> Notice:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         notice = Notice(id=notice_id("aws.spot", node, ident), kind=kind, source="aws.spot", node=node, detected_at=now,
                         deadline=None if deadline_in is None else now + timedelta(seconds=deadline_in))
         await self.call(self.kube.patch, NODES, None, node, {
@@ -89,7 +90,7 @@ class Cluster:
                        restarted: bool = False) -> None:
         """Container `train` exited `code` at `finished_at` (default now), as a kubelet writes it:
         `restarted` keeps the pod Running with the exit in lastState (restartPolicy OnFailure)."""
-        finished = (finished_at or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        finished = (finished_at or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
         term = {"terminated": {"exitCode": code, "finishedAt": finished}}
         status = ({"name": "train", "state": {"running": {"startedAt": finished}}, "lastState": term} if restarted
                   else {"name": "train", "state": term})

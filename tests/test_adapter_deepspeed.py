@@ -63,7 +63,7 @@ def copy_source(tmp_path, tag: str) -> str | None:
 
 
 def test_universal_copy_follows_its_commit(tmp_path):
-    first, step, _ = leg(tmp_path, "w2", 2, 1, signal_at=2)
+    _first, step, _ = leg(tmp_path, "w2", 2, 1, signal_at=2)
     store = CheckpointStore(tmp_path / "ckpt", clean=False)
     tag = store.latest().tag
     resume_only(tmp_path, "w1", 1, step)

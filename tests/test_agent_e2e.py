@@ -155,7 +155,7 @@ async def _ready(http, url) -> bool:
 
 
 async def test_config_file_and_environment_fill_in_for_flags(make_emulator, http, tmp_path):
-    emu, control = await make_emulator("aws")
+    emu, _control = await make_emulator("aws")
     config = tmp_path / "agent.yaml"
     config.write_text(f"cloud: aws\nmetadata_url: {emu.url}\nnode: from-file\nlisten: 127.0.0.1:0\n"
                       "kubernetes: false\ngpu: 'off'\n")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 
 import aiohttp
 import kmock
@@ -84,7 +83,7 @@ async def test_stream_snapshot_then_changes_with_increasing_ids(start_agent, htt
 
 async def test_snapshots_say_whether_every_source_has_read_and_the_stream_resyncs_when_it_has(start_agent, http):
     a, b = FedSource("test.a"), FedSource("test.b")
-    agent, url = await start_agent([a, b], ready_grace=0.0)  # readiness by grace never makes it complete
+    _agent, url = await start_agent([a, b], ready_grace=0.0)  # readiness by grace never makes it complete
     async with stream(http, url) as s:
         first = await s.next()
         assert first.event == "snapshot" and first.json()["complete"] is False
@@ -223,7 +222,7 @@ async def test_metrics_parse_and_count(start_agent, http):
 
 async def test_readyz_waits_for_every_source_or_the_grace(start_agent, http):
     a, b = FedSource("test.a"), FedSource("test.b")
-    agent, url = await start_agent([a, b])
+    _agent, url = await start_agent([a, b])
     a.show()
     await wait_for(lambda: a.stats.successes == 1)
     async with http.get(url + "/readyz") as resp:
@@ -366,7 +365,7 @@ async def test_token_review_authenticates_pods_and_caches(http):
 
 
 async def test_cluster_mode_approval_waits_for_every_opted_in_pod(start_agent, http):
-    async with kube_api() as (api, reviews):
+    async with kube_api() as (api, _reviews):
         core = kubernetes.client.CoreV1Api(api)
         await asyncio.to_thread(core.create_node, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}})
         await create_pod(api, "ns1", "p1", "n1")

@@ -1,17 +1,15 @@
 """The live notice table: dedupe across origins, earliest deadline, moves, withdrawals, fan-out."""
 from __future__ import annotations
 
-import asyncio
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spotguard.agent.notice import Kind, Notice, Withdrawal
 from spotguard.agent.table import NoticeTable
 
-T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
 def notice(nid: str = "aws.spot:1", deadline_s: float | None = 120, source: str = "aws.spot",

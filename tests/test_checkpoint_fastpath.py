@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 import torch
@@ -56,7 +55,7 @@ def test_snapshot_persist_load_round_trip(tmp_path, mode):
     with FastCheckpointer(files=3, mode=mode) as fast:
         fast.prepare(state_of(model, opt, 0))
         expected = state_of(model, opt, 11)
-        snap, done = fast.save(store, "step-11", expected, step=11, metadata={"reason": "notice", "notice_id": "n1"})
+        _snap, done = fast.save(store, "step-11", expected, step=11, metadata={"reason": "notice", "notice_id": "n1"})
         info = done.result(60)
     assert info.tag == "step-11" and info.step == 11 and info.metadata["notice_id"] == "n1"
     store.verify(info)

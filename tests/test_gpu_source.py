@@ -27,7 +27,7 @@ class Running:
         source.on_warning = lambda gpu, reason, detail: self.warnings.append((gpu, reason, detail))
         self._task: asyncio.Task | None = None
 
-    async def __aenter__(self) -> "Running":
+    async def __aenter__(self) -> Running:
         async def pump():
             async for update in self.source.run():
                 self.updates.append(update)

@@ -6,7 +6,7 @@ maximum the all_reduce(MAX) computes.
 from __future__ import annotations
 
 import math
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 from spotguard.agent.notice import Kind, Notice
 from spotguard.hooks.agreement import make_agreement
@@ -15,7 +15,7 @@ from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.notice_gate import Action, NoticeGate
 from spotguard.hooks.save_decision import SaveChoice, decide, vote
 
-NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
 def notice(nid: str, seconds: float | None = 60.0, kind: str = "reclaim") -> Notice:

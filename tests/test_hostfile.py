@@ -1,6 +1,7 @@
 """DeepSpeed hostfile: strict parsing, atomic rewrite, elasticity trimming; the sidecar keeping it in step."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
@@ -64,7 +65,7 @@ def test_a_reader_never_sees_a_partial_hostfile(tmp_path):
             try:
                 with open(path) as f:
                     hosts = tuple(parse_hostfile(f.read()))
-            except Exception as exc:  # noqa: BLE001 - any failure is what we look for
+            except Exception as exc:  # any failure is what we look for
                 problems.append(repr(exc))
                 continue
             if hosts not in expected:
@@ -185,7 +186,7 @@ async def test_a_malformed_hostfile_stops_the_sidecar_at_start_naming_the_line(t
         async with Sidecar(sidecar_config(tmp_path, "http://127.0.0.1:9", hostfile=str(hostfile))):
             pass
     assert info.value.field == "--hostfile" and f"{hostfile}:2" in str(info.value)
-    proc = subprocess.run([sys.executable, "-m", "spotguard", "sidecar", "--agent-url", "http://127.0.0.1:9",
+    proc = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "spotguard", "sidecar", "--agent-url", "http://127.0.0.1:9",
                            "--token-file", str(tmp_path / "t"), "--hostfile", str(hostfile), "--listen", "127.0.0.1:0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2

@@ -182,7 +182,7 @@ async def test_prestop_timeouts_that_are_not_numbers_get_400(servers, no_errors_
 @pytest.mark.parametrize("opening", [b"", b"GET /v1/notices HTTP/1.1\r\nHost: t\r\n", b"GET /v1/not"])
 async def test_half_open_and_idle_connections_are_dropped(servers, no_errors_logged, server, opening):
     host, port, _, _, _ = servers[server]
-    status, response, seconds = await exchange(host, port, opening)
+    _status, response, seconds = await exchange(host, port, opening)
     assert response == b"" and seconds < CLOSED_WITHIN, (response[:200], seconds)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import kubernetes
 import pytest
@@ -67,7 +67,7 @@ class World:
         """Each replica exits 83 after its checkpoint, reporting the steps it lost; the kubelet
         restarts the container in place (`restartPolicy: OnFailure`): no failed pod, so the Job
         controller's failure backoff (10 s, doubling) does not delay the move."""
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         for pod in pods:
             term = {"exitCode": names.EXIT_PREEMPTED, "reason": "Error", "startedAt": now, "finishedAt": now,
                     "message": json.dumps({"v": 1, "steps_lost": steps_lost})}
@@ -114,8 +114,8 @@ async def test_fallback_to_on_demand_and_return_to_spot(control_plane, k8s_names
     try:
         # spot capacity goes away: both spot nodes get a reclaim notice
         notices = {n: Notice(id=f"aws.spot:{n}", kind=Kind.RECLAIM, source="aws.spot", node=n,
-                             detected_at=datetime.now(timezone.utc),
-                             deadline=datetime.now(timezone.utc) + timedelta(minutes=2)) for n in spot}
+                             detected_at=datetime.now(UTC),
+                             deadline=datetime.now(UTC) + timedelta(minutes=2)) for n in spot}
         gone_at = time.monotonic()
         for node, notice in notices.items():
             await asyncio.to_thread(world.mark, node, notice)

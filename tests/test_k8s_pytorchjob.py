@@ -73,7 +73,7 @@ class PlayedOperator:
         self._thread = threading.Thread(target=self._run, name="played-operator", daemon=True)
         self.errors: list[BaseException] = []
 
-    def start(self) -> "PlayedOperator":
+    def start(self) -> PlayedOperator:
         self._thread.start()
         return self
 

@@ -1,12 +1,12 @@
 """The notice model and its wire form."""
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone, UTC
 
 import pytest
 from hypothesis import given, strategies as st
 
 from spotguard.agent.notice import WIRE_VERSION, Kind, Notice, NoticeFormatError, Withdrawal, notice_id
 
-T0 = datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
 
 
 def make(**over):
@@ -33,7 +33,7 @@ def test_no_deadline_round_trips_as_null():
 def test_other_zones_are_normalised_to_utc():
     plus2 = timezone(timedelta(hours=2))
     notice = make(detected_at=T0.astimezone(plus2))
-    assert notice.detected_at.tzinfo == timezone.utc
+    assert notice.detected_at.tzinfo == UTC
     assert notice.detected_at == T0
 
 

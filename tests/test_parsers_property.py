@@ -8,7 +8,7 @@ notice; and a valid answer becomes exactly the notices it describes.
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
@@ -21,7 +21,7 @@ from spotguard.emulator.clouds.timefmt import aws_maintenance, iso_z, rfc1123
 
 NODE = "node-1"
 VM = "vmss_vm_1"
-NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 GOOGLE = {"Metadata-Flavor": "Google", "ETag": "0123abcd"}
 
 fuzz = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -73,7 +73,7 @@ def outcome(name: str, status: int, headers: dict, body: bytes) -> list[Notice] 
 # -- strategies ------------------------------------------------------------------------------
 
 times = st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2099, 12, 31),
-                     timezones=st.just(timezone.utc)).map(lambda d: d.replace(microsecond=0))
+                     timezones=st.just(UTC)).map(lambda d: d.replace(microsecond=0))
 statuses = st.one_of(st.just(200), st.just(404), st.integers(100, 599))
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30),

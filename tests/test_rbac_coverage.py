@@ -32,7 +32,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 import aiohttp
 import kmock
@@ -229,7 +229,7 @@ def api_sources() -> dict[str, Path]:
 SERIALIZE = re.compile(r"def _(\w+)_serialize\(.*?method='(\w+)',\s*resource_path='([^']+)'", re.S)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def endpoints(cls_name: str) -> dict[str, tuple[str, str]]:
     """API method -> (HTTP method, path template), read from the generated client's
     `_<method>_serialize` functions (one `param_serialize(method=..., resource_path=...)` each)."""
@@ -253,7 +253,7 @@ def method_index() -> dict[str, set[str]]:
 
 # ---- static scan: modules and their import closure -----------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module_path(name: str) -> Path | None:
     try:
         spec = importlib.util.find_spec(name)
@@ -264,7 +264,7 @@ def module_path(name: str) -> Path | None:
     return Path(spec.origin)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def parse(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 
@@ -427,7 +427,7 @@ def client_use(scan: ModuleScan, ref: ast.Attribute) -> Use:
             for p in placeholders:
                 if p not in bound:
                     raise Unresolved(f"{scan.name}:{ref.lineno}: {ref.attr} without {p}")
-                path = path.replace("{%s}" % p, _string_value(bound[p], scan))
+                path = path.replace(f"{{{p}}}", _string_value(bound[p], scan))
         watches = _bool_values(keywords, "watch") if kind == "call" else {False}
         for watch in watches | ({True} if kind == "stream" else set()):
             triples.add(request_info(http, path, {"watch": "true"} if watch else {}).triple)
@@ -544,7 +544,7 @@ def direct_uses(scan: ModuleScan) -> list[Use]:
         if node.attr in method_index():
             out.append(client_use(scan, node))
         elif node.attr in ("call_api", "param_serialize"):
-            kind, args, keywords = scan.call_shape(node)
+            _kind, args, keywords = scan.call_shape(node)
             kw = {k.arg: k.value for k in keywords}
             path = args[0] if args else kw.get("resource_path")
             verb = args[1] if len(args) > 1 else kw.get("method")
@@ -734,9 +734,9 @@ async def test_agent_requests_are_all_authorized(make_emulator):
             "spec": {"nodeName": "n1", "containers": [{"name": "t", "image": "x"}]}, "status": {"phase": "Running"}})
         ds = workload(("agent",))
         fields = {"spec.nodeName": "n1", "status.hostIP": "127.0.0.1", "metadata.namespace": ds.namespace}
-        args = ds.expanded_args(fields)[1:] + [
-            "--cloud=aws", f"--metadata-url={emu.url}", "--gpu=off", "--listen=127.0.0.1:0",
-            f"--kube-host={url}", "--ready-grace=1"]
+        args = [*ds.expanded_args(fields)[1:],
+                "--cloud=aws", f"--metadata-url={emu.url}", "--gpu=off", "--listen=127.0.0.1:0",
+                f"--kube-host={url}", "--ready-grace=1"]
         proc = AgentProcess(*args, env=ds.env_values(fields))
         try:
             await proc.started()
@@ -810,8 +810,8 @@ async def test_supervisor_requests_are_all_authorized():
 
         deploy = workload(("supervisor",))
         fields = {"metadata.name": "spotguard-supervisor-0", "metadata.namespace": deploy.namespace}
-        args = deploy.expanded_args(fields) + [f"--kube-host={url}", "--listen=127.0.0.1:0", "--log-level=warning"]
-        proc = subprocess.Popen([sys.executable, "-m", "spotguard", *args], stdout=subprocess.PIPE,
+        args = [*deploy.expanded_args(fields), f"--kube-host={url}", "--listen=127.0.0.1:0", "--log-level=warning"]
+        proc = await asyncio.to_thread(subprocess.Popen, [sys.executable, "-m", "spotguard", *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=REPO,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **deploy.env_values(fields)})
         try:

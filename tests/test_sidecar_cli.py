@@ -35,7 +35,7 @@ async def stop(proc: asyncio.subprocess.Process) -> int:
         proc.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), 15)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await asyncio.wait_for(proc.wait(), 10)
     return proc.returncode
@@ -57,7 +57,7 @@ async def test_the_sidecar_process_serves_relays_and_stops_on_sigterm(tmp_path):
             async with StreamReader(url) as guard:
                 event, data = await guard.next(10)
                 if not data["notices"]:  # connected before the relay's first snapshot
-                    event, data = await guard.next(10)
+                    _event, data = await guard.next(10)
                     data = {"notices": [data]}
                 assert [n["id"] for n in data["notices"]] == [notice.id]
             async with aiohttp.ClientSession() as http:

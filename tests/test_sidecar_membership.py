@@ -152,7 +152,7 @@ async def _events_until_quiet(reader: StreamReader, quiet: float = 0.5) -> list[
     while True:
         try:
             event, data, *_ = await asyncio.wait_for(reader.events.get(), quiet)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return events
         events.append((event, data))
 

@@ -193,7 +193,7 @@ async def test_a_silent_agent_connection_is_treated_as_dead(tmp_path):
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     try:
         async with running_sidecar(tmp_path, url, agent_idle_timeout=0.5) as sc:
             await eventually(lambda: len(hits) >= 2 and len(sc.live) == 1, timeout=10, what="reconnect after silence")

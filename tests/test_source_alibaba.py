@@ -1,7 +1,7 @@
 """Alibaba: the emulated ECS metadata (plain and hardened) and its source, over real HTTP."""
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 import aiohttp
 import pytest
@@ -20,7 +20,7 @@ def spot_source(url: str) -> TerminationTimeSource:
 
 
 def deadline_of(scheduled: dict) -> datetime:
-    return datetime.fromtimestamp(int(scheduled["deadline"]), timezone.utc)
+    return datetime.fromtimestamp(int(scheduled["deadline"]), UTC)
 
 
 async def test_emulator_paths_and_hardened_mode(make_emulator):
@@ -90,7 +90,7 @@ async def test_plain_mode_works_without_a_token(make_emulator):
 
 
 async def test_registry_default_interval(make_emulator):
-    emu, control = await make_emulator("alibaba")
+    emu, _control = await make_emulator("alibaba")
     [built] = build_sources("alibaba", node=NODE, base_url=emu.url)
     assert built.name == "alibaba.spot" and built.interval == 1.0
     assert alibaba_sources(NODE)[0].client.http.base_url == "http://100.100.100.200"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 import pytest
 
@@ -22,11 +22,11 @@ MAINT_PATH = "/latest/meta-data/events/maintenance/scheduled"
 
 
 def wall(iso: str) -> datetime:
-    return datetime.strptime(iso, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    return datetime.strptime(iso, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
 
 
 def whole_seconds(ts: float) -> datetime:
-    return datetime.fromtimestamp(int(ts), timezone.utc)
+    return datetime.fromtimestamp(int(ts), UTC)
 
 
 async def counts(control) -> dict:
@@ -184,7 +184,7 @@ async def test_maintenance_completed_withdraws(make_emulator, imds_for):
 
 
 def test_parse_maintenance_time_formats():
-    expected = datetime(2019, 1, 21, 9, 0, 43, tzinfo=timezone.utc)
+    expected = datetime(2019, 1, 21, 9, 0, 43, tzinfo=UTC)
     assert parse_maintenance_time("21 Jan 2019 09:00:43 GMT", "NotBefore") == expected
     assert parse_maintenance_time("Mon, 21 Jan 2019 09:00:43 GMT", "NotBefore") == expected
     for bad in ("2019-01-21T09:00:43Z", "", 12, None, "x" * 100):

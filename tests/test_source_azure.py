@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 import aiohttp
 import pytest
@@ -23,7 +23,7 @@ def events_source(url: str, vm_name: str | None = None, interval: float = 0.25) 
 
 
 def deadline_of(scheduled: dict) -> datetime:
-    return datetime.fromtimestamp(int(scheduled["deadline"]), timezone.utc)
+    return datetime.fromtimestamp(int(scheduled["deadline"]), UTC)
 
 
 # -- the emulated service --------------------------------------------------------------------
@@ -53,7 +53,7 @@ async def test_emulator_checks_headers_and_serves_the_document(make_emulator):
 
 
 async def test_emulator_throttles_beyond_five_per_second(make_emulator):
-    emu, control = await make_emulator("azure")
+    emu, _control = await make_emulator("azure")
     async with aiohttp.ClientSession() as http:
         statuses = []
         for _ in range(8):
@@ -191,7 +191,7 @@ async def test_rate_limiter_alone():
 
 
 async def test_registry_and_interval_floor(make_emulator):
-    emu, control = await make_emulator("azure")
+    emu, _control = await make_emulator("azure")
     [built] = build_sources("azure", node=NODE, base_url=emu.url, interval=0.0, timeout=0.5)
     assert built.name == "azure.events" and built.interval >= 0.2
     assert azure_sources(NODE)[0].interval == 1.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import pytest
 
@@ -92,7 +92,7 @@ def test_retry_policy_bounds():
         assert all(interval <= w <= max(THROTTLE_CAP, interval) for w in throttled)
         assert policy.after_failure("http_429", retry_after=1e9) == max(THROTTLE_CAP, interval)
         assert policy.after_failure("http_429", retry_after=0.0) == interval
-    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     later = (now + timedelta(seconds=12)).strftime("%a, %d %b %Y %H:%M:%S GMT")
     assert retry_after_seconds(later, now=now) == 12.0
     assert retry_after_seconds("7") == 7.0

@@ -139,7 +139,7 @@ async def test_maintenance_detected_and_withdrawn(make_emulator):
 
 
 async def test_registry_builds_both_monitors(make_emulator):
-    emu, control = await make_emulator("gcp")
+    emu, _control = await make_emulator("gcp")
     built = build_sources("gcp", node=NODE, base_url=emu.url, timeout=0.5)
     assert sorted(s.name for s in built) == ["gcp.maintenance", "gcp.preempted"]
     assert all(s.interval == 0 for s in built)

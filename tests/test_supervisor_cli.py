@@ -46,7 +46,8 @@ async def test_runs_serves_metrics_and_releases_the_lease(tmp_path):
     async with running_cluster() as cluster:
         await cluster.add_node("n0", labels={"karpenter.sh/capacity-type": "spot"})
         await cluster.add_job_with_pods("j1", ["n0"], {"spotguard.io/policy": "elastic"})
-        proc = subprocess.Popen(
+        proc = await asyncio.to_thread(
+            subprocess.Popen,
             [sys.executable, "-m", "spotguard", "supervisor", "--kube-host", cluster.url, "--namespace", NS,
              "--listen", "127.0.0.1:0", "--identity", "cli-test", "--prices", str(prices), "--lease-duration", "3"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})

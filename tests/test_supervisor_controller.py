@@ -16,6 +16,7 @@ import pytest
 from spotguard.supervisor import names
 from spotguard.supervisor.kubeapi import PYTORCHJOBS
 from tests.supervisor_cluster import NS, eventually, running_cluster
+from datetime import UTC
 
 NODES = ["n0", "n1", "n2", "n3"]
 
@@ -251,14 +252,14 @@ async def test_pytorchjob_elastic_scales_worker_replicas():
 async def test_a_drain_before_the_notice_is_not_its_checkpoint():
     """restartPolicy OnFailure keeps an earlier drain's exit 83 in lastState: a new notice must
     still wait for a drain of its own (finishedAt at/after the notice) before suspending."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     async with running_cluster() as cluster:
         for node in NODES:
             await cluster.add_node(node)
         await cluster.add_job_with_pods("j1", NODES, {names.ANN_POLICY: "fixed"})
         await cluster.exit_pod("j1", 0, names.EXIT_PREEMPTED, restarted=True,
-                               finished_at=datetime.now(timezone.utc) - timedelta(hours=1))
+                               finished_at=datetime.now(UTC) - timedelta(hours=1))
         controller = cluster.controller()
         await controller.start()
         try:
@@ -272,7 +273,7 @@ async def test_a_drain_before_the_notice_is_not_its_checkpoint():
             await asyncio.sleep(1.0)
             job = await cluster.job("j1")
             assert job["spec"]["suspend"] is False and record_of(job)["phase"] == "Checkpointing", record_of(job)
-            drained_at = datetime.now(timezone.utc).replace(microsecond=0)
+            drained_at = datetime.now(UTC).replace(microsecond=0)
             await cluster.exit_pod("j1", 0, names.EXIT_PREEMPTED, restarted=True)
 
             async def suspended():

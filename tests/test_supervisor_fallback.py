@@ -3,7 +3,7 @@ switch, affinity in capacity, the move decisions, the steps lost of drained pods
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import pytest
 
@@ -14,7 +14,7 @@ from spotguard.supervisor.policy import (MOVE, NONE, RECORD, RESUME, SUSPEND, Jo
                                          PolicyError, Settings, decide, parse_policy)
 from spotguard.supervisor.record import Record, parse_record
 
-T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 FB = Policy("fixed", 2, 2, None, Fallback(after=10.0, return_after=5.0))
 SPOT = {"template": {"nodeSelector": {"karpenter.sh/capacity-type": "spot", "pool": "a"}, "affinity": None,
                      "tolerations": None}}

@@ -1,7 +1,7 @@
 """Pure parts of the supervisor: policy parsing, decisions, capacity, cost, record, conditions."""
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import pytest
 
@@ -12,7 +12,7 @@ from spotguard.supervisor.policy import (NONE, RECORD, RESUME, SCALE, SUSPEND, J
                                          Settings, decide, parse_policy)
 from spotguard.supervisor.record import Record, RecordError, parse_record
 
-T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 EL = Policy("elastic", 2, 4, None)
 FX = Policy("fixed", 4, 4, None)
 HIT = (NoticeHit("aws.spot:1", "n0", "reclaim", T0 + timedelta(seconds=120)),)
@@ -42,7 +42,10 @@ def test_parse_policy_errors_name_the_annotation(annotations, field_name):
     assert err.value.field == field_name and isinstance(err.value, ConfigError)
 
 
-def state(policy=EL, replicas=4, suspended=False, record=Record(), notices=(), healthy=4, free=0, drained=False):
+NO_RECORD = Record()
+
+
+def state(policy=EL, replicas=4, suspended=False, record=NO_RECORD, notices=(), healthy=4, free=0, drained=False):
     return JobState(policy, replicas, suspended, record, tuple(notices), healthy, free, drained)
 
 

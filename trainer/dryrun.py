@@ -19,9 +19,9 @@ import json
 import logging
 import signal
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from spotguard.supervisor import policy as policy_mod
 from spotguard.supervisor.policy import JobState, NoticeHit, Policy, Settings, decide
@@ -55,7 +55,7 @@ class LocalSupervisor:
                          free_slots=len([n for n in available if n not in world and n not in noticed])
                          if not suspended else len([n for n in available if n not in noticed]),
                          drained=drained)
-        decision = decide(state, datetime.now(timezone.utc), self.settings, identity="dry-run")
+        decision = decide(state, datetime.now(UTC), self.settings, identity="dry-run")
         if decision.acts or decision.record != self.record:
             self.record = decision.record
         if decision.acts:
@@ -69,7 +69,7 @@ class DryRun:
     """Runs one scenario end to end; `await run()` returns the report dict."""
 
     def __init__(self, scenario: Scenario, run_dir: Path, train_argv_extra: list[str] | None = None,
-                 on_update: Callable[["DryRun"], None] | None = None, time_limit: float = 600.0):
+                 on_update: Callable[[DryRun], None] | None = None, time_limit: float = 600.0):
         self.scenario = scenario
         self.run_dir = run_dir
         self.train_argv_extra = train_argv_extra or []
@@ -140,7 +140,7 @@ class DryRun:
                 await asyncio.sleep(delay)
             try:
                 await self._inject(event)
-            except Exception as exc:  # noqa: BLE001 - a failed injection is reported, the run goes on
+            except Exception as exc:  # a failed injection is reported, the run goes on
                 log.exception("could not inject %s on %s", event.kind, event.node)
                 self.injected.append(InjectedEvent(event.kind, event.node, event.at, time.time(), note=f"failed: {exc}"))
 

@@ -31,7 +31,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from spotguard.trainer.dryrun import DryRun
 from spotguard.trainer.events import read_events
@@ -185,7 +186,7 @@ def summarize(mode: str, events: Iterable[dict], generations: list[GenerationRec
                         reclaims_injected=len(reclaims), reclaims_hit=sum(hit_gens.values()),
                         leads_s=[round(r.deadline - (r.served_at or r.injected_at), 3) for r in reclaims
                                  if r.deadline is not None])
-    for here, nxt in zip(started, started[1:] + [None]):
+    for here, nxt in zip(started, [*started[1:], None]):
         kept_end = start_step[nxt.index] if nxt is not None else reached[here.index]
         result.useful_samples += max(0, min(kept_end, reached[here.index]) - start_step[here.index]) * batch[here.index]
         if nxt is None:

@@ -86,7 +86,8 @@ class Generation:
                    f"--master-port={port}", "--max-restarts=0", "--monitor-interval=0.1",
                    *self.train_argv]
             log_path = logs / f"gen{self.index}-{launch.node}.log"
-            with open(log_path, "ab") as log:
+            log = await asyncio.to_thread(open, log_path, "ab")
+            with log:
                 process = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=log, stderr=asyncio.subprocess.STDOUT,
                                                                stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
                                                                preexec_fn=_die_with_parent)
@@ -130,6 +131,6 @@ class Generation:
         self.signal_all(signal.SIGTERM)
         try:
             await asyncio.wait_for(self.wait(), grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.signal_all(signal.SIGKILL)
             await self.wait()

@@ -104,7 +104,7 @@ class SimulatedNode:
             if part is not None:
                 try:
                     await part.stop()
-                except Exception:  # noqa: BLE001 - stopping must reach every part
+                except Exception:  # stopping must reach every part
                     pass
         if self.control is not None:
             await self.control.close()

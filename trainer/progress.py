@@ -23,7 +23,7 @@ class LiveView:
         self._live = Live(Text("starting..."), refresh_per_second=8, transient=False)
         self._last = 0.0
 
-    def __enter__(self) -> "LiveView":
+    def __enter__(self) -> LiveView:
         self._live.__enter__()
         return self
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import collections
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 
 @dataclass

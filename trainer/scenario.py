@@ -88,7 +88,7 @@ class Scenario:
     def nodes(self) -> list[str]:
         return [f"node-{i}" for i in range(self.workers)]
 
-    def with_overrides(self, **changes: Any) -> "Scenario":
+    def with_overrides(self, **changes: Any) -> Scenario:
         """A copy with the given fields replaced (None values ignored), re-validated."""
         changes = {k: v for k, v in changes.items() if v is not None}
         updated = replace(self, **changes)

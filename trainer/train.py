@@ -247,7 +247,7 @@ def _shutdown() -> None:
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - peers may already be gone
+        except Exception:  # peers may already be gone
             pass
 
 

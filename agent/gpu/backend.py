@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 # Event type bits (nvmlEventType*), copied so that importing this module needs no pynvml.
 EVENT_SINGLE_BIT_ECC = 0x1

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from spotguard.agent.gpu.backend import GpuBackend
 

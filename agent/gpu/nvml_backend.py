@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from spotguard.agent.gpu.backend import (FI_GPU_RECOVERY_ACTION, GpuBackend, GpuEvent, RemappedRows)
 
@@ -121,4 +121,4 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-__all__ = ["NvmlBackend", "FI_GPU_RECOVERY_ACTION"]
+__all__ = ["FI_GPU_RECOVERY_ACTION", "NvmlBackend"]

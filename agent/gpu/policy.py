@@ -30,7 +30,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from spotguard.agent.gpu.datafile import load_data
 from spotguard.config import ConfigError
@@ -123,7 +124,7 @@ class GpuPolicy:
         return SIGNALS.get(signal, ("warn", signal))[1]
 
     @classmethod
-    def from_data(cls, data: Mapping[str, Any] | None, field_name: str = "--gpu-policy") -> "GpuPolicy":
+    def from_data(cls, data: Mapping[str, Any] | None, field_name: str = "--gpu-policy") -> GpuPolicy:
         """Defaults overridden by `data` (see the module docstring); ConfigError on a bad entry."""
         if data is None:
             return cls()
@@ -183,7 +184,7 @@ class GpuPolicy:
         return cls(xids, xid_default, escalate, signals, thresholds)
 
     @classmethod
-    def load(cls, path: str | Path, field_name: str = "--gpu-policy") -> "GpuPolicy":
+    def load(cls, path: str | Path, field_name: str = "--gpu-policy") -> GpuPolicy:
         """Reads a policy file (YAML or JSON) and validates it."""
         return cls.from_data(load_data(path, field_name), field_name)
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from spotguard.agent.gpu import backend as gb
 from spotguard.agent.gpu.policy import GpuPolicy

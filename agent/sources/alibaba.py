@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import Mapping
+from collections.abc import Mapping
 
 from spotguard.agent.notice import Kind, Notice, NoticeFormatError, format_time, notice_id, now_utc, parse_time
 from spotguard.agent.sources.base import Source, SourceError

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime, timezone
-from typing import Mapping
+from datetime import datetime, UTC
+from collections.abc import Mapping
 
 from spotguard.agent.notice import Kind, Notice, NoticeFormatError, notice_id, now_utc, parse_time
 from spotguard.agent.sources.base import Source, SourceError
@@ -64,7 +64,7 @@ def parse_maintenance_time(value: object, field_name: str) -> datetime:
         raise SourceError("malformed", f"{field_name}: expected a date string")
     for fmt in ("%d %b %Y %H:%M:%S GMT", "%a, %d %b %Y %H:%M:%S GMT"):
         try:
-            return datetime.strptime(value.strip(), fmt).replace(tzinfo=timezone.utc)
+            return datetime.strptime(value.strip(), fmt).replace(tzinfo=UTC)
         except ValueError:
             continue
     raise SourceError("malformed", f"{field_name}: not an RFC 1123 date: {value!r:.60}")

@@ -28,8 +28,8 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Mapping
+from datetime import datetime, UTC
+from collections.abc import Mapping
 
 from spotguard.agent.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
@@ -86,7 +86,7 @@ def parse_rfc1123(value: str, field_name: str) -> datetime:
     day, month, year, hour, minute, second = match.groups()
     try:
         return datetime(int(year), _MONTHS.index(month) + 1, int(day), int(hour), int(minute), int(second),
-                        tzinfo=timezone.utc)
+                        tzinfo=UTC)
     except ValueError:
         raise SourceError("malformed", f"{field_name}: impossible date {value!r:.60}") from None
 

@@ -18,7 +18,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from spotguard.agent.notice import Notice, Update, Withdrawal
 from spotguard.agent.sources.retry import RetryPolicy

@@ -22,7 +22,7 @@ import asyncio
 import json
 import logging
 import os
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from spotguard.agent.sources.base import SourceError
 from spotguard.agent.sources.http import MetadataClient
@@ -134,7 +134,7 @@ async def probe_cloud(base_url: str | None = None, timeout: float = 0.5) -> str 
         for next_done in asyncio.as_completed(tasks, timeout=timeout * 2 + 0.5):
             try:
                 found = await next_done
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None
             if found is not None:
                 return found

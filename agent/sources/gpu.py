@@ -37,7 +37,8 @@ import functools
 import logging
 import time
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from spotguard.agent.gpu import backend as gb
 from spotguard.agent.gpu.event_waiter import EventWaiter
@@ -115,7 +116,7 @@ class GpuHealthSource(Source):
         if timeout > 0:
             try:
                 first = await asyncio.wait_for(self._events.get(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 first = None
             if first is not None:
                 batch = [first]

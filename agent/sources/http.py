@@ -6,12 +6,11 @@ transport failure becomes a `SourceError` with a metrics label.
 """
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from email.utils import parsedate_to_datetime
-from typing import Mapping
+from collections.abc import Mapping
 
 import aiohttp
 
@@ -65,7 +64,7 @@ class MetadataClient:
                     raise SourceError("oversized", f"{path}: body of {declared} bytes exceeds {self.max_body}")
                 body = await self._read_bounded(resp, path)
                 return Response(resp.status, dict(resp.headers), body)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise SourceError("timeout", f"{method} {path}: no answer within {total:.1f}s") from None
         except aiohttp.ClientPayloadError as exc:
             raise SourceError("malformed", f"{method} {path}: broken body ({exc})") from None
@@ -114,8 +113,8 @@ def retry_after_seconds(value: str | None, now: datetime | None = None) -> float
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    seconds = (when - (now or datetime.now(timezone.utc))).total_seconds()
+        when = when.replace(tzinfo=UTC)
+    seconds = (when - (now or datetime.now(UTC))).total_seconds()
     return max(0.0, seconds) if math.isfinite(seconds) else None
 
 

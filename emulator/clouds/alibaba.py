@@ -11,7 +11,7 @@ Schedule kind: reclaim (default lead 300 s); canceling it brings the 404 back.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 
@@ -31,7 +31,7 @@ NOT_FOUND_HTML = ("<html>\r\n<head><title>404 Not Found</title></head>\r\n<body>
 class Handler(CloudHandler):
     name = "alibaba"
     kinds = ("reclaim",)
-    default_lead = {"reclaim": 300.0}
+    default_lead: ClassVar[dict[str, float]] = {"reclaim": 300.0}
     vm_name = "i-bp67acfmxazb4ph3pqx0"
 
     def __init__(self, hardened: bool = False, **options: Any) -> None:

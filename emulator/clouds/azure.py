@@ -29,7 +29,7 @@ import collections
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 
@@ -50,7 +50,7 @@ def _error(status: int, message: str) -> web.Response:
 class Handler(CloudHandler):
     name = "azure"
     kinds = ("event", "reclaim", "maintenance")
-    default_lead = {"event": 30.0, "reclaim": 30.0, "maintenance": 900.0}
+    default_lead: ClassVar[dict[str, float]] = {"event": 30.0, "reclaim": 30.0, "maintenance": 900.0}
 
     def __init__(self, vm_name: str = "vmss_vm_1", rate_limit: float = 5.0, started_seconds: float = 1.0,
                  **options: Any) -> None:

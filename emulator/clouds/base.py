@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 
@@ -22,7 +22,7 @@ class CloudHandler(abc.ABC):
 
     name: str = "cloud"
     kinds: tuple[str, ...] = ()
-    default_lead: dict[str, float] = {}
+    default_lead: ClassVar[dict[str, float]] = {}
     vm_name: str = "vm-0"
 
     def __init__(self, **options: Any) -> None:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Callable
+from typing import Any, ClassVar
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -43,7 +44,7 @@ def value_etag(path: str, value: str) -> str:
 class Handler(CloudHandler):
     name = "gcp"
     kinds = ("reclaim", "maintenance")
-    default_lead = {"reclaim": 30.0, "maintenance": 60.0}
+    default_lead: ClassVar[dict[str, float]] = {"reclaim": 30.0, "maintenance": 60.0}
     vm_name = "gke-pool-1-vm-0"
     instance_id = "4520031799277581759"
 

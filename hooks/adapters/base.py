@@ -25,7 +25,8 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 from spotguard.agent.notice import Notice
 from spotguard.hooks.adapters.store import CheckpointInfo, CheckpointStore
@@ -198,7 +199,7 @@ class StoreAdapter:
                 pending = self.store.begin(tag)
             write(pending)
             pending.finish_rank(self.rank)
-        except BaseException as exc:  # noqa: BLE001 - every rank must learn about the failure
+        except BaseException as exc:  # every rank must learn about the failure
             reraise_interrupts(exc)  # (DCP's CheckpointException derives from BaseException)
             log.exception("rank %d could not write its part of checkpoint %s", self.rank, tag)
             ok = False
@@ -211,7 +212,7 @@ class StoreAdapter:
                         **self._metadata_extra()}
             try:
                 info = self.store.commit(tag, world_size=self.world_size, metadata=metadata)
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 reraise_interrupts(exc)
                 log.exception("commit of checkpoint %s failed", tag)
                 ok = False

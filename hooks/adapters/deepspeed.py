@@ -152,7 +152,7 @@ class DeepSpeedAdapter(StoreAdapter):
         if self.rank == 0 and copies.lookup(info) is None:
             try:
                 copies.build(info, lambda out: self._convert(info, out))
-            except Exception:  # noqa: BLE001 - every rank must learn about the failure
+            except Exception:  # every rank must learn about the failure
                 log.exception("conversion of %s to a universal checkpoint failed", info.tag)
                 ok = False
         if not self._all_ok(ok):

@@ -121,7 +121,7 @@ class TorchDCPAdapter(StoreAdapter):
             try:
                 self._checkpoint(step, reason, None, extra, lambda _pending: future.result(), pending=pending)
                 self.save_seconds.append(time.monotonic() - t0)
-            except BaseException as exc:  # noqa: BLE001 - reported by wait()
+            except BaseException as exc:  # reported by wait()
                 self.async_error = exc
                 log.error("async checkpoint of step %d failed: %s", step, exc)
 

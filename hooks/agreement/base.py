@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 from spotguard.agent.notice import Notice
 from spotguard.hooks.notice_gate import deadline_ts

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 log = logging.getLogger("spotguard.hooks.collectives")
 
@@ -76,7 +77,7 @@ class GroupCollectives(Collectives):
         try:
             self.all_ok(True)
             self.dist.destroy_process_group()
-        except Exception as exc:  # noqa: BLE001 - leaving anyway
+        except Exception as exc:  # leaving anyway
             log.warning("process groups not destroyed cleanly: %s", exc)
 
 

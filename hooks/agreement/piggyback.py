@@ -15,7 +15,8 @@ that step's last bucket was sent).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from spotguard.agent.notice import Notice
 from spotguard.hooks.agreement.base import Verdict
@@ -34,7 +35,7 @@ class PiggybackAgreement(BlockingAgreement):
 
     @classmethod
     def attach(cls, collectives: GroupCollectives, ddp_model: Any,
-               notice_here: Callable[[], bool]) -> "PiggybackAgreement | None":
+               notice_here: Callable[[], bool]) -> PiggybackAgreement | None:
         agreement = cls(collectives, notice_here)
         try:
             ddp_model.register_comm_hook(ddp_model.process_group, agreement._gradient_hook)

@@ -23,7 +23,8 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 from . import fsutil
 from .locks import WriterLock, live_tags_reaping_dead, store_lock
@@ -58,12 +59,12 @@ class DerivedCopies:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
-    def lookup(self, info: "CheckpointInfo") -> Path | None:
+    def lookup(self, info: CheckpointInfo) -> Path | None:
         """The copy of exactly the commit `info`, or None."""
         copy = self.path(info.tag)
         return copy if info.fingerprint and self.source_of(copy) == info.fingerprint else None
 
-    def build(self, info: "CheckpointInfo", make: Callable[[Path], None]) -> Path:
+    def build(self, info: CheckpointInfo, make: Callable[[Path], None]) -> Path:
         """Runs `make(dir)` on a hidden dir and publishes it as the copy of `info`; returns its path."""
         if not info.fingerprint:
             raise ValueError(f"checkpoint {info.tag} has no fingerprint; read it through the store")
@@ -96,7 +97,7 @@ class DerivedCopies:
             shutil.rmtree(stale, ignore_errors=True)
         return final
 
-    def prune(self, keep: Iterable["CheckpointInfo"]) -> list[str]:
+    def prune(self, keep: Iterable[CheckpointInfo]) -> list[str]:
         """Removes copies not made from one of the commits `keep`, and dead builders' dirs; returns names."""
         if not self.dir.is_dir():
             return []

@@ -40,7 +40,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch
 
@@ -62,7 +63,7 @@ def index_name(prefix: str, rank: int) -> str:
 class Snapshot:
     """A consistent copy of the state in one arena slot, taken at `step`."""
 
-    slot: "_Slot"
+    slot: _Slot
     step: int | None
     skeleton: Any
     metadata: dict[str, Any]
@@ -255,7 +256,7 @@ class FastCheckpointer:
             try:
                 done.result()
                 committed.set_result(store.commit(tag, world_size=1, metadata=meta))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            except BaseException as exc:  # handed to the caller through the future
                 pending.close()
                 committed.set_exception(exc)
 
@@ -290,7 +291,7 @@ class FastCheckpointer:
             self._process.close()
             self._process = None
 
-    def __enter__(self) -> "FastCheckpointer":
+    def __enter__(self) -> FastCheckpointer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,7 +16,7 @@ import fcntl
 import os
 import uuid
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 LOCK_DIR = ".locks"
 STORE_LOCK = ".store.lock"

@@ -18,7 +18,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -60,7 +61,8 @@ def plan_files(total: int, count: int) -> list[tuple[int, int]]:
     if total <= 0:
         return [(0, 0)]
     count = max(1, min(count, -(-total // (1 << 20))))  # no file under ~1 MiB
-    step = -(-(-(-total // count)) // FILE_ALIGN) * FILE_ALIGN
+    per_file = -(-total // count)
+    step = -(-per_file // FILE_ALIGN) * FILE_ALIGN
     return [(start, min(total, start + step)) for start in range(0, total, step)]
 
 

@@ -34,7 +34,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from spotguard.config import ConfigError, positive_int
 
@@ -114,7 +115,7 @@ class PendingCheckpoint:
     in this process), so cleanup by other processes leaves the directory alone meanwhile.
     """
 
-    def __init__(self, store: "CheckpointStore", tag: str, lock: WriterLock):
+    def __init__(self, store: CheckpointStore, tag: str, lock: WriterLock):
         self.store = store
         self.tag = tag
         self.dir = store.root / f"{PENDING_PREFIX}{tag}"
@@ -195,7 +196,7 @@ class PendingCheckpoint:
         self._lock.release()
         self.store._forget_pending(self)
 
-    def __enter__(self) -> "PendingCheckpoint":
+    def __enter__(self) -> PendingCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:

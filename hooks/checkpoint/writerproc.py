@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
             view = attached[name].buf
             futures = [pool.submit(write_pieces, Path(p), [view[a:b]]) for p, a, b in request["jobs"]]
             answer = {"ok": [list(f.result()) for f in futures]}
-        except Exception as exc:  # noqa: BLE001 - reported to the parent; the loop goes on
+        except Exception as exc:  # reported to the parent; the loop goes on
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()

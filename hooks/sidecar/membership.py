@@ -19,7 +19,8 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class Membership:
         return wire
 
     @classmethod
-    def from_wire(cls, obj: Any) -> "Membership":
+    def from_wire(cls, obj: Any) -> Membership:
         if not isinstance(obj, dict):
             raise MembershipFormatError(f"membership: expected a JSON object, got {type(obj).__name__}")
         if obj.get("v") != 1 or isinstance(obj.get("v"), bool):
@@ -146,7 +147,7 @@ class Membership:
         return cls(generation, tuple(hosts), world_size, drain)
 
     @classmethod
-    def from_json(cls, text: str) -> "Membership":
+    def from_json(cls, text: str) -> Membership:
         try:
             obj = json.loads(text)
         except ValueError as exc:
@@ -222,7 +223,7 @@ class AnnotationWatcher:
                 await self.check()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - the watch loop must not die
+            except Exception:  # the watch loop must not die
                 log.exception("membership watch failed; retrying")
                 self._signature = None
             await asyncio.sleep(self.interval)

@@ -107,7 +107,7 @@ class Reporter:
                     await self._deliver(session, body)
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # noqa: BLE001 - one bad report must not stop the next
+                except Exception:  # one bad report must not stop the next
                     log.exception("report for %s not delivered", body.get("notice_id"))
 
     async def _deliver(self, session: aiohttp.ClientSession, body: dict[str, Any]) -> bool:
@@ -127,6 +127,8 @@ class Reporter:
 
     async def _attempt(self, session: aiohttp.ClientSession, body: dict[str, Any]) -> str | None:
         """None on success, else what went wrong (prefixed "final:" when retrying is useless)."""
+        if self.token_file is None:
+            return "final: no agent token file"
         try:
             token = await asyncio.to_thread(read_token, self.token_file)
         except (OSError, UnicodeDecodeError) as exc:
@@ -139,5 +141,5 @@ class Reporter:
                 if resp.status in RETRY_STATUSES or resp.status >= 500:
                     return f"HTTP {resp.status} {text}"
                 return f"final:HTTP {resp.status} {text}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return f"{type(exc).__name__}: {exc}"

@@ -53,7 +53,7 @@ def _error(status: int, message: str, **headers: str) -> web.Response:
 class SidecarAPI:
     """Route handlers over a running `Sidecar`'s state."""
 
-    def __init__(self, sidecar: "Sidecar", keepalive: float = 10.0, max_streams: int = 256,
+    def __init__(self, sidecar: Sidecar, keepalive: float = 10.0, max_streams: int = 256,
                  body_timeout: float = 10.0):
         self.sidecar = sidecar
         self.keepalive = keepalive
@@ -100,7 +100,7 @@ class SidecarAPI:
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), self.keepalive)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     await resp.write(KEEPALIVE)
                     continue
                 if item is CUT_OFF:

@@ -108,7 +108,7 @@ class Sidecar:
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task] = []
 
-    async def start(self) -> "Sidecar":
+    async def start(self) -> Sidecar:
         cfg = self.config
         hosts, rule = await asyncio.to_thread(load_topology_inputs, cfg)
         if hosts is not None:
@@ -139,14 +139,14 @@ class Sidecar:
         for task in self._tasks:
             try:
                 await asyncio.wait_for(task, 5)
-            except (asyncio.CancelledError, asyncio.TimeoutError):
+            except (TimeoutError, asyncio.CancelledError):
                 pass
         self._tasks = []
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
-    async def __aenter__(self) -> "Sidecar":
+    async def __aenter__(self) -> Sidecar:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
@@ -176,7 +176,7 @@ class Sidecar:
         self.pulse.notify()
         try:
             await self.topology.set_notices(self.live.notices())
-        except Exception:  # noqa: BLE001 - a topology problem must not stop the relay
+        except Exception:  # a topology problem must not stop the relay
             log.exception("updating the membership after a notice change failed")
 
     async def _on_annotation(self, membership: Membership) -> None:

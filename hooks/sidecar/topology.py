@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
 
 from spotguard.agent.notice import Kind, Notice
 from spotguard.hooks.hostfile import ElasticRule, Host, select_hosts, write_hostfile

@@ -8,4 +8,4 @@ from spotguard.supervisor.jobs.pytorch import PyTorchJobAdapter
 ADAPTERS: tuple[JobAdapter, ...] = (BatchJobAdapter(), PyTorchJobAdapter())
 BY_KIND = {a.kind: a for a in ADAPTERS}
 
-__all__ = ["JobAdapter", "BatchJobAdapter", "PyTorchJobAdapter", "ADAPTERS", "BY_KIND"]
+__all__ = ["ADAPTERS", "BY_KIND", "BatchJobAdapter", "JobAdapter", "PyTorchJobAdapter"]

@@ -7,7 +7,8 @@ watches `resource` (optional: skipped while the API server does not serve it).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from spotguard.supervisor.kubeapi import Resource
 

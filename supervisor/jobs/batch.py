@@ -7,7 +7,8 @@ The template's scheduling directives may change only while the Job is suspended 
 (checked on kube-apiserver v1.36.2, tests/test_k8s_fallback.py)."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from spotguard.supervisor.capacity_type import directives_of, merge_patch
 from spotguard.supervisor.jobs.base import JobAdapter

@@ -8,7 +8,8 @@ PyTorchJob's templates may change (the CRD sets no rule against it).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from spotguard.supervisor.capacity_type import directives_of, merge_patch
 from spotguard.supervisor.jobs.base import JobAdapter

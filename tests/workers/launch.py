@@ -74,7 +74,7 @@ class Run:
             except subprocess.TimeoutExpired:
                 pass
 
-    def __enter__(self) -> "Run":
+    def __enter__(self) -> Run:
         return self
 
     def __exit__(self, *exc) -> None:

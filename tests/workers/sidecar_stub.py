@@ -29,7 +29,7 @@ class SidecarStub:
         self._thread = threading.Thread(target=self._loop.run_forever, name="sidecar-stub", daemon=True)
         self.url = ""
 
-    def __enter__(self) -> "SidecarStub":
+    def __enter__(self) -> SidecarStub:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
         return self
