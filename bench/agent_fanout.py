@@ -18,7 +18,7 @@ import multiprocessing as mp
 import os
 import time
 
-from spotguard.agent.sse import SSEDecoder
+from spotguard.wire.sse import SSEDecoder
 from spotguard.emulator.control import EmulatorControl
 from spotguard.emulator.server import Emulator
 

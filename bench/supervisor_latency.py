@@ -39,9 +39,9 @@ from pathlib import Path
 
 import kmock
 
-from spotguard.agent.notice import Notice, notice_id
+from spotguard.wire.notice import Notice, notice_id
 from spotguard.kube import load_api_client
-from spotguard.supervisor import names
+from spotguard.wire import names
 from spotguard.supervisor.kubeapi import NODES, Kube
 from spotguard.supervisor.testing import VersionedKubernetesEmulator
 

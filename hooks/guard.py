@@ -58,9 +58,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Protocol
 
-from spotguard.agent.notice import Kind, Notice
+from spotguard.wire.notice import Kind, Notice
 from spotguard.config import ConfigError, http_url, positive_float, positive_int
-from spotguard.hooks.exit_codes import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
+from spotguard.wire import names
+from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.notice_listener import NoticeListener
 from spotguard.hooks.signals import SignalTrap
@@ -139,7 +140,7 @@ class Guard:
         self.pipeline = pipeline
         self._work = None
         self._contributed: Notice | None = None
-        self.sidecar_url = None if sidecar_url is None else http_url("SPOTGUARD_SIDECAR_URL", sidecar_url)
+        self.sidecar_url = None if sidecar_url is None else http_url(names.ENV_SIDECAR_URL, sidecar_url)
 
         self._reclaim_hooks: list[Callable] = []
         self._drain_hooks: list[Callable] = []
@@ -170,15 +171,15 @@ class Guard:
                  agree_every: int | None = None, **kwargs) -> "Guard":
         """A Guard configured from SPOTGUARD_* variables (docs/protocols.md); arguments win over them."""
         env = os.environ
-        url = env.get("SPOTGUARD_SIDECAR_URL") or None
+        url = env.get(names.ENV_SIDECAR_URL) or None
         if grace_seconds is None:
-            grace_seconds = positive_float("SPOTGUARD_GRACE_SECONDS", env.get("SPOTGUARD_GRACE_SECONDS") or 30)
+            grace_seconds = positive_float(names.ENV_GRACE_SECONDS, env.get(names.ENV_GRACE_SECONDS) or 30)
         if agree_every is None:
-            agree_every = positive_int("SPOTGUARD_AGREE_EVERY", env.get("SPOTGUARD_AGREE_EVERY") or 1)
-        if "horizon_seconds" not in kwargs and env.get("SPOTGUARD_HORIZON_SECONDS"):
-            kwargs["horizon_seconds"] = positive_float("SPOTGUARD_HORIZON_SECONDS", env["SPOTGUARD_HORIZON_SECONDS"])
+            agree_every = positive_int(names.ENV_AGREE_EVERY, env.get(names.ENV_AGREE_EVERY) or 1)
+        if "horizon_seconds" not in kwargs and env.get(names.ENV_HORIZON_SECONDS):
+            kwargs["horizon_seconds"] = positive_float(names.ENV_HORIZON_SECONDS, env[names.ENV_HORIZON_SECONDS])
         kwargs.setdefault("sidecar_url", url)
-        kwargs.setdefault("token_file", env.get("SPOTGUARD_TOKEN_FILE") or None)
+        kwargs.setdefault("token_file", env.get(names.ENV_TOKEN_FILE) or None)
         return cls(checkpoint_dir=checkpoint_dir, grace_seconds=grace_seconds, agree_every=agree_every, **kwargs)
 
     def _setup_distributed(self, process_group: Any) -> None:

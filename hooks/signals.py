@@ -18,7 +18,7 @@ import threading
 import time
 from datetime import datetime, timedelta, timezone
 
-from spotguard.agent.notice import Kind, Notice, notice_id
+from spotguard.wire.notice import Kind, Notice, notice_id
 
 log = logging.getLogger("spotguard.hooks.signals")
 

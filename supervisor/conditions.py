@@ -14,8 +14,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Iterable, Mapping
 
-from spotguard.agent.notice import format_time
-from spotguard.supervisor import names
+from spotguard.wire.notice import format_time
+from spotguard.wire import names
 from spotguard.supervisor.capacity_type import ON_DEMAND
 from spotguard.supervisor.record import CHECKPOINTING, GAVE_UP, SUSPENDED, Record
 

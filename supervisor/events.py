@@ -9,8 +9,8 @@ import hashlib
 from datetime import datetime
 from typing import Any, Mapping
 
-from spotguard.agent.notice import format_time
-from spotguard.supervisor import names
+from spotguard.wire.notice import format_time
+from spotguard.wire import names
 
 
 def event_name(job_name: str, key: str) -> str:

@@ -29,7 +29,8 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Mapping
 
 from spotguard.config import ConfigError
-from spotguard.supervisor import capacity_type, names
+from spotguard.supervisor import capacity_type
+from spotguard.wire import names
 from spotguard.supervisor.record import CHECKPOINTING, RUNNING, SUSPENDED
 
 if TYPE_CHECKING:

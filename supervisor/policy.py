@@ -26,7 +26,7 @@ from typing import Mapping
 
 from spotguard.config import ConfigError
 from spotguard.supervisor import fallback as fallback_rules
-from spotguard.supervisor import names
+from spotguard.wire import names
 from spotguard.supervisor.record import CHECKPOINTING, GAVE_UP, RUNNING, SUSPENDED, Record
 
 ELASTIC, FIXED = "elastic", "fixed"

@@ -12,8 +12,8 @@ import json
 from datetime import datetime
 from typing import Any, Iterable, Iterator, Mapping
 
-from spotguard.agent.notice import NoticeFormatError, parse_time
-from spotguard.supervisor import names
+from spotguard.wire.notice import NoticeFormatError, parse_time
+from spotguard.wire import names
 from spotguard.supervisor.record import MAX_COUNTED_EXITS
 
 DRAIN_CODES = (names.EXIT_PREEMPTED, names.EXIT_CHECKPOINT_FAILED)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from spotguard.agent.notice import Notice, Update, Withdrawal
+from spotguard.wire.notice import Notice
+from spotguard.wire.withdrawal import Update, Withdrawal
 from spotguard.agent.sources.base import Source
 
 

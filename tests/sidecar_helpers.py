@@ -18,8 +18,9 @@ from typing import Any, AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from spotguard.agent.notice import Kind, Notice, Withdrawal, notice_id, now_utc
-from spotguard.agent.sse import KEEPALIVE, SSEDecoder, encode
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.withdrawal import Withdrawal
+from spotguard.wire.sse import KEEPALIVE, SSEDecoder, encode
 from spotguard.hooks.sidecar.service import Sidecar, SidecarConfig
 
 

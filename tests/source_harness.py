@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from spotguard.agent.notice import Notice, Update, Withdrawal
+from spotguard.wire.notice import Notice
+from spotguard.wire.withdrawal import Update, Withdrawal
 from spotguard.agent.sources.base import Source
 
 # fault kind -> (extra fault fields, error reasons the source may count for it)

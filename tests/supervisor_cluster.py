@@ -10,9 +10,9 @@ from typing import Any, AsyncIterator
 
 import kmock
 
-from spotguard.agent.notice import Notice, notice_id
+from spotguard.wire.notice import Notice, notice_id
 from spotguard.kube import load_api_client
-from spotguard.supervisor import names
+from spotguard.wire import names
 from spotguard.supervisor.controller import Controller, ControllerConfig
 from spotguard.supervisor.kubeapi import EVENTS, JOBS, NODES, PODS, PYTORCHJOBS, Kube, NotFound
 from spotguard.supervisor.policy import Settings

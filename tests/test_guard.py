@@ -14,11 +14,11 @@ from datetime import timedelta
 import pytest
 import torch
 
-from spotguard.agent.notice import Kind, Notice, now_utc
+from spotguard.wire.notice import Kind, Notice, now_utc
 from spotguard.config import ConfigError
 from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
 from spotguard.hooks.adapters.store import CheckpointStore
-from spotguard.hooks.exit_codes import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, describe
+from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, describe_exit
 from spotguard.hooks.guard import Guard
 from tests.workers.sidecar_stub import SidecarStub
 
@@ -216,7 +216,7 @@ def test_failed_checkpoint_hook_exits_84(tmp_path):
     with pytest.raises(SystemExit) as exc:
         guard.step(5)
     assert exc.value.code == EXIT_CHECKPOINT_FAILED and drained == []
-    assert describe(83).startswith("preempted") and describe(84).endswith("failed") and "crash" in describe(1)
+    assert describe_exit(83).startswith("preempted") and describe_exit(84).endswith("failed") and "crash" in describe_exit(1)
 
 
 def test_config_errors_name_the_field(monkeypatch):

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from spotguard.agent.notice import Kind
+from spotguard.wire.notice import Kind
 from spotguard.config import ConfigError
 from spotguard.hooks.hostfile import (ElasticityError, ElasticRule, Host, HostfileError, elastic_rule_from_config,
                                       parse_hostfile, read_hostfile, select_hosts, write_hostfile)

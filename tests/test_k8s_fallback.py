@@ -14,8 +14,8 @@ from datetime import datetime, timedelta, timezone
 import kubernetes
 import pytest
 
-from spotguard.agent.notice import Kind, Notice
-from spotguard.supervisor import names
+from spotguard.wire.notice import Kind, Notice
+from spotguard.wire import names
 from spotguard.supervisor.controller import Controller, ControllerConfig
 from spotguard.supervisor.kubeapi import Kube
 from spotguard.supervisor.policy import Settings

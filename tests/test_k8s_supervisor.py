@@ -14,8 +14,8 @@ import kubernetes
 import pytest
 
 from spotguard.agent.node_marker import NodeMarker
-from spotguard.agent.notice import Kind
-from spotguard.supervisor import names
+from spotguard.wire.notice import Kind
+from spotguard.wire import names
 from spotguard.supervisor.controller import Controller, ControllerConfig
 from spotguard.supervisor.kubeapi import LEASES, Kube
 from spotguard.supervisor.leader import LeaderElector

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from spotguard.agent.notice import Kind, Notice, notice_id
+from spotguard.wire.notice import Kind, Notice, notice_id
 from spotguard.agent.sources import alibaba, aws, azure, gcp
 from spotguard.agent.sources.base import SourceError
 from spotguard.emulator.clouds.gcp import value_etag

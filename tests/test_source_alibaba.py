@@ -6,7 +6,8 @@ from datetime import datetime, timezone
 import aiohttp
 import pytest
 
-from spotguard.agent.notice import Kind, Notice, Withdrawal, format_time, notice_id
+from spotguard.wire.notice import Kind, Notice, format_time, notice_id
+from spotguard.wire.withdrawal import Withdrawal
 from spotguard.agent.sources.alibaba import (TERMINATION_PATH, TOKEN_HEADER, TOKEN_PATH, TTL_HEADER,
                                              EcsMetadataClient, TerminationTimeSource, alibaba_sources)
 from spotguard.agent.sources.registry import build_sources

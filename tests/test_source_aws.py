@@ -7,7 +7,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from spotguard.agent.notice import Kind, Notice, Withdrawal
+from spotguard.wire.notice import Kind, Notice
+from spotguard.wire.withdrawal import Withdrawal
 from spotguard.agent.sources.aws import (TOKEN_PATH, ImdsClient, LifecycleSource, MaintenanceSource,
                                          RebalanceSource, SpotInterruptionSource, aws_sources,
                                          parse_maintenance_time)

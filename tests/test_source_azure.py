@@ -7,7 +7,8 @@ from datetime import datetime, timezone
 import aiohttp
 import pytest
 
-from spotguard.agent.notice import Kind, Notice, Withdrawal, notice_id
+from spotguard.wire.notice import Kind, Notice, notice_id
+from spotguard.wire.withdrawal import Withdrawal
 from spotguard.agent.sources.azure import (EVENTS_PATH, NAME_PATH, AzureImdsClient, RateLimiter,
                                            ScheduledEventsSource, azure_sources)
 from spotguard.agent.sources.registry import build_sources

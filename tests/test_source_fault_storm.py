@@ -14,7 +14,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from spotguard.agent.notice import Notice, Withdrawal
+from spotguard.wire.notice import Notice
+from spotguard.wire.withdrawal import Withdrawal
 from spotguard.agent.sources.alibaba import TERMINATION_PATH, alibaba_sources
 from spotguard.agent.sources.aws import SPOT_PATH, ImdsClient, SpotInterruptionSource
 from spotguard.agent.sources.azure import EVENTS_PATH, azure_sources

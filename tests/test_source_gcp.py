@@ -8,7 +8,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from spotguard.agent.notice import Kind, Notice, Withdrawal, notice_id
+from spotguard.wire.notice import Kind, Notice, notice_id
+from spotguard.wire.withdrawal import Withdrawal
 from spotguard.agent.sources.gcp import (MAINTENANCE_PATH, PREEMPTED_PATH, MaintenanceEventSource,
                                          PreemptedSource, gcp_sources)
 from spotguard.agent.sources.http import MetadataClient

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from spotguard.supervisor import names
+from spotguard.wire import names
 from spotguard.supervisor.kubeapi import PYTORCHJOBS
 from tests.supervisor_cluster import NS, eventually, running_cluster
 

@@ -7,7 +7,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from spotguard.supervisor import capacity, capacity_type, names, progress
+from spotguard.supervisor import capacity, capacity_type, progress
+from spotguard.wire import names
 from spotguard.supervisor.cost import CostLedger, PriceTable
 from spotguard.supervisor.fallback import Fallback, parse_duration
 from spotguard.supervisor.policy import (MOVE, NONE, RECORD, RESUME, SUSPEND, JobState, NoticeHit, Policy,

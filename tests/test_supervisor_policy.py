@@ -6,7 +6,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from spotguard.config import ConfigError
-from spotguard.supervisor import capacity, conditions, names
+from spotguard.supervisor import capacity, conditions
+from spotguard.wire import names
 from spotguard.supervisor.cost import CostLedger, PriceTable
 from spotguard.supervisor.policy import (NONE, RECORD, RESUME, SCALE, SUSPEND, JobState, NoticeHit, Policy, PolicyError,
                                          Settings, decide, parse_policy)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Mapping
 
-from spotguard.agent.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.agent.sources.http import MetadataClient, Response, expect_status
 

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from spotguard.agent.notice import Notice, Update, Withdrawal
+from spotguard.wire.notice import Notice
+from spotguard.wire.withdrawal import Update, Withdrawal
 from spotguard.agent.sources.retry import RetryPolicy
 from spotguard.backoff import Backoff
 

@@ -26,7 +26,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Mapping
 
-from spotguard.agent.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.agent.sources.http import MetadataClient, Response, expect_status, header
 

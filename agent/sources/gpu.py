@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from spotguard.agent.gpu import backend as gb
 from spotguard.agent.gpu.policy import GpuPolicy
-from spotguard.agent.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.backoff import Backoff
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from spotguard.agent.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.backoff import Backoff
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Sequence
 
-from spotguard.agent.notice import Update
+from spotguard.wire.withdrawal import Update
 from spotguard.agent.sources.base import Source
 
 

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from spotguard.agent.notice import Notice
+from spotguard.wire.notice import Notice
 from spotguard.hooks.adapters.store import CheckpointInfo, CheckpointStore
 
 log = logging.getLogger("spotguard.hooks.adapters")

@@ -25,9 +25,10 @@ import urllib.parse
 import urllib.request
 
 from spotguard.config import ConfigError, env_default, http_url, positive_float, positive_int
+from spotguard.wire import names
 
-DEFAULT_LISTEN = "127.0.0.1:9741"
-DEFAULT_URL = "http://127.0.0.1:9741"
+DEFAULT_LISTEN = f"127.0.0.1:{names.SIDECAR_PORT}"
+DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 OK_OUTCOMES = ("done", "no-notice", "withdrawn")
 
@@ -93,7 +94,7 @@ def build_config(args: argparse.Namespace):
         node_ip = env_default("NODE_IP")
         if node_ip is None:
             raise ConfigError("--agent-url", "not given and SPOTGUARD_NODE_IP is unset (downward API status.hostIP)")
-        agent_url = f"http://{node_ip}:9740"
+        agent_url = f"http://{node_ip}:{names.AGENT_PORT}"
     agent_url = http_url("--agent-url", agent_url)
     token_file = args.token_file or env_default("TOKEN_FILE")
     if not token_file:

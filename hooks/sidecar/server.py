@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from spotguard.agent.sse import KEEPALIVE, encode
+from spotguard.wire.sse import KEEPALIVE, encode
 from spotguard.hooks.sidecar.broadcast import CLOSED, CUT_OFF
-from spotguard.hooks.sidecar.prestop import HookFormatError, HookReport, wait_for_pod
+from spotguard.hooks.sidecar.prestop import wait_for_pod
+from spotguard.wire.hook_report import HookFormatError, HookReport
 from spotguard.http_server import BodyError, client_address, read_json
 from spotguard.stream_slots import SlotRefused, StreamSlots
 

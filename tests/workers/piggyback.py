@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spotguard.agent.notice import Notice, now_utc
+from spotguard.wire.notice import Notice, now_utc
 from spotguard.hooks.guard import Guard
 
 
