@@ -3,7 +3,7 @@
 Read-only, open (they reveal only what the node's metadata service already says):
 - `GET /v1/notices` -> `{"v": 1, "node": ..., "notices": [...]}`, most urgent first.
 - `GET /v1/stream` -> Server-Sent Events: `event: snapshot`
-  (`{"v":1,"node":...,"notices":[...],"complete":bool}`, agent/snapshot.py) on connect, then
+  (`{"v":1,"node":...,"notices":[...],"complete":bool}`, wire/snapshot.py) on connect, then
   `event: notice` (a new or changed notice) and `event: withdrawn` (a withdrawal), and one more
   `event: snapshot` (complete) when the table becomes complete after the subscriber connected.
   Every event has `id: <sequence number>` (a snapshot's id is the sequence number it reflects,

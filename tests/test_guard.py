@@ -135,7 +135,7 @@ def test_broken_byte_stream_reconnects_and_snapshot_redelivers(sidecar):
 
 
 def test_listener_withdraws_a_notice_only_when_a_complete_snapshot_lacks_it(sidecar):
-    """The Guard's listener applies the consumers' shared snapshot rule (agent/snapshot.py)."""
+    """The Guard's listener applies the consumers' shared snapshot rule (wire/snapshot.py)."""
     from spotguard.hooks.notice_listener import NoticeListener
 
     delivered, withdrawn = [], []

@@ -8,7 +8,7 @@ only its own containers share.
 Endpoints (docs/protocols.md, "Sidecar"):
 - GET /v1/notices: `{"v": 1, "node", "notices": [...]}`, most urgent first;
 - GET /v1/stream: SSE; `snapshot` on connect (`complete` once the agent's snapshot was, see
-  agent/snapshot.py; a fresh complete `snapshot` follows when that happens later), then the
+  wire/snapshot.py; a fresh complete `snapshot` follows when that happens later), then the
   current `membership` (if any), then `notice` / `withdrawn` / `membership` as they happen,
   each with a sequence `id`; `: keepalive` every `keepalive` s; a reader `max_queue` events
   behind is disconnected; at most `max_streams` open at once (503 past it);
