@@ -33,15 +33,15 @@ from aiohttp import web
 
 from spotguard.agent.auth import Authenticator, AuthError
 from spotguard.agent.metrics import AgentMetrics
-from spotguard.metrics import CONTENT_TYPE
-from spotguard.wire.notice import Notice
 from spotguard.agent.reports import ReportBook
-from spotguard.wire.agent_report import ReportFormatError, parse_report
-from spotguard.wire.snapshot import snapshot_wire
-from spotguard.wire.sse import KEEPALIVE, encode
 from spotguard.agent.table import TICK, NoticeTable, Published, Resync
 from spotguard.http_server import BodyError, client_address, read_json
+from spotguard.metrics import CONTENT_TYPE
 from spotguard.stream_slots import SlotRefused, StreamSlots
+from spotguard.wire.agent_report import ReportFormatError, parse_report
+from spotguard.wire.notice import Notice
+from spotguard.wire.snapshot import snapshot_wire
+from spotguard.wire.sse import KEEPALIVE, encode
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Iterable, Mapping
 
-from spotguard.wire.notice import format_time
-from spotguard.wire import names
 from spotguard.supervisor.capacity_type import ON_DEMAND
 from spotguard.supervisor.record import CHECKPOINTING, GAVE_UP, SUSPENDED, Record
+from spotguard.wire import names
+from spotguard.wire.notice import format_time
 
 OURS = (names.COND_SUSPENDED, names.COND_MAX_WAIT, names.COND_ON_DEMAND)
 

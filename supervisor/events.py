@@ -9,8 +9,8 @@ import hashlib
 from datetime import datetime
 from typing import Any, Mapping
 
-from spotguard.wire.notice import format_time
 from spotguard.wire import names
+from spotguard.wire.notice import format_time
 
 
 def event_name(job_name: str, key: str) -> str:

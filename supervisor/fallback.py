@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Mapping
 
 from spotguard.config import ConfigError
 from spotguard.supervisor import capacity_type
-from spotguard.wire import names
 from spotguard.supervisor.record import CHECKPOINTING, RUNNING, SUSPENDED
+from spotguard.wire import names
 
 if TYPE_CHECKING:
     from spotguard.supervisor.policy import Decision, JobState, Settings

@@ -12,9 +12,9 @@ import json
 from datetime import datetime
 from typing import Any, Iterable, Iterator, Mapping
 
-from spotguard.wire.notice import NoticeFormatError, parse_time
-from spotguard.wire import names
 from spotguard.supervisor.record import MAX_COUNTED_EXITS
+from spotguard.wire import names
+from spotguard.wire.notice import NoticeFormatError, parse_time
 
 DRAIN_CODES = (names.EXIT_PREEMPTED, names.EXIT_CHECKPOINT_FAILED)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import aiohttp
 
-from spotguard.wire.notice import Kind, Notice, now_utc
 from spotguard.agent.sources.base import Source, SourceError
+from spotguard.wire.notice import Kind, Notice, now_utc
 from spotguard.wire.sse import SSEDecoder, SSEEvent
 
 

@@ -18,10 +18,10 @@ from typing import Any, AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
-from spotguard.wire.withdrawal import Withdrawal
-from spotguard.wire.sse import KEEPALIVE, SSEDecoder, encode
 from spotguard.hooks.sidecar.service import Sidecar, SidecarConfig
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.sse import KEEPALIVE, SSEDecoder, encode
+from spotguard.wire.withdrawal import Withdrawal
 
 
 def make_notice(node: str = "node-a", kind: Kind = Kind.RECLAIM, deadline_in: float | None = 120.0,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
+from spotguard.agent.sources.base import Source
 from spotguard.wire.notice import Notice
 from spotguard.wire.withdrawal import Update, Withdrawal
-from spotguard.agent.sources.base import Source
 
 # fault kind -> (extra fault fields, error reasons the source may count for it)
 FAULTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spotguard.agent.table import NoticeTable
 from spotguard.wire.notice import Kind, Notice
 from spotguard.wire.withdrawal import Withdrawal
-from spotguard.agent.table import NoticeTable
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 

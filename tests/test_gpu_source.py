@@ -11,9 +11,9 @@ import pytest
 
 from spotguard.agent.gpu import backend as gb
 from spotguard.agent.gpu.fake_backend import FakeGpu, FakeGpuBackend
+from spotguard.agent.sources.gpu import GpuHealthSource
 from spotguard.wire.notice import Kind, Notice
 from spotguard.wire.withdrawal import Withdrawal
-from spotguard.agent.sources.gpu import GpuHealthSource
 
 NODE = "gpu-node-1"
 

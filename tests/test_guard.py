@@ -14,12 +14,12 @@ from datetime import timedelta
 import pytest
 import torch
 
-from spotguard.wire.notice import Kind, Notice, now_utc
 from spotguard.config import ConfigError
 from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
 from spotguard.hooks.adapters.store import CheckpointStore
-from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, describe_exit
 from spotguard.hooks.guard import Guard
+from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, describe_exit
+from spotguard.wire.notice import Kind, Notice, now_utc
 from tests.workers.sidecar_stub import SidecarStub
 
 

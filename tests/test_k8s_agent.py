@@ -12,9 +12,9 @@ import pytest
 
 from spotguard.agent.auth import AuthError, TokenReviewAuth
 from spotguard.agent.node_marker import PATCH_TYPE, NodeMarker
+from spotguard.backoff import Backoff
 from spotguard.wire import names
 from spotguard.wire.notice import Kind, Notice
-from spotguard.backoff import Backoff
 from tests.k8s_world import add_ready_node, refusals, wait_service_account, wait_until
 from tests.test_node_marker import make_notice
 

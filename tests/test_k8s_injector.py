@@ -15,8 +15,8 @@ from aiohttp import web
 
 from spotguard.injector.certs import make_certificate
 from spotguard.injector.patch import SIDECAR_NAME, InjectorConfig
-from spotguard.wire import names
 from spotguard.injector.server import make_app, tls_context
+from spotguard.wire import names
 from tests.control_plane import BASE_MANIFESTS, load_manifests
 from tests.k8s_world import wait_service_account, wait_until
 

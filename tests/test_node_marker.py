@@ -11,11 +11,11 @@ import kmock
 import pytest
 
 from spotguard.agent.node_marker import NodeMarker
-from spotguard.wire import names
-from spotguard.wire.urgency import most_urgent
-from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 from spotguard.backoff import Backoff
 from spotguard.kube import load_api_client
+from spotguard.wire import names
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.urgency import most_urgent
 
 NODE = "node-a"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}

@@ -7,11 +7,11 @@ import pytest
 
 from spotguard.config import ConfigError
 from spotguard.supervisor import capacity, conditions
-from spotguard.wire import names
 from spotguard.supervisor.cost import CostLedger, PriceTable
 from spotguard.supervisor.policy import (NONE, RECORD, RESUME, SCALE, SUSPEND, JobState, NoticeHit, Policy, PolicyError,
                                          Settings, decide, parse_policy)
 from spotguard.supervisor.record import Record, RecordError, parse_record
+from spotguard.wire import names
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 EL = Policy("elastic", 2, 4, None)

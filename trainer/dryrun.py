@@ -28,11 +28,11 @@ from spotguard.supervisor.policy import JobState, NoticeHit, Policy, Settings, d
 from spotguard.supervisor.record import SUSPENDED, Record
 from spotguard.trainer.events import EventTail, read_events
 from spotguard.trainer.launcher import Generation, NodeLaunch
-from spotguard.wire import names
-from spotguard.wire.names import EXIT_PREEMPTED
 from spotguard.trainer.nodes import SimulatedNode, make_secret
 from spotguard.trainer.report import GenerationRecord, InjectedEvent, build_report
 from spotguard.trainer.scenario import Scenario, ScenarioEvent
+from spotguard.wire import names
+from spotguard.wire.names import EXIT_PREEMPTED
 
 log = logging.getLogger("spotguard.dryrun")
 MAX_CRASH_RELAUNCHES = 3

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from spotguard.wire.notice import Notice
-from spotguard.wire.withdrawal import Update, Withdrawal
 from spotguard.agent.sources.retry import RetryPolicy
 from spotguard.backoff import Backoff
+from spotguard.wire.notice import Notice
+from spotguard.wire.withdrawal import Update, Withdrawal
 
 log = logging.getLogger(__name__)
 

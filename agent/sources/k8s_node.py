@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.backoff import Backoff
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 
 log = logging.getLogger(__name__)
 

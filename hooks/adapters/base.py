@@ -20,8 +20,8 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from spotguard.wire.notice import Notice
 from spotguard.hooks.adapters.store import CheckpointInfo, CheckpointStore
+from spotguard.wire.notice import Notice
 
 log = logging.getLogger("spotguard.hooks.adapters")
 

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from spotguard.wire.sse import KEEPALIVE, encode
 from spotguard.hooks.sidecar.broadcast import CLOSED, CUT_OFF
 from spotguard.hooks.sidecar.prestop import wait_for_pod
-from spotguard.wire.hook_report import HookFormatError, HookReport
 from spotguard.http_server import BodyError, client_address, read_json
 from spotguard.stream_slots import SlotRefused, StreamSlots
+from spotguard.wire.hook_report import HookFormatError, HookReport
+from spotguard.wire.sse import KEEPALIVE, encode
 
 if TYPE_CHECKING:
     from spotguard.hooks.sidecar.service import Sidecar

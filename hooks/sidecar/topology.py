@@ -28,9 +28,9 @@ import collections
 import logging
 from typing import Any, Awaitable, Callable, Iterable
 
-from spotguard.wire.notice import Kind, Notice
 from spotguard.hooks.hostfile import ElasticRule, Host, select_hosts, write_hostfile
 from spotguard.wire.membership import Membership
+from spotguard.wire.notice import Kind, Notice
 
 log = logging.getLogger(__name__)
 
