@@ -95,9 +95,8 @@ def worker(args) -> None:
                 guard.step(step)
                 inside[arm] += time.perf_counter() - g0
             step += 1
-        if guard is not None and getattr(guard, "_work", None) is not None:  # the last overlapped all_reduce belongs to this arm
-            guard._work.wait()
-            guard._work = None
+        if guard is not None:  # the last overlapped all_reduce (pipelined) belongs to this arm
+            guard.agreement.settle()
         times[arm] += time.perf_counter() - t0
     for guard in guards.values():
         guard.close()

@@ -418,9 +418,14 @@ class Controller:
             if alt_spec is not None:
                 alt = self.free_slots(key, alt_spec, ignore_own=True)
         drained = record.phase == CHECKPOINTING and self._drained(all_pods, self._checkpoint_since(all_pods, record))
+        # A template change reaches only pods created after it: the old pods must be gone first,
+        # or a job resumed before its controller saw the suspension keeps them (a PyTorchJob's
+        # operator reconciles the latest state, and a move follows the suspension in milliseconds).
+        old_pods_gone = not any(capacity.pod_active(p) for p in all_pods)
         return JobState(policy=policy, replicas=replicas_now, suspended=suspended, record=record,
                         notices=unique_hits, healthy_replicas=healthy, free_slots=free, drained=drained,
-                        directives=directives, alt_slots=alt, template_mutable=adapter.template_mutable(obj))
+                        directives=directives, alt_slots=alt,
+                        template_mutable=adapter.template_mutable(obj) and old_pods_gone)
 
     @staticmethod
     def _alternative_pod_spec(adapter: JobAdapter, obj: Mapping[str, Any], directives: Mapping[str, Mapping],

@@ -19,7 +19,9 @@ Moves (every one an Event, the record's phase/reason, and the condition `Spotgua
   (`template_mutable`), it resumes with the saved spot directives. If spot capacity vanished in
   between, it resumes where it was.
 A Job's template may only change while it is suspended and its `status.startTime` is unset (the
-Job controller clears it once the suspended job's pods are gone): `template_mutable` says so.
+Job controller clears it once the suspended job's pods are gone); a PyTorchJob's may change once
+suspended, but its operator recreates only the pods it deleted, so a move also waits until the
+job has no active pod left: `template_mutable` says both.
 """
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ def decide_move(state: "JobState", now: datetime, settings: "Settings", identity
 
     if rec.phase == SUSPENDED and rec.move_to:
         if not state.template_mutable:
-            return Decision(NONE, rec)  # the Job controller clears status.startTime next; its update wakes us
+            return Decision(NONE, rec)  # the pods' deletion / the Job's startTime cleared wakes us
         if state.alt_slots >= need and rec.spot_directives:
             return _act(MOVE, state, now, identity, event=names.EVENT_RETURNED, replicas=need,
                         key=decision_key("return", previous), directives=rec.spot_directives,

@@ -118,7 +118,8 @@ class JobState:
     replica exited 83/84 (the Guard drained after its checkpoint). Fallback (fallback.py):
     `directives` are the pod roles' scheduling directives now; `alt_slots` the free slots on the
     other capacity (on-demand while on spot, the saved spot directives while on on-demand);
-    `template_mutable` whether the API server lets the template change now.
+    `template_mutable` whether the API server lets the template change now and the job's active
+    pods (made from the old template) are gone, so that the new one reaches every replica.
     """
 
     policy: Policy

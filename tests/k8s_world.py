@@ -1,6 +1,7 @@
 """Helpers for tests against the real control plane (tests/control_plane.py): Nodes made Ready
 through their status (no kubelet here), pod exit codes written through `pods/status` as a kubelet
-would, and a bounded wait. Blocking calls: wrap them in `asyncio.to_thread` from async tests."""
+would, the Kubeflow PyTorchJob CRD, and a bounded wait. Blocking calls: wrap them in
+`asyncio.to_thread` from async tests."""
 from __future__ import annotations
 
 import time
@@ -41,16 +42,16 @@ def add_ready_node(plane, name: str, labels: dict | None = None, gpus: int = 1, 
 
 
 def set_container_exit(plane, namespace: str, pod: str, exit_code: int, container: str | None = None,
-                       finished_at: datetime | None = None, restarted: bool = False) -> None:
-    """Write a terminated container status with `exit_code` at `finished_at` (default now) through
-    `pods/status`, as a kubelet would; `restarted`: the container runs again and the exit is its
-    lastState (restartPolicy OnFailure)."""
+                       finished_at: datetime | None = None, restarted: bool = False, message: str = "") -> None:
+    """Write a terminated container status with `exit_code` at `finished_at` (default now) and the
+    termination `message` through `pods/status`, as a kubelet would; `restarted`: the container
+    runs again and the exit is its lastState (restartPolicy OnFailure)."""
     core = kubernetes.client.CoreV1Api(plane.api_client())
     current = core.read_namespaced_pod(pod, namespace)
     name = container or current.spec.containers[0].name
     when = (finished_at or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
     term = {"terminated": {"exitCode": exit_code, "startedAt": when, "finishedAt": when,
-                           "reason": "Error" if exit_code else "Completed"}}
+                           "reason": "Error" if exit_code else "Completed", **({"message": message} if message else {})}}
     phase = "Running" if restarted else ("Succeeded" if exit_code == 0 else "Failed")
     status = {"name": name, "image": current.spec.containers[0].image, "imageID": "", "ready": restarted,
               "restartCount": 1 if restarted else 0}
@@ -80,6 +81,45 @@ def wait_service_account(plane, namespace: str, name: str = "default", timeout: 
                 return None
             raise
     wait_until(exists, timeout, f"serviceaccount {namespace}/{name}")
+
+
+# kubeflow.org/v1 PyTorchJob, written here: the training-operator's published manifest cannot be
+# fetched (no network in CI) and is not copied. What the supervisor relies on is the same as in
+# that manifest: namespaced, the `status` subresource (it patches `pytorchjobs/status`, so a
+# write of the main resource ignores status), and a structural schema; unknown fields are
+# preserved instead of the published one's full pod-template schema (no pruning of what we write).
+PYTORCHJOB_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "pytorchjobs.kubeflow.org"},
+    "spec": {"group": "kubeflow.org", "scope": "Namespaced",
+             "names": {"plural": "pytorchjobs", "singular": "pytorchjob", "kind": "PyTorchJob",
+                       "listKind": "PyTorchJobList"},
+             "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
+                           "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                               "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                               "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}}}]}}
+
+
+def install_pytorchjob_crd(plane) -> None:
+    """Installs PYTORCHJOB_CRD (idempotent: server-side apply) and returns once PyTorchJobs are
+    served (the CRD is Established and a list answers)."""
+    plane.apply([PYTORCHJOB_CRD])
+    extensions = kubernetes.client.ApiextensionsV1Api(plane.api_client())
+    custom = kubernetes.client.CustomObjectsApi(plane.api_client())
+
+    def established():
+        crd = extensions.read_custom_resource_definition(PYTORCHJOB_CRD["metadata"]["name"])
+        return any(c.type == "Established" and c.status == "True" for c in (crd.status.conditions or []))
+
+    def served():
+        try:
+            return custom.list_namespaced_custom_object("kubeflow.org", "v1", "default", "pytorchjobs") is not None
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+    wait_until(established, 30, "the PyTorchJob CRD established")
+    wait_until(served, 30, "PyTorchJobs served")
 
 
 def refusals(caplog) -> list[str]:

@@ -24,15 +24,15 @@ def test_snapshots_reuse_their_buffers_and_persist_the_latest_state(tmp_path):
     model = torch.nn.Linear(8, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     train_step(model, optimizer, 1)  # Adam's state exists from here on
-    adapter = TorchDCPAdapter(None, model, optimizer, store=CheckpointStore(tmp_path / "ckpt"))
+    adapter = TorchDCPAdapter(model, optimizer, store=CheckpointStore(tmp_path / "ckpt"))
 
     adapter.snapshot(1)
-    first = [t.data_ptr() for t in tensor_leaves(adapter._snapshot)]
+    first = [t.data_ptr() for t in tensor_leaves(adapter.held_snapshot)]
     train_step(model, optimizer, 2)
     adapter.snapshot(2)
-    second = tensor_leaves(adapter._snapshot)
+    second = tensor_leaves(adapter.held_snapshot)
     assert [t.data_ptr() for t in second] == first  # no new allocation
-    current = tensor_leaves(adapter._state())
+    current = tensor_leaves(adapter.state())
     assert len(second) == len(current) and all(torch.equal(a, b) for a, b in zip(second, current))
 
     expected = {k: v.clone() for k, v in model.state_dict().items()}
@@ -41,7 +41,7 @@ def test_snapshots_reuse_their_buffers_and_persist_the_latest_state(tmp_path):
 
     torch.manual_seed(1)
     fresh = torch.nn.Linear(8, 4)
-    reloaded = TorchDCPAdapter(None, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.01),
+    reloaded = TorchDCPAdapter(fresh, torch.optim.AdamW(fresh.parameters(), lr=0.01),
                                store=CheckpointStore(tmp_path / "ckpt"))
     assert reloaded.resume() == 3
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())

@@ -1,16 +1,26 @@
 """Crash consistency: SIGKILL the saving process at random points; every resume is complete.
 
 A zygote process imports torch and the store once, then forks one saving child per trial (so
-a trial costs milliseconds, not a torch import). Each child opens the store (cleaning the
-leftovers of the previous, killed child), resolves the newest checkpoint that verifies,
-checks that every tensor in it carries the step it claims, then saves step after step until
-the test SIGKILLs it at a random moment. Trials alternate between the fast path (snapshot +
-parallel background writes) and plain multi-file `write_bytes` saves.
+a trial costs milliseconds, not a torch import). Each child opens the store (which finishes or
+cleans up what the previous, killed child left), resolves the newest checkpoint that verifies,
+checks that every tensor in it carries the step it claims and that `latest` names it, then saves step after step until it
+is SIGKILLed. Trials alternate between the fast path (snapshot + parallel background writes)
+and plain multi-file `write_bytes` saves. Two lanes:
+- `unique`: every step is a new tag;
+- `recommit`: most steps re-commit the one tag `rolling` (every fifth step a new tag, so
+  retention runs beside the re-commits).
+Kills come from the test after a random delay (`time`), or from the child itself just before
+its K-th file-system change under the store root (`op`: K random, any step of cleanup,
+recovery, begin, writes, commit or retention; `op-open`: K small, inside the open), or just
+before a re-commit renames the pending dir into place, when the old copy is already set
+aside (`window`). The child's own kills use a Python audit hook installed in that child only.
 
-SPOTGUARD_CRASH_TRIALS (default 30) sets the number of trials; use 100+ for a long run.
+SPOTGUARD_CRASH_TRIALS (default 30) sets the number of kills per lane; SPOTGUARD_CRASH_SEED
+fixes the random choices. Each lane prints a summary line (run pytest with -s to see it).
 """
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import random
@@ -23,13 +33,46 @@ import time
 import pytest
 
 ZYGOTE = r'''
-import os, sys, json
+import os, sys, signal, itertools
 os.environ["OMP_NUM_THREADS"] = "1"
 import torch
 from spotguard.hooks.checkpoint import CheckpointStore, FastCheckpointer, load_rank
 
+ROLLING = "rolling"
+PHASE = ["start"]
+ARMED = [False]  # the commit under way re-commits ROLLING
+
 def say(*words):
     os.write(1, (" ".join(str(w) for w in words) + "\n").encode())
+
+def arm(root, kill):
+    """Installs an audit hook that SIGKILLs this process before its K-th change under root."""
+    target = int(kill[3:]) if kill.startswith("op:") else None
+    count = itertools.count(1)
+    pending, final = os.path.join(root, ".pending-" + ROLLING), os.path.join(root, ROLLING)
+    watched = ("open", "os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree")
+
+    def hook(event, args):
+        if event not in watched or not isinstance(args[0], (str, bytes, os.PathLike)):
+            return
+        path = os.fsdecode(args[0])
+        if event == "open":
+            mode, flags = args[1], args[2]
+            if not ((isinstance(mode, str) and any(c in mode for c in "wax+"))
+                    or (isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))):
+                return
+        dir_fd = args[-1] if event in ("os.remove", "os.rmdir", "os.mkdir") else None
+        if not path.startswith(root + os.sep) and dir_fd in (None, -1):
+            return
+        if target is not None:
+            hit = next(count) == target
+        else:
+            hit = event == "os.rename" and ARMED[0] and path == pending and os.fsdecode(args[1]) == final
+        if hit:
+            say("kill", PHASE[0], event, os.path.basename(path))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.addaudithook(hook)
 
 def make_state(step, arrays):
     for i, t in enumerate(arrays):
@@ -42,11 +85,18 @@ def check(state, step):
             return False
     return state["step"] == step
 
-def trial(root, mode, max_steps):
-    before = sorted(n for n in os.listdir(root) if n.startswith((".pending-", ".trash-"))) if os.path.isdir(root) else []
+def tag_for(lane, step):
+    if lane == "recommit" and step % 5:
+        return ROLLING
+    return f"step-{step:06d}"
+
+def trial(root, mode, lane, max_steps):
+    names = lambda: sorted(n for n in os.listdir(root) if n.startswith((".pending-", ".trash-", ".replaced-")))
+    before = names() if os.path.isdir(root) else []
+    PHASE[0] = "open"
     store = CheckpointStore(root, keep_last=2)
-    after = sorted(n for n in os.listdir(root) if n.startswith((".pending-", ".trash-")))
-    say("opened", len(before), len(after))
+    PHASE[0] = "resume"
+    say("opened", len(before), len(names()))
     info = store.resolve(verify=True)
     step = 0
     if info is not None:
@@ -58,17 +108,21 @@ def trial(root, mode, max_steps):
             for name in sorted(info.files):
                 raw = (info.dir / name).read_bytes()
                 state["model"][name] = torch.frombuffer(bytearray(raw), dtype=torch.float32)
-        say("resumed", step, "valid" if check(state, step) else "INVALID")
+        with open(os.path.join(root, "latest")) as f:
+            pointer = "latest-ok" if f.read() == info.tag else "latest-STALE"
+        say("resumed", step, "valid" if check(state, step) else "INVALID", pointer)
     else:
-        say("resumed", -1, "valid")
+        say("resumed", 0, "valid", "latest-ok")
     # ~600 KB of state in tensors of uneven sizes
     arrays = [torch.empty(n, dtype=torch.float32) for n in (90_000, 40_000, 15_000, 5_000, 1_000)]
     fast = FastCheckpointer(files=3, check_memory=False) if mode == "fast" else None
     if fast is not None:
         fast.prepare(make_state(0, arrays))
+    PHASE[0] = "save"
     for step in range(step + 1, step + 1 + max_steps):
         state = make_state(step, arrays)
-        tag = f"step-{step:06d}"
+        tag = tag_for(lane, step)
+        ARMED[0] = tag == ROLLING and os.path.isdir(os.path.join(root, ROLLING))
         meta = {"step": step, "mode": mode, "reason": "notice" if step % 7 == 0 else "periodic"}
         if fast is not None:
             _, done = fast.save(store, tag, state, step=step, metadata=meta)
@@ -83,13 +137,15 @@ def trial(root, mode, max_steps):
     say("done")
 
 for line in sys.stdin:
-    root, mode, max_steps = line.split()
+    root, mode, lane, kill, max_steps = line.split()
     pid = os.fork()
     if pid == 0:
         import faulthandler
         faulthandler.dump_traceback_later(20, exit=True)  # a hung child shows where, then dies
         try:
-            trial(root, mode, int(max_steps))
+            if kill != "none":
+                arm(root, kill)
+            trial(root, mode, lane, int(max_steps))
             os._exit(0)
         except BaseException as exc:
             say("error", repr(exc).replace("\n", " "))
@@ -98,6 +154,9 @@ for line in sys.stdin:
     _, status = os.waitpid(pid, 0)
     say("exit", pid, status)
 '''
+
+STYLES = {"unique": ("time", "op"), "recommit": ("window", "op", "time", "op-open")}
+OPS_PER_TRIAL = 60  # an open and two to three saves make about this many changes under the root
 
 
 class Zygote:
@@ -108,7 +167,6 @@ class Zygote:
         self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, bufsize=1, env=env)
         self.lines: queue.Queue = queue.Queue()
-        self.held: list[list[str]] = []
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -116,34 +174,15 @@ class Zygote:
             self.lines.put(line.split())
         self.lines.put(["eof"])
 
-    def expect(self, word: str, timeout: float = 30.0) -> list[str]:
-        """The first unconsumed line starting with `word`; 'committed' lines update self.committed.
+    def send(self, *words) -> None:
+        self.proc.stdin.write(" ".join(str(w) for w in words) + "\n")
+        self.proc.stdin.flush()
 
-        Lines of the zygote and of its child may arrive in either order, so lines that do not
-        match are kept for a later call rather than dropped.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            for i, parts in enumerate(self.held):
-                if parts[0] == word:
-                    return self.held.pop(i)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"no {word!r} line within {timeout}s (unconsumed: {self.held})")
-            try:
-                parts = self.lines.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if not parts:
-                continue
-            if parts[0] == "committed":
-                self.committed = int(parts[1])
-            elif parts[0] in ("error", "eof") and word != parts[0]:
-                raise AssertionError(f"worker failed: {' '.join(parts)}")
-            else:
-                self.held.append(parts)
-
-    committed = -1
+    def next_line(self, timeout: float) -> list[str] | None:
+        try:
+            return self.lines.get(timeout=max(timeout, 0.0)) or None
+        except queue.Empty:
+            return None
 
     def close(self) -> None:
         try:
@@ -157,48 +196,100 @@ class Zygote:
             self.proc.wait(10)
 
 
-def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path):
-    trials = int(os.environ.get("SPOTGUARD_CRASH_TRIALS", "30"))
-    rng = random.Random(int(os.environ.get("SPOTGUARD_CRASH_SEED", str(time.time_ns()))))
-    root = tmp_path / "store"
-    zygote = Zygote()
-    child = None
-    leftovers_seen = 0
-    resumed_steps = []
+def kill_spec(style: str, rng: random.Random) -> str:
+    if style == "window":
+        return "window"
+    if style == "op":
+        return f"op:{rng.randint(1, OPS_PER_TRIAL)}"
+    if style == "op-open":
+        return f"op:{rng.randint(1, 6)}"
+    return "none"
+
+
+def run_trial(zygote: Zygote, root, mode: str, lane: str, style: str, final: bool, last_committed: int,
+              rng: random.Random, stats: collections.Counter, problems: list[str], trial: int) -> int:
+    """One child: start, check its open and resume, let it (or the test) kill it; returns the last commit."""
+    zygote.send(root, mode, lane, "none" if final else kill_spec(style, rng), 1 if final else 100000)
+    child, kill_at, committed = None, None, last_committed
+    deadline = time.monotonic() + 30
     try:
-        last_committed = -1
-        for trial in range(trials + 1):
-            mode = "fast" if trial % 2 == 0 else "plain"
-            final = trial == trials
-            zygote.proc.stdin.write(f"{root} {mode} {1 if final else 100000}\n")
-            zygote.proc.stdin.flush()
-            child = int(zygote.expect("pid")[1])
-            _, before, after = zygote.expect("opened")
-            assert int(after) == 0, f"trial {trial}: temporaries left after open"
-            leftovers_seen += int(before) > 0
-            _, step, verdict = zygote.expect("resumed")
-            step = int(step)
-            assert verdict == "valid", f"trial {trial}: resumed step {step} with wrong content"
-            # the newest complete one: the last commit seen, or the one in flight if its rename landed
-            assert last_committed <= step <= last_committed + 1, (trial, last_committed, step)
-            resumed_steps.append(step)
-            zygote.committed = step
-            if final:
-                zygote.expect("done")
-            else:
-                time.sleep(rng.uniform(0.0, 0.12))
+        while True:
+            if kill_at is not None and time.monotonic() >= kill_at and child is not None:
                 os.kill(child, signal.SIGKILL)
-            _, pid, status = zygote.expect("exit")
-            assert int(pid) == child
-            child = None
-            last_committed = zygote.committed
+                kill_at = None
+            wait = (kill_at if kill_at is not None else deadline) - time.monotonic()
+            parts = zygote.next_line(min(wait, 0.5))
+            if parts is None:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{lane} trial {trial}: no progress in 30 s")
+                continue
+            word = parts[0]
+            if word == "pid":
+                child = int(parts[1])
+            elif word == "opened":
+                stats["leftovers found at open"] += int(parts[1]) > 0
+                if int(parts[2]):
+                    problems.append(f"{lane} trial {trial}: {parts[2]} temporaries left after open")
+            elif word == "resumed":
+                step = int(parts[1])
+                stats["resumes"] += 1
+                if parts[2] != "valid":
+                    problems.append(f"{lane} trial {trial}: resumed step {step} with wrong content")
+                if parts[3] != "latest-ok":
+                    problems.append(f"{lane} trial {trial}: `latest` does not name the newest checkpoint")
+                # the newest complete one: the last commit seen, or the one in flight if it was decided
+                if not last_committed <= step <= last_committed + 1:
+                    stats["lost"] += step < last_committed
+                    problems.append(f"{lane} trial {trial}: resumed step {step}, last commit was {last_committed}")
+                committed = step
+                if style == "time" and not final:
+                    kill_at = time.monotonic() + rng.uniform(0.0, 0.12)
+            elif word == "committed":
+                committed = int(parts[1])
+            elif word == "kill":
+                stats[f"kills in {parts[1]}"] += 1
+                stats["window kills"] += style == "window"
+            elif word == "done":
+                stats["clean finishes"] += 1
+            elif word == "exit":
+                if not final:
+                    stats["kills"] += int(parts[2]) == signal.SIGKILL
+                    assert int(parts[2]) == signal.SIGKILL, f"{lane} trial {trial}: child exited with {parts[2]}"
+                child = None
+                return committed
+            else:
+                raise AssertionError(f"{lane} trial {trial}: worker failed: {' '.join(parts)}")
     finally:
         if child is not None:
             try:
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.parametrize("lane", sorted(STYLES))
+def test_sigkill_during_saves_never_loses_the_newest_checkpoint(tmp_path, lane):
+    trials = int(os.environ.get("SPOTGUARD_CRASH_TRIALS", "30"))
+    seed = int(os.environ.get("SPOTGUARD_CRASH_SEED", str(time.time_ns())))
+    rng = random.Random(seed)
+    root = tmp_path / "store"
+    zygote = Zygote()
+    stats: collections.Counter = collections.Counter()
+    problems: list[str] = []
+    try:
+        last_committed = 0
+        for trial in range(trials + 1):
+            mode = "fast" if trial % 2 == 0 else "plain"
+            styles = STYLES[lane]
+            style = styles[(trial // 2) % len(styles)]
+            last_committed = run_trial(zygote, root, mode, lane, style, trial == trials, last_committed, rng,
+                                       stats, problems, trial)
+    finally:
         zygote.close()
-    assert resumed_steps[-1] >= 1
+    print(f"\ncrash lane {lane} (seed {seed}): " + ", ".join(f"{k} {v}" for k, v in sorted(stats.items())))
+    assert not problems, problems
+    assert last_committed >= 1 and stats["clean finishes"] == 1
     # kills landed mid-save: some opens found temporaries to clean (all were cleaned, above)
-    assert leftovers_seen > 0
+    assert stats["leftovers found at open"] > 0
+    if lane == "recommit" and trials >= len(STYLES[lane]) * 2:
+        assert stats["window kills"] > 0, "no kill landed between setting the old copy aside and the rename"

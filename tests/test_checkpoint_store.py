@@ -159,3 +159,86 @@ def test_bad_configuration_and_names_are_refused(tmp_path):
         pending.finish_rank(0)
         store.commit("t", world_size=1, metadata={"bad": object()})
     assert store.latest() is None
+
+
+def build_copy(store: CheckpointStore, info, content: bytes = b"converted"):
+    return store.derived("universal").build(info, lambda out: (out / "ds").mkdir() or (out / "ds" / "x").write_bytes(content))
+
+
+def test_derived_copy_is_reused_only_for_the_commit_it_was_made_from(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=3)
+    copies = store.derived("universal")
+    save(store, "t", 1)
+    first = store.read("t")
+    assert copies.lookup(first) is None
+    path = build_copy(store, first)
+    assert path == tmp_path / "_universal" / "t" and (path / "ds" / "x").read_bytes() == b"converted"
+    assert copies.lookup(store.read("t")) == path  # read again: the same commit, the same fingerprint
+    save(store, "t", 2)  # re-committed: same tag, another commit
+    second = store.read("t")
+    assert second.fingerprint != first.fingerprint
+    assert copies.lookup(second) is None and copies.lookup(first) is None
+    assert not path.exists(), "retention keeps no copy of a commit that is gone"
+    build_copy(store, second, b"again")
+    assert copies.lookup(second) == path and (path / "ds" / "x").read_bytes() == b"again"
+
+
+def test_retention_and_open_remove_derived_copies_of_gone_or_old_checkpoints(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=2)
+    save(store, "s1", 1, reason="notice")  # kept forever by retention, but its copy only while it is recent
+    save(store, "s2", 2)
+    build_copy(store, store.read("s1"))
+    build_copy(store, store.read("s2"))
+    (tmp_path / "_universal" / "stray").mkdir()  # e.g. a copy made by an older version, no source record
+    CheckpointStore(tmp_path, keep_last=2)  # open: prunes what no kept commit made
+    assert sorted(p.name for p in (tmp_path / "_universal").iterdir() if not p.name.startswith(".")) == ["s1", "s2"]
+    save(store, "s3", 3)
+    assert [c.tag for c in store.list()] == ["s1", "s2", "s3"]
+    assert sorted(p.name for p in (tmp_path / "_universal").iterdir() if not p.name.startswith(".")) == ["s2"]
+    save(store, "s4", 4)
+    assert not [p for p in (tmp_path / "_universal").iterdir() if not p.name.startswith(".")]
+
+
+BUILDER = textwrap.dedent("""
+    import sys, time
+    from spotguard.hooks.checkpoint import CheckpointStore
+    store = CheckpointStore(sys.argv[1])
+
+    def make(out):
+        (out / "ds").mkdir()
+        (out / "ds" / "x").write_bytes(b"half")
+        print("building", flush=True)
+        time.sleep(120)
+
+    store.derived("universal").build(store.read(sys.argv[2]), make)
+""")
+
+
+def test_a_failed_or_killed_derived_build_stays_invisible(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=3)
+    save(store, "t", 1)
+    info = store.read("t")
+
+    def failing(out):
+        (out / "ds").mkdir()
+        raise RuntimeError("converter failed")
+
+    with pytest.raises(RuntimeError, match="converter failed"):
+        store.derived("universal").build(info, failing)
+    assert not [p for p in (tmp_path / "_universal").iterdir() if not p.name.startswith(".") or p.name.startswith(".build-")]
+    builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path), "t"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout.readline().strip() == "building"
+        CheckpointStore(tmp_path)  # open while it builds: its hidden dir is left alone
+        assert len(list((tmp_path / "_universal").glob(".build-t-*"))) == 1
+        assert store.derived("universal").lookup(info) is None
+        builder.kill()
+        builder.wait(10)
+    finally:
+        if builder.poll() is None:
+            builder.kill()
+            builder.wait(10)
+    assert store.derived("universal").lookup(info) is None
+    CheckpointStore(tmp_path)
+    assert not list((tmp_path / "_universal").glob(".build-*"))
+    assert store.derived("universal").lookup(info) is None

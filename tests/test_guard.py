@@ -5,6 +5,7 @@ sidecar's protocol (docs/protocols.md), so the Guard's listener reads real HTTP/
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -18,6 +19,8 @@ from spotguard.config import ConfigError
 from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
 from spotguard.hooks.adapters.store import CheckpointStore
 from spotguard.hooks.guard import Guard
+from spotguard.supervisor.progress import steps_lost_of
+from spotguard.wire import names
 from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, describe_exit
 from spotguard.wire.notice import Kind, Notice, now_utc
 from tests.workers.sidecar_stub import SidecarStub
@@ -135,7 +138,7 @@ def test_broken_byte_stream_reconnects_and_snapshot_redelivers(sidecar):
 
 
 def test_listener_withdraws_a_notice_only_when_a_complete_snapshot_lacks_it(sidecar):
-    """The Guard's listener applies the consumers' shared snapshot rule (wire/snapshot.py)."""
+    """The Guard's listener applies the consumers' shared snapshot rule (agent/snapshot.py)."""
     from spotguard.hooks.notice_listener import NoticeListener
 
     delivered, withdrawn = [], []
@@ -164,7 +167,7 @@ def test_withdrawn_before_agreement_and_rebalance_are_not_acted_on(sidecar):
         sidecar.push("notice", notice(kind="rebalance", nid="aws.rebalance:1").to_wire())
         sidecar.push("notice", notice(nid="azure.preempt:1").to_wire())
         sidecar.push("withdrawn", {"v": 1, "withdrawn": "azure.preempt:1", "source": "azure", "node": "n1", "reason": "canceled"})
-        wait_until(lambda: guard.listener.stats["notices"] == 2 and guard._pending is None)
+        wait_until(lambda: guard.listener.stats["notices"] == 2 and guard.gate.pending is None)
         assert guard.step(0) is False
     finally:
         guard.close()
@@ -177,7 +180,7 @@ def test_reports_need_the_token(sidecar, tmp_path):
     guard = make_guard(sidecar)
     try:
         sidecar.push("notice", notice().to_wire())
-        wait_until(lambda: guard._pending is not None)
+        wait_until(lambda: guard.gate.pending is not None)
         assert guard.step(0) is True  # the drain does not depend on the report
         assert sidecar.reports == [] and sidecar.rejected == ["Bearer nope", "Bearer nope"]
     finally:
@@ -251,16 +254,16 @@ def train(model, opt, step):
 
 def test_plain_torch_resume_is_exact_and_answered_notice_is_ignored(tmp_path, sidecar):
     n = notice(nid="aws.spot:resume")
-    guard = make_guard(sidecar, checkpoint_dir=tmp_path / "ck")
     model, opt = tiny_job()
-    PlainTorchAdapter(guard, model, opt, extra_state=lambda: {"data_pos": 40})
+    guard = make_guard(sidecar, adapter=PlainTorchAdapter(model, opt, checkpoint_dir=tmp_path / "ck",
+                                                          extra_state=lambda: {"data_pos": 40}))
     try:
         assert guard.resume() == 0
         for step in range(4):
             train(model, opt, step)
             if step == 2:
                 sidecar.push("notice", n.to_wire())
-                wait_until(lambda: guard._pending is not None)
+                wait_until(lambda: guard.gate.pending is not None)
             if guard.step(step):
                 break
         assert guard.last_drain.saved_step == 2
@@ -271,9 +274,10 @@ def test_plain_torch_resume_is_exact_and_answered_notice_is_ignored(tmp_path, si
         train(reference_model, reference_opt, step)
 
     sidecar.snapshot = [n.to_wire()]  # the notice is still live when the job comes back
-    guard2 = make_guard(sidecar, checkpoint_dir=tmp_path / "ck")
     model2, opt2 = tiny_job()
-    adapter2 = PlainTorchAdapter(guard2, model2, opt2)
+    adapter2 = PlainTorchAdapter(model2, opt2, checkpoint_dir=tmp_path / "ck")
+    guard2 = make_guard(sidecar)
+    guard2.attach(adapter2)  # the other way to hand the Guard its adapter
     try:
         wait_until(lambda: guard2.listener.stats["notices"] == 1)
         assert guard2.resume() == 3 and adapter2.extra == {"data_pos": 40}
@@ -284,16 +288,18 @@ def test_plain_torch_resume_is_exact_and_answered_notice_is_ignored(tmp_path, si
         guard2.close()
 
 
-def test_deadline_too_short_persists_last_snapshot(tmp_path, sidecar):
-    guard = make_guard(sidecar, checkpoint_dir=tmp_path / "ck", snapshot_every=4, save_margin_seconds=1.0)
+def test_deadline_too_short_persists_last_snapshot(tmp_path, sidecar, monkeypatch):
+    termination_log = tmp_path / "termination-log"
+    monkeypatch.setenv(names.ENV_TERMINATION_LOG, str(termination_log))
     model, opt = tiny_job()
-    PlainTorchAdapter(guard, model, opt)
+    guard = make_guard(sidecar, adapter=PlainTorchAdapter(model, opt, checkpoint_dir=tmp_path / "ck"), snapshot_every=4,
+                       save_margin_seconds=1.0)
     try:
         for step in range(7):
             train(model, opt, step)
             if step == 6:
                 sidecar.push("notice", notice(seconds=0.3).to_wire())
-                wait_until(lambda: guard._pending is not None)
+                wait_until(lambda: guard.gate.pending is not None)
             if guard.step(step):
                 break
         record = guard.last_drain
@@ -302,14 +308,17 @@ def test_deadline_too_short_persists_last_snapshot(tmp_path, sidecar):
         assert info.step == 4 and info.metadata["snapshot"] is True and info.metadata["reason"] == "notice"
         durable = [r for r in sidecar.reports if r["phase"] == "checkpoint-durable"]
         assert durable[0]["step"] == 4 and durable[0]["steps_lost"] == 2
+        # the container's termination message tells the supervisor the same (supervisor/progress.py)
+        message = termination_log.read_text()
+        assert json.loads(message)["saved_step"] == 4
+        assert steps_lost_of({"message": message}) == 2
     finally:
         guard.close()
     # a notice with time to spare saves fresh
-    guard = make_guard(sidecar, checkpoint_dir=tmp_path / "ck2", snapshot_every=4)
-    PlainTorchAdapter(guard, model, opt)
+    guard = make_guard(sidecar, adapter=PlainTorchAdapter(model, opt, checkpoint_dir=tmp_path / "ck2"), snapshot_every=4)
     try:
         sidecar.push("notice", notice(seconds=60, nid="aws.spot:later").to_wire())
-        wait_until(lambda: guard._pending is not None)
+        wait_until(lambda: guard.gate.pending is not None)
         assert guard.step(8) is True and guard.last_drain.used_snapshot is False
     finally:
         guard.close()
@@ -328,7 +337,7 @@ def test_far_deadline_is_held_until_the_horizon_and_a_withdrawal_cancels_it(side
         wait_until(lambda: guard.listener.stats["notices"] == 2)
         sidecar.push("withdrawn", {"v": 1, "withdrawn": "aws.maintenance:canceled", "source": "aws.maintenance",
                                    "node": "n1", "reason": "canceled"})
-        wait_until(lambda: "aws.maintenance:canceled" not in guard._held)
+        wait_until(lambda: "aws.maintenance:canceled" not in guard.gate.held_ids())
         time.sleep(1.2)  # past the moment it would have come within the horizon
         assert guard.step(2) is False
     finally:

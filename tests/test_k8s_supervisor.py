@@ -3,7 +3,7 @@ fixed and elastic policies on Indexed Jobs whose pods the real Job controller cr
 real scheduler binds to Ready nodes; the notice written on the Node by the agent's own marker
 (as spotguard-agent); exit codes written through `pods/status` as a kubelet would. And leader
 election on the supervisor's Lease. tests/test_supervisor_controller.py covers the rest on kmock
-(restarts mid-decision, malformed annotations, PyTorchJobs)."""
+(restarts mid-decision, malformed annotations); PyTorchJobs on the real server: test_k8s_pytorchjob.py."""
 from __future__ import annotations
 
 import asyncio

@@ -11,19 +11,11 @@ import pytest
 
 from spotguard.wire import names
 from tests.control_plane import BASE_MANIFESTS, SPOTGUARD_NAMESPACE, load_manifests
-from tests.k8s_world import wait_until
+from tests.k8s_world import install_pytorchjob_crd, wait_until
 
 pytestmark = pytest.mark.k8s
 
 POLICIES = BASE_MANIFESTS / "supervisor" / "admission-policy.yaml"
-PYTORCHJOB_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-    "metadata": {"name": "pytorchjobs.kubeflow.org"},
-    "spec": {"group": "kubeflow.org", "scope": "Namespaced",
-             "names": {"plural": "pytorchjobs", "singular": "pytorchjob", "kind": "PyTorchJob"},
-             "versions": [{"name": "v1", "served": True, "storage": True,
-                           "schema": {"openAPIV3Schema": {"type": "object",
-                                                          "x-kubernetes-preserve-unknown-fields": True}}}]}}
 
 
 def _status(call) -> int:
@@ -107,7 +99,7 @@ def test_supervisor_may_write_only_scaling_suspension_and_scheduling_of_a_job(po
 
 def test_supervisor_may_write_only_scaling_suspension_and_scheduling_of_a_pytorchjob(policies, k8s_namespace):
     plane = policies
-    plane.apply([PYTORCHJOB_CRD])
+    install_pytorchjob_crd(plane)
     custom_admin = kubernetes.client.CustomObjectsApi(plane.api_client())
     args = ("kubeflow.org", "v1", k8s_namespace, "pytorchjobs")
     template = {"spec": {"containers": [{"name": "pytorch", "image": "train:1"}]}}
@@ -115,7 +107,7 @@ def test_supervisor_may_write_only_scaling_suspension_and_scheduling_of_a_pytorc
         "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "pt"},
         "spec": {"runPolicy": {"suspend": False, "cleanPodPolicy": "None"},
                  "pytorchReplicaSpecs": {"Worker": {"replicas": 4, "restartPolicy": "OnFailure",
-                                                    "template": template}}}})) == 200, 30, "PyTorchJob CRD served")
+                                                    "template": template}}}})) == 200, 30, "PyTorchJob created")
     sup = kubernetes.client.CustomObjectsApi(plane.client_as("spotguard-supervisor"))
 
     def patch(body, dry_run=None):

@@ -94,7 +94,7 @@ def digest_of(model, optimizer) -> str:
     return state_digest(params, optimizer.state_dict().get("state", {}))
 
 
-def build_ddp(args, rank, world_size, batching, guard):
+def build_ddp(args, rank, world_size, batching, guarded: bool):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
@@ -103,7 +103,7 @@ def build_ddp(args, rank, world_size, batching, guard):
     if world_size > 1:
         model = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=batching.lr)
-    adapter = TorchDCPAdapter(guard, model, optimizer) if guard is not None else None
+    adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=args.checkpoint_dir)
     return model, optimizer, adapter
 
 
@@ -121,7 +121,7 @@ def ds_config(args, world_size, batching) -> dict:
     return config
 
 
-def build_deepspeed(args, rank, world_size, batching, guard):
+def build_deepspeed(args, rank, world_size, batching, guarded: bool):
     import deepspeed
 
     from spotguard.hooks.adapters.deepspeed import DeepSpeedAdapter
@@ -131,7 +131,7 @@ def build_deepspeed(args, rank, world_size, batching, guard):
     optimizer = torch.optim.AdamW(model.parameters(), lr=batching.lr)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                    config=ds_config(args, world_size, batching))
-    adapter = DeepSpeedAdapter(guard, engine) if guard is not None else None
+    adapter = DeepSpeedAdapter(engine, checkpoint_dir=args.checkpoint_dir) if guarded else None
     return engine, None, adapter
 
 
@@ -180,17 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     base_world = args.base_world_size or int(os.environ.get("SPOTGUARD_BASE_WORLD_SIZE", world_size))
     batching = Batching(args, world_size, base_world)
 
-    guard = None if args.no_guard else Guard.from_env(checkpoint_dir=args.checkpoint_dir, snapshot_every=args.snapshot_every,
-                                                      exit_on_drain=False)
-    if args.framework == "ddp":
-        model, optimizer, adapter = build_ddp(args, rank, world_size, batching, guard)
-    else:
-        model, optimizer, adapter = build_deepspeed(args, rank, world_size, batching, guard)
+    guard = None if args.no_guard else Guard.from_env(snapshot_every=args.snapshot_every, exit_on_drain=False)
+    build = build_ddp if args.framework == "ddp" else build_deepspeed
+    model, optimizer, adapter = build(args, rank, world_size, batching, guarded=guard is not None)
     if guard is None:
-        from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
-        adapter = TorchDCPAdapter(None, model, optimizer, store=_store(args.checkpoint_dir)) if args.framework == "ddp" else None
         start = (adapter.resume() or 0) if adapter is not None else 0
     else:
+        guard.attach(adapter)
         start = guard.resume()
     events.write("start", step=start, digest=digest_of(model, optimizer), resumed=start > 0,
                  global_batch=batching.global_size, accumulation=batching.accumulation, lr=batching.lr)
@@ -236,12 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         guard.close()
     _shutdown()
     return 0
-
-
-def _store(root):
-    from spotguard.hooks.adapters.store import CheckpointStore
-
-    return CheckpointStore(root)
 
 
 def _leave(code: int) -> None:

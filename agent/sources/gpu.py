@@ -1,6 +1,8 @@
 """The GPU health source ("gpu"): NVML events and persistent readings -> gpu-fault notices.
 
-How it watches (all NVML calls run in threads, never on the event loop):
+How it watches (all NVML calls run in threads, never on the event loop); the parts are
+`agent/gpu/event_waiter.py` (the waiter thread), `agent/gpu/readers.py` (the persistent
+signals) and `agent/gpu/policy.py` (what each signal means):
 - a waiter thread blocks in `wait_event` (timeout `wait_timeout_ms`; a Timeout is normal) on
   the Xid, ECC, retirement, poison, unavailable and recovery-action events of every GPU, and
   hands each event to the loop through an asyncio queue;
@@ -31,14 +33,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
-import threading
 import time
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable
 
 from spotguard.agent.gpu import backend as gb
+from spotguard.agent.gpu.event_waiter import EventWaiter
+from spotguard.agent.gpu.readers import Finding, Gpu, SignalReaders, error_name
 from spotguard.agent.gpu.policy import GpuPolicy
 from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
@@ -59,29 +62,6 @@ _EVENT_SIGNALS = {
 }
 # Events after which the persistent signals are read at once.
 _READ_NOW_EVENTS = gb.EVENT_DOUBLE_BIT_ECC | gb.EVENT_RECOVERY_ACTION | gb.EVENT_DRAM_RETIREMENT
-
-
-@dataclass(frozen=True)
-class Gpu:
-    index: int
-    uuid: str
-    pci_bus_id: str = ""
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One signal seen on one GPU (gpu None: the node as a whole)."""
-
-    gpu: Gpu | None
-    signal: str
-    value: Any = None
-    detail: dict = field(default_factory=dict)
-
-
-@dataclass
-class _ReadResult:
-    findings: list[Finding]
-    lost: list[Gpu]
 
 
 class GpuHealthSource(Source):
@@ -110,16 +90,13 @@ class GpuHealthSource(Source):
         self._level: dict[str, Notice] = {}
         self._active_warnings: set[tuple] = set()
         self._xid_times: dict[tuple[str, int], collections.deque] = {}
-        self._cache: dict[tuple[int, str], list[Finding]] = {}
-        self._disabled: set[tuple[int, str]] = set()
-        self._thresholds: dict[int, tuple[int, int]] = {}
+        self._readers: SignalReaders | None = None
         self._logged: set[str] = set()
         self._lost: set[int] = set()
         self._lost_reported: set[int] = set()
         self._registered: dict[int, int] = {}
         self._events: asyncio.Queue | None = None
-        self._waiter: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._waiter: EventWaiter | None = None
         self._next_read = 0.0
         self._wait_lost = False
 
@@ -151,10 +128,9 @@ class GpuHealthSource(Source):
         return self._current()
 
     async def close(self) -> None:
-        self._stop.set()
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
-            await asyncio.to_thread(waiter.join, self.wait_timeout_ms / 1000.0 + 5.0)
+            await asyncio.to_thread(waiter.stop, self.wait_timeout_ms / 1000.0 + 5.0)
         if self.backend is not None and self.available:
             await asyncio.to_thread(self.backend.shutdown)
 
@@ -170,6 +146,7 @@ class GpuHealthSource(Source):
 
             self.backend = NvmlBackend()
         self._events = asyncio.Queue()
+        self._readers = SignalReaders(self.backend, self.policy, self.stats.errors, self._log_once, self._lost)
         outcome = await asyncio.to_thread(self._setup)
         if outcome is not None:
             self._no_gpus(outcome)
@@ -178,9 +155,8 @@ class GpuHealthSource(Source):
         self._next_read = asyncio.get_running_loop().time()
         if any(self._registered.values()):
             self.mode = "events"
-            self._stop.clear()
             loop = asyncio.get_running_loop()
-            self._waiter = threading.Thread(target=self._wait_loop, args=(loop,), name="gpu-event-wait", daemon=True)
+            self._waiter = EventWaiter(self.backend, self.wait_timeout_ms, functools.partial(self._post, loop))
             self._waiter.start()
         else:
             self.mode = "polling"
@@ -196,7 +172,7 @@ class GpuHealthSource(Source):
         except (nvml.NVMLError_LibraryNotFound, nvml.NVMLError_DriverNotLoaded) as exc:
             return f"NVML unavailable ({exc})"
         except nvml.NVMLError as exc:
-            raise SourceError(f"nvml_{_error_name(exc)}", f"nvmlInit failed: {exc}") from None
+            raise SourceError(f"nvml_{error_name(exc)}", f"nvmlInit failed: {exc}") from None
         try:
             count = self.backend.device_count()
             gpus = []
@@ -213,7 +189,7 @@ class GpuHealthSource(Source):
                 gpus.append(Gpu(i, uuid, pci))
         except nvml.NVMLError as exc:
             self.backend.shutdown()
-            raise SourceError(f"nvml_{_error_name(exc)}", f"enumerating GPUs failed: {exc}") from None
+            raise SourceError(f"nvml_{error_name(exc)}", f"enumerating GPUs failed: {exc}") from None
         if not gpus:
             self.backend.shutdown()
             return "NVML sees no GPU"
@@ -233,7 +209,7 @@ class GpuHealthSource(Source):
             except nvml.NVMLError_GpuIsLost:
                 self._lost.add(gpu.index)
             except nvml.NVMLError as exc:
-                self.stats.errors[f"nvml_{_error_name(exc)}"] += 1
+                self.stats.errors[f"nvml_{error_name(exc)}"] += 1
                 log.warning("gpu %s: event registration failed (%s): polling it", gpu.uuid, exc)
                 self._registered[gpu.index] = 0
         log.info("gpu: %d GPU(s), events on %d", len(gpus), sum(1 for m in self._registered.values() if m))
@@ -244,44 +220,8 @@ class GpuHealthSource(Source):
         self.mode = "none"
         self._log_once("no-gpus", logging.INFO, "gpu: no GPUs (%s); the GPU source stays idle", why)
 
-    # ---- the waiter thread -------------------------------------------------------------------
-    def _wait_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Blocks in wait_event and posts each event (or an error marker) to the loop."""
-        nvml = _pynvml()
-        failures = 0
-        lost_reported = False
-        while not self._stop.is_set():
-            try:
-                event = self.backend.wait_event(self.wait_timeout_ms)
-            except nvml.NVMLError_Timeout:
-                failures = 0
-                continue
-            except nvml.NVMLError_GpuIsLost:
-                if not lost_reported and not self._post(loop, ("lost", None)):
-                    return
-                lost_reported = True
-                failures += 1
-            except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound) as exc:
-                self._post(loop, ("polling", exc))
-                return
-            except nvml.NVMLError as exc:
-                if not self._post(loop, ("error", exc)):
-                    return
-                failures += 1
-            except Exception as exc:  # a backend bug must not kill the waiter silently
-                log.exception("gpu: event wait failed")
-                if not self._post(loop, ("error", exc)):
-                    return
-                failures += 1
-            else:
-                failures = 0
-                lost_reported = False
-                if not self._post(loop, event):
-                    return
-                continue
-            self._stop.wait(min(30.0, 0.5 * 2 ** min(failures, 6)))
-
     def _post(self, loop: asyncio.AbstractEventLoop, item: Any) -> bool:
+        """From the waiter thread: hands `item` to the loop; False once the loop is closed."""
         try:
             loop.call_soon_threadsafe(self._events.put_nowait, item)
             return True
@@ -302,7 +242,7 @@ class GpuHealthSource(Source):
                 self.mode = "polling"
                 self._log_once("polling", logging.WARNING, "gpu: event wait unavailable (%s): polling", item[1])
             else:
-                self.stats.errors[f"nvml_wait_{_error_name(item[1])}"] += 1
+                self.stats.errors[f"nvml_wait_{error_name(item[1])}"] += 1
                 log.warning("gpu: event wait failed: %s", item[1])
         return read_now
 
@@ -343,7 +283,7 @@ class GpuHealthSource(Source):
     # ---- periodic reads ----------------------------------------------------------------------
     async def _read(self) -> None:
         self._next_read = asyncio.get_running_loop().time() + self.read_interval
-        result = await asyncio.to_thread(self._read_all)
+        result = await asyncio.to_thread(self._readers.read_all, self.gpus, self.expected_count)
         for gpu in result.lost:
             if gpu.index not in self._lost_reported:
                 self._lost_reported.add(gpu.index)
@@ -372,99 +312,6 @@ class GpuHealthSource(Source):
         self._level = level
         self._active_warnings = warnings_now
 
-    def _read_all(self) -> _ReadResult:
-        """Runs in a thread: every persistent signal of every GPU (see the module docstring)."""
-        nvml = _pynvml()
-        findings: list[Finding] = []
-        lost: list[Gpu] = []
-        try:
-            count = self.backend.device_count()
-        except nvml.NVMLError as exc:
-            self.stats.errors[f"nvml_{_error_name(exc)}"] += 1
-            count = None
-        if count is not None and self.expected_count is not None and count < self.expected_count:
-            findings.append(Finding(None, "gpu_count_drop", self.expected_count,
-                                    {"count": count, "expected": self.expected_count}))
-        for gpu in self.gpus:
-            if gpu.index in self._lost:
-                lost.append(gpu)
-                continue
-            for reader_name, reader in self._readers():
-                key = (gpu.index, reader_name)
-                if key in self._disabled:
-                    continue
-                try:
-                    found = reader(gpu)
-                except nvml.NVMLError_GpuIsLost:
-                    self._lost.add(gpu.index)
-                    lost.append(gpu)
-                    break
-                except (nvml.NVMLError_FunctionNotFound, nvml.NVMLError_NotSupported) as exc:
-                    self._disabled.add(key)
-                    self._log_once(f"skip:{key}", logging.WARNING, "gpu %s: %s unavailable (%s): signal skipped",
-                                   gpu.uuid, reader_name, exc)
-                    found = []
-                except nvml.NVMLError as exc:
-                    self.stats.errors[f"nvml_{_error_name(exc)}"] += 1
-                    log.warning("gpu %s: reading %s failed: %s", gpu.uuid, reader_name, exc)
-                    found = self._cache.get(key, [])
-                except Exception:
-                    log.exception("gpu %s: reading %s failed", gpu.uuid, reader_name)
-                    self.stats.errors["internal"] += 1
-                    found = self._cache.get(key, [])
-                self._cache[key] = found
-                findings.extend(found)
-        return _ReadResult(findings, lost)
-
-    def _readers(self):
-        return (("remapped_rows", self._read_remap), ("ecc", self._read_ecc), ("recovery_action", self._read_recovery),
-                ("clock_reasons", self._read_clocks), ("temperature", self._read_thermal))
-
-    def _read_remap(self, gpu: Gpu) -> list[Finding]:
-        rows = self.backend.remapped_rows(gpu.index)
-        out = []
-        counts = {"correctable": rows.correctable, "uncorrectable": rows.uncorrectable}
-        if rows.failure:
-            out.append(Finding(gpu, "remap_failure", None, counts))
-        if rows.uncorrectable >= self.policy.thresholds["uncorrectable_rows"]:
-            out.append(Finding(gpu, "uncorrectable_rows", None, counts))
-        if rows.pending:
-            out.append(Finding(gpu, "remap_pending", None, counts))
-        return out
-
-    def _read_ecc(self, gpu: Gpu) -> list[Finding]:
-        count = self.backend.total_ecc_errors(gpu.index)
-        return [Finding(gpu, "double_bit_ecc", None, {"volatile_uncorrected": count})] if count > 0 else []
-
-    def _read_recovery(self, gpu: Gpu) -> list[Finding]:
-        value = self.backend.field_values(gpu.index, [gb.FI_GPU_RECOVERY_ACTION]).get(gb.FI_GPU_RECOVERY_ACTION)
-        if isinstance(value, BaseException):
-            raise value
-        if value is None or int(value) == 0:
-            return []
-        name = gb.RECOVERY_ACTIONS.get(int(value), f"UNKNOWN_{int(value)}")
-        return [Finding(gpu, "recovery_action", name, {"recovery_action": name, "code": int(value)})]
-
-    def _read_clocks(self, gpu: Gpu) -> list[Finding]:
-        bits = self.backend.clock_reasons(gpu.index) & self.policy.thresholds["clock_reasons_mask"]
-        if not bits:
-            return []
-        names = [name for bit, name in gb.CLOCK_REASON_NAMES.items() if bits & bit] or [hex(bits)]
-        return [Finding(gpu, "clock_slowdown", None, {"reasons": names})]
-
-    def _read_thermal(self, gpu: Gpu) -> list[Finding]:
-        if gpu.index not in self._thresholds:
-            self._thresholds[gpu.index] = (self.backend.temperature_threshold(gpu.index, gb.THRESHOLD_SLOWDOWN),
-                                           self.backend.temperature_threshold(gpu.index, gb.THRESHOLD_SHUTDOWN))
-        slowdown, shutdown = self._thresholds[gpu.index]
-        temp = self.backend.temperature(gpu.index)
-        detail = {"temperature_c": temp, "slowdown_c": slowdown, "shutdown_c": shutdown}
-        if shutdown > 0 and temp >= shutdown - self.policy.thresholds["shutdown_margin_c"]:
-            return [Finding(gpu, "thermal_shutdown", None, detail)]
-        if slowdown > 0 and temp >= slowdown:
-            return [Finding(gpu, "thermal_slowdown", None, detail)]
-        return []
-
     # ---- results -----------------------------------------------------------------------------
     def _apply(self, finding: Finding, action: str) -> None:
         """An event-borne finding: a sticky notice (fatal) or a warning (warn/cordon)."""
@@ -478,20 +325,10 @@ class GpuHealthSource(Source):
             self._warn(finding, action)
 
     def _notice(self, finding: Finding, previous: dict[str, Notice]) -> Notice:
-        uuid = _gpu_name(finding)
-        nid = notice_id(self.name, self.node, uuid, finding.signal, "" if finding.value is None else finding.value)
+        """The notice for a fatal finding, frozen at first sight: no churn from changing readings."""
+        nid = fault_notice_id(self.name, self.node, finding)
         existing = previous.get(nid) or self._sticky.get(nid) or self._level.get(nid)
-        if existing is not None:
-            return existing  # frozen at first sight: no churn from changing readings
-        now: datetime = now_utc()
-        detail = {"gpu": uuid, "signal": finding.signal, "meaning": self.policy.signal_meaning(finding.signal)}
-        if finding.gpu is not None:
-            detail.update(index=finding.gpu.index, pci_bus_id=finding.gpu.pci_bus_id)
-        if finding.value is not None:
-            detail["value"] = finding.value
-        detail.update(finding.detail)
-        return Notice(id=nid, kind=Kind.GPU_FAULT, source=self.name, node=self.node, detected_at=now,
-                      deadline=now, detail=detail)
+        return existing if existing is not None else fault_notice(self.name, self.node, finding, self.policy)
 
     def _warn(self, finding: Finding, action: str) -> None:
         uuid = _gpu_name(finding)
@@ -526,6 +363,24 @@ class GpuHealthSource(Source):
             log.log(level, message, *args)
 
 
+def fault_notice_id(source: str, node: str, finding: Finding) -> str:
+    return notice_id(source, node, _gpu_name(finding), finding.signal, "" if finding.value is None else finding.value)
+
+
+def fault_notice(source: str, node: str, finding: Finding, policy: GpuPolicy) -> Notice:
+    """A new gpu-fault notice for a fatal finding (deadline: now)."""
+    uuid = _gpu_name(finding)
+    now: datetime = now_utc()
+    detail = {"gpu": uuid, "signal": finding.signal, "meaning": policy.signal_meaning(finding.signal)}
+    if finding.gpu is not None:
+        detail.update(index=finding.gpu.index, pci_bus_id=finding.gpu.pci_bus_id)
+    if finding.value is not None:
+        detail["value"] = finding.value
+    detail.update(finding.detail)
+    return Notice(id=fault_notice_id(source, node, finding), kind=Kind.GPU_FAULT, source=source, node=node,
+                  detected_at=now, deadline=now, detail=detail)
+
+
 def _gpu_name(finding: Finding) -> str:
     """The GPU a finding names: its UUID, "node" for node-wide signals, "unknown" otherwise."""
     if finding.gpu is not None:
@@ -537,8 +392,3 @@ def _pynvml():
     import pynvml
 
     return pynvml
-
-
-def _error_name(exc: BaseException) -> str:
-    name = type(exc).__name__
-    return name.removeprefix("NVMLError_").lower() if name.startswith("NVMLError") else name.lower()

@@ -1,4 +1,8 @@
-"""What every adapter shares: the store, the commit protocol across ranks, save timing, snapshots.
+"""The `CheckpointAdapter` protocol the Guard drives, and `StoreAdapter`, what every adapter shares:
+the store, the commit protocol across ranks, save timing, snapshots.
+
+An adapter is made on its own (`checkpoint_dir=` or `store=`) and handed to the Guard
+(`Guard.from_env(adapter=...)` or `guard.attach(adapter)`); it never needs the Guard.
 
 Contract for subclasses: implement `_write(pending, step)` (this rank's files for a fresh save),
 `_take_snapshot(step)` (an in-memory copy), `_write_snapshot(pending, snapshot)` and
@@ -12,18 +16,53 @@ Contract for subclasses: implement `_write(pending, step)` (this rank's files fo
 - `estimate_save_seconds()`: 1.25 x the slowest of the last 5 measured fresh saves.
 - `resume()`: the newest complete, verified checkpoint -> `_load`, `resumed_metadata`,
   `extra` (the dict `extra_state()` returned at save time); returns `step + 1`.
+- `answered_notice_id()`: the notice the resumed checkpoint was saved for; `gradient_carrier()`:
+  None (an adapter of a DDP model returns the model); `held_snapshot`: the last snapshot.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from spotguard.hooks.adapters.store import CheckpointInfo, CheckpointStore
 from spotguard.wire.notice import Notice
 
 log = logging.getLogger("spotguard.hooks.adapters")
+
+
+class CheckpointAdapter(Protocol):
+    """What the Guard needs from a framework adapter. Collective calls run on every rank, in the
+    same order; "local" ones touch this rank only."""
+
+    snapshot_step: int | None  # the step of the last in-memory snapshot (None: none taken)
+
+    def save(self, step: int, *, reason: str, notice: Notice | None = None) -> Any:
+        """Collective: a fresh checkpoint of `step`, durable (committed) when it returns on every
+        rank; raises on every rank when any rank failed."""
+
+    def snapshot(self, step: int) -> None:
+        """Local: keep an in-memory copy of the state after `step` (same steps on every rank)."""
+
+    def persist_snapshot(self, *, reason: str, notice: Notice | None = None) -> int:
+        """Collective: make the last snapshot a durable checkpoint; returns its step."""
+
+    def estimate_save_seconds(self) -> float | None:
+        """Expected seconds for a fresh save, from measured saves (None: no measurement yet)."""
+
+    def resume(self) -> int | None:
+        """Collective: loads the newest complete checkpoint; the step to start from, or None without one."""
+
+    def answered_notice_id(self) -> str | None:
+        """The id of the notice the checkpoint `resume()` loaded was saved for (None: none)."""
+
+    def gradient_carrier(self) -> Any:
+        """A DDP model whose gradient all_reduce may carry the Guard's agreement, or None."""
+
+    def close(self) -> None:
+        """Waits for saves in flight and releases what the adapter holds."""
 
 
 class CheckpointFailed(RuntimeError):
@@ -43,14 +82,13 @@ def tag_for(step: int, reason: str) -> str:
 class StoreAdapter:
     """Base of the framework adapters; see the module docstring."""
 
-    def __init__(self, guard, *, store: CheckpointStore | None = None, keep_last: int = 3,
-                 extra_state: Callable[[], dict[str, Any]] | None = None):
+    def __init__(self, *, checkpoint_dir: str | os.PathLike | None = None, store: CheckpointStore | None = None,
+                 keep_last: int = 3, extra_state: Callable[[], dict[str, Any]] | None = None):
         if store is None:
-            if guard is None or guard.checkpoint_dir is None:
-                raise ValueError("an adapter needs a store or a Guard with checkpoint_dir")
-            store = CheckpointStore(guard.checkpoint_dir, keep_last=keep_last)
+            if checkpoint_dir is None:
+                raise ValueError("an adapter needs checkpoint_dir or a store")
+            store = CheckpointStore(checkpoint_dir, keep_last=keep_last)
         self.store = store
-        self.guard = guard
         self.extra_state = extra_state
         self.extra: dict[str, Any] = {}
         self.resumed_metadata: dict[str, Any] | None = None
@@ -60,8 +98,6 @@ class StoreAdapter:
         self.save_seconds: deque[float] = deque(maxlen=5)
         self.last_info: CheckpointInfo | None = None
         self._setup_group()
-        if guard is not None:
-            guard.attach(self)
 
     # ---- collectives: the adapter's own gloo group (created in the same order on every rank) --
     def _setup_group(self) -> None:
@@ -123,6 +159,20 @@ class StoreAdapter:
         self._checkpoint(step, reason, notice, self._snapshot_extra,
                          lambda pending: self._write_snapshot(pending, snapshot), snapshot=True)
         return step
+
+    @property
+    def held_snapshot(self) -> Any:
+        """The last snapshot, as `_take_snapshot` returned it (None before the first)."""
+        return self._snapshot
+
+    def answered_notice_id(self) -> str | None:
+        return (self.resumed_metadata or {}).get("notice_id") or None
+
+    def gradient_carrier(self) -> Any:
+        return None
+
+    def close(self) -> None:
+        pass
 
     def estimate_save_seconds(self) -> float | None:
         return 1.25 * max(self.save_seconds) if self.save_seconds else None

@@ -1,8 +1,8 @@
 """DeepSpeed: `save_checkpoint` on every rank with the same tag, resume at any data-parallel size.
 
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
-    guard = Guard.from_env(checkpoint_dir="/ckpt")
-    ckpt = DeepSpeedAdapter(guard, engine, extra_state=lambda: {"data_pos": pos})
+    ckpt = DeepSpeedAdapter(engine, checkpoint_dir="/ckpt", extra_state=lambda: {"data_pos": pos})
+    guard = Guard.from_env(adapter=ckpt)
     start = guard.resume()        # converts to a universal checkpoint when the DP size changed
 
 Contract:
@@ -14,8 +14,10 @@ Contract:
 - Resume: the newest verified checkpoint. Same DP world size (or ZeRO-0): `load_checkpoint`.
   Different DP world size under ZeRO-1/2: rank 0 converts it once with
   `python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state` into
-  `<checkpoint_dir>/_universal/<tag>/ds` (temp dir + rename, reused when present), every rank
-  loads it with the engine's universal loading switched on for that load only.
+  `<checkpoint_dir>/_universal/<tag>/ds`, a derived copy of the store (checkpoint/derived.py):
+  built in a hidden dir and renamed into place, reused only if made from this very commit of
+  the tag, removed by retention once its checkpoint is no longer among the newest `keep_last`.
+  Every rank loads it with the engine's universal loading switched on for that load only.
 - A snapshot is DeepSpeed's own checkpoint files serialized into memory by the same engine
   (capture mode); persisting it writes those bytes.
 """
@@ -39,7 +41,7 @@ from spotguard.hooks.adapters.base import StoreAdapter
 log = logging.getLogger("spotguard.hooks.adapters.deepspeed")
 
 DS_TAG = "ds"
-UNIVERSAL_DIR = "_universal"
+UNIVERSAL_KIND = "universal"  # copies live in <checkpoint_dir>/_universal/<tag>/
 
 
 class StoreCheckpointEngine(CheckpointEngine):
@@ -86,12 +88,12 @@ class StoreCheckpointEngine(CheckpointEngine):
 class DeepSpeedAdapter(StoreAdapter):
     """Checkpoints a DeepSpeed engine through the store; see the module docstring."""
 
-    def __init__(self, guard, engine, **kwargs):
+    def __init__(self, engine, **kwargs):
         self.engine = engine
         self.ds_engine = StoreCheckpointEngine()
         engine.checkpoint_engine = self.ds_engine
         self._scratch = Path(tempfile.mkdtemp(prefix="spotguard-ds-snapshot-"))
-        super().__init__(guard, **kwargs)
+        super().__init__(**kwargs)
 
     # ---- sizes ----------------------------------------------------------------------------
     def dp_world_size(self) -> int:
@@ -143,27 +145,28 @@ class DeepSpeedAdapter(StoreAdapter):
             raise RuntimeError(f"DeepSpeed could not load checkpoint {info.tag}")
 
     def _universal(self, info) -> Path:
-        """`<root>/_universal/<tag>`, converted once by rank 0; every rank returns after it exists."""
-        root = Path(info.dir).parent / UNIVERSAL_DIR
-        final = root / info.tag
+        """The universal copy of exactly this commit of `info` (`<root>/_universal/<tag>`), converted
+        by rank 0 unless a copy made from this very commit exists; every rank returns after it does."""
+        copies = self.store.derived(UNIVERSAL_KIND)
         ok = True
-        if self.rank == 0 and not (final / DS_TAG).is_dir():
+        if self.rank == 0 and copies.lookup(info) is None:
             try:
-                root.mkdir(parents=True, exist_ok=True)
-                tmp = Path(tempfile.mkdtemp(prefix=f".{info.tag}-", dir=root))
-                command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                           "--input_folder", str(Path(info.dir) / DS_TAG), "--output_folder", str(tmp / DS_TAG),
-                           "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
-                result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-                if result.returncode != 0:
-                    raise RuntimeError(f"ds_to_universal failed ({result.returncode}): {result.stderr[-2000:]}")
-                os.replace(tmp, final)
+                copies.build(info, lambda out: self._convert(info, out))
             except Exception:  # noqa: BLE001 - every rank must learn about the failure
                 log.exception("conversion of %s to a universal checkpoint failed", info.tag)
                 ok = False
         if not self._all_ok(ok):
             raise RuntimeError(f"conversion of {info.tag} to a universal checkpoint failed")
-        return final
+        return copies.path(info.tag)
+
+    @staticmethod
+    def _convert(info, out: Path) -> None:
+        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                   "--input_folder", str(Path(info.dir) / DS_TAG), "--output_folder", str(out / DS_TAG),
+                   "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            raise RuntimeError(f"ds_to_universal failed ({result.returncode}): {result.stderr[-2000:]}")
 
     def close(self) -> None:
         shutil.rmtree(self._scratch, ignore_errors=True)

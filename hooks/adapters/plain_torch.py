@@ -1,7 +1,7 @@
 """Plain torch (one process): model + optimizer (+ optional LR scheduler) in one `state.pt`.
 
-    guard = Guard.from_env(checkpoint_dir="/ckpt", snapshot_every=10)
-    ckpt = PlainTorchAdapter(guard, model, optimizer, extra_state=lambda: {"data_pos": pos})
+    ckpt = PlainTorchAdapter(model, optimizer, checkpoint_dir="/ckpt", extra_state=lambda: {"data_pos": pos})
+    guard = Guard.from_env(adapter=ckpt, snapshot_every=10)
     start = guard.resume()          # ckpt.extra["data_pos"] after a resume
 
 A snapshot is the serialized checkpoint held in memory (torch.save into a buffer), so
@@ -21,9 +21,10 @@ FILE = "state.pt"
 class PlainTorchAdapter(StoreAdapter):
     """Checkpoints one process's model and optimizer through the store."""
 
-    def __init__(self, guard, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler=None, **kwargs):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler=None, **kwargs):
+        """`kwargs`: `checkpoint_dir` or `store`, `keep_last`, `extra_state` (see StoreAdapter)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        super().__init__(guard, **kwargs)
+        super().__init__(**kwargs)
 
     def _serialize(self, step: int) -> memoryview:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step}

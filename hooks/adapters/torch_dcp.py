@@ -1,7 +1,7 @@
 """torch.distributed.checkpoint (DCP): model + optimizer of DDP or FSDP2 jobs, resharded on resume.
 
-    guard = Guard.from_env(checkpoint_dir="/ckpt", snapshot_every=20)
-    ckpt = TorchDCPAdapter(guard, model, optimizer, extra_state=lambda: {"data_pos": pos})
+    ckpt = TorchDCPAdapter(model, optimizer, checkpoint_dir="/ckpt", extra_state=lambda: {"data_pos": pos})
+    guard = Guard.from_env(adapter=ckpt, snapshot_every=20)
     start = guard.resume()                 # any world size: DCP reshards on load
     for step in range(start, total):
         ...
@@ -18,6 +18,8 @@ Contract:
   background thread (one in flight; the next save waits for it). A notice's `save()` waits for
   an in-flight async save, then saves synchronously: durable when it returns.
 - A snapshot is a clone of the state dict's tensors (DTensors stay sharded, local shards copied).
+- `gradient_carrier()` is the model when it is DDP and `piggyback` is on: the Guard then carries
+  its agreement inside the model's gradient all_reduce.
 """
 from __future__ import annotations
 
@@ -46,18 +48,24 @@ def _same_tensor_layout(buffer: Any, leaf: Any) -> bool:
 class TorchDCPAdapter(StoreAdapter):
     """Checkpoints a DDP or FSDP2 model and its optimizer with DCP through the store."""
 
-    def __init__(self, guard, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, piggyback: bool = True,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, piggyback: bool = True,
                  **kwargs):
-        """`piggyback` (DDP models): the Guard's agreement rides on the gradient all_reduce."""
+        """`piggyback` (DDP models): the Guard's agreement rides on the gradient all_reduce.
+        `kwargs`: `checkpoint_dir` or `store`, `keep_last`, `extra_state` (see StoreAdapter)."""
         self.model, self.optimizer = model, optimizer
+        self.piggyback = piggyback
         self._snapshot_buffers: tuple[list, Any] | None = None  # (tensor leaves, tree spec)
         self._inflight: threading.Thread | None = None
         self.async_error: BaseException | None = None
-        super().__init__(guard, **kwargs)
-        if piggyback and guard is not None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            guard.piggyback_on(model)
+        super().__init__(**kwargs)
 
-    def _state(self) -> dict[str, Any]:
+    def gradient_carrier(self) -> Any:
+        if self.piggyback and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return self.model
+        return None
+
+    def state(self) -> dict[str, Any]:
+        """The live state in DCP's layout: {"model": ..., "optim": ...} from `get_state_dict`."""
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optim": optim_state}
 
@@ -66,12 +74,12 @@ class TorchDCPAdapter(StoreAdapter):
 
     # ---- StoreAdapter hooks ---------------------------------------------------------------
     def _write(self, pending, step: int) -> None:
-        self._dcp_save(self._state(), pending)
+        self._dcp_save(self.state(), pending)
 
     def _take_snapshot(self, step: int) -> dict[str, Any]:
         """Copies the state into buffers allocated at the first snapshot (again only if the
         layout changes), so periodic snapshots allocate nothing; scalar leaves are taken fresh."""
-        state = self._state()
+        state = self.state()
         leaves, spec = tree_flatten(state)
         kept = self._snapshot_buffers
         if kept is not None and kept[1] == spec and all(_same_tensor_layout(b, s) for b, s in zip(kept[0], leaves)):
@@ -88,7 +96,7 @@ class TorchDCPAdapter(StoreAdapter):
         self._dcp_save(snapshot, pending)
 
     def _load(self, info) -> None:
-        state = self._state()
+        state = self.state()
         dcp.load(state, storage_reader=self.store.dcp_reader(info), process_group=self._group)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
@@ -107,7 +115,7 @@ class TorchDCPAdapter(StoreAdapter):
         t0 = time.monotonic()
         extra = self.extra_state() if self.extra_state else {}
         pending = self.store.begin(tag_for(step, reason))
-        future = dcp.async_save(self._state(), storage_writer=self.store.dcp_writer(pending), process_group=self._group)
+        future = dcp.async_save(self.state(), storage_writer=self.store.dcp_writer(pending), process_group=self._group)
 
         def finish() -> None:
             try:

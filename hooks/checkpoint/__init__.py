@@ -3,6 +3,7 @@
 Public API (agreed with the Guard and adapters):
     CheckpointStore(root, keep_last=3) -> begin(tag) / commit(tag, world_size, metadata)
     / latest() / resolve(verify=True) / dcp_writer(pending) / dcp_reader(info) / deepspeed_engine()
+    / derived(kind) (copies made from checkpoints, removed with them: derived.py)
     CheckpointInfo, CheckpointCorrupt, PendingCheckpoint, CommitError
     FastCheckpointer (snapshot into preallocated buffers, persist in the background), load_rank
     check_host_memory, InsufficientHostMemory

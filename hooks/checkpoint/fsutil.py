@@ -100,3 +100,11 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsyncs every file under `root`, then every directory bottom-up (for trees written by other tools)."""
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            fsync_path(Path(dirpath) / name)
+        fsync_dir(dirpath)

@@ -8,11 +8,17 @@ Layout under `root` (a local path or a mounted PVC):
   was written and fsynced inside it;
 - `latest`: a text file holding the newest committed tag (the DeepSpeed convention), replaced
   atomically after the rename; readers treat it as a hint, the manifests are the truth;
-- `.locks/`, `.store.lock`: writer liveness (see locks.py); `.trash-*`: directories being deleted.
+- `.locks/`, `.store.lock`: writer liveness (see locks.py); `.trash-*`: directories being deleted;
+  `.replaced-<tag>-<id>`: the previous copy of a re-committed tag, deleted once the new one is
+  in place and named by `latest`;
+- `_<kind>/`: copies derived from checkpoints (derived.py), pruned with them.
 
-Ordering of a commit: part manifests checked -> manifest written + fsynced -> pending dir
-fsynced -> rename to `<tag>` -> root fsynced -> `latest` replaced -> retention. A crash at any
-point leaves either the previous set of complete checkpoints or that set plus the new one.
+Ordering of a commit: part manifests checked -> manifest written + fsynced -> an existing `<tag>`
+renamed aside -> pending dir renamed to `<tag>` -> root fsynced -> `latest` replaced -> the
+set-aside copy deleted -> retention. A crash at any point leaves either the previous set of
+complete checkpoints or that set plus the new one: the next open's `cleanup` makes the newest
+complete copy of every tag `<tag>/` again (recovery.py) before it deletes any leftover, and
+points `latest` at the newest checkpoint.
 
 Kept small on purpose: a future object-store backend needs only put/list/get of whole
 objects plus "manifest last" ordering, which is what this class does on a file system.
@@ -23,11 +29,9 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -35,17 +39,16 @@ from typing import Any, Mapping
 from spotguard.config import ConfigError, positive_int
 
 from . import fsutil
+from .derived import DerivedCopies, derived_areas
 from .locks import WriterLock, live_tags_reaping_dead, store_lock
+from .manifest import (LATEST, MANIFEST, MANIFEST_VERSION, PART_PREFIX, PENDING_PREFIX, REPLACED_PREFIX, TAG_RE,
+                       TRASH_PREFIX, aside_name, fingerprint, read_manifest)
+from .recovery import recover_commits, repair_latest
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "spotguard-manifest.json"
-PART_PREFIX = ".spotguard-part-"
-PENDING_PREFIX = ".pending-"
-TRASH_PREFIX = ".trash-"
-LATEST = "latest"
-MANIFEST_VERSION = 1
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+__all__ = ["MANIFEST", "CheckpointCorrupt", "CheckpointInfo", "CheckpointStore", "CommitError", "PendingCheckpoint",
+           "validate_tag"]
 
 
 class CheckpointCorrupt(Exception):
@@ -73,6 +76,7 @@ class CheckpointInfo:
     metadata: dict[str, Any]
     files: dict[str, dict[str, Any]] = field(repr=False)
     committed_at: float = 0.0
+    fingerprint: str = field(default="", repr=False)  # SHA-256 of the manifest: this very commit
 
     @property
     def step(self) -> int | None:
@@ -86,7 +90,7 @@ class CheckpointInfo:
 
 def validate_tag(tag: str) -> str:
     """Returns `tag` if it is a safe directory name (letters, digits, `_ . -`), else ValueError."""
-    if not isinstance(tag, str) or not _TAG_RE.match(tag) or tag in (LATEST, MANIFEST):
+    if not isinstance(tag, str) or not TAG_RE.match(tag) or tag in (LATEST, MANIFEST):
         raise ValueError(f"invalid checkpoint tag {tag!r}: use letters, digits, '_', '.', '-' "
                          "(not starting with '.' or '-')")
     return tag
@@ -234,6 +238,10 @@ class CheckpointStore:
                 with contextlib.suppress(FileExistsError):
                     pending.dir.mkdir()
                 fsutil.fsync_dir(self.root)
+            else:  # left by a refused commit: recovery must not take this dir for a decided one
+                with contextlib.suppress(FileNotFoundError):
+                    (pending.dir / MANIFEST).unlink()
+                    fsutil.fsync_dir(pending.dir)
         with self._pending_mutex:
             self._pending.setdefault(tag, []).append(pending)
         return pending
@@ -251,7 +259,8 @@ class CheckpointStore:
 
         Checks that ranks 0..world_size-1 each wrote a part manifest and that every listed file
         has its recorded size; raises CommitError otherwise (nothing becomes visible). A
-        committed checkpoint with the same tag is replaced. Then applies retention.
+        committed checkpoint with the same tag is replaced: it is set aside, not deleted, until
+        the new one is in place and named by `latest`. Then applies retention.
         """
         validate_tag(tag)
         world_size = positive_int("world_size", world_size)
@@ -270,22 +279,41 @@ class CheckpointStore:
             manifest = {"v": MANIFEST_VERSION, "tag": tag, "sequence": sequence, "world_size": world_size,
                         "committed_at": time.time(), "checksum": fsutil.CHECKSUM_ALGO,
                         "metadata": metadata, "files": files}
-            fsutil.write_file_atomic(pending_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-            if final_dir.exists():
-                log.warning("checkpoint %s exists; replacing it with the new commit", tag)
-                self._trash(final_dir)
-            os.rename(pending_dir, final_dir)
-            fsutil.fsync_dir(self.root)
+            raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
+            fsutil.write_file_atomic(pending_dir / MANIFEST, raw)
+            replaced = self._install(pending_dir, final_dir)
             fsutil.write_file_atomic(self.root / LATEST, tag.encode())
         with self._pending_mutex:
             mine = list(self._pending.get(tag, []))
         for pending in mine:
             pending.close()
-        info = self._info_from_manifest(final_dir, manifest)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        info = self._info_from_manifest(final_dir, manifest, fingerprint(raw))
         self.apply_retention(protect={tag})
         log.info("checkpoint %s committed (sequence %d, %d files, %.1f MB)", tag, sequence, len(files),
                  info.size / 1e6, extra={"tag": tag, "step": info.step})
         return info
+
+    def _install(self, pending_dir: Path, final_dir: Path) -> Path | None:
+        """Renames the pending dir (manifest written) to `<tag>`; returns where an existing `<tag>`
+        was set aside. If the rename fails, the old copy is put back and the manifest removed."""
+        replaced = None
+        try:
+            if os.path.lexists(final_dir):
+                log.warning("checkpoint %s exists; replacing it with the new commit", final_dir.name)
+                replaced = self.root / aside_name(REPLACED_PREFIX, final_dir.name)
+                os.rename(final_dir, replaced)
+            os.rename(pending_dir, final_dir)
+        except OSError:
+            if replaced is not None:
+                with contextlib.suppress(OSError):
+                    os.rename(replaced, final_dir)
+            with contextlib.suppress(OSError):
+                (pending_dir / MANIFEST).unlink()
+            raise
+        fsutil.fsync_dir(self.root)
+        return replaced
 
     def _collect_parts(self, tag: str, pending_dir: Path, world_size: int) -> dict[str, dict[str, Any]]:
         files: dict[str, dict[str, Any]] = {}
@@ -317,19 +345,18 @@ class CheckpointStore:
         return files
 
     # ---- reading ---------------------------------------------------------------------------
-    def _info_from_manifest(self, directory: Path, manifest: dict[str, Any]) -> CheckpointInfo:
+    def _info_from_manifest(self, directory: Path, manifest: dict[str, Any], identity: str) -> CheckpointInfo:
         return CheckpointInfo(tag=manifest["tag"], dir=directory, sequence=int(manifest["sequence"]),
                               world_size=int(manifest["world_size"]), metadata=dict(manifest.get("metadata") or {}),
-                              files=dict(manifest["files"]), committed_at=float(manifest.get("committed_at", 0.0)))
+                              files=dict(manifest["files"]), committed_at=float(manifest.get("committed_at", 0.0)),
+                              fingerprint=identity)
 
     def read(self, tag: str) -> CheckpointInfo | None:
         """The committed checkpoint `<tag>`, or None when absent or without a readable manifest."""
         directory = self.root / validate_tag(tag)
         try:
-            manifest = json.loads((directory / MANIFEST).read_bytes())
-            if manifest.get("v") != MANIFEST_VERSION or manifest.get("tag") != tag:
-                raise ValueError(f"unexpected manifest version/tag {manifest.get('v')!r}/{manifest.get('tag')!r}")
-            return self._info_from_manifest(directory, manifest)
+            manifest, raw = read_manifest(directory, tag)
+            return self._info_from_manifest(directory, manifest, fingerprint(raw))
         except (FileNotFoundError, NotADirectoryError):
             return None
         except (ValueError, KeyError, TypeError) as exc:
@@ -340,7 +367,7 @@ class CheckpointStore:
         """Every complete checkpoint, oldest first (by commit sequence)."""
         found = []
         for entry in self.root.iterdir():
-            if entry.name.startswith(".") or not entry.is_dir() or not _TAG_RE.match(entry.name):
+            if entry.name.startswith(".") or not entry.is_dir() or not TAG_RE.match(entry.name):
                 continue
             info = self.read(entry.name)
             if info is not None:
@@ -402,13 +429,28 @@ class CheckpointStore:
 
     # ---- housekeeping ------------------------------------------------------------------------
     def _trash(self, directory: Path) -> None:
-        trash = self.root / f"{TRASH_PREFIX}{directory.name}-{uuid.uuid4().hex[:8]}"
+        trash = self.root / aside_name(TRASH_PREFIX, directory.name)
         os.rename(directory, trash)
         fsutil.fsync_dir(self.root)
         shutil.rmtree(trash, ignore_errors=True)
 
+    def derived(self, kind: str) -> DerivedCopies:
+        """The copies of kind `kind` derived from this store's checkpoints (`<root>/_<kind>/`, derived.py)."""
+        return DerivedCopies(self.root, kind)
+
+    def _prune_derived(self) -> list[str]:
+        """Removes derived copies except those made from one of the newest `keep_last` checkpoints as committed now."""
+        areas = derived_areas(self.root)
+        if not areas:
+            return []
+        keep = self.list()[-self.keep_last:]
+        return [f"_{area.kind}/{name}" for area in areas for name in area.prune(keep)]
+
     def apply_retention(self, protect: set[str] = frozenset()) -> list[str]:
-        """Deletes complete checkpoints beyond the newest `keep_last`, except notice ones; returns tags removed."""
+        """Deletes complete checkpoints beyond the newest `keep_last`, except notice ones; returns tags removed.
+
+        Derived copies (derived.py) are kept only for the newest `keep_last` checkpoints.
+        """
         complete = self.list()
         keep = {c.tag for c in complete[-self.keep_last:]} | set(protect)
         keep |= {c.tag for c in complete if c.metadata.get("reason") == "notice"}
@@ -421,18 +463,24 @@ class CheckpointStore:
                 removed.append(info.tag)
             except OSError as exc:
                 log.warning("retention: cannot remove %s: %s", info.tag, exc)
-        if removed:
-            log.info("retention removed %s", ", ".join(removed))
+        pruned = self._prune_derived()
+        if removed or pruned:
+            log.info("retention removed %s", ", ".join(removed + pruned))
         return removed
 
     def cleanup(self) -> list[str]:
-        """Removes leftovers of dead writers: their pending dirs, trash and temp files. Returns names removed.
+        """Finishes or undoes commits a crash interrupted, then removes leftovers of dead writers.
 
-        A pending dir is left alone while any writer still holds its lock (see locks.py).
+        First the newest complete copy of every tag (a decided pending commit, or a copy set aside
+        by a re-commit) becomes `<tag>/` again and `latest` names the newest checkpoint
+        (recovery.py); only then are pending dirs, set-aside copies, trash and temp files
+        deleted, and derived copies pruned. Returns the names removed. A pending dir is left
+        alone while any writer still holds its lock (see locks.py).
         """
         removed = []
         with store_lock(self.root, exclusive=True):
             live = live_tags_reaping_dead(self.root)
+            recovered = recover_commits(self.root, live)
             for entry in self.root.iterdir():
                 name = entry.name
                 try:
@@ -441,7 +489,7 @@ class CheckpointStore:
                             self._trash(entry)
                         else:
                             entry.unlink()
-                    elif name.startswith(TRASH_PREFIX):
+                    elif name.startswith((TRASH_PREFIX, REPLACED_PREFIX)):
                         shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink()
                     elif name.startswith(f".{LATEST}.tmp-"):
                         entry.unlink()
@@ -452,6 +500,11 @@ class CheckpointStore:
                 removed.append(name)
             if removed:
                 fsutil.fsync_dir(self.root)
+            newest = self.latest()
+            repair_latest(self.root, newest.tag if newest is not None else None)
+            removed += self._prune_derived()
+        if recovered:
+            log.warning("finished checkpoint commits a crash interrupted: %s", ", ".join(recovered))
         if removed:
             log.warning("removed leftovers of interrupted checkpoint writers: %s", ", ".join(sorted(removed)))
         return removed

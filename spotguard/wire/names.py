@@ -72,6 +72,7 @@ ENV_POD_NAMESPACE = "SPOTGUARD_POD_NAMESPACE"  # sidecar
 ENV_LOCAL_WORLD_SIZE = "SPOTGUARD_LOCAL_WORLD_SIZE"  # sidecar: ranks in this pod
 ENV_AGENT_TOKEN_FILE = "SPOTGUARD_AGENT_TOKEN_FILE"  # sidecar: bearer token for the agent
 ENV_PODINFO_DIR = "SPOTGUARD_PODINFO_DIR"  # sidecar: the downward-API volume
+ENV_TERMINATION_LOG = "SPOTGUARD_TERMINATION_LOG"  # Guard: where a drained rank writes its termination message
 
 # ---- Exit codes of a rank that drained after a notice (docs/protocols.md, "Guard") -----------
 # A launcher or the supervisor reads them to tell a reclaim from a crash. 83: drained, the

@@ -33,12 +33,12 @@ def main(out: Path) -> int:
             model.zero_grad()
             model(x).pow(2).sum().backward()
         result["equal"].append(all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), piggy.parameters())))
-        result["counts"].append(guard._piggy_count)
-        result["carriers"].append(guard._carrier.data_ptr())
+        result["counts"].append(guard.agreement.reduced_count)
+        result["carriers"].append(guard.agreement.carrier.data_ptr())
         if step == 1 and rank == 1:  # a notice that only rank 1 has, before step 2's backward
             now = now_utc()
-            guard._offer(Notice(id="test:1", kind="reclaim", source="test", node="n1", detected_at=now,
-                                deadline=now + timedelta(seconds=60)))
+            guard.offer(Notice(id="test:1", kind="reclaim", source="test", node="n1", detected_at=now,
+                               deadline=now + timedelta(seconds=60)))
         if guard.step(step):
             result["drained_at"] = step
             break

@@ -43,6 +43,7 @@ def parse(argv=None):
     p.add_argument("--signal-at", type=int, default=-1, help="rank --signal-rank sends itself SIGTERM after this step")
     p.add_argument("--signal-rank", type=int, default=1)
     p.add_argument("--no-compare", action="store_true", help="skip the full-state dumps")
+    p.add_argument("--fresh", action="store_true", help="start at step 0 without loading any checkpoint")
     return p.parse_args(argv)
 
 
@@ -148,26 +149,26 @@ def main(argv=None) -> int:
         if rank == 0:
             torch.save(state, out / f"state-{tag}.pt")
 
-    guard = Guard.from_env(checkpoint_dir=args.ckpt, agree_every=args.agree_every, grace_seconds=args.grace,
-                           snapshot_every=args.snapshot_every)
     if args.mode == "deepspeed":
         from spotguard.hooks.adapters.deepspeed import DeepSpeedAdapter
 
-        adapter = DeepSpeedAdapter(guard, job.engine)
+        adapter = DeepSpeedAdapter(job.engine, checkpoint_dir=args.ckpt)
     elif args.mode == "plain":
         from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
 
-        adapter = PlainTorchAdapter(guard, job.model, job.optimizer)
+        adapter = PlainTorchAdapter(job.model, job.optimizer, checkpoint_dir=args.ckpt)
     else:
         from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 
-        adapter = TorchDCPAdapter(guard, job.model, job.optimizer)
+        adapter = TorchDCPAdapter(job.model, job.optimizer, checkpoint_dir=args.ckpt)
+    guard = Guard.from_env(adapter=adapter, agree_every=args.agree_every, grace_seconds=args.grace,
+                           snapshot_every=args.snapshot_every)
 
     @guard.on_reclaim
     def record(step, notice):
         dump("save")
 
-    start = guard.resume()
+    start = 0 if args.fresh else guard.resume()
     if start:
         dump("resume")
     try:

@@ -1,0 +1,95 @@
+"""The collectives the Guard runs on its own process group, or none for a process alone.
+
+Contract: every rank calls the same methods in the same order. `max(values)` is the element-wise
+maximum over the ranks; `all_ok(ok)` is True on every rank when every rank passed True;
+`broadcast_bytes(payload, src)` returns `src`'s payload on every rank; `leave()` is a last
+agreement and then the destruction of the process groups, so no rank tears a connection down
+while a peer's gloo thread still uses it. The base class `Collectives` (a process alone) answers with its own input.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Sequence
+
+log = logging.getLogger("spotguard.hooks.collectives")
+
+
+class Collectives:
+    """A process alone (world size 1): every collective is the identity."""
+
+    distributed = False
+    rank = 0
+    world_size = 1
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        return list(values)
+
+    def all_ok(self, ok: bool) -> bool:
+        return ok
+
+    def broadcast_bytes(self, payload: bytes, src: int) -> bytes:
+        return payload
+
+    def leave(self) -> None:
+        pass
+
+
+
+class GroupCollectives(Collectives):
+    """The collectives on a gloo process group (`group` None: a new one over every rank)."""
+
+    distributed = True
+
+    def __init__(self, group: Any = None):
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.group = group if group is not None else dist.new_group(backend="gloo")
+
+    def all_reduce_max_(self, tensor: Any, async_op: bool = False) -> Any:
+        """In place on a preallocated tensor (the agreements' hot path); the work when async."""
+        return self.dist.all_reduce(tensor, op=self.dist.ReduceOp.MAX, group=self.group, async_op=async_op)
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        t = self.torch.tensor(list(values), dtype=self.torch.float64)
+        self.all_reduce_max_(t)
+        return t.tolist()
+
+    def all_ok(self, ok: bool) -> bool:
+        return self.max([0.0 if ok else 1.0])[0] == 0.0
+
+    def broadcast_bytes(self, payload: bytes, src: int) -> bytes:
+        torch = self.torch
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        self.dist.broadcast(size, src=src, group=self.group)
+        if payload:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.dist.broadcast(data, src=src, group=self.group)
+        return data.numpy().tobytes()
+
+    def leave(self) -> None:
+        try:
+            self.all_ok(True)
+            self.dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - leaving anyway
+            log.warning("process groups not destroyed cleanly: %s", exc)
+
+
+def join_collectives(process_group: Any = None) -> Collectives:
+    """The Guard's collectives: on a group when torch.distributed runs more than one rank, else
+    local. Raises RuntimeError when WORLD_SIZE > 1 but no process group exists yet."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return Collectives()
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            return GroupCollectives(process_group)
+    elif int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise RuntimeError("create the Guard after torch.distributed.init_process_group (WORLD_SIZE > 1)")
+    return Collectives()

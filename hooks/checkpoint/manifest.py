@@ -1,0 +1,67 @@
+"""Names in a store's root and the reading of checkpoint manifests (shared by the store and its recovery).
+
+A directory holds a complete checkpoint of `tag` when its `spotguard-manifest.json` parses, has
+this format version and names `tag`, and (for `read_complete`) every file it lists exists with
+the recorded size. A manifest is only ever written after every rank's part was checked, so a
+directory that passes `read_complete` was a decided commit, wherever it lies.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "spotguard-manifest.json"
+PART_PREFIX = ".spotguard-part-"
+PENDING_PREFIX = ".pending-"
+TRASH_PREFIX = ".trash-"
+REPLACED_PREFIX = ".replaced-"
+LATEST = "latest"
+MANIFEST_VERSION = 1
+TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+
+
+def read_manifest(directory: Path, tag: str) -> tuple[dict[str, Any], bytes]:
+    """(manifest, its raw bytes) of `directory`; FileNotFoundError/NotADirectoryError when absent,
+    ValueError when unreadable or not a manifest of `tag` in this format."""
+    raw = (directory / MANIFEST).read_bytes()
+    manifest = json.loads(raw)
+    if not isinstance(manifest, dict) or manifest.get("v") != MANIFEST_VERSION or manifest.get("tag") != tag:
+        raise ValueError(f"unexpected manifest version/tag in {directory}")
+    if not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("sequence"), int):
+        raise ValueError(f"manifest in {directory} lacks files or sequence")
+    return manifest, raw
+
+
+def read_complete(directory: Path, tag: str) -> dict[str, Any] | None:
+    """The manifest of `directory` if it is a complete checkpoint of `tag` (files present, sizes
+    as recorded; no checksum pass), else None."""
+    try:
+        manifest, _ = read_manifest(directory, tag)
+        for name, entry in manifest["files"].items():
+            if (directory / name).stat().st_size != int(entry["size"]):
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return manifest
+
+
+def fingerprint(raw_manifest: bytes) -> str:
+    """The identity of one commit: SHA-256 of its manifest (which holds sequence, time and every CRC)."""
+    return hashlib.sha256(raw_manifest).hexdigest()
+
+
+def aside_name(prefix: str, name: str) -> str:
+    """A fresh hidden name `<prefix><name>-<8 hex>` for a directory set aside or being deleted."""
+    return f"{prefix}{name}-{uuid.uuid4().hex[:8]}"
+
+
+def tag_of_aside(prefix: str, name: str) -> str | None:
+    """`<name>` of an `aside_name(prefix, name)`, or None when `name` is not one."""
+    if not name.startswith(prefix):
+        return None
+    base, sep, suffix = name[len(prefix):].rpartition("-")
+    return base if sep and len(suffix) == 8 and TAG_RE.match(base) else None

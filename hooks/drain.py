@@ -1,0 +1,206 @@
+"""The drain at the agreed step, and what a rank does after it: the only place a rank exits.
+
+`DrainSequence(...).run(step, verdict)` on every rank, in this order:
+1. the agreed notice: `verdict.source_rank` broadcasts its notice, every rank takes the agreed
+   (earliest) deadline;
+2. the save decision (`save_decision`, one collective vote): fresh `adapter.save(step)` or
+   `adapter.persist_snapshot()`; then the `@on_reclaim` hooks `hook(step, notice)`;
+3. `all_ok`: the checkpoint counts only when every rank succeeded; report `checkpoint-durable`
+   (or `failed`) with the seconds taken;
+4. when it succeeded: the `@on_drain` hooks (a failure is logged, the rank leaves anyway) and
+   report `drained`; the termination message (steps lost) for the supervisor
+   (`termination_message`). Returns the `DrainRecord`.
+A SystemExit or KeyboardInterrupt inside a save or hook propagates; anything else counts as a
+failed checkpoint.
+
+Then the Guard hands the record to its `Departure`, the seam between a drain and what follows:
+- `ExitProcess`: closes the Guard, leaves the process groups together, raises
+  SystemExit(`EXIT_PREEMPTED` 83, or `EXIT_CHECKPOINT_FAILED` 84 when any rank failed). With
+  `hard_exit` an atexit hook (registered when the ExitProcess is made, so exit handlers
+  registered later run first) flushes logging/stdio and calls `os._exit(code)`: torch's C++
+  teardown intermittently aborts in gloo and would turn an 83 into a crash.
+- `ReturnToLoop`: `step()` returns True and training code decides (`exit_on_drain=False`).
+A later departure (survivors continuing in place) implements `after_drain` the same way.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from spotguard.hooks import save_decision
+from spotguard.hooks.agreement.base import Verdict
+from spotguard.hooks.agreement.collectives import Collectives
+from spotguard.hooks.hook_reporter import HookReporter
+from spotguard.hooks.termination_message import write_termination_message
+from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
+from spotguard.wire.notice import Notice
+
+if TYPE_CHECKING:
+    from spotguard.hooks.adapters.base import CheckpointAdapter
+
+log = logging.getLogger("spotguard.hooks.guard")
+
+Hook = Callable[[int, Notice], object]
+
+
+@dataclass
+class DrainRecord:
+    """What happened at the agreed step."""
+
+    step: int  # the step at which every rank agreed
+    saved_step: int  # the step the durable checkpoint holds (older when a snapshot was persisted)
+    notice: Notice
+    used_snapshot: bool
+    ok: bool
+    exit_code: int
+    checkpoint_seconds: float
+    drain_seconds: float
+    hooks_started_at: float  # time.time() when this rank started the reclaim hooks
+
+    @property
+    def steps_lost(self) -> int:
+        return self.step - self.saved_step
+
+
+def agreed_notice(collectives: Collectives, verdict: Verdict) -> Notice:
+    """The notice every rank acts on: the one `verdict.source_rank` contributed, with the agreed deadline."""
+    notice = verdict.pending
+    if collectives.distributed:
+        payload = b""
+        if collectives.rank == verdict.source_rank and verdict.pending is not None:
+            payload = verdict.pending.to_json().encode()
+        notice = Notice.from_json(collectives.broadcast_bytes(payload, verdict.source_rank))
+    if math.isfinite(verdict.deadline_ts):
+        notice = notice.with_deadline(datetime.fromtimestamp(verdict.deadline_ts, timezone.utc))
+    return notice
+
+
+class DrainSequence:
+    """See the module docstring."""
+
+    def __init__(self, collectives: Collectives, adapter: CheckpointAdapter | None, *,
+                 reclaim_hooks: Sequence[Hook] = (), drain_hooks: Sequence[Hook] = (),
+                 reporter: HookReporter | None = None, save_margin_seconds: float = 1.0):
+        self.collectives = collectives
+        self.adapter = adapter
+        self.reclaim_hooks = reclaim_hooks
+        self.drain_hooks = drain_hooks
+        self.reporter = reporter
+        self.save_margin_seconds = save_margin_seconds
+
+    def run(self, step: int, verdict: Verdict) -> DrainRecord:
+        notice = agreed_notice(self.collectives, verdict)
+        started = time.time()
+        t0 = time.monotonic()
+        saved_step, used_snapshot, ok = step, False, True
+        try:
+            saved_step, used_snapshot = self._checkpoint(step, notice)
+        except BaseException as exc:  # noqa: BLE001 - a failed save must still drain with its own exit code
+            if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                raise
+            log.exception("checkpoint for notice %s at step %d failed on rank %d", notice.id, step,
+                          self.collectives.rank)
+            ok = False
+        ok = self.collectives.all_ok(ok)
+        checkpoint_seconds = time.monotonic() - t0
+        extra = {"steps_lost": step - saved_step, "saved_step": saved_step}
+        self._report(notice, saved_step, "checkpoint-durable" if ok else "failed", checkpoint_seconds, extra)
+        drain_seconds = 0.0
+        if ok:
+            t1 = time.monotonic()
+            for hook in self.drain_hooks:
+                try:
+                    hook(step, notice)
+                except Exception:  # noqa: BLE001 - the checkpoint is durable; leave anyway
+                    log.exception("@on_drain hook %s failed", getattr(hook, "__name__", hook))
+            drain_seconds = time.monotonic() - t1
+            self._report(notice, saved_step, "drained", drain_seconds, extra)
+        code = EXIT_PREEMPTED if ok else EXIT_CHECKPOINT_FAILED
+        write_termination_message(notice.id, step, saved_step, ok)
+        log.warning("rank %d drained for notice %s at step %d (checkpoint of step %d %s in %.3fs): exit %d",
+                    self.collectives.rank, notice.id, step, saved_step, "durable" if ok else "FAILED",
+                    checkpoint_seconds, code)
+        return DrainRecord(step, saved_step, notice, used_snapshot, ok, code, checkpoint_seconds, drain_seconds,
+                           started)
+
+    def _checkpoint(self, step: int, notice: Notice) -> tuple[int, bool]:
+        """The save and the reclaim hooks; (the step saved, whether the snapshot was used)."""
+        adapter, saved_step, used_snapshot = self.adapter, step, False
+        if adapter is not None:
+            used_snapshot = self._use_snapshot(adapter, notice)
+            if used_snapshot:
+                saved_step = adapter.persist_snapshot(reason="notice", notice=notice)
+                log.warning("deadline too close for a fresh save: persisted the in-memory snapshot of step %d "
+                            "(agreed at step %d, %d steps lost)", saved_step, step, step - saved_step)
+            else:
+                adapter.save(step, reason="notice", notice=notice)
+        elif not self.reclaim_hooks:
+            log.warning("notice %s: no adapter and no @on_reclaim hook, nothing was saved", notice.id)
+        for hook in self.reclaim_hooks:
+            hook(step, notice)
+        return saved_step, used_snapshot
+
+    def _use_snapshot(self, adapter: CheckpointAdapter, notice: Notice) -> bool:
+        left = notice.seconds_left()
+        estimate = adapter.estimate_save_seconds()
+        vote = save_decision.vote(left, estimate, self.save_margin_seconds, adapter.snapshot_step)
+        choice = save_decision.decide(self.collectives.max(vote))
+        if choice is save_decision.SaveChoice.NO_COMMON_SNAPSHOT:
+            log.warning("deadline too close for a fresh save (%.2fs left, estimate %.2fs) but no common snapshot: "
+                        "saving fresh", left if left is not None else float("nan"), estimate or 0.0)
+        return choice is save_decision.SaveChoice.SNAPSHOT
+
+    def _report(self, notice: Notice, saved_step: int, phase: str, seconds: float, extra: dict) -> None:
+        if self.reporter is not None:
+            self.reporter.report(notice.id, saved_step, phase, seconds, **extra)
+
+
+class ReturnToLoop:
+    """After a drain `step()` returns True; the training code decides what follows."""
+
+    def after_drain(self, record: DrainRecord) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
+
+
+class ExitProcess:
+    """After a drain the rank exits with the record's code (see the module docstring)."""
+
+    def __init__(self, close: Callable[[], None], collectives: Collectives, hard_exit: bool = True):
+        self._close = close
+        self._collectives = collectives
+        self._hard_exit = hard_exit
+        self._code: int | None = None
+        atexit.register(self._exit_after_drain)
+
+    def after_drain(self, record: DrainRecord) -> bool:
+        if self._hard_exit:
+            self._code = record.exit_code
+        self._close()
+        self._collectives.leave()
+        raise SystemExit(record.exit_code)
+
+    def release(self) -> None:
+        """The Guard closes without a drain: the atexit hook goes."""
+        if self._code is None:
+            atexit.unregister(self._exit_after_drain)
+
+    def _exit_after_drain(self) -> None:
+        if self._code is None:
+            return
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(self._code)

@@ -1,0 +1,118 @@
+"""The Guard's notice gate: which notice the ranks must agree on now, which wait, which never count.
+
+Pure policy: no I/O, no torch, no clock of its own (what depends on time takes `now`). Safe to
+call from the listener thread and the training loop at once.
+
+Contract:
+- `offer(notice, now)` returns a `Decision`:
+  IGNORE when its kind is not in `act_on` or its id is answered (by the checkpoint the job
+  resumed from, or by a finished drain: a re-sent or updated copy never drains again);
+  HOLD when its deadline is more than `horizon_seconds` after `now` (kept until `release_due`
+  finds it within the horizon, or a withdrawal drops it);
+  ACT otherwise: it becomes `pending` when nothing is pending, when it updates the pending
+  notice (same id), or when its deadline is earlier (no deadline counts as infinitely late).
+- `release_due(now)` offers the held notices whose deadline has come within the horizon and
+  returns them.
+- `withdraw(notice_id)` drops a held or pending notice (one the ranks have not agreed on yet);
+  it returns where it was found ("held", "pending"; empty when nowhere).
+- `answered(notice_id)` marks an id answered and clears it when pending.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Iterable
+
+from spotguard.wire.notice import Kind, Notice
+
+ACT_ON = frozenset({Kind.RECLAIM, Kind.DRAIN, Kind.MAINTENANCE, Kind.GPU_FAULT})
+
+
+class Action(enum.Enum):
+    ACT = "act"  # pending now (or less urgent than the pending one): agreed at the next boundary
+    HOLD = "hold"  # deadline beyond the horizon
+    IGNORE = "ignore"  # never acted on
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What `offer` did and why: `why` is "kind", "answered" (IGNORE), "new" or "again" (HOLD: held
+    for the first time or already held), "" (ACT). `seconds_left` is the notice's time to its deadline."""
+
+    action: Action
+    why: str = ""
+    seconds_left: float | None = None
+
+
+def deadline_ts(notice: Notice) -> float:
+    """The notice's deadline as a POSIX timestamp; infinity without one (least urgent)."""
+    return notice.deadline.timestamp() if notice.deadline is not None else math.inf
+
+
+class NoticeGate:
+    """See the module docstring."""
+
+    def __init__(self, act_on: Iterable[Kind] = ACT_ON, horizon_seconds: float = 120.0):
+        self.act_on = frozenset(act_on)
+        self.horizon_seconds = horizon_seconds
+        self._lock = threading.Lock()
+        self._pending: Notice | None = None
+        self._held: dict[str, Notice] = {}
+        self._answered: set[str] = set()
+
+    @property
+    def pending(self) -> Notice | None:
+        """The most urgent notice to agree on now, or None."""
+        return self._pending
+
+    @property
+    def holding(self) -> bool:
+        """True while any notice is held beyond the horizon."""
+        return bool(self._held)
+
+    def held_ids(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._held)
+
+    def offer(self, notice: Notice, now: datetime) -> Decision:
+        if notice.kind not in self.act_on:
+            return Decision(Action.IGNORE, "kind")
+        if notice.id in self._answered:
+            return Decision(Action.IGNORE, "answered")
+        left = notice.seconds_left(now)
+        with self._lock:
+            if left is not None and left > self.horizon_seconds:
+                why = "again" if notice.id in self._held else "new"
+                self._held[notice.id] = notice
+                return Decision(Action.HOLD, why, left)
+            self._held.pop(notice.id, None)
+            current = self._pending
+            if current is None or current.id == notice.id or deadline_ts(notice) < deadline_ts(current):
+                self._pending = notice
+        return Decision(Action.ACT, "", left)
+
+    def release_due(self, now: datetime) -> list[Notice]:
+        with self._lock:
+            due = [n for n in self._held.values() if (n.seconds_left(now) or 0.0) <= self.horizon_seconds]
+        for notice in due:
+            self.offer(notice, now)
+        return due
+
+    def withdraw(self, notice_id: str) -> tuple[str, ...]:
+        found = []
+        with self._lock:
+            if self._held.pop(notice_id, None) is not None:
+                found.append("held")
+            if self._pending is not None and self._pending.id == notice_id:
+                self._pending = None
+                found.append("pending")
+        return tuple(found)
+
+    def answered(self, notice_id: str) -> None:
+        self._answered.add(notice_id)
+        with self._lock:
+            if self._pending is not None and self._pending.id == notice_id:
+                self._pending = None

@@ -1,0 +1,49 @@
+"""The drained rank's last word to the supervisor: the container's termination message.
+
+After a drain every rank writes `{"v": 1, "notice_id": ..., "step": n, "saved_step": n,
+"steps_lost": n, "checkpoint": "durable"|"failed"}` to the file named by
+`SPOTGUARD_TERMINATION_LOG`, or to `/dev/termination-log` when the kubelet mounted one (it
+copies the file into `containerStatuses[].state.terminated.message`, where the supervisor reads
+the steps lost: supervisor/progress.py). Ranks agree on the step, so ranks sharing a container
+write the same content. Writing never raises: a rank that cannot write still exits with its code.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from spotguard.wire import names
+from spotguard.wire.notice import WIRE_VERSION
+
+log = logging.getLogger(__name__)
+
+KUBELET_TERMINATION_LOG = "/dev/termination-log"
+MAX_MESSAGE_BYTES = 4096  # the kubelet keeps at most 4096 bytes of a termination message
+
+
+def termination_log_path(environ: dict | None = None) -> str | None:
+    """Where to write: the variable when set (empty: nowhere), else the kubelet's file if it exists."""
+    env = os.environ if environ is None else environ
+    if names.ENV_TERMINATION_LOG in env:
+        return env[names.ENV_TERMINATION_LOG] or None
+    return KUBELET_TERMINATION_LOG if os.path.exists(KUBELET_TERMINATION_LOG) else None
+
+
+def write_termination_message(notice_id: str, step: int, saved_step: int, durable: bool,
+                              path: str | None = None) -> bool:
+    """Writes the message (see the module docstring); True when written."""
+    target = path if path is not None else termination_log_path()
+    if target is None:
+        return False
+    body = json.dumps({"v": WIRE_VERSION, "notice_id": notice_id, "step": step, "saved_step": saved_step,
+                       "steps_lost": step - saved_step, "checkpoint": "durable" if durable else "failed"},
+                      separators=(",", ":"))
+    data = body.encode()[:MAX_MESSAGE_BYTES]
+    try:
+        with open(target, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        log.warning("could not write the termination message to %s: %s", target, exc)
+        return False
+    return True
