@@ -37,11 +37,9 @@ from spotguard.agent.table import NoticeTable, Published
 from spotguard.backoff import Backoff
 from spotguard.config import ConfigError
 from spotguard.http_server import ServerLimits, start_server
+from spotguard.wire import names
 
 log = logging.getLogger(__name__)
-
-INJECT_LABEL = "spotguard.io/inject"
-
 
 class Agent:
     """See the module docstring. Optional arguments replace what `start()` would build."""
@@ -205,12 +203,12 @@ class Agent:
 
         def list_pods() -> set[tuple[str, str]]:
             core = kubernetes.client.CoreV1Api(self.api_client)
-            pods = core.list_pod_for_all_namespaces(label_selector=f"{INJECT_LABEL}=true",
+            pods = core.list_pod_for_all_namespaces(label_selector=f"{names.LABEL_INJECT}=true",
                                                     field_selector=f"spec.nodeName={self.config.node}",
                                                     _request_timeout=5)
             return {(p.metadata.namespace, p.metadata.name) for p in pods.items
                     if p.spec is not None and p.spec.node_name == self.config.node
-                    and (p.metadata.labels or {}).get(INJECT_LABEL) == "true"
+                    and (p.metadata.labels or {}).get(names.LABEL_INJECT) == "true"
                     and (p.status is None or p.status.phase in (None, "Pending", "Running"))}
 
         return await asyncio.to_thread(list_pods)

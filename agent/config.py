@@ -40,11 +40,12 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from spotguard.config import ConfigError, Layers, http_url, one_of, positive_float, positive_int
+from spotguard.wire import names
 
 CLOUD_CHOICES = ("aws", "gcp", "azure", "alibaba", "auto")
 GPU_CHOICES = ("auto", "on", "nvml", "off", "fake:<scenario file>")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DEFAULT_LISTEN = "0.0.0.0:9740"
+DEFAULT_LISTEN = f"0.0.0.0:{names.AGENT_PORT}"
 FILE_KEYS = ("cloud", "metadata_url", "node", "interval", "timeout", "listen", "kubernetes", "kubeconfig",
              "kube_host", "cordon", "gpu", "gpu_policy", "report_token_file", "log_level", "ready_grace", "keepalive",
              "header_timeout", "max_streams", "max_streams_per_client")
@@ -64,7 +65,7 @@ class AgentConfig:
     interval: float | None = None
     timeout: float = 2.0
     host: str = "0.0.0.0"
-    port: int = 9740
+    port: int = names.AGENT_PORT
     kubernetes: bool = True
     kubeconfig: str | None = None
     kube_host: str | None = None

@@ -48,31 +48,17 @@ import logging
 import time
 import uuid as uuidlib
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, Iterable
+from datetime import datetime
+from typing import Any
 
-from spotguard.agent.notice import Kind, Notice, NoticeFormatError, format_time, now_utc
+from spotguard.wire.notice import Kind, Notice, NoticeFormatError, format_time, now_utc
 from spotguard.backoff import Backoff
+from spotguard.wire import names
+from spotguard.wire.urgency import most_urgent
 
 log = logging.getLogger(__name__)
 
-ANNOTATION_NOTICE = "spotguard.io/notice"
-ANNOTATION_CORDONED = "spotguard.io/cordoned"
-ANNOTATION_BOOT_ID = "spotguard.io/notice-boot-id"
-TAINT_KEY = "spotguard.io/reclaim"
-TAINT_EFFECT = "NoSchedule"
-INJECT_LABEL = "spotguard.io/inject"
-EVENT_REASON = "SpotguardNotice"
-EVENT_COMPONENT = "spotguard-agent"
 PATCH_TYPE = "application/strategic-merge-patch+json"
-
-_FAR_FUTURE = datetime.max.replace(tzinfo=timezone.utc)
-
-
-def most_urgent(notices: Iterable[Notice]) -> Notice | None:
-    """The notice with the earliest deadline (no deadline sorts last; then detection, id)."""
-    return min(notices, key=lambda n: (n.deadline or _FAR_FUTURE, n.detected_at, n.id), default=None)
-
 
 @dataclass
 class _Pass:
@@ -238,16 +224,16 @@ class NodeMarker:
         spec = node.get("spec") or {}
         taints = list(spec.get("taints") or [])
         boot_id = ((node.get("status") or {}).get("nodeInfo") or {}).get("bootID") or None
-        current_text = annotations.get(ANNOTATION_NOTICE)
+        current_text = annotations.get(names.ANN_NOTICE)
         current = _parse_notice(current_text)
         urgent = most_urgent(desired or ())
         result = _Pass()
 
         if urgent is not None:
             want_marked = True
-        elif current_text is None and ANNOTATION_CORDONED not in annotations and not _our_taints(taints):
+        elif current_text is None and names.ANN_CORDONED not in annotations and not _our_taints(taints):
             return None, None, result  # nothing of ours on the Node
-        elif self._rebooted_past(current, annotations.get(ANNOTATION_BOOT_ID), boot_id, desired):
+        elif self._rebooted_past(current, annotations.get(names.ANN_NOTICE_BOOT_ID), boot_id, desired):
             log.info("node %s: maintenance notice %s ended with a reboot: cleaning up", self.node,
                      current.id if current else "?")
             want_marked = False
@@ -264,27 +250,27 @@ class NodeMarker:
 
         changes: dict[str, Any] = {}
         spec_changes: dict[str, Any] = {}
-        others = [t for t in taints if t.get("key") != TAINT_KEY]
+        others = [t for t in taints if t.get("key") != names.TAINT_RECLAIM]
         if want_marked:
             text = urgent.to_json()
             if current_text != text:
-                changes[ANNOTATION_NOTICE] = text
-            if boot_id and annotations.get(ANNOTATION_BOOT_ID) != boot_id:
-                changes[ANNOTATION_BOOT_ID] = boot_id
+                changes[names.ANN_NOTICE] = text
+            if boot_id and annotations.get(names.ANN_NOTICE_BOOT_ID) != boot_id:
+                changes[names.ANN_NOTICE_BOOT_ID] = boot_id
             ours = _our_taints(taints)
-            wanted = {"key": TAINT_KEY, "value": str(urgent.kind), "effect": TAINT_EFFECT}
+            wanted = {"key": names.TAINT_RECLAIM, "value": str(urgent.kind), "effect": names.TAINT_EFFECT}
             if len(ours) != 1 or {k: ours[0].get(k) for k in wanted} != wanted:
                 spec_changes["taints"] = others + [wanted]
-            if self.cordon and not spec.get("unschedulable") and ANNOTATION_CORDONED not in annotations:
+            if self.cordon and not spec.get("unschedulable") and names.ANN_CORDONED not in annotations:
                 spec_changes["unschedulable"] = True
-                changes[ANNOTATION_CORDONED] = "true"
+                changes[names.ANN_CORDONED] = "true"
         else:
-            for key in (ANNOTATION_NOTICE, ANNOTATION_BOOT_ID, ANNOTATION_CORDONED):
+            for key in (names.ANN_NOTICE, names.ANN_NOTICE_BOOT_ID, names.ANN_CORDONED):
                 if key in annotations:
                     changes[key] = None
             if len(others) != len(taints):
                 spec_changes["taints"] = others
-            if annotations.get(ANNOTATION_CORDONED) == "true" and spec.get("unschedulable"):
+            if annotations.get(names.ANN_CORDONED) == "true" and spec.get("unschedulable"):
                 spec_changes["unschedulable"] = False
         if not changes and not spec_changes:
             if want_marked:
@@ -338,20 +324,20 @@ class NodeMarker:
                     continue
                 digest = hashlib.sha256(json.dumps([notice.id, *key]).encode()).hexdigest()[:16]
                 name = f"{ref['name'][:200]}.{digest}"
-                self._create_event(name, ref, EVENT_REASON, _message(notice), "Warning",
-                                   annotations={ANNOTATION_NOTICE + "-id": notice.id})
+                self._create_event(name, ref, names.EVENT_NOTICE, _message(notice), "Warning",
+                                   annotations={names.ANN_NOTICE + "-id": notice.id})
                 done.add(key)
 
     def _opted_in_pods(self) -> list[dict]:
         resp = self.core.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={self.node}", label_selector=f"{INJECT_LABEL}=true",
+            field_selector=f"spec.nodeName={self.node}", label_selector=f"{names.LABEL_INJECT}=true",
             _preload_content=False, _request_timeout=self.request_timeout)
         refs = []
         for pod in json.loads(resp.data).get("items") or []:
             meta = pod.get("metadata") or {}
             if (pod.get("spec") or {}).get("nodeName") != self.node:
                 continue  # the field selector is a request, not a promise: filter again
-            if (meta.get("labels") or {}).get(INJECT_LABEL) != "true":
+            if (meta.get("labels") or {}).get(names.LABEL_INJECT) != "true":
                 continue
             if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") or not meta.get("name"):
                 continue
@@ -380,8 +366,8 @@ class NodeMarker:
             "reason": reason,
             "message": message[:1024],
             "type": type,
-            "source": {"component": EVENT_COMPONENT, "host": self.node},
-            "reportingComponent": EVENT_COMPONENT,
+            "source": {"component": names.COMPONENT_AGENT, "host": self.node},
+            "reportingComponent": names.COMPONENT_AGENT,
             "reportingInstance": self.node,
             "firstTimestamp": stamp,
             "lastTimestamp": stamp,
@@ -399,7 +385,7 @@ class NodeMarker:
 
 
 def _our_taints(taints: list[dict]) -> list[dict]:
-    return [t for t in taints if t.get("key") == TAINT_KEY]
+    return [t for t in taints if t.get("key") == names.TAINT_RECLAIM]
 
 
 def _parse_notice(text: str | None) -> Notice | None:

@@ -1,9 +1,7 @@
 """Sidecar reports (`POST /v1/reports`) and the early approval they allow.
 
 Contract:
-- `parse_report(obj)` validates the body of docs/protocols.md (v 1, notice_id, pod, namespace,
-  status checkpointed|failed, optional step, hook_seconds, steps_lost); `ReportFormatError`
-  names the first bad field.
+- The body is `wire.agent_report.Report` (`parse_report` validates it).
 - `ReportBook.record(report)` keeps the latest report per (namespace, pod) for each live
   notice (bounded; dropped when the notice is withdrawn) and then decides on early approval.
 - A notice is approved early only if the source that reported it can approve (has
@@ -17,78 +15,19 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping
 
-from spotguard.agent.notice import Notice, Withdrawal
 from spotguard.agent.table import NoticeTable, Published
+from spotguard.wire.agent_report import Report
+from spotguard.wire.notice import Notice
+from spotguard.wire.withdrawal import Withdrawal
 
 log = logging.getLogger(__name__)
 
-STATUSES = ("checkpointed", "failed")
 PodKey = tuple[str, str]  # (namespace, pod)
 ExpectedPods = Callable[[], Awaitable["set[PodKey] | None"]]
-
-
-class ReportFormatError(ValueError):
-    """The report body is invalid; the message names the field."""
-
-
-@dataclass(frozen=True)
-class Report:
-    notice_id: str
-    pod: str
-    namespace: str
-    status: str
-    step: int | None = None
-    hook_seconds: Mapping[str, float] = field(default_factory=dict)
-    steps_lost: int | None = None
-    caller: str = ""
-    received_at: float = 0.0
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"v": 1, "notice_id": self.notice_id, "pod": self.pod, "namespace": self.namespace,
-                "status": self.status, "step": self.step, "hook_seconds": dict(self.hook_seconds),
-                "steps_lost": self.steps_lost}
-
-
-def _name(obj: Mapping, key: str) -> str:
-    value = obj.get(key)
-    if not isinstance(value, str) or not value or len(value) > 253:
-        raise ReportFormatError(f"{key}: expected a non-empty string of at most 253 characters")
-    return value
-
-
-def _count(obj: Mapping, key: str) -> int | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ReportFormatError(f"{key}: expected a whole number >= 0")
-    return value
-
-
-def parse_report(obj: Any) -> Report:
-    """Validates a report body; ReportFormatError names the first bad field."""
-    if not isinstance(obj, Mapping):
-        raise ReportFormatError("body: expected a JSON object")
-    if obj.get("v") != 1 or isinstance(obj.get("v"), bool):
-        raise ReportFormatError(f"v: unsupported version {obj.get('v')!r:.20} (expected 1)")
-    status = obj.get("status")
-    if status not in STATUSES:
-        raise ReportFormatError(f"status: expected one of {', '.join(STATUSES)}")
-    hooks = obj.get("hook_seconds", {})
-    if not isinstance(hooks, Mapping) or len(hooks) > 32:
-        raise ReportFormatError("hook_seconds: expected an object of at most 32 entries")
-    for name, seconds in hooks.items():
-        if (not isinstance(name, str) or len(name) > 64 or isinstance(seconds, bool)
-                or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0):
-            raise ReportFormatError(f"hook_seconds.{str(name)[:64]}: expected seconds >= 0")
-    return Report(notice_id=_name(obj, "notice_id"), pod=_name(obj, "pod"), namespace=_name(obj, "namespace"),
-                  status=status, step=_count(obj, "step"), hook_seconds=dict(hooks),
-                  steps_lost=_count(obj, "steps_lost"))
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Read-only, open (they reveal only what the node's metadata service already says):
 - `GET /v1/notices` -> `{"v": 1, "node": ..., "notices": [...]}`, most urgent first.
 - `GET /v1/stream` -> Server-Sent Events: `event: snapshot`
-  (`{"v":1,"node":...,"notices":[...],"complete":bool}`, agent/snapshot.py) on connect, then
+  (`{"v":1,"node":...,"notices":[...],"complete":bool}`, wire/snapshot.py) on connect, then
   `event: notice` (a new or changed notice) and `event: withdrawn` (a withdrawal), and one more
   `event: snapshot` (complete) when the table becomes complete after the subscriber connected.
   Every event has `id: <sequence number>` (a snapshot's id is the sequence number it reflects,
@@ -33,14 +33,16 @@ from collections.abc import Callable
 from aiohttp import web
 
 from spotguard.agent.auth import Authenticator, AuthError
-from spotguard.agent.metrics import CONTENT_TYPE, AgentMetrics
-from spotguard.agent.notice import Notice
-from spotguard.agent.reports import ReportBook, ReportFormatError, parse_report
-from spotguard.agent.snapshot import snapshot_wire
-from spotguard.agent.sse import KEEPALIVE, encode
+from spotguard.agent.metrics import AgentMetrics
+from spotguard.agent.reports import ReportBook
 from spotguard.agent.table import TICK, NoticeTable, Published, Resync
 from spotguard.http_server import BodyError, client_address, read_json
+from spotguard.metrics import CONTENT_TYPE
 from spotguard.stream_slots import SlotRefused, StreamSlots
+from spotguard.wire.agent_report import ReportFormatError, parse_report
+from spotguard.wire.notice import Notice
+from spotguard.wire.snapshot import snapshot_wire
+from spotguard.wire.sse import KEEPALIVE, encode
 
 log = logging.getLogger(__name__)
 

@@ -30,24 +30,18 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
-from datetime import datetime
 from collections.abc import Callable, Iterable
+from datetime import datetime
 
-from spotguard.agent.notice import Notice, Update, Withdrawal
+from spotguard.wire.notice import Notice
+from spotguard.wire.urgency import deadline_key, most_urgent_first
+from spotguard.wire.withdrawal import Update, Withdrawal
 
 log = logging.getLogger(__name__)
 
 Change = Notice | Withdrawal
 Listener = Callable[["Published"], None]
 Sink = Callable[[object], "str | None"]
-_FAR_FUTURE = datetime.max.replace(tzinfo=None)
-
-
-def deadline_key(notice: Notice) -> tuple[int, datetime]:
-    """Sort key: earliest deadline first, notices without a deadline last."""
-    if notice.deadline is None:
-        return (1, _FAR_FUTURE)
-    return (0, notice.deadline.replace(tzinfo=None))
 
 
 @dataclass(frozen=True)
@@ -173,8 +167,8 @@ class NoticeTable:
     # -- reading -------------------------------------------------------------------------------
 
     def live(self) -> list[Notice]:
-        """The live notices, most urgent first (earliest deadline; none last; then by id)."""
-        return sorted(self._published.values(), key=lambda n: (deadline_key(n), n.id))
+        """The live notices, most urgent first (`wire.urgency`)."""
+        return most_urgent_first(self._published.values())
 
     def get(self, notice_id: str) -> Notice | None:
         return self._published.get(notice_id)

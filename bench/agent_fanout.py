@@ -18,9 +18,9 @@ import multiprocessing as mp
 import os
 import time
 
-from spotguard.agent.sse import SSEDecoder
 from spotguard.emulator.control import EmulatorControl
 from spotguard.emulator.server import Emulator
+from spotguard.wire.sse import SSEDecoder
 
 from _agent_process import start_agent, stop_agent  # bench/_agent_process.py
 

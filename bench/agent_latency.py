@@ -27,12 +27,13 @@ from datetime import datetime
 
 import aiohttp
 
-from spotguard.agent.notice import Notice, Withdrawal
 from spotguard.agent.sources.merge import merged_updates
 from spotguard.agent.sources.registry import build_sources
-from spotguard.agent.sse import SSEDecoder
 from spotguard.emulator.control import EmulatorControl
 from spotguard.emulator.server import Emulator
+from spotguard.wire.notice import Notice
+from spotguard.wire.sse import SSEDecoder
+from spotguard.wire.withdrawal import Withdrawal
 
 from _agent_process import start_agent, stop_agent  # bench/_agent_process.py
 

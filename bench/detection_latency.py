@@ -72,7 +72,8 @@ def missing_reason(cloud: str) -> str | None:
 
 async def measure(cloud: str, flips: int, rng: random.Random, log) -> Row:
     """Runs `flips` reclaim flips on `cloud` and returns the latencies."""
-    from spotguard.agent.notice import Kind, Notice, Withdrawal
+    from spotguard.wire.notice import Kind, Notice
+    from spotguard.wire.withdrawal import Withdrawal
     from spotguard.agent.sources.merge import merged_updates
     from spotguard.agent.sources.registry import build_sources
     from spotguard.emulator.control import EmulatorControl

@@ -63,7 +63,8 @@ class Row:
 
 
 async def measure(cloud: str, storms: int, span: tuple[float, float], rng: random.Random, log) -> Row:
-    from spotguard.agent.notice import Notice, Withdrawal
+    from spotguard.wire.notice import Notice
+    from spotguard.wire.withdrawal import Withdrawal
     from spotguard.agent.sources.registry import build_sources
     from spotguard.emulator.control import EmulatorControl
     from spotguard.emulator.server import Emulator

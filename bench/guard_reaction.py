@@ -100,7 +100,7 @@ class Sidecar:
             await response.prepare(request)
             queue: asyncio.Queue = asyncio.Queue()
             self.queues.append(queue)
-            from spotguard.agent.sse import encode
+            from spotguard.wire.sse import encode
 
             await response.write(encode("snapshot", {"v": 1, "node": "bench", "notices": []}, 0))
             while (frame := await queue.get()) is not None:
@@ -156,8 +156,8 @@ def main(argv=None) -> int:
 
 
 def measure(args) -> None:
-    from spotguard.agent.notice import Notice, now_utc
-    from spotguard.agent.sse import encode
+    from spotguard.wire.notice import Notice, now_utc
+    from spotguard.wire.sse import encode
 
     sidecar = Sidecar()
     target = args.ranks - 1

@@ -39,11 +39,11 @@ from pathlib import Path
 
 import kmock
 
-from spotguard.agent.notice import Notice, notice_id
 from spotguard.kube import load_api_client
-from spotguard.supervisor import names
 from spotguard.supervisor.kubeapi import NODES, Kube
 from spotguard.supervisor.testing import VersionedKubernetesEmulator
+from spotguard.wire import names
+from spotguard.wire.notice import Notice, notice_id
 
 REPO = Path(__file__).resolve().parents[1]
 NS = "bench"

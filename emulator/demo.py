@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _demo(cloud: str, after: float) -> None:
-    from spotguard.agent.notice import Notice
+    from spotguard.wire.notice import Notice
     from spotguard.agent.sources.merge import merged_updates
     from spotguard.agent.sources.registry import build_sources
     from spotguard.emulator.control import EmulatorControl

@@ -35,13 +35,13 @@ from datetime import datetime, UTC
 from typing import TYPE_CHECKING
 from collections.abc import Callable, Sequence
 
-from spotguard.agent.notice import Notice
 from spotguard.hooks import save_decision
 from spotguard.hooks.agreement.base import Verdict
 from spotguard.hooks.agreement.collectives import Collectives
-from spotguard.hooks.exit_codes import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.termination_message import write_termination_message
+from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
+from spotguard.wire.notice import Notice
 
 if TYPE_CHECKING:
     from spotguard.hooks.adapters.base import CheckpointAdapter

@@ -59,7 +59,6 @@ import signal as signal_module
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterable
 
-from spotguard.agent.notice import Kind, Notice, now_utc
 from spotguard.config import ConfigError, http_url, positive_float, positive_int
 from spotguard.hooks.agreement import Agreement, make_agreement
 from spotguard.hooks.agreement.base import Verdict
@@ -69,6 +68,8 @@ from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.notice_gate import ACT_ON, Action, NoticeGate
 from spotguard.hooks.notice_listener import NoticeListener
 from spotguard.hooks.signals import SignalTrap
+from spotguard.wire import names
+from spotguard.wire.notice import Kind, Notice, now_utc
 
 if TYPE_CHECKING:
     from spotguard.hooks.adapters.base import CheckpointAdapter
@@ -98,7 +99,7 @@ class Guard:
         self.gate = NoticeGate(kinds, positive_float("horizon_seconds", horizon_seconds))
         self.exit_on_drain = exit_on_drain
         self.pipeline = pipeline
-        self.sidecar_url = None if sidecar_url is None else http_url("SPOTGUARD_SIDECAR_URL", sidecar_url)
+        self.sidecar_url = None if sidecar_url is None else http_url(names.ENV_SIDECAR_URL, sidecar_url)
 
         self._reclaim_hooks: list[Callable] = []
         self._drain_hooks: list[Callable] = []
@@ -128,15 +129,15 @@ class Guard:
     def from_env(cls, grace_seconds: float | None = None, agree_every: int | None = None, **kwargs) -> Guard:
         """A Guard configured from SPOTGUARD_* variables (docs/protocols.md); arguments win over them."""
         env = os.environ
-        url = env.get("SPOTGUARD_SIDECAR_URL") or None
+        url = env.get(names.ENV_SIDECAR_URL) or None
         if grace_seconds is None:
-            grace_seconds = positive_float("SPOTGUARD_GRACE_SECONDS", env.get("SPOTGUARD_GRACE_SECONDS") or 30)
+            grace_seconds = positive_float(names.ENV_GRACE_SECONDS, env.get(names.ENV_GRACE_SECONDS) or 30)
         if agree_every is None:
-            agree_every = positive_int("SPOTGUARD_AGREE_EVERY", env.get("SPOTGUARD_AGREE_EVERY") or 1)
-        if "horizon_seconds" not in kwargs and env.get("SPOTGUARD_HORIZON_SECONDS"):
-            kwargs["horizon_seconds"] = positive_float("SPOTGUARD_HORIZON_SECONDS", env["SPOTGUARD_HORIZON_SECONDS"])
+            agree_every = positive_int(names.ENV_AGREE_EVERY, env.get(names.ENV_AGREE_EVERY) or 1)
+        if "horizon_seconds" not in kwargs and env.get(names.ENV_HORIZON_SECONDS):
+            kwargs["horizon_seconds"] = positive_float(names.ENV_HORIZON_SECONDS, env[names.ENV_HORIZON_SECONDS])
         kwargs.setdefault("sidecar_url", url)
-        kwargs.setdefault("token_file", env.get("SPOTGUARD_TOKEN_FILE") or None)
+        kwargs.setdefault("token_file", env.get(names.ENV_TOKEN_FILE) or None)
         return cls(grace_seconds=grace_seconds, agree_every=agree_every, **kwargs)
 
     def piggyback_on(self, ddp_model: Any) -> bool:

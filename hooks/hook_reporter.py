@@ -1,4 +1,5 @@
-"""Reports hook phases and timing to the sidecar: `POST /v1/hooks` (docs/protocols.md, "Sidecar").
+"""Reports hook phases and timing to the sidecar: `POST /v1/hooks` (docs/protocols.md, "Sidecar";
+the body is `wire.hook_report.HookReport`).
 
 Contract: `HookReporter.report(...)` sends one report with the bearer token read from
 `SPOTGUARD_TOKEN_FILE` and returns True on a 2xx answer. It never raises: a missing sidecar,
@@ -14,10 +15,11 @@ import logging
 import urllib.parse
 from pathlib import Path
 
+from spotguard.wire.hook_report import HookReport
+
 log = logging.getLogger("spotguard.hooks.report")
 
 HOOKS_PATH = "/v1/hooks"
-PROTOCOL_FIELDS = ("v", "notice_id", "rank", "world_size", "step", "phase", "seconds")
 
 
 class HookReporter:
@@ -42,11 +44,11 @@ class HookReporter:
             return None
 
     def report(self, notice_id: str, step: int, phase: str, seconds: float, **extra) -> bool:
-        body = {"v": 1, "notice_id": notice_id, "rank": self.rank, "world_size": self.world_size,
-                "step": int(step), "phase": phase, "seconds": round(float(seconds), 6), **extra}
+        protocol = HookReport(notice_id, self.rank, self.world_size, int(step), phase, round(float(seconds), 6))
+        body = {**protocol.to_wire(), **extra}
         status = self._post(body)
         if status == 400 and extra:
-            status = self._post({k: body[k] for k in PROTOCOL_FIELDS})
+            status = self._post(protocol.to_wire())
         ok = status is not None and 200 <= status < 300
         if ok:
             self.sent.append(body)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from collections.abc import Iterable
 
-from spotguard.agent.notice import Kind, Notice
+from spotguard.wire.notice import Kind, Notice
 
 ACT_ON = frozenset({Kind.RECLAIM, Kind.DRAIN, Kind.MAINTENANCE, Kind.GPU_FAULT})
 

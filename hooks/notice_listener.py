@@ -2,13 +2,15 @@
 
 Contract:
 - `NoticeListener(url, on_notice, on_withdrawn)` connects to `<url>/v1/stream` (SSE) with
-  `http.client` (no asyncio in a training process), decodes with `agent.sse.SSEDecoder` and calls
+  `http.client` (no asyncio in a training process), decodes with `wire.sse.SSEDecoder`, keeps
+  the live notices in a `wire.live.LiveSet` (the set the sidecar's relay keeps too) and calls
   `on_notice(notice)` for every notice that is new, or whose content changed (dedupe by id).
-  `on_withdrawn(notice_id)` gets withdrawals. Both run on this thread and must be quick.
-- A `snapshot` event is applied by the rule every consumer shares (`agent.snapshot.reconcile`):
-  its new or changed notices are delivered the same way, and a notice delivered earlier that
-  it lacks is withdrawn (`on_withdrawn`) only when the snapshot is complete; a snapshot with
-  any bad part is refused whole. `membership` events are not the Guard's business (the
+  `on_withdrawn(notice_id)` gets withdrawals (every `withdrawn` event, held or not). Both run on
+  this thread and must be quick.
+- A `snapshot` event is applied by the rule every consumer shares (`wire.snapshot.reconcile`,
+  through the LiveSet): its new or changed notices are delivered the same way, and a notice
+  delivered earlier that it lacks is withdrawn (`on_withdrawn`) only when the snapshot is
+  complete; a snapshot with any bad part is refused whole. `membership` events are not the Guard's business (the
   sidecar rewrites the hostfile) and are skipped quietly.
 - Malformed input (bad JSON, a bad notice, an unknown event type) is logged with what was wrong
   and skipped: nothing changes. A broken byte stream (not UTF-8, an endless line) drops the
@@ -28,10 +30,12 @@ import time
 import urllib.parse
 from typing import Any, Callable
 
-from spotguard.agent.notice import WIRE_VERSION, Notice, NoticeFormatError
-from spotguard.agent.snapshot import parse_snapshot, reconcile
-from spotguard.agent.sse import SSEDecoder, SSEError, SSEEvent
 from spotguard.backoff import Backoff
+from spotguard.wire.live import Change, LiveSet
+from spotguard.wire.notice import Notice, NoticeFormatError
+from spotguard.wire.snapshot import parse_snapshot
+from spotguard.wire.sse import SSEDecoder, SSEError, SSEEvent
+from spotguard.wire.withdrawal import parse_withdrawal
 
 log = logging.getLogger("spotguard.hooks.listener")
 
@@ -55,7 +59,7 @@ class NoticeListener(threading.Thread):
         self._backoff = backoff or Backoff(base=0.1, cap=5.0)
         self._stop_event = threading.Event()
         self._conn: http.client.HTTPConnection | None = None
-        self._seen: dict[str, Notice] = {}
+        self._live = LiveSet()
         self.connected = threading.Event()
         self.last_notice_at: float | None = None  # time.time() when the newest notice was forwarded
         self.stats = {"connects": 0, "notices": 0, "malformed": 0, "errors": 0}
@@ -123,18 +127,13 @@ class NoticeListener(threading.Thread):
         """Applies one event; malformed ones are logged and change nothing."""
         try:
             if event.event == "notice":
-                self._accept(Notice.from_wire(self._json(event)))
+                self._deliver(self._live.upsert(Notice.from_wire(self._json(event))))
             elif event.event == "snapshot":
-                diff = reconcile(self._seen, parse_snapshot(self._json(event)))
-                for notice_id in diff.withdrawn:
-                    self._withdraw(notice_id, "absent from a complete snapshot")
-                for notice in diff.upserts:
-                    self._accept(notice)
+                self._deliver(self._live.apply_snapshot(parse_snapshot(self._json(event))))
             elif event.event == "withdrawn":
-                body = self._json(event)
-                if not isinstance(body, dict) or body.get("v") != WIRE_VERSION or not isinstance(body.get("withdrawn"), str) or not body["withdrawn"]:
-                    raise NoticeFormatError("withdrawn: expected {\"v\": 1, \"withdrawn\": \"<id>\", ...}")
-                self._withdraw(body["withdrawn"], body.get("reason", "no reason given"))
+                withdrawal = parse_withdrawal(self._json(event))
+                self._live.withdraw(withdrawal)
+                self._withdraw(withdrawal.notice_id, withdrawal.reason)
             elif event.event == "membership":
                 log.debug("membership event ignored by the Guard (the sidecar handles it)")
             else:
@@ -153,16 +152,15 @@ class NoticeListener(threading.Thread):
         self.stats["malformed"] += 1
         log.warning("ignored malformed %r event id=%s from the sidecar: %s", event.event, event.id, exc)
 
-    def _withdraw(self, notice_id: str, reason: Any) -> None:
-        log.info("notice %s withdrawn (%s)", notice_id, reason)
-        self._seen.pop(notice_id, None)
-        self._on_withdrawn(notice_id)
+    def _deliver(self, changes: list[Change]) -> None:
+        for change in changes:
+            if change.withdrawal is not None:
+                self._withdraw(change.withdrawal.notice_id, change.withdrawal.reason)
+            elif change.notice is not None:
+                self.stats["notices"] += 1
+                self.last_notice_at = time.time()
+                self._on_notice(change.notice)
 
-    def _accept(self, notice: Notice) -> None:
-        known = self._seen.get(notice.id)
-        if known is not None and known.same_event(notice):
-            return
-        self._seen[notice.id] = notice
-        self.stats["notices"] += 1
-        self.last_notice_at = time.time()
-        self._on_notice(notice)
+    def _withdraw(self, notice_id: str, reason: str) -> None:
+        log.info("notice %s withdrawn (%s)", notice_id, reason)
+        self._on_withdrawn(notice_id)

@@ -21,7 +21,7 @@ from datetime import datetime, timedelta, UTC
 from types import FrameType
 from typing import Any
 
-from spotguard.agent.notice import Kind, Notice, notice_id
+from spotguard.wire.notice import Kind, Notice, notice_id
 
 log = logging.getLogger("spotguard.hooks.signals")
 

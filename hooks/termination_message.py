@@ -13,11 +13,11 @@ import json
 import logging
 import os
 
-from spotguard.agent.notice import WIRE_VERSION
+from spotguard.wire import names
+from spotguard.wire.notice import WIRE_VERSION
 
 log = logging.getLogger(__name__)
 
-TERMINATION_LOG_ENV = "SPOTGUARD_TERMINATION_LOG"
 KUBELET_TERMINATION_LOG = "/dev/termination-log"
 MAX_MESSAGE_BYTES = 4096  # the kubelet keeps at most 4096 bytes of a termination message
 
@@ -25,8 +25,8 @@ MAX_MESSAGE_BYTES = 4096  # the kubelet keeps at most 4096 bytes of a terminatio
 def termination_log_path(environ: dict | None = None) -> str | None:
     """Where to write: the variable when set (empty: nowhere), else the kubelet's file if it exists."""
     env = os.environ if environ is None else environ
-    if TERMINATION_LOG_ENV in env:
-        return env[TERMINATION_LOG_ENV] or None
+    if names.ENV_TERMINATION_LOG in env:
+        return env[names.ENV_TERMINATION_LOG] or None
     return KUBELET_TERMINATION_LOG if os.path.exists(KUBELET_TERMINATION_LOG) else None
 
 

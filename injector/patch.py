@@ -24,12 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-INJECT_LABEL = "spotguard.io/inject"
-INJECTED_ANNOTATION = "spotguard.io/injected"
-GRACE_ANNOTATION = "spotguard.io/grace-seconds"
-HOSTFILE_ANNOTATION = "spotguard.io/hostfile"
-DS_CONFIG_ANNOTATION = "spotguard.io/deepspeed-config"
-LOCAL_WORLD_ANNOTATION = "spotguard.io/local-world-size"
+from spotguard.wire import names
+
 SIDECAR_NAME = "spotguard-sidecar"
 SHARED_VOLUME = "spotguard-run"
 PODINFO_VOLUME = "spotguard-podinfo"
@@ -37,8 +33,6 @@ TOKEN_VOLUME = "spotguard-agent-token"
 SHARED_DIR = "/var/run/spotguard"
 PODINFO_DIR = "/etc/podinfo"
 TOKEN_DIR = "/var/run/secrets/spotguard"
-SIDECAR_PORT = 9741
-AGENT_PORT = 9740
 DEFAULT_GRACE = 120
 MAX_GRACE = 3600
 SIDECAR_IMAGE_USER = 65532  # the image's USER (daemonset/Dockerfile)
@@ -52,8 +46,8 @@ class PodSpecError(ValueError):
 class InjectorConfig:
     image: str
     grace_seconds: int = DEFAULT_GRACE
-    agent_port: int = AGENT_PORT
-    sidecar_port: int = SIDECAR_PORT
+    agent_port: int = names.AGENT_PORT
+    sidecar_port: int = names.SIDECAR_PORT
     cpu_request: str = "10m"
     cpu_limit: str = "200m"
     memory_request: str = "32Mi"
@@ -69,7 +63,7 @@ def wants_injection(pod: dict[str, Any]) -> bool:
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}
     annotations = meta.get("annotations") or {}
-    if labels.get(INJECT_LABEL) != "true" or annotations.get(INJECTED_ANNOTATION) == "true":
+    if labels.get(names.LABEL_INJECT) != "true" or annotations.get(names.ANN_INJECTED) == "true":
         return False
     spec = pod.get("spec") or {}
     return not any(c.get("name") == SIDECAR_NAME for c in (spec.get("initContainers") or []))
@@ -94,7 +88,7 @@ def hostfile_wiring(pod: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]
     """Extra sidecar args and volume mounts for the DeepSpeed hostfile annotations."""
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     args, mounts = [], []
-    for annotation, flag in ((HOSTFILE_ANNOTATION, "--hostfile"), (DS_CONFIG_ANNOTATION, "--deepspeed-config")):
+    for annotation, flag in ((names.ANN_HOSTFILE, "--hostfile"), (names.ANN_DEEPSPEED_CONFIG, "--deepspeed-config")):
         path = annotations.get(annotation)
         if path is None:
             continue
@@ -102,8 +96,8 @@ def hostfile_wiring(pod: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]
         args.append(f"{flag}={path}")
         if mount not in mounts:
             mounts.append(mount)
-    if DS_CONFIG_ANNOTATION in annotations and HOSTFILE_ANNOTATION not in annotations:
-        raise PodSpecError(f"metadata.annotations[{DS_CONFIG_ANNOTATION}]: needs {HOSTFILE_ANNOTATION} too")
+    if names.ANN_DEEPSPEED_CONFIG in annotations and names.ANN_HOSTFILE not in annotations:
+        raise PodSpecError(f"metadata.annotations[{names.ANN_DEEPSPEED_CONFIG}]: needs {names.ANN_HOSTFILE} too")
     return args, mounts
 
 
@@ -111,10 +105,10 @@ def local_world_size(pod: dict[str, Any]) -> int:
     """Ranks in this pod, for preStop: annotation `spotguard.io/local-world-size`, else the GPUs
     the pod's containers request (at least 1)."""
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    raw = annotations.get(LOCAL_WORLD_ANNOTATION)
+    raw = annotations.get(names.ANN_LOCAL_WORLD_SIZE)
     if raw is not None:
         if not str(raw).isdigit() or int(raw) < 1:
-            raise PodSpecError(f"metadata.annotations[{LOCAL_WORLD_ANNOTATION}]: expected a whole number >= 1, got {raw!r}")
+            raise PodSpecError(f"metadata.annotations[{names.ANN_LOCAL_WORLD_SIZE}]: expected a whole number >= 1, got {raw!r}")
         return int(raw)
     gpus = 0
     for container in (pod.get("spec") or {}).get("containers") or []:
@@ -164,10 +158,10 @@ def sidecar_container(cfg: InjectorConfig, extra_args: Sequence[str] = (), extra
                  f"--token-file={SHARED_DIR}/token", f"--podinfo-dir={PODINFO_DIR}",
                  f"--agent-token-file={TOKEN_DIR}/token", *extra_args],
         "env": [
-            {"name": "SPOTGUARD_NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
-            {"name": "SPOTGUARD_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            {"name": "SPOTGUARD_POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-            {"name": "SPOTGUARD_LOCAL_WORLD_SIZE", "value": str(local_world_size)},
+            {"name": names.ENV_NODE_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+            {"name": names.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": names.ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": names.ENV_LOCAL_WORLD_SIZE, "value": str(local_world_size)},
         ],
         "resources": {"requests": {"cpu": cfg.cpu_request, "memory": cfg.memory_request},
                       "limits": {"cpu": cfg.cpu_limit, "memory": cfg.memory_limit}},
@@ -192,23 +186,23 @@ def volumes() -> list[dict[str, Any]]:
 
 def guard_env(cfg: InjectorConfig, grace: int) -> list[dict[str, Any]]:
     return [
-        {"name": "SPOTGUARD_SIDECAR_URL", "value": f"http://127.0.0.1:{cfg.sidecar_port}"},
-        {"name": "SPOTGUARD_TOKEN_FILE", "value": f"{SHARED_DIR}/token"},
-        {"name": "SPOTGUARD_GRACE_SECONDS", "value": str(grace)},
+        {"name": names.ENV_SIDECAR_URL, "value": f"http://127.0.0.1:{cfg.sidecar_port}"},
+        {"name": names.ENV_TOKEN_FILE, "value": f"{SHARED_DIR}/token"},
+        {"name": names.ENV_GRACE_SECONDS, "value": str(grace)},
     ]
 
 
 def grace_for(pod: dict[str, Any], cfg: InjectorConfig) -> int:
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    raw = annotations.get(GRACE_ANNOTATION)
+    raw = annotations.get(names.ANN_GRACE_SECONDS)
     if raw is None:
         return cfg.grace_seconds
     try:
         value = int(raw)
     except (TypeError, ValueError):
-        raise PodSpecError(f"metadata.annotations[{GRACE_ANNOTATION}]: expected whole seconds, got {raw!r}") from None
+        raise PodSpecError(f"metadata.annotations[{names.ANN_GRACE_SECONDS}]: expected whole seconds, got {raw!r}") from None
     if not 1 <= value <= MAX_GRACE:
-        raise PodSpecError(f"metadata.annotations[{GRACE_ANNOTATION}]: must be within 1..{MAX_GRACE}, got {value}")
+        raise PodSpecError(f"metadata.annotations[{names.ANN_GRACE_SECONDS}]: must be within 1..{MAX_GRACE}, got {value}")
     return value
 
 
@@ -264,7 +258,7 @@ def build_patch(pod: dict[str, Any], cfg: InjectorConfig) -> list[dict[str, Any]
 
     annotations = (pod.get("metadata") or {}).get("annotations")
     if annotations:
-        ops.append({"op": "add", "path": f"/metadata/annotations/{_escape(INJECTED_ANNOTATION)}", "value": "true"})
+        ops.append({"op": "add", "path": f"/metadata/annotations/{_escape(names.ANN_INJECTED)}", "value": "true"})
     else:
-        ops.append({"op": "add", "path": "/metadata/annotations", "value": {INJECTED_ANNOTATION: "true"}})
+        ops.append({"op": "add", "path": "/metadata/annotations", "value": {names.ANN_INJECTED: "true"}})
     return ops

@@ -16,7 +16,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 from collections.abc import Iterable, Mapping
 
-from spotguard.supervisor import names
+from spotguard.wire import names
 
 _SUFFIXES = {
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,

@@ -15,10 +15,10 @@ from datetime import datetime
 from typing import Any
 from collections.abc import Iterable, Mapping
 
-from spotguard.agent.notice import format_time
-from spotguard.supervisor import names
 from spotguard.supervisor.capacity_type import ON_DEMAND
 from spotguard.supervisor.record import CHECKPOINTING, GAVE_UP, SUSPENDED, Record
+from spotguard.wire import names
+from spotguard.wire.notice import format_time
 
 OURS = (names.COND_SUSPENDED, names.COND_MAX_WAIT, names.COND_ON_DEMAND)
 

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
-from spotguard.agent.notice import Kind, Notice, NoticeFormatError, parse_time
+from spotguard.wire.notice import Kind, Notice, NoticeFormatError, parse_time
 from spotguard.backoff import Backoff
-from spotguard.supervisor import capacity, conditions, membership, names, progress
+from spotguard.supervisor import capacity, conditions, membership, progress
+from spotguard.wire import names
 from spotguard.supervisor.fallback import ON_DEMAND, on_demand_directives
 from spotguard.supervisor.cost import CostLedger
 from spotguard.supervisor.events import event_body

@@ -10,8 +10,8 @@ from datetime import datetime
 from typing import Any
 from collections.abc import Mapping
 
-from spotguard.agent.notice import format_time
-from spotguard.supervisor import names
+from spotguard.wire import names
+from spotguard.wire.notice import format_time
 
 
 def event_name(job_name: str, key: str) -> str:

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING
 from collections.abc import Mapping
 
 from spotguard.config import ConfigError
-from spotguard.supervisor import capacity_type, names
+from spotguard.supervisor import capacity_type
 from spotguard.supervisor.record import CHECKPOINTING, RUNNING, SUSPENDED
+from spotguard.wire import names
 
 if TYPE_CHECKING:
     from spotguard.supervisor.policy import Decision, JobState, Settings

@@ -1,7 +1,7 @@
 """The membership the supervisor pushes to a job's pods (annotation `spotguard.io/membership`).
 
-Wire form (docs/protocols.md, read by the sidecar from its downward-API file):
-`{"v": 1, "generation": n, "hosts": [...], "world_size": n}`.
+Wire form: `wire.membership.Membership` (docs/protocols.md, read by the sidecar from its
+downward-API file).
 - hosts: the distinct nodes (default; `pod-ip` or `pod-name` on request) of the job's running
   replica pods on nodes without a notice, in completion-index order. Node names are the
   default because the sidecar marks a host departing when a notice's `node` names it.
@@ -13,12 +13,12 @@ Wire form (docs/protocols.md, read by the sidecar from its downward-API file):
 """
 from __future__ import annotations
 
-import json
-from typing import Any
 from collections.abc import Iterable, Mapping
+from typing import Any
 
-from spotguard.supervisor import names
 from spotguard.supervisor.capacity import pod_requests
+from spotguard.wire import names
+from spotguard.wire.membership import Membership
 
 HOST_MODES = ("node", "pod-ip", "pod-name")
 INDEX_KEYS = ("batch.kubernetes.io/job-completion-index", "training.kubeflow.org/replica-index")
@@ -58,10 +58,7 @@ def processes_per_replica(pod_spec: Mapping[str, Any] | None) -> int:
 
 def membership_json(generation: int, hosts: Iterable[str], world_size: int, drain: str = "") -> str:
     """The wire form; `drain` (an id) asks every member to checkpoint and drain (a `drain` notice)."""
-    obj: dict[str, Any] = {"v": 1, "generation": generation, "hosts": list(hosts), "world_size": world_size}
-    if drain:
-        obj["drain"] = drain
-    return json.dumps(obj, separators=(",", ":"), sort_keys=True)
+    return Membership(generation, tuple(hosts), world_size, drain).to_json()
 
 
 def pods_to_update(pods: Iterable[Mapping[str, Any]], value: str) -> list[Mapping[str, Any]]:

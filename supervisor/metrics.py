@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from spotguard.agent.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
+from spotguard.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
 
 JOB_LABELS = ("namespace", "job", "kind")
 

@@ -26,8 +26,8 @@ from typing import Mapping
 
 from spotguard.config import ConfigError
 from spotguard.supervisor import fallback as fallback_rules
-from spotguard.supervisor import names
 from spotguard.supervisor.record import CHECKPOINTING, GAVE_UP, RUNNING, SUSPENDED, Record
+from spotguard.wire import names
 
 ELASTIC, FIXED = "elastic", "fixed"
 POLICIES = (ELASTIC, FIXED)

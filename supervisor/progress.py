@@ -13,9 +13,9 @@ from datetime import datetime
 from typing import Any
 from collections.abc import Iterable, Iterator, Mapping
 
-from spotguard.agent.notice import NoticeFormatError, parse_time
-from spotguard.supervisor import names
 from spotguard.supervisor.record import MAX_COUNTED_EXITS
+from spotguard.wire import names
+from spotguard.wire.notice import NoticeFormatError, parse_time
 
 DRAIN_CODES = (names.EXIT_PREEMPTED, names.EXIT_CHECKPOINT_FAILED)
 

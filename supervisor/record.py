@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from spotguard.agent.notice import NoticeFormatError, format_time, parse_time
+from spotguard.wire.notice import NoticeFormatError, format_time, parse_time
 
 RECORD_VERSION = 1
 MAX_HANDLED = 32

@@ -15,9 +15,9 @@ from typing import Any
 
 import aiohttp
 
-from spotguard.agent.notice import Kind, Notice, now_utc
 from spotguard.agent.sources.base import Source, SourceError
-from spotguard.agent.sse import SSEDecoder, SSEEvent
+from spotguard.wire.notice import Kind, Notice, now_utc
+from spotguard.wire.sse import SSEDecoder, SSEEvent
 
 
 class FedSource(Source):

@@ -4,8 +4,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from spotguard.agent.notice import Notice, Update, Withdrawal
 from spotguard.agent.sources.base import Source
+from spotguard.wire.notice import Notice
+from spotguard.wire.withdrawal import Update, Withdrawal
 
 
 async def next_update(source_iter, timeout: float = 5.0) -> Update:

@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from spotguard.agent.notice import Kind, Notice, Withdrawal, notice_id, now_utc
-from spotguard.agent.sse import KEEPALIVE, SSEDecoder, encode
 from spotguard.hooks.sidecar.service import Sidecar, SidecarConfig
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.sse import KEEPALIVE, SSEDecoder, encode
+from spotguard.wire.withdrawal import Withdrawal
 
 
 def make_notice(node: str = "node-a", kind: Kind = Kind.RECLAIM, deadline_in: float | None = 120.0,

@@ -11,8 +11,9 @@ import asyncio
 from typing import Any
 from collections.abc import Callable
 
-from spotguard.agent.notice import Notice, Update, Withdrawal
 from spotguard.agent.sources.base import Source
+from spotguard.wire.notice import Notice
+from spotguard.wire.withdrawal import Update, Withdrawal
 
 # fault kind -> (extra fault fields, error reasons the source may count for it)
 FAULTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {

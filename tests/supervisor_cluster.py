@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator
 
 import kmock
 
-from spotguard.agent.notice import Notice, notice_id
 from spotguard.kube import load_api_client
-from spotguard.supervisor import names
 from spotguard.supervisor.controller import Controller, ControllerConfig
 from spotguard.supervisor.kubeapi import EVENTS, JOBS, NODES, PODS, PYTORCHJOBS, Kube, NotFound
 from spotguard.supervisor.policy import Settings
 from spotguard.supervisor.testing import VersionedKubernetesEmulator
+from spotguard.wire import names
+from spotguard.wire.notice import Notice, notice_id
 
 NS = "train"
 

@@ -50,7 +50,7 @@ class ListenerLog:
 
 
 def test_the_shared_snapshot_rule_withdraws_only_on_a_complete_snapshot():
-    from spotguard.agent.snapshot import Snapshot, reconcile
+    from spotguard.wire.snapshot import Snapshot, reconcile
 
     held = {n.id: n for n in (make_notice("a:1"), make_notice("a:2"))}
     kept, new = held["a:1"], make_notice("a:3")

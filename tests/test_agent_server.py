@@ -16,7 +16,7 @@ import pytest
 from spotguard.agent.app import Agent
 from spotguard.agent.auth import RefuseAll, SharedSecretAuth, TokenReviewAuth
 from spotguard.agent.config import AgentConfig
-from spotguard.agent.notice import Notice
+from spotguard.wire.notice import Notice
 
 from tests.agent_helpers import ApprovingSource, FedSource, SSEReader, make_notice, parse_exposition, wait_for
 

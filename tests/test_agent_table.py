@@ -6,8 +6,9 @@ from datetime import datetime, timedelta, UTC
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spotguard.agent.notice import Kind, Notice, Withdrawal
 from spotguard.agent.table import NoticeTable
+from spotguard.wire.notice import Kind, Notice
+from spotguard.wire.withdrawal import Withdrawal
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 

@@ -11,7 +11,8 @@ import pytest
 
 from spotguard.agent.gpu import backend as gb
 from spotguard.emulator.nvml import FakeGpu, FakeGpuBackend
-from spotguard.agent.notice import Kind, Notice, Withdrawal
+from spotguard.wire.notice import Kind, Notice
+from spotguard.wire.withdrawal import Withdrawal
 from spotguard.agent.sources.gpu import GpuHealthSource
 
 NODE = "gpu-node-1"

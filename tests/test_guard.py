@@ -15,14 +15,14 @@ from datetime import timedelta
 import pytest
 import torch
 
-from spotguard.agent.notice import Kind, Notice, now_utc
 from spotguard.config import ConfigError
 from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
 from spotguard.hooks.adapters.store import CheckpointStore
-from spotguard.hooks.exit_codes import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, describe
 from spotguard.hooks.guard import Guard
-from spotguard.hooks.termination_message import TERMINATION_LOG_ENV
 from spotguard.supervisor.progress import steps_lost_of
+from spotguard.wire import names
+from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, describe_exit
+from spotguard.wire.notice import Kind, Notice, now_utc
 from tests.workers.sidecar_stub import SidecarStub
 
 
@@ -219,7 +219,7 @@ def test_failed_checkpoint_hook_exits_84(tmp_path):
     with pytest.raises(SystemExit) as exc:
         guard.step(5)
     assert exc.value.code == EXIT_CHECKPOINT_FAILED and drained == []
-    assert describe(83).startswith("preempted") and describe(84).endswith("failed") and "crash" in describe(1)
+    assert describe_exit(83).startswith("preempted") and describe_exit(84).endswith("failed") and "crash" in describe_exit(1)
 
 
 def test_config_errors_name_the_field(monkeypatch):
@@ -290,7 +290,7 @@ def test_plain_torch_resume_is_exact_and_answered_notice_is_ignored(tmp_path, si
 
 def test_deadline_too_short_persists_last_snapshot(tmp_path, sidecar, monkeypatch):
     termination_log = tmp_path / "termination-log"
-    monkeypatch.setenv(TERMINATION_LOG_ENV, str(termination_log))
+    monkeypatch.setenv(names.ENV_TERMINATION_LOG, str(termination_log))
     model, opt = tiny_job()
     guard = make_guard(sidecar, adapter=PlainTorchAdapter(model, opt, checkpoint_dir=tmp_path / "ck"), snapshot_every=4,
                        save_margin_seconds=1.0)

@@ -15,8 +15,8 @@ from datetime import timedelta
 
 import pytest
 
-from spotguard.agent.notice import Notice, now_utc
 from spotguard.hooks.adapters.store import CheckpointStore
+from spotguard.wire.notice import Notice, now_utc
 from tests.workers.launch import (ROOT, TRAINER, Run, assert_same_state, base_env, exits, load_state, run_ranks,
                                   saved, wait_for_progress)
 from tests.workers.sidecar_stub import SidecarStub

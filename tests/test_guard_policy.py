@@ -8,12 +8,12 @@ from __future__ import annotations
 import math
 from datetime import datetime, timedelta, UTC
 
-from spotguard.agent.notice import Kind, Notice
 from spotguard.hooks.agreement import make_agreement
 from spotguard.hooks.agreement.base import contribution, outcome
 from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.notice_gate import Action, NoticeGate
 from spotguard.hooks.save_decision import SaveChoice, decide, vote
+from spotguard.wire.notice import Kind, Notice
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 

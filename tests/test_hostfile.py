@@ -11,11 +11,11 @@ import threading
 
 import pytest
 
-from spotguard.agent.notice import Kind
 from spotguard.config import ConfigError
 from spotguard.hooks.hostfile import (ElasticityError, ElasticRule, Host, HostfileError, elastic_rule_from_config,
                                       parse_hostfile, read_hostfile, select_hosts, write_hostfile)
 from spotguard.hooks.sidecar.service import Sidecar
+from spotguard.wire.notice import Kind
 from tests.sidecar_helpers import Publisher, StreamReader, eventually, make_notice, sidecar_config
 
 

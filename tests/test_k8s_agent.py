@@ -11,10 +11,10 @@ import kubernetes
 import pytest
 
 from spotguard.agent.auth import AuthError, TokenReviewAuth
-from spotguard.agent.node_marker import (ANNOTATION_CORDONED, ANNOTATION_NOTICE, EVENT_REASON, PATCH_TYPE,
-                                         TAINT_KEY, NodeMarker)
-from spotguard.agent.notice import Kind, Notice
+from spotguard.agent.node_marker import PATCH_TYPE, NodeMarker
 from spotguard.backoff import Backoff
+from spotguard.wire import names
+from spotguard.wire.notice import Kind, Notice
 from tests.k8s_world import add_ready_node, refusals, wait_service_account, wait_until
 from tests.test_node_marker import make_notice
 
@@ -32,7 +32,7 @@ def _pod(name: str, node: str | None, inject: bool = True) -> dict:
 
 def _events_about(core, namespace: str, kind: str, name: str) -> list:
     items = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
-    return [e for e in items if e.involved_object.kind == kind and e.reason == EVENT_REASON]
+    return [e for e in items if e.involved_object.kind == kind and e.reason == names.EVENT_NOTICE]
 
 
 async def test_agent_marks_node_posts_events_cordons_and_unmarks(control_plane, k8s_namespace, caplog):
@@ -49,10 +49,10 @@ async def test_agent_marks_node_posts_events_cordons_and_unmarks(control_plane, 
         marker.notify([reclaim])
         await asyncio.to_thread(wait_until, lambda: marker.in_sync, 20, "node marked")
         marked = await asyncio.to_thread(core.read_node, node)
-        assert Notice.from_json(marked.metadata.annotations[ANNOTATION_NOTICE]) == reclaim
-        ours = [t for t in marked.spec.taints or [] if t.key == TAINT_KEY]
+        assert Notice.from_json(marked.metadata.annotations[names.ANN_NOTICE]) == reclaim
+        ours = [t for t in marked.spec.taints or [] if t.key == names.TAINT_RECLAIM]
         assert [(t.value, t.effect) for t in ours] == [("reclaim", "NoSchedule")]
-        assert marked.spec.unschedulable is True and marked.metadata.annotations[ANNOTATION_CORDONED] == "true"
+        assert marked.spec.unschedulable is True and marked.metadata.annotations[names.ANN_CORDONED] == "true"
         assert len(_events_about(core, "default", "Node", node)) == 1
         assert len(_events_about(core, k8s_namespace, "Pod", "train-0")) == 1
         assert not _events_about(core, k8s_namespace, "Pod", "web-0")
@@ -62,8 +62,8 @@ async def test_agent_marks_node_posts_events_cordons_and_unmarks(control_plane, 
     finally:
         await marker.stop()
     clean = await asyncio.to_thread(core.read_node, node)
-    assert ANNOTATION_NOTICE not in (clean.metadata.annotations or {})
-    assert not [t for t in clean.spec.taints or [] if t.key == TAINT_KEY] and not clean.spec.unschedulable
+    assert names.ANN_NOTICE not in (clean.metadata.annotations or {})
+    assert not [t for t in clean.spec.taints or [] if t.key == names.TAINT_RECLAIM] and not clean.spec.unschedulable
     assert marker.stats["errors"] == 0 and marker.stats["marked"] == 1 and marker.stats["unmarked"] == 1
     assert not refusals(caplog)
     await asyncio.to_thread(core.delete_node, node)
@@ -77,7 +77,7 @@ def test_a_stale_resource_version_in_the_agents_patch_is_a_409(control_plane, k8
     stale = core.read_node(node).metadata.resource_version
     core.patch_node(node, {"metadata": {"labels": {"example.com/x": "1"}}}, _content_type=PATCH_TYPE)
     with pytest.raises(kubernetes.client.ApiException) as refused:
-        core.patch_node(node, {"metadata": {"resourceVersion": stale, "annotations": {ANNOTATION_NOTICE: "{}"}}},
+        core.patch_node(node, {"metadata": {"resourceVersion": stale, "annotations": {names.ANN_NOTICE: "{}"}}},
                         _content_type=PATCH_TYPE)
     assert refused.value.status == 409
     kubernetes.client.CoreV1Api(control_plane.api_client()).delete_node(node)

@@ -14,12 +14,12 @@ from datetime import datetime, timedelta, UTC
 import kubernetes
 import pytest
 
-from spotguard.agent.notice import Kind, Notice
-from spotguard.supervisor import names
 from spotguard.supervisor.controller import Controller, ControllerConfig
 from spotguard.supervisor.kubeapi import Kube
 from spotguard.supervisor.policy import Settings
 from spotguard.supervisor.record import parse_record
+from spotguard.wire import names
+from spotguard.wire.notice import Kind, Notice
 from tests.k8s_world import add_ready_node, wait_until
 
 pytestmark = pytest.mark.k8s

@@ -14,8 +14,9 @@ import pytest
 from aiohttp import web
 
 from spotguard.injector.certs import make_certificate
-from spotguard.injector.patch import INJECTED_ANNOTATION, SIDECAR_NAME, InjectorConfig
+from spotguard.injector.patch import SIDECAR_NAME, InjectorConfig
 from spotguard.injector.server import make_app, tls_context
+from spotguard.wire import names
 from tests.control_plane import BASE_MANIFESTS, load_manifests
 from tests.k8s_world import wait_service_account, wait_until
 
@@ -63,9 +64,9 @@ async def test_webhook_injects_through_the_real_api_server(control_plane, k8s_na
         await asyncio.to_thread(wait_service_account, control_plane, k8s_namespace)
         labelled = await asyncio.to_thread(core.create_namespaced_pod, k8s_namespace, _pod("train-0", True))
         assert _sidecars(labelled) == [SIDECAR_NAME]
-        assert labelled.metadata.annotations[INJECTED_ANNOTATION] == "true"
+        assert labelled.metadata.annotations[names.ANN_INJECTED] == "true"
         plain = await asyncio.to_thread(core.create_namespaced_pod, k8s_namespace, _pod("web-0", False))
-        assert not _sidecars(plain) and INJECTED_ANNOTATION not in (plain.metadata.annotations or {})
+        assert not _sidecars(plain) and names.ANN_INJECTED not in (plain.metadata.annotations or {})
 
         template = _pod("unused", True)
         template["spec"]["restartPolicy"] = "Never"

@@ -20,13 +20,13 @@ import kubernetes
 import pytest
 
 from spotguard.agent.node_marker import NodeMarker
-from spotguard.agent.notice import Kind
-from spotguard.supervisor import names
 from spotguard.supervisor.controller import Controller, ControllerConfig
 from spotguard.supervisor.jobs.pytorch import REPLICA_TYPE_LABEL
 from spotguard.supervisor.kubeapi import Kube
 from spotguard.supervisor.policy import Settings
 from spotguard.supervisor.record import parse_record
+from spotguard.wire import names
+from spotguard.wire.notice import Kind
 from tests.k8s_world import (add_ready_node, install_pytorchjob_crd, refusals, set_container_exit, set_pod_running,
                              wait_service_account, wait_until)
 from tests.test_node_marker import make_notice

@@ -14,12 +14,12 @@ import kubernetes
 import pytest
 
 from spotguard.agent.node_marker import NodeMarker
-from spotguard.agent.notice import Kind
-from spotguard.supervisor import names
 from spotguard.supervisor.controller import Controller, ControllerConfig
 from spotguard.supervisor.kubeapi import LEASES, Kube
 from spotguard.supervisor.leader import LeaderElector
 from spotguard.supervisor.policy import Settings
+from spotguard.wire import names
+from spotguard.wire.notice import Kind
 from tests.k8s_world import add_ready_node, refusals, set_container_exit, set_pod_running, wait_until
 from tests.test_node_marker import make_notice
 

@@ -9,7 +9,7 @@ import base64
 import kubernetes
 import pytest
 
-from spotguard.supervisor import names
+from spotguard.wire import names
 from tests.control_plane import BASE_MANIFESTS, SPOTGUARD_NAMESPACE, load_manifests
 from tests.k8s_world import install_pytorchjob_crd, wait_until
 

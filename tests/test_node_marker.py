@@ -10,11 +10,12 @@ from datetime import timedelta
 import kmock
 import pytest
 
-from spotguard.agent.node_marker import (ANNOTATION_BOOT_ID, ANNOTATION_CORDONED, ANNOTATION_NOTICE, EVENT_REASON,
-                                         TAINT_KEY, NodeMarker, most_urgent)
-from spotguard.agent.notice import Kind, Notice, notice_id, now_utc
+from spotguard.agent.node_marker import NodeMarker
 from spotguard.backoff import Backoff
 from spotguard.kube import load_api_client
+from spotguard.wire import names
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.urgency import most_urgent
 
 NODE = "node-a"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
@@ -129,7 +130,7 @@ async def synced(marker: NodeMarker, timeout: float = 10.0) -> None:
 
 
 def our_taints(node: dict) -> list[dict]:
-    return [t for t in node["spec"].get("taints") or [] if t["key"] == TAINT_KEY]
+    return [t for t in node["spec"].get("taints") or [] if t["key"] == names.TAINT_RECLAIM]
 
 
 # ---- marking -----------------------------------------------------------------------------------
@@ -149,12 +150,12 @@ async def test_marks_annotation_taint_and_events_on_node_and_opted_in_pods(clust
     finally:
         await marker.stop()
     node = cluster.node()
-    assert Notice.from_json(node["metadata"]["annotations"][ANNOTATION_NOTICE]) == reclaim  # earliest deadline
-    assert node["spec"]["taints"] == [GPU_TAINT, {"key": TAINT_KEY, "value": "reclaim", "effect": "NoSchedule"}]
+    assert Notice.from_json(node["metadata"]["annotations"][names.ANN_NOTICE]) == reclaim  # earliest deadline
+    assert node["spec"]["taints"] == [GPU_TAINT, {"key": names.TAINT_RECLAIM, "value": "reclaim", "effect": "NoSchedule"}]
     assert "unschedulable" not in node["spec"]  # cordon is off by default
     node_events = cluster.events_about("Node", NODE)
     assert sorted(e["message"].split("id ")[-1] for e in node_events) == sorted([reclaim.id, rebalance.id])
-    assert all(e["reason"] == EVENT_REASON and e["type"] == "Warning" and e["metadata"]["namespace"] == "default"
+    assert all(e["reason"] == names.EVENT_NOTICE and e["type"] == "Warning" and e["metadata"]["namespace"] == "default"
                and e["involvedObject"]["uid"] == "uid-node-a" for e in node_events)
     pod_events = cluster.events_about("Pod", "train-0")
     assert len(pod_events) == 2 and {e["metadata"]["namespace"] for e in pod_events} == {"team-a"}
@@ -182,15 +183,15 @@ async def test_moved_deadline_and_a_more_urgent_notice_update_the_marks(cluster)
         moved = maintenance.with_deadline(maintenance.deadline - timedelta(minutes=30))
         marker.notify([moved])
         await synced(marker)
-        assert Notice.from_json(cluster.node()["metadata"]["annotations"][ANNOTATION_NOTICE]).deadline == moved.deadline
+        assert Notice.from_json(cluster.node()["metadata"]["annotations"][names.ANN_NOTICE]).deadline == moved.deadline
         reclaim = make_notice(Kind.RECLAIM, 30, "r")
         marker.notify([moved, reclaim])
         await synced(marker)
     finally:
         await marker.stop()
     node = cluster.node()
-    assert Notice.from_json(node["metadata"]["annotations"][ANNOTATION_NOTICE]).id == reclaim.id
-    assert our_taints(node) == [{"key": TAINT_KEY, "value": "reclaim", "effect": "NoSchedule"}]
+    assert Notice.from_json(node["metadata"]["annotations"][names.ANN_NOTICE]).id == reclaim.id
+    assert our_taints(node) == [{"key": names.TAINT_RECLAIM, "value": "reclaim", "effect": "NoSchedule"}]
     assert len(cluster.events_about("Node", NODE)) == 2  # one per notice id, not per change
 
 
@@ -237,7 +238,7 @@ async def test_withdrawn_notice_removes_taint_and_annotation_keeps_other_taints(
     finally:
         await marker.stop()
     node = cluster.node()
-    assert ANNOTATION_NOTICE not in node["metadata"]["annotations"]
+    assert names.ANN_NOTICE not in node["metadata"]["annotations"]
     assert node["spec"]["taints"] == [GPU_TAINT]
     assert marker.stats["unmarked"] == 1
 
@@ -254,7 +255,7 @@ async def test_conflict_409_rereads_and_retries_keeping_the_concurrent_change(cl
         answered.append(request)
         # Another writer changed the Node first (new taint, new resourceVersion) and won.
         obj = cluster.km.objects["v1/nodes", None, NODE]
-        obj.patch({"metadata": {"resourceVersion": "8", "annotations": {ANNOTATION_NOTICE: None}},
+        obj.patch({"metadata": {"resourceVersion": "8", "annotations": {names.ANN_NOTICE: None}},
                    "spec": {"taints": [GPU_TAINT, concurrent]}})
         return kmock.KubernetesError(status=409, reason="Conflict",
                                      message="Operation cannot be fulfilled on nodes: the object has been modified")
@@ -272,9 +273,9 @@ async def test_conflict_409_rereads_and_retries_keeping_the_concurrent_change(cl
     assert marker.stats["conflicts"] == 1 and marker.stats["errors"] == 0
     patches = cluster.requests("patch", "/nodes/")
     assert [p.data["metadata"]["resourceVersion"] for p in patches] == ["7", "8"]  # re-read before retrying
-    assert node["spec"]["taints"] == [GPU_TAINT, concurrent, {"key": TAINT_KEY, "value": "reclaim",
+    assert node["spec"]["taints"] == [GPU_TAINT, concurrent, {"key": names.TAINT_RECLAIM, "value": "reclaim",
                                                              "effect": "NoSchedule"}]
-    assert node["metadata"]["annotations"][ANNOTATION_NOTICE] == notice.to_json()
+    assert node["metadata"]["annotations"][names.ANN_NOTICE] == notice.to_json()
 
 
 async def test_api_server_down_during_a_notice_is_retried_until_marked(cluster):
@@ -295,7 +296,7 @@ async def test_api_server_down_during_a_notice_is_retried_until_marked(cluster):
     finally:
         await marker.stop()
     node = cluster.node()
-    assert node["metadata"]["annotations"][ANNOTATION_NOTICE] == second.to_json()
+    assert node["metadata"]["annotations"][names.ANN_NOTICE] == second.to_json()
     assert our_taints(node)[0]["value"] == "reclaim"
     assert len(cluster.events_about("Node", NODE)) == 2 and len(cluster.events_about("Pod", "train-0")) == 2
 
@@ -346,13 +347,13 @@ async def test_cordon_on_and_off(cluster):
         marker.notify([make_notice()])
         await synced(marker)
         node = cluster.node()
-        assert node["spec"]["unschedulable"] is True and node["metadata"]["annotations"][ANNOTATION_CORDONED] == "true"
+        assert node["spec"]["unschedulable"] is True and node["metadata"]["annotations"][names.ANN_CORDONED] == "true"
         marker.notify([])
         await synced(marker)
     finally:
         await marker.stop()
     node = cluster.node()
-    assert not node["spec"].get("unschedulable") and ANNOTATION_CORDONED not in node["metadata"]["annotations"]
+    assert not node["spec"].get("unschedulable") and names.ANN_CORDONED not in node["metadata"]["annotations"]
 
 
 async def test_a_cordon_we_did_not_make_is_left_alone(cluster):
@@ -362,7 +363,7 @@ async def test_a_cordon_we_did_not_make_is_left_alone(cluster):
     try:
         marker.notify([make_notice()])
         await synced(marker)
-        assert ANNOTATION_CORDONED not in cluster.node()["metadata"]["annotations"]
+        assert names.ANN_CORDONED not in cluster.node()["metadata"]["annotations"]
         marker.notify([])
         await synced(marker)
     finally:
@@ -372,14 +373,14 @@ async def test_a_cordon_we_did_not_make_is_left_alone(cluster):
 
 # ---- restarts ----------------------------------------------------------------------------------
 def marked_annotations(notice: Notice, boot_id: str | None = None) -> dict:
-    ann = {ANNOTATION_NOTICE: notice.to_json()}
+    ann = {names.ANN_NOTICE: notice.to_json()}
     if boot_id:
-        ann[ANNOTATION_BOOT_ID] = boot_id
+        ann[names.ANN_NOTICE_BOOT_ID] = boot_id
     return ann
 
 
 def our_taint(kind: str) -> dict:
-    return {"key": TAINT_KEY, "value": kind, "effect": "NoSchedule"}
+    return {"key": names.TAINT_RECLAIM, "value": kind, "effect": "NoSchedule"}
 
 
 async def test_maintenance_reboot_cleans_up_at_start(cluster):
@@ -389,11 +390,11 @@ async def test_maintenance_reboot_cleans_up_at_start(cluster):
     marker = make_marker(cluster, startup_grace=60)
     await marker.start()  # no notify() at all: the rule applies on start
     try:
-        await until(lambda: ANNOTATION_NOTICE not in cluster.node()["metadata"]["annotations"], what="cleanup")
+        await until(lambda: names.ANN_NOTICE not in cluster.node()["metadata"]["annotations"], what="cleanup")
     finally:
         await marker.stop()
     node = cluster.node()
-    assert node["spec"]["taints"] == [GPU_TAINT] and ANNOTATION_BOOT_ID not in node["metadata"]["annotations"]
+    assert node["spec"]["taints"] == [GPU_TAINT] and names.ANN_NOTICE_BOOT_ID not in node["metadata"]["annotations"]
 
 
 async def test_no_cleanup_without_a_reboot_or_while_the_notice_is_live(cluster):
@@ -404,12 +405,12 @@ async def test_no_cleanup_without_a_reboot_or_while_the_notice_is_live(cluster):
     await marker.start()
     try:
         await asyncio.sleep(0.5)  # same boot: the node did not reboot yet; nothing known yet
-        assert cluster.node()["metadata"]["annotations"][ANNOTATION_NOTICE] == past.to_json()
+        assert cluster.node()["metadata"]["annotations"][names.ANN_NOTICE] == past.to_json()
         marker.notify([past])  # the source still reports it: it stays
         await synced(marker)
     finally:
         await marker.stop()
-    assert cluster.node()["metadata"]["annotations"][ANNOTATION_NOTICE] == past.to_json()
+    assert cluster.node()["metadata"]["annotations"][names.ANN_NOTICE] == past.to_json()
     assert not cluster.requests("patch", "/nodes/")
 
 
@@ -421,7 +422,7 @@ async def test_inherited_mark_waits_for_the_startup_grace(cluster):
     try:
         marker.notify([])  # the restarted agent's sources have not reported yet
         await asyncio.sleep(0.4)
-        assert ANNOTATION_NOTICE in cluster.node()["metadata"]["annotations"] and not marker.in_sync
+        assert names.ANN_NOTICE in cluster.node()["metadata"]["annotations"] and not marker.in_sync
         await synced(marker)  # the grace passed and the notice did not come back: cleaned
     finally:
         await marker.stop()

@@ -4,7 +4,8 @@ from datetime import datetime, timedelta, timezone, UTC
 import pytest
 from hypothesis import given, strategies as st
 
-from spotguard.agent.notice import WIRE_VERSION, Kind, Notice, NoticeFormatError, Withdrawal, notice_id
+from spotguard.wire.notice import WIRE_VERSION, Kind, Notice, NoticeFormatError, notice_id
+from spotguard.wire.withdrawal import Withdrawal
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
 

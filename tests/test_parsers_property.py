@@ -13,11 +13,11 @@ from datetime import datetime, timedelta, UTC
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from spotguard.agent.notice import Kind, Notice, notice_id
 from spotguard.agent.sources import alibaba, aws, azure, gcp
 from spotguard.agent.sources.base import SourceError
 from spotguard.emulator.clouds.gcp import value_etag
 from spotguard.emulator.clouds.timefmt import aws_maintenance, iso_z, rfc1123
+from spotguard.wire.notice import Kind, Notice, notice_id
 
 NODE = "node-1"
 VM = "vmss_vm_1"

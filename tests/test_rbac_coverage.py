@@ -765,7 +765,7 @@ async def test_agent_requests_are_all_authorized(make_emulator):
 
 
 async def test_supervisor_requests_are_all_authorized():
-    from spotguard.supervisor import names
+    from spotguard.wire import names
     from spotguard.supervisor.kubeapi import JOBS, NODES, PODS, PYTORCHJOBS
     from spotguard.supervisor.testing import VersionedKubernetesEmulator
 

@@ -6,9 +6,10 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from spotguard.agent.notice import Kind, Withdrawal
-from spotguard.agent.sse import encode
-from spotguard.hooks.sidecar.relay import LiveSet
+from spotguard.wire.live import LiveSet
+from spotguard.wire.notice import Kind
+from spotguard.wire.sse import encode
+from spotguard.wire.withdrawal import Withdrawal
 from tests.sidecar_helpers import Publisher, StreamReader, eventually, make_notice, running_sidecar
 
 

@@ -6,10 +6,11 @@ from datetime import datetime, UTC
 import aiohttp
 import pytest
 
-from spotguard.agent.notice import Kind, Notice, Withdrawal, format_time, notice_id
 from spotguard.agent.sources.alibaba import (TERMINATION_PATH, TOKEN_HEADER, TOKEN_PATH, TTL_HEADER,
                                              EcsMetadataClient, TerminationTimeSource, alibaba_sources)
 from spotguard.agent.sources.registry import build_sources
+from spotguard.wire.notice import Kind, Notice, format_time, notice_id
+from spotguard.wire.withdrawal import Withdrawal
 from tests.source_harness import FAULTS, SourceRunner, fault_then_detect
 
 NODE = "ack-node-1"

@@ -7,13 +7,14 @@ from datetime import datetime, UTC
 
 import pytest
 
-from spotguard.agent.notice import Kind, Notice, Withdrawal
 from spotguard.agent.sources.aws import (TOKEN_PATH, ImdsClient, LifecycleSource, MaintenanceSource,
                                          RebalanceSource, SpotInterruptionSource, aws_sources,
                                          parse_maintenance_time)
 from spotguard.agent.sources.base import SourceError
 from spotguard.agent.sources.retry import RetryPolicy
 from spotguard.backoff import Backoff
+from spotguard.wire.notice import Kind, Notice
+from spotguard.wire.withdrawal import Withdrawal
 from tests.helpers import next_update, poll_until
 from tests.source_runner import RunningSource
 

@@ -7,10 +7,11 @@ from datetime import datetime, UTC
 import aiohttp
 import pytest
 
-from spotguard.agent.notice import Kind, Notice, Withdrawal, notice_id
 from spotguard.agent.sources.azure import (EVENTS_PATH, NAME_PATH, AzureImdsClient, RateLimiter,
                                            ScheduledEventsSource, azure_sources)
 from spotguard.agent.sources.registry import build_sources
+from spotguard.wire.notice import Kind, Notice, notice_id
+from spotguard.wire.withdrawal import Withdrawal
 from tests.source_harness import FAULTS, SourceRunner, fault_then_detect
 
 NODE = "aks-node-1"

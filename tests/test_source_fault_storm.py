@@ -14,11 +14,12 @@ from datetime import datetime, timedelta, UTC
 
 import pytest
 
-from spotguard.agent.notice import Notice, Withdrawal
 from spotguard.agent.sources.alibaba import TERMINATION_PATH, alibaba_sources
 from spotguard.agent.sources.aws import SPOT_PATH, ImdsClient, SpotInterruptionSource
 from spotguard.agent.sources.azure import EVENTS_PATH, azure_sources
 from spotguard.agent.sources.gcp import PREEMPTED_PATH, gcp_sources
+from spotguard.wire.notice import Notice
+from spotguard.wire.withdrawal import Withdrawal
 from tests.source_harness import SourceRunner
 
 STORM = 8  # failed reads in a row: enough for any exponential backoff to reach its cap

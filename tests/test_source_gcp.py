@@ -8,12 +8,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from spotguard.agent.notice import Kind, Notice, Withdrawal, notice_id
 from spotguard.agent.sources.gcp import (MAINTENANCE_PATH, PREEMPTED_PATH, MaintenanceEventSource,
                                          PreemptedSource, gcp_sources)
 from spotguard.agent.sources.http import MetadataClient
 from spotguard.agent.sources.registry import build_sources
 from spotguard.emulator.clouds.gcp import value_etag
+from spotguard.wire.notice import Kind, Notice, notice_id
+from spotguard.wire.withdrawal import Withdrawal
 from tests.source_harness import FAULTS, SourceRunner, fault_then_detect
 
 NODE = "gke-node-1"

@@ -8,10 +8,11 @@ import kmock
 import pytest
 from kubernetes import client
 
-from spotguard.agent.notice import Kind, Notice, Withdrawal
 from spotguard.agent.sources.k8s_node import NodeSource, drain_signals
 from spotguard.backoff import Backoff
 from spotguard.kube import load_api_client
+from spotguard.wire.notice import Kind, Notice
+from spotguard.wire.withdrawal import Withdrawal
 from tests.source_runner import RunningSource
 
 NODES = kmock.resource("", "v1", "nodes")

@@ -7,12 +7,13 @@ from datetime import datetime, timedelta, UTC
 
 import pytest
 
-from spotguard.supervisor import capacity, capacity_type, names, progress
+from spotguard.supervisor import capacity, capacity_type, progress
 from spotguard.supervisor.cost import CostLedger, PriceTable
 from spotguard.supervisor.fallback import Fallback, parse_duration
 from spotguard.supervisor.policy import (MOVE, NONE, RECORD, RESUME, SUSPEND, JobState, NoticeHit, Policy,
                                          PolicyError, Settings, decide, parse_policy)
 from spotguard.supervisor.record import Record, parse_record
+from spotguard.wire import names
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 FB = Policy("fixed", 2, 2, None, Fallback(after=10.0, return_after=5.0))

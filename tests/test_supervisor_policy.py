@@ -6,11 +6,12 @@ from datetime import datetime, timedelta, UTC
 import pytest
 
 from spotguard.config import ConfigError
-from spotguard.supervisor import capacity, conditions, names
+from spotguard.supervisor import capacity, conditions
 from spotguard.supervisor.cost import CostLedger, PriceTable
 from spotguard.supervisor.policy import (NONE, RECORD, RESUME, SCALE, SUSPEND, JobState, NoticeHit, Policy, PolicyError,
                                          Settings, decide, parse_policy)
 from spotguard.supervisor.record import Record, RecordError, parse_record
+from spotguard.wire import names
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 EL = Policy("elastic", 2, 4, None)

@@ -31,9 +31,10 @@ from spotguard.trainer.launcher import Generation, NodeLaunch
 from spotguard.trainer.nodes import SimulatedNode, make_secret
 from spotguard.trainer.report import GenerationRecord, InjectedEvent, build_report
 from spotguard.trainer.scenario import Scenario, ScenarioEvent
+from spotguard.wire import names
+from spotguard.wire.names import EXIT_PREEMPTED
 
 log = logging.getLogger("spotguard.dryrun")
-EXIT_PREEMPTED = 83
 MAX_CRASH_RELAUNCHES = 3
 
 
@@ -110,9 +111,9 @@ class DryRun:
 
     async def _launch(self, world: list[str]) -> None:
         index = len(self.generations)
-        launches = [NodeLaunch(n, {"SPOTGUARD_SIDECAR_URL": self.nodes[n].sidecar_url,
-                                   "SPOTGUARD_TOKEN_FILE": str(self.nodes[n].token_file),
-                                   "SPOTGUARD_GRACE_SECONDS": "30",
+        launches = [NodeLaunch(n, {names.ENV_SIDECAR_URL: self.nodes[n].sidecar_url,
+                                   names.ENV_TOKEN_FILE: str(self.nodes[n].token_file),
+                                   names.ENV_GRACE_SECONDS: "30",
                                    "SPOTGUARD_EVENT_LOG": str(self.run_dir / "events" / f"gen{index}-{n}.jsonl")})
                     for n in world]
         self.generation = Generation(index, launches, self._train_argv(), self.run_dir)

@@ -14,10 +14,10 @@ import logging
 from datetime import datetime
 from collections.abc import Mapping
 
-from spotguard.agent.notice import Kind, Notice, NoticeFormatError, format_time, notice_id, now_utc, parse_time
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.agent.sources.http import Response, expect_status
 from spotguard.agent.sources.session_token import SessionTokenClient
+from spotguard.wire.notice import Kind, Notice, NoticeFormatError, format_time, notice_id, now_utc, parse_time
 
 log = logging.getLogger(__name__)
 

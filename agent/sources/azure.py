@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from datetime import datetime, UTC
 from collections.abc import Mapping
 
-from spotguard.agent.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.agent.sources.http import MetadataClient, Response, expect_status
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 
 log = logging.getLogger(__name__)
 

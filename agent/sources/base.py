@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
 
-from spotguard.agent.notice import Notice, Update, Withdrawal
 from spotguard.agent.sources.retry import RetryPolicy
 from spotguard.backoff import Backoff
+from spotguard.wire.notice import Notice
+from spotguard.wire.withdrawal import Update, Withdrawal
 
 log = logging.getLogger(__name__)
 

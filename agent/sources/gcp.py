@@ -26,9 +26,9 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from collections.abc import Mapping
 
-from spotguard.agent.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.agent.sources.http import MetadataClient, Response, expect_status, header
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 
 DEFAULT_URL = "http://metadata.google.internal"
 PREFIX = "/computeMetadata/v1/instance"

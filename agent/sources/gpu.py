@@ -44,7 +44,7 @@ from spotguard.agent.gpu import backend as gb
 from spotguard.agent.gpu.event_waiter import EventWaiter
 from spotguard.agent.gpu.readers import Finding, Gpu, SignalReaders, error_name
 from spotguard.agent.gpu.policy import GpuPolicy
-from spotguard.agent.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.backoff import Backoff
 

@@ -27,15 +27,15 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Mapping
 
-from spotguard.agent.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.backoff import Backoff
+from spotguard.wire import names
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "k8s.node"
 UNSCHEDULABLE = "unschedulable"
-CORDONED_BY_AGENT = "spotguard.io/cordoned"  # written by agent/node_marker.py when it cordons
 CLUSTER_AUTOSCALER_TAINT = "ToBeDeletedByClusterAutoscaler"
 WATCH_SECONDS = 300  # server-side watch timeout; the client's read timeout is a little longer
 HTTP_GONE = 410
@@ -67,7 +67,7 @@ def drain_signals(node: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
         signals[key] = detail
     metadata = node.get("metadata")
     annotations = metadata.get("annotations") if isinstance(metadata, Mapping) else None
-    cordoned_by_us = isinstance(annotations, Mapping) and CORDONED_BY_AGENT in annotations
+    cordoned_by_us = isinstance(annotations, Mapping) and names.ANN_CORDONED in annotations  # written by the node marker when it cordons
     if spec.get("unschedulable") is True and not cordoned_by_us:
         # A cordon the agent itself made (node marking with --cordon) is an echo of a notice
         # it already has, not a new signal: reporting it would keep the node marked forever.

@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-from spotguard.agent.notice import Update
 from spotguard.agent.sources.base import Source
+from spotguard.wire.withdrawal import Update
 
 
 async def merged_updates(sources: Sequence[Source], queue_size: int = 1024) -> AsyncIterator[tuple[Source, Update]]:

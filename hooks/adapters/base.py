@@ -28,8 +28,8 @@ from collections import deque
 from typing import Any, Protocol
 from collections.abc import Callable
 
-from spotguard.agent.notice import Notice
 from spotguard.hooks.adapters.store import CheckpointInfo, CheckpointStore
+from spotguard.wire.notice import Notice
 
 log = logging.getLogger("spotguard.hooks.adapters")
 

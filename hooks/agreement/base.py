@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from collections.abc import Sequence
 
-from spotguard.agent.notice import Notice
 from spotguard.hooks.notice_gate import deadline_ts
+from spotguard.wire.notice import Notice
 
 
 @dataclass(frozen=True)

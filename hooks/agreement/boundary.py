@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from spotguard.agent.notice import Notice
 from spotguard.hooks.agreement.base import Agreement, Verdict, contribution, outcome
 from spotguard.hooks.agreement.collectives import GroupCollectives
 from spotguard.hooks.notice_gate import deadline_ts
+from spotguard.wire.notice import Notice
 
 
 class LocalAgreement(Agreement):

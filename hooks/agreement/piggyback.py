@@ -18,10 +18,10 @@ import logging
 from typing import Any
 from collections.abc import Callable
 
-from spotguard.agent.notice import Notice
 from spotguard.hooks.agreement.base import Verdict
 from spotguard.hooks.agreement.boundary import BlockingAgreement
 from spotguard.hooks.agreement.collectives import GroupCollectives
+from spotguard.wire.notice import Notice
 
 log = logging.getLogger("spotguard.hooks.guard")
 

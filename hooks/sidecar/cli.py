@@ -27,9 +27,10 @@ import urllib.request
 
 from spotguard.config import ConfigError, Layers, http_url, positive_float, positive_int
 from spotguard.daemon import run_daemon
+from spotguard.wire import names
 
-DEFAULT_LISTEN = "127.0.0.1:9741"
-DEFAULT_URL = "http://127.0.0.1:9741"
+DEFAULT_LISTEN = f"127.0.0.1:{names.SIDECAR_PORT}"
+DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 OK_OUTCOMES = ("done", "no-notice", "withdrawn")
 
@@ -96,7 +97,7 @@ def build_config(args: argparse.Namespace, environ=None):
         node_ip = layers.value("node_ip")
         if node_ip is None:
             raise ConfigError("--agent-url", "not given and SPOTGUARD_NODE_IP is unset (downward API status.hostIP)")
-        agent_url = f"http://{node_ip}:9740"
+        agent_url = f"http://{node_ip}:{names.AGENT_PORT}"
     agent_url = http_url(agent_url_field, agent_url)
     token_file = layers.value("token_file")
     if not token_file:

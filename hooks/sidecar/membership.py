@@ -5,29 +5,25 @@ The kubelet writes a pod's annotations into a downward-API volume file as lines
 `\\uHHHH`, `\\UHHHHHHHH`, octal `\\ooo`, ...). `parse_downward_annotations` undoes exactly that
 and rejects anything else with `AnnotationFormatError` naming the line.
 
-`spotguard.io/membership` holds `{"v": 1, "generation": n, "hosts": [...], "world_size": n}`
-and optionally `"drain": "<id>"`, the supervisor asking every member to checkpoint and drain
-(a return from on-demand to spot capacity; the sidecar turns it into a `drain` notice)
-(`Membership`). `AnnotationWatcher` polls the file (stat signature, then content, read in a
+`spotguard.io/membership` holds a `wire.membership.Membership` (the supervisor writes it).
+`AnnotationWatcher` polls the file (stat signature, then content, read in a
 thread) and calls back with each new valid membership; a missing file means "none yet", and a
 malformed file or value is logged and ignored, keeping the last good membership.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any
 from collections.abc import Awaitable, Callable
+
+from spotguard.wire import names
+from spotguard.wire.membership import Membership, MembershipFormatError
 
 log = logging.getLogger(__name__)
 
-MEMBERSHIP_KEY = "spotguard.io/membership"
 ANNOTATIONS_FILE = "annotations"
 MAX_FILE_BYTES = 1 << 20
-MAX_DRAIN_ID = 256
 
 _SIMPLE_ESCAPES = {"a": 7, "b": 8, "f": 12, "n": 10, "r": 13, "t": 9, "v": 11, "\\": 92, '"': 34}
 _HEX = "0123456789abcdefABCDEF"
@@ -35,10 +31,6 @@ _HEX = "0123456789abcdefABCDEF"
 
 class AnnotationFormatError(ValueError):
     """The downward-API annotations file is malformed; the message names the line."""
-
-
-class MembershipFormatError(ValueError):
-    """A membership value is not the versioned JSON object; the message names the field."""
 
 
 def unquote_go(literal: str) -> str:
@@ -105,56 +97,6 @@ def parse_downward_annotations(text: str) -> dict[str, str]:
     return result
 
 
-def _whole(obj: dict, name: str, minimum: int) -> int:
-    value = obj.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise MembershipFormatError(f"{name}: expected a whole number >= {minimum}, got {value!r:.40}")
-    return value
-
-
-@dataclass(frozen=True)
-class Membership:
-    """Which hosts make up the job, generation `generation` (larger is newer)."""
-
-    generation: int
-    hosts: tuple[str, ...]
-    world_size: int
-    drain: str = ""  # the supervisor's drain request id ("" when none)
-
-    def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {"v": 1, "generation": self.generation, "hosts": list(self.hosts),
-                                "world_size": self.world_size}
-        if self.drain:
-            wire["drain"] = self.drain
-        return wire
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> Membership:
-        if not isinstance(obj, dict):
-            raise MembershipFormatError(f"membership: expected a JSON object, got {type(obj).__name__}")
-        if obj.get("v") != 1 or isinstance(obj.get("v"), bool):
-            raise MembershipFormatError(f"v: unsupported version {obj.get('v')!r:.20} (expected 1)")
-        generation = _whole(obj, "generation", 0)
-        world_size = _whole(obj, "world_size", 0)
-        hosts = obj.get("hosts")
-        if not isinstance(hosts, list) or any(not isinstance(h, str) or not h or h != h.strip() for h in hosts):
-            raise MembershipFormatError("hosts: expected a list of non-empty host names")
-        if len(set(hosts)) != len(hosts):
-            raise MembershipFormatError("hosts: a host is listed twice")
-        drain = obj.get("drain", "")
-        if not isinstance(drain, str) or len(drain) > MAX_DRAIN_ID or drain != drain.strip():
-            raise MembershipFormatError(f"drain: expected a request id of at most {MAX_DRAIN_ID} characters")
-        return cls(generation, tuple(hosts), world_size, drain)
-
-    @classmethod
-    def from_json(cls, text: str) -> Membership:
-        try:
-            obj = json.loads(text)
-        except ValueError as exc:
-            raise MembershipFormatError(f"membership: not JSON ({exc})") from None
-        return cls.from_wire(obj)
-
-
 def read_membership(path: str) -> Membership | None:
     """The membership in a downward-API annotations file (blocking); None if absent.
 
@@ -171,7 +113,7 @@ def read_membership(path: str) -> Membership | None:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise AnnotationFormatError("file is not UTF-8") from None
-    value = parse_downward_annotations(text).get(MEMBERSHIP_KEY)
+    value = parse_downward_annotations(text).get(names.ANN_MEMBERSHIP)
     return None if value is None else Membership.from_json(value)
 
 

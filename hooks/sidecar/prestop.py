@@ -1,6 +1,6 @@
 """Hook reports from the pod's ranks, and the preStop wait built on them.
 
-`HookReport.from_wire` validates a POST /v1/hooks body. `HookBook` keeps, per notice id and
+The report body (POST /v1/hooks) is `wire.hook_report.HookReport`. `HookBook` keeps, per notice id and
 rank, what the rank reported, and says how far the pod is (`Progress`).
 
 Expected ranks of the pod: `local_world_size` when configured (`--local-world-size` /
@@ -20,64 +20,15 @@ pod whose notice it has not heard of again yet.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from spotguard.hooks.sidecar.broadcast import Pulse
-from spotguard.hooks.sidecar.relay import LiveSet
+from spotguard.wire.hook_report import HookReport
+from spotguard.wire.live import LiveSet
 
-PHASES = ("checkpoint-durable", "drained", "failed")
 UNSETTLED_WAIT_SECONDS = 30.0
-MAX_ID = 512
-
-
-class HookFormatError(ValueError):
-    """A hook report body is invalid; the message names the field."""
-
-
-def _whole(obj: Mapping, name: str, minimum: int) -> int:
-    value = obj.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise HookFormatError(f"{name}: expected a whole number >= {minimum}, got {value!r:.40}")
-    return value
-
-
-@dataclass(frozen=True)
-class HookReport:
-    """One rank's report of one hook phase for one notice."""
-
-    notice_id: str
-    rank: int
-    world_size: int
-    step: int
-    phase: str
-    seconds: float
-    steps_lost: int = 0
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> "HookReport":
-        if not isinstance(obj, Mapping):
-            raise HookFormatError(f"body: expected a JSON object, got {type(obj).__name__}")
-        if obj.get("v") != 1 or isinstance(obj.get("v"), bool):
-            raise HookFormatError(f"v: unsupported version {obj.get('v')!r:.20} (expected 1)")
-        notice_id = obj.get("notice_id")
-        if not isinstance(notice_id, str) or not notice_id or len(notice_id) > MAX_ID:
-            raise HookFormatError(f"notice_id: expected a non-empty string of at most {MAX_ID} characters")
-        world_size = _whole(obj, "world_size", 1)
-        rank = _whole(obj, "rank", 0)
-        if rank >= world_size:
-            raise HookFormatError(f"rank: {rank} is not below world_size {world_size}")
-        step = _whole(obj, "step", 0)
-        phase = obj.get("phase")
-        if phase not in PHASES:
-            raise HookFormatError(f"phase: expected one of {', '.join(PHASES)}, got {phase!r:.40}")
-        seconds = obj.get("seconds")
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
-            raise HookFormatError(f"seconds: expected a finite number >= 0, got {seconds!r:.40}")
-        steps_lost = _whole(obj, "steps_lost", 0) if "steps_lost" in obj else 0
-        return cls(notice_id, rank, world_size, step, phase, float(seconds), steps_lost)
 
 
 @dataclass

@@ -25,6 +25,7 @@ import aiohttp
 
 from spotguard.backoff import Backoff
 from spotguard.hooks.sidecar.prestop import Progress
+from spotguard.wire.agent_report import Report
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,9 @@ class ReportPlanner:
         hook_seconds = {"checkpoint": max((s.checkpoint_seconds for s in states), default=0.0)}
         if stage == "drained":
             hook_seconds["drain"] = max(s.drain_seconds for s in states)
-        return {
-            "v": 1, "notice_id": progress.notice_id, "pod": self.pod, "namespace": self.namespace,
-            "status": status, "step": max((s.step for s in states), default=0),
-            "hook_seconds": hook_seconds, "steps_lost": max((s.steps_lost for s in states), default=0),
-        }
+        return Report(progress.notice_id, self.pod, self.namespace, status,
+                      step=max((s.step for s in states), default=0), hook_seconds=hook_seconds,
+                      steps_lost=max((s.steps_lost for s in states), default=0)).to_wire()
 
 
 def read_token(path: str) -> str:

@@ -8,7 +8,7 @@ only its own containers share.
 Endpoints (docs/protocols.md, "Sidecar"):
 - GET /v1/notices: `{"v": 1, "node", "notices": [...]}`, most urgent first;
 - GET /v1/stream: SSE; `snapshot` on connect (`complete` once the agent's snapshot was, see
-  agent/snapshot.py; a fresh complete `snapshot` follows when that happens later), then the
+  wire/snapshot.py; a fresh complete `snapshot` follows when that happens later), then the
   current `membership` (if any), then `notice` / `withdrawn` / `membership` as they happen,
   each with a sequence `id`; `: keepalive` every `keepalive` s; a reader `max_queue` events
   behind is disconnected; at most `max_streams` open at once (503 past it);
@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from spotguard.agent.sse import KEEPALIVE, encode
 from spotguard.hooks.sidecar.broadcast import CLOSED, CUT_OFF
-from spotguard.hooks.sidecar.prestop import HookFormatError, HookReport, wait_for_pod
+from spotguard.hooks.sidecar.prestop import wait_for_pod
 from spotguard.http_server import BodyError, client_address, read_json
 from spotguard.stream_slots import SlotRefused, StreamSlots
+from spotguard.wire.hook_report import HookFormatError, HookReport
+from spotguard.wire.sse import KEEPALIVE, encode
 
 if TYPE_CHECKING:
     from spotguard.hooks.sidecar.service import Sidecar

@@ -17,20 +17,24 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from spotguard.agent.notice import Kind, Notice, now_utc
-from spotguard.agent.notice import notice_id as notice_id_of
-from spotguard.agent.snapshot import snapshot_wire
 from spotguard.config import ConfigError
-from spotguard.http_server import ServerLimits, start_server
 from spotguard.hooks.hostfile import (ElasticityError, ElasticRule, Host, HostfileError,
                                       elastic_rule_from_config, read_hostfile, write_atomic)
 from spotguard.hooks.sidecar.broadcast import Broadcaster, Pulse
-from spotguard.hooks.sidecar.membership import AnnotationWatcher, Membership
-from spotguard.hooks.sidecar.prestop import HookBook, HookReport, Progress
-from spotguard.hooks.sidecar.relay import Change, LiveSet, Relay
+from spotguard.hooks.sidecar.membership import AnnotationWatcher
+from spotguard.hooks.sidecar.prestop import HookBook, Progress
+from spotguard.hooks.sidecar.relay import Relay
 from spotguard.hooks.sidecar.reporter import Reporter, ReportPlanner
 from spotguard.hooks.sidecar.server import SidecarAPI
 from spotguard.hooks.sidecar.topology import Topology
+from spotguard.http_server import ServerLimits, start_server
+from spotguard.wire import names
+from spotguard.wire.hook_report import HookReport
+from spotguard.wire.live import Change, LiveSet
+from spotguard.wire.membership import Membership
+from spotguard.wire.notice import Kind, Notice, now_utc
+from spotguard.wire.notice import notice_id as notice_id_of
+from spotguard.wire.snapshot import snapshot_wire
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ class SidecarConfig:
     agent_url: str
     token_file: str
     listen_host: str = "127.0.0.1"
-    listen_port: int = 9741
+    listen_port: int = names.SIDECAR_PORT
     agent_token_file: str | None = None
     podinfo_dir: str | None = None
     hostfile: str | None = None

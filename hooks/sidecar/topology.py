@@ -29,9 +29,9 @@ import logging
 from typing import Any
 from collections.abc import Awaitable, Callable, Iterable
 
-from spotguard.agent.notice import Kind, Notice
 from spotguard.hooks.hostfile import ElasticRule, Host, select_hosts, write_hostfile
-from spotguard.hooks.sidecar.membership import Membership
+from spotguard.wire.membership import Membership
+from spotguard.wire.notice import Kind, Notice
 
 log = logging.getLogger(__name__)
 

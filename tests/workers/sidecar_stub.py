@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from spotguard.agent.sse import encode
+from spotguard.wire.sse import encode
 
 
 class SidecarStub:

@@ -1,5 +1,7 @@
 """The notice: one event that threatens a node's training work, and its versioned wire form.
 
+Also the wire layer's shared time format (`format_time`/`parse_time`, RFC 3339 UTC).
+
 Contract (stable across releases):
 - `id` is stable across polls and agent restarts. It is derived from the cloud's own event id
   where one exists, otherwise from the fields that identify the event (kind + deadline, or an
@@ -23,6 +25,7 @@ from datetime import datetime, timezone
 from typing import Any, Mapping
 
 WIRE_VERSION = 1
+MAX_NOTICE_ID = 512  # longest notice id a reader accepts where it names one (withdrawals, hook reports)
 
 
 class Kind(str, enum.Enum):
@@ -200,20 +203,3 @@ class Notice:
         except (ValueError, UnicodeDecodeError) as exc:
             raise NoticeFormatError(f"notice: not JSON ({exc})") from None
         return cls.from_wire(obj)
-
-
-@dataclass(frozen=True)
-class Withdrawal:
-    """The cloud took a notice back (a canceled maintenance, a cleared taint)."""
-
-    notice_id: str
-    source: str
-    node: str
-    reason: str = "withdrawn"
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"v": WIRE_VERSION, "withdrawn": self.notice_id, "source": self.source, "node": self.node, "reason": self.reason}
-
-
-Update = Notice | Withdrawal
-"""What a source yields: a new or changed notice, or the withdrawal of one it yielded before."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from spotguard.agent.notice import WIRE_VERSION, Notice, NoticeFormatError
+from spotguard.wire.notice import WIRE_VERSION, Notice, NoticeFormatError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,76 @@
+"""The job's membership, as the supervisor pushes it to every pod (annotation
+`spotguard.io/membership`, read by the sidecar from its downward-API file).
+
+Wire form: `{"v": 1, "generation": n, "hosts": [...], "world_size": n}` and optionally
+`"drain": "<id>"`, the supervisor asking every member to checkpoint and drain (a return from
+on-demand to spot capacity; the sidecar turns it into a `drain` notice). `Membership.to_json`
+writes it (supervisor), `Membership.from_wire`/`from_json` read it (sidecar), rejecting another
+version, a negative count, duplicate or empty hosts and a bad drain id with
+`MembershipFormatError` naming the field.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+VERSION = 1
+MAX_DRAIN_ID = 256
+
+
+class MembershipFormatError(ValueError):
+    """A membership value is not the versioned JSON object; the message names the field."""
+
+
+def _whole(obj: dict, name: str, minimum: int) -> int:
+    value = obj.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise MembershipFormatError(f"{name}: expected a whole number >= {minimum}, got {value!r:.40}")
+    return value
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Which hosts make up the job, generation `generation` (larger is newer)."""
+
+    generation: int
+    hosts: tuple[str, ...]
+    world_size: int
+    drain: str = ""  # the supervisor's drain request id ("" when none)
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"v": VERSION, "generation": self.generation, "hosts": list(self.hosts),
+                                "world_size": self.world_size}
+        if self.drain:
+            wire["drain"] = self.drain
+        return wire
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> "Membership":
+        if not isinstance(obj, dict):
+            raise MembershipFormatError(f"membership: expected a JSON object, got {type(obj).__name__}")
+        if obj.get("v") != VERSION or isinstance(obj.get("v"), bool):
+            raise MembershipFormatError(f"v: unsupported version {obj.get('v')!r:.20} (expected {VERSION})")
+        generation = _whole(obj, "generation", 0)
+        world_size = _whole(obj, "world_size", 0)
+        hosts = obj.get("hosts")
+        if not isinstance(hosts, list) or any(not isinstance(h, str) or not h or h != h.strip() for h in hosts):
+            raise MembershipFormatError("hosts: expected a list of non-empty host names")
+        if len(set(hosts)) != len(hosts):
+            raise MembershipFormatError("hosts: a host is listed twice")
+        drain = obj.get("drain", "")
+        if not isinstance(drain, str) or len(drain) > MAX_DRAIN_ID or drain != drain.strip():
+            raise MembershipFormatError(f"drain: expected a request id of at most {MAX_DRAIN_ID} characters")
+        return cls(generation, tuple(hosts), world_size, drain)
+
+    def to_json(self) -> str:
+        """The annotation value: compact JSON with sorted keys, so equal memberships compare equal as text."""
+        return json.dumps(self.to_wire(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Membership":
+        try:
+            obj = json.loads(text)
+        except ValueError as exc:
+            raise MembershipFormatError(f"membership: not JSON ({exc})") from None
+        return cls.from_wire(obj)

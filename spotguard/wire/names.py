@@ -1,0 +1,94 @@
+"""Every shared name of spotguard's contract: labels, annotations, taints, conditions, Event
+reasons, environment variables, ports and exit codes, each defined once.
+
+These names are user-facing (docs/protocols.md, supervisor/README.md, the manifests): changing
+a value breaks running clusters and launchers.
+"""
+from __future__ import annotations
+
+PREFIX = "spotguard.io/"
+
+# ---- On pods ---------------------------------------------------------------------------------
+LABEL_INJECT = PREFIX + "inject"  # "true": the injector adds the sidecar; the agent posts Events on the pod
+ANN_INJECTED = PREFIX + "injected"  # "true" once injected
+ANN_GRACE_SECONDS = PREFIX + "grace-seconds"  # terminationGracePeriodSeconds to cover the save
+ANN_HOSTFILE = PREFIX + "hostfile"  # DeepSpeed hostfile the sidecar rewrites
+ANN_DEEPSPEED_CONFIG = PREFIX + "deepspeed-config"
+ANN_LOCAL_WORLD_SIZE = PREFIX + "local-world-size"  # ranks in the pod
+ANN_MEMBERSHIP = PREFIX + "membership"  # wire.membership.Membership, written by the supervisor
+
+# ---- On jobs (batch/v1 Job, kubeflow.org/v1 PyTorchJob) ---------------------------------------
+LABEL_MANAGED = PREFIX + "managed"  # "true" opts a job in
+ANN_POLICY = PREFIX + "policy"  # elastic | fixed
+ANN_MIN_REPLICAS = PREFIX + "min-replicas"
+ANN_MAX_REPLICAS = PREFIX + "max-replicas"
+ANN_MAX_WAIT = PREFIX + "max-wait"  # seconds
+ANN_STATUS = PREFIX + "status"  # the decision record (JSON, see supervisor/record.py)
+ANN_STEPS_LOST = PREFIX + "steps-lost"  # integer: steps lost, summed by the supervisor from drained pods
+ANN_FALLBACK = PREFIX + "fallback"  # "on-demand" opts in to the on-demand fallback
+ANN_FALLBACK_AFTER = PREFIX + "fallback-after"  # duration without spot capacity before moving (10m)
+ANN_RETURN_AFTER = PREFIX + "return-after"  # duration spot capacity must stay free before returning (5m)
+
+# ---- On nodes (written by the agent's node marker) --------------------------------------------
+ANN_NOTICE = PREFIX + "notice"  # wire JSON of the most urgent live notice
+ANN_CORDONED = PREFIX + "cordoned"  # the marker cordoned the node
+ANN_NOTICE_BOOT_ID = PREFIX + "notice-boot-id"  # the node's bootID when marked
+TAINT_RECLAIM = PREFIX + "reclaim"  # value: the kind of the most urgent notice
+TAINT_EFFECT = "NoSchedule"
+
+# ---- Conditions the supervisor sets on jobs (status.conditions) ------------------------------
+COND_SUSPENDED = "SpotguardSuspended"
+COND_MAX_WAIT = "SpotguardMaxWaitExceeded"
+COND_ON_DEMAND = "SpotguardOnDemand"  # True while the job runs on on-demand capacity after a fallback
+
+# ---- Event reasons and reporting components ---------------------------------------------------
+EVENT_NOTICE = "SpotguardNotice"  # the agent, on the node and its injected pods
+EVENT_SCALED = "SpotguardScaled"  # the rest: the supervisor, on the job
+EVENT_CHECKPOINTING = "SpotguardCheckpointing"
+EVENT_SUSPENDED = "SpotguardSuspended"
+EVENT_RESUMED = "SpotguardResumed"
+EVENT_MAX_WAIT = "SpotguardMaxWaitExceeded"
+EVENT_INVALID_POLICY = "SpotguardInvalidPolicy"
+EVENT_NOTED = "SpotguardNoticeNoted"
+EVENT_FELL_BACK = "SpotguardFellBackToOnDemand"
+EVENT_RETURNING = "SpotguardReturningToSpot"
+EVENT_RETURNED = "SpotguardReturnedToSpot"
+COMPONENT = "spotguard-supervisor"
+COMPONENT_AGENT = "spotguard-agent"
+
+# ---- Ports -----------------------------------------------------------------------------------
+AGENT_PORT = 9740  # node agent (host network): notices, stream, reports
+SIDECAR_PORT = 9741  # sidecar, on the pod's loopback: stream for the Guard, hooks, preStop
+
+# ---- Environment the injector sets and the sidecar / Guard read -------------------------------
+ENV_SIDECAR_URL = "SPOTGUARD_SIDECAR_URL"  # Guard: the sidecar's base URL
+ENV_TOKEN_FILE = "SPOTGUARD_TOKEN_FILE"  # Guard and sidecar: the hooks bearer token file
+ENV_GRACE_SECONDS = "SPOTGUARD_GRACE_SECONDS"  # Guard: the pod's termination grace
+ENV_AGREE_EVERY = "SPOTGUARD_AGREE_EVERY"  # Guard
+ENV_HORIZON_SECONDS = "SPOTGUARD_HORIZON_SECONDS"  # Guard
+ENV_NODE_IP = "SPOTGUARD_NODE_IP"  # sidecar: status.hostIP, where the agent listens
+ENV_POD_NAME = "SPOTGUARD_POD_NAME"  # sidecar
+ENV_POD_NAMESPACE = "SPOTGUARD_POD_NAMESPACE"  # sidecar
+ENV_LOCAL_WORLD_SIZE = "SPOTGUARD_LOCAL_WORLD_SIZE"  # sidecar: ranks in this pod
+ENV_AGENT_TOKEN_FILE = "SPOTGUARD_AGENT_TOKEN_FILE"  # sidecar: bearer token for the agent
+ENV_PODINFO_DIR = "SPOTGUARD_PODINFO_DIR"  # sidecar: the downward-API volume
+ENV_TERMINATION_LOG = "SPOTGUARD_TERMINATION_LOG"  # Guard: where a drained rank writes its termination message
+
+# ---- Exit codes of a rank that drained after a notice (docs/protocols.md, "Guard") -----------
+# A launcher or the supervisor reads them to tell a reclaim from a crash. 83: drained, the
+# checkpoint is durable (restart, with fewer workers if the node is gone, and resume from it);
+# 84: drained but the checkpoint failed (resuming falls back to the previous complete one).
+# Any other non-zero status is a crash.
+EXIT_PREEMPTED = 83
+EXIT_CHECKPOINT_FAILED = 84
+EXIT_DESCRIPTIONS = {
+    EXIT_PREEMPTED: "preempted: drained after a notice, checkpoint durable",
+    EXIT_CHECKPOINT_FAILED: "preempted: drained after a notice, checkpoint failed",
+}
+
+
+def describe_exit(code: int) -> str:
+    """A human description of a rank's exit status (0 = finished, 83/84 = drained, else crash)."""
+    if code == 0:
+        return "finished"
+    return EXIT_DESCRIPTIONS.get(code, f"crashed (exit status {code})")

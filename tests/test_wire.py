@@ -1,0 +1,69 @@
+"""The wire layer: one urgency order, one membership codec, and the layer rules it exists for."""
+from __future__ import annotations
+
+import ast
+from datetime import timedelta
+from pathlib import Path
+
+from spotguard.supervisor.membership import membership_json
+from spotguard.wire.live import LiveSet
+from spotguard.wire.membership import Membership
+from spotguard.wire.notice import Kind, Notice, now_utc
+from spotguard.wire.urgency import most_urgent, most_urgent_first
+
+ROOT = Path(__file__).resolve().parent.parent
+UPPER = ("spotguard.agent", "spotguard.hooks", "spotguard.supervisor", "spotguard.injector",
+         "spotguard.trainer", "spotguard.emulator")
+
+
+def _notice(name: str, deadline_s: float | None, detected_s: float = 0.0) -> Notice:
+    base = now_utc()
+    deadline = None if deadline_s is None else base + timedelta(seconds=deadline_s)
+    return Notice(name, Kind.RECLAIM, "test", "node-1", base + timedelta(seconds=detected_s), deadline)
+
+
+def _imports(path: Path) -> list[str]:
+    modules = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            modules.append(node.module)
+        elif isinstance(node, ast.Import):
+            modules.extend(a.name for a in node.names)
+    return modules
+
+
+def test_most_urgent_first_orders_by_deadline_then_detection_then_id():
+    late, early, none = _notice("a", 60), _notice("b", 10), _notice("c", None)
+    tie_old, tie_new = _notice("z", 30, detected_s=-5), _notice("y", 30)
+    tie_id_b = _notice("m-b", 45)
+    tie_id_a = Notice("m-a", Kind.RECLAIM, "test", "node-1", tie_id_b.detected_at, tie_id_b.deadline)
+    ordered = most_urgent_first([none, late, tie_id_b, tie_new, early, tie_id_a, tie_old])
+    assert [n.id for n in ordered] == ["b", "z", "y", "m-a", "m-b", "a", "c"]
+    assert most_urgent([none, late]) is late and most_urgent([]) is None
+
+
+def test_live_set_lists_notices_in_the_urgency_order():
+    live = LiveSet()
+    notices = [_notice("x", None), _notice("w", 20, detected_s=1), _notice("v", 20)]
+    for notice in notices:
+        live.upsert(notice)
+    assert live.notices() == most_urgent_first(notices)
+
+
+def test_membership_written_by_the_supervisor_reads_back_in_the_sidecar():
+    text = membership_json(7, ["h2", "h1"], 3, drain="ret-1")
+    assert Membership.from_json(text) == Membership(7, ("h2", "h1"), 3, "ret-1")
+    assert membership_json(1, ["h"], 1) == '{"generation":1,"hosts":["h"],"v":1,"world_size":1}'
+
+
+def test_wire_imports_no_part_above_it():
+    offenders = [f"{p.relative_to(ROOT)}: {m}" for p in sorted((ROOT / "spotguard" / "wire").glob("*.py"))
+                 for m in _imports(p) if m.startswith(UPPER)]
+    assert offenders == []
+
+
+def test_hooks_supervisor_and_injector_never_import_the_agent():
+    offenders = [f"{p.relative_to(ROOT)}: {m}" for part in ("hooks", "supervisor", "injector")
+                 for p in sorted((ROOT / part).rglob("*.py")) for m in _imports(p)
+                 if m == "spotguard.agent" or m.startswith("spotguard.agent.")]
+    assert offenders == []
