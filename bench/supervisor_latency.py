@@ -42,7 +42,7 @@ import kmock
 from spotguard.agent.notice import Notice, notice_id
 from spotguard.kube import load_api_client
 from spotguard.supervisor import names
-from spotguard.supervisor.kubeapi import NODES, Kube
+from spotguard.kube.api import NODES, Kube
 from spotguard.supervisor.testing import VersionedKubernetesEmulator
 
 NS = "bench"

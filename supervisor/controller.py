@@ -32,7 +32,7 @@ from spotguard.supervisor.events import event_body
 from spotguard.supervisor.informer import Informer
 from spotguard.supervisor.jobs import ADAPTERS, JobAdapter
 from spotguard.supervisor.jobs.base import merge
-from spotguard.supervisor.kubeapi import EVENTS, NODES, PODS, ApiError, Conflict, Kube, NotFound
+from spotguard.kube.api import EVENTS, NODES, PODS, ApiError, Conflict, Kube, NotFound
 from spotguard.supervisor.metrics import SupervisorMetrics
 from spotguard.supervisor.policy import (ELASTIC, MOVE, RESUME, SCALE, SUSPEND, Decision, JobState, NoticeHit,
                                          PolicyError, Settings, decide, decision_key, needs_capacity, parse_policy)

@@ -17,7 +17,7 @@ import pytest
 from spotguard.agent.notice import Kind, Notice
 from spotguard.supervisor import names
 from spotguard.supervisor.controller import Controller, ControllerConfig
-from spotguard.supervisor.kubeapi import Kube
+from spotguard.kube.api import Kube
 from spotguard.supervisor.policy import Settings
 from spotguard.supervisor.record import parse_record
 from tests.k8s_world import add_ready_node, wait_until

@@ -17,7 +17,7 @@ from spotguard.agent.node_marker import NodeMarker
 from spotguard.agent.notice import Kind
 from spotguard.supervisor import names
 from spotguard.supervisor.controller import Controller, ControllerConfig
-from spotguard.supervisor.kubeapi import LEASES, Kube
+from spotguard.kube.api import LEASES, Kube
 from spotguard.supervisor.leader import LeaderElector
 from spotguard.supervisor.policy import Settings
 from tests.k8s_world import add_ready_node, refusals, set_container_exit, set_pod_running, wait_until

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from spotguard.supervisor import names
-from spotguard.supervisor.kubeapi import PYTORCHJOBS
+from spotguard.kube.api import PYTORCHJOBS
 from tests.supervisor_cluster import NS, eventually, running_cluster
 
 NODES = ["n0", "n1", "n2", "n3"]

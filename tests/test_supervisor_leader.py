@@ -7,7 +7,7 @@ import threading
 
 from spotguard.kube import load_api_client
 from spotguard.supervisor import names
-from spotguard.supervisor.kubeapi import LEASES, Kube
+from spotguard.kube.api import LEASES, Kube
 from spotguard.supervisor.leader import LeaderElector
 from tests.supervisor_cluster import NS, eventually, running_cluster
 

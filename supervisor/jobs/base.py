@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Mapping
 
-from spotguard.supervisor.kubeapi import Resource
+from spotguard.kube.api import Resource
 
 
 class JobAdapter(ABC):

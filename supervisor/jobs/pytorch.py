@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from spotguard.supervisor.capacity_type import directives_of, merge_patch
 from spotguard.supervisor.jobs.base import JobAdapter
-from spotguard.supervisor.kubeapi import PYTORCHJOBS
+from spotguard.kube.api import PYTORCHJOBS
 
 REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
 
