@@ -41,8 +41,8 @@ import kmock
 
 from spotguard.agent.notice import Notice, notice_id
 from spotguard.kube import load_api_client
-from spotguard.supervisor import names
 from spotguard.kube.api import NODES, Kube
+from spotguard.supervisor import names
 from spotguard.supervisor.testing import VersionedKubernetesEmulator
 
 NS = "bench"
