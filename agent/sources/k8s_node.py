@@ -9,7 +9,7 @@ Watches ONE Node object and turns these marks into `drain` notices (deadline Non
 Each notice's id comes from (node, signal), so it is stable across watches and agent restarts;
 a removed taint or an uncordon withdraws it, as does the Node's deletion.
 
-The official client is blocking, so a daemon thread runs list + watch (field selector
+The Kubernetes access layer (`spotguard.kube.api`) is blocking, so a daemon thread runs list + watch (field selector
 `metadata.name=<node>`, also filtered by name here) and hands each new Node state, or each
 error, to the event loop. After an error or a 410 (watch expired) it re-lists and re-watches,
 with backoff on consecutive errors. `close()` (called when `run()` ends, cancellation
