@@ -38,6 +38,7 @@ from spotguard.backoff import Backoff
 from spotguard.config import ConfigError
 from spotguard.http_server import ServerLimits, start_server
 from spotguard.wire import names
+from spotguard.kube.api import PODS, Kube
 
 log = logging.getLogger(__name__)
 
@@ -199,17 +200,15 @@ class Agent:
 
     async def _expected_pods(self) -> set[tuple[str, str]]:
         """The opted-in pods running on this node (who must report before an early approval)."""
-        import kubernetes
+        kube = Kube(self.api_client, request_timeout=5)
 
         def list_pods() -> set[tuple[str, str]]:
-            core = kubernetes.client.CoreV1Api(self.api_client)
-            pods = core.list_pod_for_all_namespaces(label_selector=f"{names.LABEL_INJECT}=true",
-                                                    field_selector=f"spec.nodeName={self.config.node}",
-                                                    _request_timeout=5)
-            return {(p.metadata.namespace, p.metadata.name) for p in pods.items
-                    if p.spec is not None and p.spec.node_name == self.config.node
-                    and (p.metadata.labels or {}).get(names.LABEL_INJECT) == "true"
-                    and (p.status is None or p.status.phase in (None, "Pending", "Running"))}
+            pods, _ = kube.list(PODS, None, label_selector={names.LABEL_INJECT: "true"},
+                                field_selector=f"spec.nodeName={self.config.node}")
+            return {((p.get("metadata") or {}).get("namespace"), (p.get("metadata") or {}).get("name"))
+                    for p in pods if (p.get("spec") or {}).get("nodeName") == self.config.node
+                    and ((p.get("metadata") or {}).get("labels") or {}).get(names.LABEL_INJECT) == "true"
+                    and (p.get("status") or {}).get("phase") in (None, "Pending", "Running")}
 
         return await asyncio.to_thread(list_pods)
 

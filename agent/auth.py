@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from spotguard.config import ConfigError
+from spotguard.kube.api import TOKEN_REVIEWS, Kube
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class TokenReviewAuth:
     def __init__(self, api_client: Any, audience: str = AUDIENCE, ttl: float = 30.0,
                  negative_ttl: float = 5.0, request_timeout: float = 5.0, max_cache: int = 1024):
         self.api_client = api_client
+        self.kube = Kube(api_client, request_timeout=request_timeout)
         self.audience = audience
         self.ttl, self.negative_ttl = ttl, negative_ttl
         self.request_timeout = request_timeout
@@ -153,33 +155,30 @@ class TokenReviewAuth:
 
     def _review(self, token: str) -> Caller | AuthError:
         """Blocking: one TokenReview. Returns the caller, or the AuthError to raise."""
-        import kubernetes
-
         self.reviews += 1
-        api = kubernetes.client.AuthenticationV1Api(self.api_client)
-        body = kubernetes.client.V1TokenReview(
-            api_version="authentication.k8s.io/v1", kind="TokenReview",
-            spec=kubernetes.client.V1TokenReviewSpec(token=token, audiences=[self.audience]))
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                "spec": {"token": token, "audiences": [self.audience]}}
         try:
-            review = api.create_token_review(body, _request_timeout=self.request_timeout)
-        except Exception as exc:  # ApiException, urllib3 errors, a malformed answer
+            review = self.kube.create(TOKEN_REVIEWS, None, body)
+        except Exception as exc:  # ApiError (HTTP, transport, a malformed answer)
             log.warning("TokenReview failed: %s", exc.__class__.__name__)
             return AuthError(503, "cannot verify the token now (API server unreachable)")
-        return self._caller_from(review.status)
+        return self._caller_from(review.get("status") if isinstance(review, dict) else None)
 
     def _caller_from(self, status: Any) -> Caller | AuthError:
-        if status is None or not status.authenticated:
+        if not isinstance(status, dict) or status.get("authenticated") is not True:
             return AuthError(401, "token not authenticated")
-        if status.audiences is not None and self.audience not in status.audiences:
+        audiences = status.get("audiences")
+        if audiences is not None and self.audience not in audiences:
             return AuthError(401, f"token is not valid for audience {self.audience!r}")
-        user = status.user
-        username = getattr(user, "username", None) or ""
-        if not username.startswith(SA_PREFIX):
+        user = status.get("user") if isinstance(status.get("user"), dict) else {}
+        username = user.get("username") or ""
+        if not isinstance(username, str) or not username.startswith(SA_PREFIX):
             return AuthError(403, "only pod service-account tokens may report")
         namespace = username[len(SA_PREFIX):].split(":", 1)[0]
-        extra = getattr(user, "extra", None) or {}
+        extra = user.get("extra") if isinstance(user.get("extra"), dict) else {}
         pods = extra.get(POD_NAME_CLAIM) or []
-        pod = pods[0] if len(pods) == 1 else None
+        pod = pods[0] if isinstance(pods, list) and len(pods) == 1 else None
         if not namespace:
             return AuthError(403, "service-account token without a namespace")
         if pod is None:

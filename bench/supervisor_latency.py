@@ -40,9 +40,9 @@ from pathlib import Path
 import kmock
 
 from spotguard.kube import load_api_client
-from spotguard.supervisor.kubeapi import NODES, Kube
-from spotguard.supervisor.testing import VersionedKubernetesEmulator
+from spotguard.kube.api import NODES, Kube
 from spotguard.wire import names
+from spotguard.supervisor.testing import VersionedKubernetesEmulator
 from spotguard.wire.notice import Notice, notice_id
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,6 +17,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from spotguard.kube.api import JSON_PATCH, MUTATING_WEBHOOKS, SECRETS, STRATEGIC_MERGE_PATCH, Kube, NotFound
+from spotguard.kube.conflict import retry_on_conflict
+
 
 @dataclass(frozen=True)
 class TlsMaterial:
@@ -76,41 +79,37 @@ def ensure_secret_and_ca_bundle(api_client, namespace: str, secret_name: str, se
 
     The Secret is created (empty) by the manifests, never here: certgen may only get and patch
     that one Secret, so it cannot mint a Secret of another type (a service-account token).
+    The fill is conditional on the read resourceVersion: a concurrent certgen run makes it a 409,
+    and the re-read finds that run's certificate, which is kept (`retry_on_conflict`).
     Returns True when a new certificate was made. Raises MissingSecret when the Secret is absent.
     Blocking (Kubernetes client): call in a thread.
     """
-    import kubernetes
+    kube = Kube(api_client)
+    made: list[bytes] = []
 
-    core = kubernetes.client.CoreV1Api(api_client)
-    admission = kubernetes.client.AdmissionregistrationV1Api(api_client)
-    created = False
-    try:
-        secret = core.read_namespaced_secret(secret_name, namespace)
-    except kubernetes.client.ApiException as exc:
-        if exc.status == 404:
+    def fill_or_read() -> bytes:
+        try:
+            secret = kube.get(SECRETS, namespace, secret_name)
+        except NotFound:
             raise MissingSecret(f"secret {namespace}/{secret_name} is missing: the manifests create it "
                                 "(kubectl apply -k daemonset/)") from None
-        raise
-    data = secret.data or {}
-    if all(data.get(k) for k in TLS_KEYS):
-        ca_pem = base64.b64decode(data["ca.crt"])
-    else:
+        data = secret.get("data") or {}
+        if all(data.get(k) for k in TLS_KEYS):
+            return base64.b64decode(data["ca.crt"])
         material = make_certificate(service_dns_names(service, namespace))
-        body = {"metadata": {"resourceVersion": secret.metadata.resource_version},
+        body = {"metadata": {"resourceVersion": (secret.get("metadata") or {}).get("resourceVersion")},
                 "data": {"tls.crt": base64.b64encode(material.cert_pem).decode(),
                          "tls.key": base64.b64encode(material.key_pem).decode(),
                          "ca.crt": base64.b64encode(material.ca_pem).decode()}}
-        try:  # conditional on the read resourceVersion: a concurrent certgen run makes this a 409
-            core.patch_namespaced_secret(secret_name, namespace, body)
-            ca_pem, created = material.ca_pem, True
-        except kubernetes.client.ApiException as exc:
-            if exc.status != 409:
-                raise
-            ca_pem = base64.b64decode(core.read_namespaced_secret(secret_name, namespace).data["ca.crt"])
-    config = admission.read_mutating_webhook_configuration(webhook_name)
-    ops = [{"op": "replace" if (w.client_config.ca_bundle or None) else "add",
+        kube.patch(SECRETS, namespace, secret_name, body, content_type=STRATEGIC_MERGE_PATCH)
+        made.append(material.ca_pem)
+        return material.ca_pem
+
+    ca_pem = retry_on_conflict(fill_or_read)
+    config = kube.get(MUTATING_WEBHOOKS, None, webhook_name)
+    ops = [{"op": "replace" if ((w.get("clientConfig") or {}).get("caBundle") or None) else "add",
             "path": f"/webhooks/{i}/clientConfig/caBundle",
-            "value": base64.b64encode(ca_pem).decode()} for i, w in enumerate(config.webhooks or [])]
+            "value": base64.b64encode(ca_pem).decode()} for i, w in enumerate(config.get("webhooks") or [])]
     if ops:
-        admission.patch_mutating_webhook_configuration(webhook_name, ops)
-    return created
+        kube.patch(MUTATING_WEBHOOKS, None, webhook_name, ops, content_type=JSON_PATCH)
+    return bool(made)

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from spotguard.supervisor.controller import Controller, ControllerConfig
 from spotguard.supervisor.cost import CostLedger, PriceTable
-from spotguard.supervisor.kubeapi import Kube
+from spotguard.kube.api import Kube
 from spotguard.supervisor.leader import LeaderElector
 from spotguard.supervisor.metrics import SupervisorMetrics, metrics_app
 from spotguard.supervisor.policy import Settings

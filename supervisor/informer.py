@@ -15,7 +15,7 @@ import threading
 from typing import Any, Callable, Mapping
 
 from spotguard.backoff import Backoff
-from spotguard.supervisor.kubeapi import ApiError, Kube, NotFound, Resource, matches_labels
+from spotguard.kube.api import ApiError, Kube, NotFound, Resource, matches_labels
 
 log = logging.getLogger(__name__)
 

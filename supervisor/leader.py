@@ -19,7 +19,7 @@ import time
 from datetime import datetime, UTC
 from collections.abc import Callable
 
-from spotguard.supervisor.kubeapi import LEASES, ApiError, Conflict, Kube, NotFound
+from spotguard.kube.api import LEASES, ApiError, Conflict, Kube, NotFound
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,9 @@
 
 Nothing here talks to Kubernetes: `decide(state, now, settings)` maps what the controller saw
 (the job's replicas, the live notices on its nodes, the capacity left, its decision record) to
-one `Decision`. The same state and time always give the same decision, which is what lets a
+one `Decision`: the first of `TRANSITIONS` (phase and state conditions, in order) that holds
+decides, and what differs between the policies is a `Strategy` (`ElasticStrategy`,
+`FixedStrategy`). The same state and time always give the same decision, which is what lets a
 restarted supervisor, or the local dry-run, reproduce it.
 
 Policies (annotation `spotguard.io/policy`, default `fixed`):
@@ -22,7 +24,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Mapping
+from functools import cached_property
+from typing import Callable, Mapping
 
 from spotguard.config import ConfigError
 from spotguard.supervisor import fallback as fallback_rules
@@ -182,98 +185,201 @@ def _act(action: str, state: JobState, now: datetime, identity: str, *, event: s
                     recheck_at=recheck_at, directives=directives)
 
 
-def decide(state: JobState, now: datetime, settings: Settings = Settings(), identity: str = "") -> Decision:
-    """The decision for `state` at `now` (see the module docstring for the policies)."""
-    rec, policy = state.record, state.policy
-    elastic = policy.mode == ELASTIC
-    previous = rec.key or (rec.decided_at.isoformat() if rec.decided_at else "")
+@dataclass(frozen=True)
+class _Context:
+    """One `decide` call: the state, the clock and the derived values the transitions share."""
 
-    if rec.phase == GAVE_UP:
-        return Decision(NONE, rec)
+    state: JobState
+    now: datetime
+    settings: Settings
+    identity: str
 
-    move = fallback_rules.decide_move(state, now, settings, identity)
-    if move is not None and (move.acts or move.recheck_at is None or rec.phase != SUSPENDED):
-        return move
-    fallback_recheck = move.recheck_at if move is not None else None
+    @property
+    def rec(self) -> Record:
+        return self.state.record
 
-    if rec.phase == SUSPENDED:
-        need = policy.min_replicas if elastic else (rec.replicas or policy.max_replicas)
-        slots = state.free_slots
-        if slots >= need:
-            target = min(policy.max_replicas, slots) if elastic else need
-            return _act(RESUME, state, now, identity, event=names.EVENT_RESUMED, replicas=target,
-                        key=decision_key("resume", previous, target),
-                        message=f"capacity for {target} replicas returned (needed {need}); resuming at {target}",
-                        phase=RUNNING, reason="CapacityReturned", waiting_since=None, lacking_since=None)
-        waiting_since = rec.waiting_since or rec.decided_at or now
-        if policy.max_wait is not None:
-            expiry = waiting_since + timedelta(seconds=policy.max_wait)
-            if now >= expiry:
-                return _act(RECORD, state, now, identity, event=names.EVENT_MAX_WAIT, event_type="Warning",
-                            key=decision_key("give-up", previous),
-                            message=(f"waited {policy.max_wait:g}s (max-wait) without capacity for {need} replicas "
-                                     f"({slots} available): no longer waiting, the job stays suspended"),
-                            phase=GAVE_UP, reason="MaxWaitExceeded")
-            return Decision(NONE, rec, recheck_at=min(expiry, fallback_recheck or expiry))
-        return Decision(NONE, rec, recheck_at=fallback_recheck)
+    @property
+    def policy(self) -> Policy:
+        return self.state.policy
 
-    if state.suspended:
-        return Decision(NONE, rec)  # suspended by someone else: not ours to resume
+    @property
+    def strategy(self) -> "Strategy":
+        return STRATEGIES[self.policy.mode]
 
-    new = sorted((n for n in state.notices if n.id not in rec.handled), key=lambda n: n.id)
-    if new:
-        ids = tuple(n.id for n in new)
-        nodes = ", ".join(sorted({n.node for n in new}))
-        handled = rec.handled_add(*ids)
-        if not elastic:
-            if rec.phase == CHECKPOINTING:
-                return _act(RECORD, state, now, identity, event=names.EVENT_NOTED, key=decision_key("noted", *ids),
-                            message=f"further notice on {nodes} while waiting for the checkpoint", handled=handled,
-                            recheck_at=rec.checkpoint_deadline)
-            deadlines = [n.deadline for n in new if n.deadline is not None]
-            deadline = min(deadlines) if deadlines else now + timedelta(seconds=settings.checkpoint_timeout)
-            return _act(RECORD, state, now, identity, event=names.EVENT_CHECKPOINTING, key=decision_key("checkpoint", *ids),
-                        message=(f"notice {', '.join(ids)} on {nodes}: waiting for the checkpoint (a replica exits "
-                                 f"{names.EXIT_PREEMPTED}/{names.EXIT_CHECKPOINT_FAILED}) until "
-                                 f"{deadline.isoformat()}, then suspending"),
-                        recheck_at=deadline, phase=CHECKPOINTING, reason="NoticeReceived", handled=handled,
-                        checkpoint_deadline=deadline, replicas=state.replicas, lacking_since=rec.lacking_since or now)
+    @cached_property
+    def previous(self) -> str:
+        return self.rec.key or (self.rec.decided_at.isoformat() if self.rec.decided_at else "")
+
+    @cached_property
+    def move(self) -> Decision | None:
+        return fallback_rules.decide_move(self.state, self.now, self.settings, self.identity)
+
+    @cached_property
+    def new_notices(self) -> list[NoticeHit]:
+        return sorted((n for n in self.state.notices if n.id not in self.rec.handled), key=lambda n: n.id)
+
+    def act(self, action: str, **kw) -> Decision:
+        return _act(action, self.state, self.now, self.identity, **kw)
+
+    def stay(self, recheck_at: datetime | None = None) -> Decision:
+        return Decision(NONE, self.rec, recheck_at=recheck_at)
+
+
+class Strategy:
+    """What differs between the policies: how many replicas a resume needs and gets, what a new
+    notice does, and what a running job does without one."""
+
+    def resume_need(self, c: _Context) -> int:
+        raise NotImplementedError
+
+    def resume_target(self, c: _Context, need: int, slots: int) -> int:
+        raise NotImplementedError
+
+    def on_notices(self, c: _Context, new: list[NoticeHit]) -> Decision:
+        raise NotImplementedError
+
+    def when_running(self, c: _Context) -> Decision:
+        return c.stay()
+
+
+class ElasticStrategy(Strategy):
+    """Scale to the replicas on unaffected nodes (suspend below min); scale back out toward max."""
+
+    def resume_need(self, c: _Context) -> int:
+        return c.policy.min_replicas
+
+    def resume_target(self, c: _Context, need: int, slots: int) -> int:
+        return min(c.policy.max_replicas, slots)
+
+    def on_notices(self, c: _Context, new: list[NoticeHit]) -> Decision:
+        rec, policy, state = c.rec, c.policy, c.state
+        ids, nodes, handled = _notice_facts(rec, new)
         target = min(state.healthy_replicas, policy.max_replicas)
         if target >= policy.min_replicas:
-            return _act(SCALE, state, now, identity, event=names.EVENT_SCALED, replicas=target,
-                        key=decision_key("scale", *ids),
-                        message=(f"notice {', '.join(ids)} on {nodes}: scaling from {state.replicas} to the {target} "
-                                 f"replicas on unaffected nodes (min {policy.min_replicas})"),
-                        phase=RUNNING, reason="NoticeScaledDown", handled=handled,
-                        reclaims_survived=rec.reclaims_survived + 1)
-        return _act(SUSPEND, state, now, identity, event=names.EVENT_SUSPENDED, key=decision_key("suspend", *ids),
-                    message=(f"notice {', '.join(ids)} on {nodes}: only {target} replicas on unaffected nodes, below "
-                             f"min {policy.min_replicas}; suspending until capacity returns"),
-                    phase=SUSPENDED, reason="BelowMin", handled=handled, replicas=state.replicas, waiting_since=now,
-                    lacking_since=now)
+            return c.act(SCALE, event=names.EVENT_SCALED, replicas=target, key=decision_key("scale", *ids),
+                         message=(f"notice {', '.join(ids)} on {nodes}: scaling from {state.replicas} to the {target} "
+                                  f"replicas on unaffected nodes (min {policy.min_replicas})"),
+                         phase=RUNNING, reason="NoticeScaledDown", handled=handled,
+                         reclaims_survived=rec.reclaims_survived + 1)
+        return c.act(SUSPEND, event=names.EVENT_SUSPENDED, key=decision_key("suspend", *ids),
+                     message=(f"notice {', '.join(ids)} on {nodes}: only {target} replicas on unaffected nodes, below "
+                              f"min {policy.min_replicas}; suspending until capacity returns"),
+                     phase=SUSPENDED, reason="BelowMin", handled=handled, replicas=state.replicas, waiting_since=c.now,
+                     lacking_since=c.now)
 
-    if rec.phase == CHECKPOINTING:
-        deadline = rec.checkpoint_deadline or now
-        if state.drained or now >= deadline:
-            restore = rec.replicas or state.replicas
-            return _act(SUSPEND, state, now, identity, event=names.EVENT_SUSPENDED, key=decision_key("suspend", previous),
-                        message=("a replica drained after its checkpoint" if state.drained else
-                                 "the notice deadline passed") + f"; suspending, to resume at {restore} replicas",
-                        phase=SUSPENDED, reason="Checkpointed" if state.drained else "DeadlineReached",
-                        waiting_since=now, replicas=restore, reclaims_survived=rec.reclaims_survived + 1)
-        return Decision(NONE, rec, recheck_at=deadline)
-
-    if elastic:
+    def when_running(self, c: _Context) -> Decision:
+        rec, policy, state = c.rec, c.policy, c.state
         desired = min(policy.max_replicas, state.healthy_replicas + state.free_slots)
-        if desired > state.replicas:
-            ready_at = (rec.decided_at or now) + timedelta(seconds=settings.scale_out_delay)
-            if rec.decided_at is not None and now < ready_at:
-                return Decision(NONE, rec, recheck_at=ready_at)
-            return _act(SCALE, state, now, identity, event=names.EVENT_SCALED, replicas=desired,
-                        key=decision_key("scale-out", previous, desired),
-                        message=f"capacity returned: scaling out from {state.replicas} to {desired} (max {policy.max_replicas})",
-                        phase=RUNNING, reason="CapacityReturned")
-    return Decision(NONE, rec)
+        if desired <= state.replicas:
+            return c.stay()
+        ready_at = (rec.decided_at or c.now) + timedelta(seconds=c.settings.scale_out_delay)
+        if rec.decided_at is not None and c.now < ready_at:
+            return c.stay(ready_at)
+        return c.act(SCALE, event=names.EVENT_SCALED, replicas=desired, key=decision_key("scale-out", c.previous, desired),
+                     message=f"capacity returned: scaling out from {state.replicas} to {desired} (max {policy.max_replicas})",
+                     phase=RUNNING, reason="CapacityReturned")
+
+
+class FixedStrategy(Strategy):
+    """Wait for the checkpoint, suspend, resume at full size."""
+
+    def resume_need(self, c: _Context) -> int:
+        return c.rec.replicas or c.policy.max_replicas
+
+    def resume_target(self, c: _Context, need: int, slots: int) -> int:
+        return need
+
+    def on_notices(self, c: _Context, new: list[NoticeHit]) -> Decision:
+        rec, now = c.rec, c.now
+        ids, nodes, handled = _notice_facts(rec, new)
+        if rec.phase == CHECKPOINTING:
+            return c.act(RECORD, event=names.EVENT_NOTED, key=decision_key("noted", *ids),
+                         message=f"further notice on {nodes} while waiting for the checkpoint", handled=handled,
+                         recheck_at=rec.checkpoint_deadline)
+        deadlines = [n.deadline for n in new if n.deadline is not None]
+        deadline = min(deadlines) if deadlines else now + timedelta(seconds=c.settings.checkpoint_timeout)
+        return c.act(RECORD, event=names.EVENT_CHECKPOINTING, key=decision_key("checkpoint", *ids),
+                     message=(f"notice {', '.join(ids)} on {nodes}: waiting for the checkpoint (a replica exits "
+                              f"{names.EXIT_PREEMPTED}/{names.EXIT_CHECKPOINT_FAILED}) until "
+                              f"{deadline.isoformat()}, then suspending"),
+                     recheck_at=deadline, phase=CHECKPOINTING, reason="NoticeReceived", handled=handled,
+                     checkpoint_deadline=deadline, replicas=c.state.replicas, lacking_since=rec.lacking_since or now)
+
+
+STRATEGIES: dict[str, Strategy] = {ELASTIC: ElasticStrategy(), FIXED: FixedStrategy()}
+
+
+def _notice_facts(rec: Record, new: list[NoticeHit]) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
+    """(the new notices' ids, their nodes as text, the handled ids with them added)."""
+    ids = tuple(n.id for n in new)
+    return ids, ", ".join(sorted({n.node for n in new})), rec.handled_add(*ids)
+
+
+def _fallback_recheck(c: _Context) -> datetime | None:
+    return c.move.recheck_at if c.move is not None else None
+
+
+def _wait_for_capacity(c: _Context) -> Decision:
+    """A job we suspended: resume once its need fits, give up after max-wait, else wait."""
+    rec, policy = c.rec, c.policy
+    need = c.strategy.resume_need(c)
+    slots = c.state.free_slots
+    if slots >= need:
+        target = c.strategy.resume_target(c, need, slots)
+        return c.act(RESUME, event=names.EVENT_RESUMED, replicas=target, key=decision_key("resume", c.previous, target),
+                     message=f"capacity for {target} replicas returned (needed {need}); resuming at {target}",
+                     phase=RUNNING, reason="CapacityReturned", waiting_since=None, lacking_since=None)
+    waiting_since = rec.waiting_since or rec.decided_at or c.now
+    if policy.max_wait is None:
+        return c.stay(_fallback_recheck(c))
+    expiry = waiting_since + timedelta(seconds=policy.max_wait)
+    if c.now >= expiry:
+        return c.act(RECORD, event=names.EVENT_MAX_WAIT, event_type="Warning", key=decision_key("give-up", c.previous),
+                     message=(f"waited {policy.max_wait:g}s (max-wait) without capacity for {need} replicas "
+                              f"({slots} available): no longer waiting, the job stays suspended"),
+                     phase=GAVE_UP, reason="MaxWaitExceeded")
+    return c.stay(min(expiry, _fallback_recheck(c) or expiry))
+
+
+def _await_checkpoint(c: _Context) -> Decision:
+    """Checkpointing: suspend once a replica drained or the deadline passed, else look again then."""
+    rec, state, now = c.rec, c.state, c.now
+    deadline = rec.checkpoint_deadline or now
+    if not (state.drained or now >= deadline):
+        return c.stay(deadline)
+    restore = rec.replicas or state.replicas
+    return c.act(SUSPEND, event=names.EVENT_SUSPENDED, key=decision_key("suspend", c.previous),
+                 message=("a replica drained after its checkpoint" if state.drained else
+                          "the notice deadline passed") + f"; suspending, to resume at {restore} replicas",
+                 phase=SUSPENDED, reason="Checkpointed" if state.drained else "DeadlineReached",
+                 waiting_since=now, replicas=restore, reclaims_survived=rec.reclaims_survived + 1)
+
+
+def _fallback_decides(c: _Context) -> bool:
+    move = c.move
+    return move is not None and (move.acts or move.recheck_at is None or c.rec.phase != SUSPENDED)
+
+
+# The transitions, first match wins: (what holds, what follows).
+TRANSITIONS: tuple[tuple[Callable[[_Context], bool], Callable[[_Context], Decision]], ...] = (
+    (lambda c: c.rec.phase == GAVE_UP, lambda c: c.stay()),
+    (_fallback_decides, lambda c: c.move),  # spot <-> on-demand (fallback.py)
+    (lambda c: c.rec.phase == SUSPENDED, _wait_for_capacity),
+    (lambda c: c.state.suspended, lambda c: c.stay()),  # suspended by someone else: not ours to resume
+    (lambda c: bool(c.new_notices), lambda c: c.strategy.on_notices(c, c.new_notices)),
+    (lambda c: c.rec.phase == CHECKPOINTING, _await_checkpoint),
+    (lambda c: True, lambda c: c.strategy.when_running(c)),
+)
+
+
+def decide(state: JobState, now: datetime, settings: Settings = Settings(), identity: str = "") -> Decision:
+    """The decision for `state` at `now`: the first transition of TRANSITIONS whose condition
+    holds, with the job's policy strategy (see the module docstring for the policies)."""
+    context = _Context(state, now, settings, identity)
+    for holds, step in TRANSITIONS:
+        if holds(context):
+            return step(context)
+    raise AssertionError("the last transition always holds")
 
 
 def needs_capacity(state_policy: Policy, record: Record, replicas: int, suspended: bool) -> bool:

@@ -13,7 +13,7 @@ import kmock
 
 from spotguard.kube import load_api_client
 from spotguard.supervisor.controller import Controller, ControllerConfig
-from spotguard.supervisor.kubeapi import EVENTS, JOBS, NODES, PODS, PYTORCHJOBS, Kube, NotFound
+from spotguard.kube.api import EVENTS, JOBS, NODES, PODS, PYTORCHJOBS, Kube, NotFound
 from spotguard.supervisor.policy import Settings
 from spotguard.supervisor.testing import VersionedKubernetesEmulator
 from spotguard.wire import names

@@ -15,7 +15,7 @@ import kubernetes
 import pytest
 
 from spotguard.supervisor.controller import Controller, ControllerConfig
-from spotguard.supervisor.kubeapi import Kube
+from spotguard.kube.api import Kube
 from spotguard.supervisor.policy import Settings
 from spotguard.supervisor.record import parse_record
 from spotguard.wire import names

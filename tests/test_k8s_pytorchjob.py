@@ -22,7 +22,7 @@ import pytest
 from spotguard.agent.node_marker import NodeMarker
 from spotguard.supervisor.controller import Controller, ControllerConfig
 from spotguard.supervisor.jobs.pytorch import REPLICA_TYPE_LABEL
-from spotguard.supervisor.kubeapi import Kube
+from spotguard.kube.api import Kube
 from spotguard.supervisor.policy import Settings
 from spotguard.supervisor.record import parse_record
 from spotguard.wire import names
@@ -334,7 +334,7 @@ async def test_fallback_moves_a_pytorchjob_to_on_demand_and_back_to_spot(control
 
         await asyncio.to_thread(wait_until, lambda: on(spot), 60, "master and workers on spot nodes")
         # A strategic-merge patch, which kmock took, is refused for a custom resource: the
-        # supervisor's writes must be JSON merge patches (supervisor/kubeapi.py).
+        # supervisor's writes must be JSON merge patches (spotguard/kube/api.py).
         with pytest.raises(kubernetes.client.ApiException) as refused:
             sup.patch_namespaced_custom_object(*CRD_ARGS, world.ns, PLURAL, JOB, {"metadata": {"annotations": {
                 names.ANN_STATUS: "{}"}}}, _content_type="application/strategic-merge-patch+json")

@@ -15,7 +15,7 @@ import pytest
 
 from spotguard.agent.node_marker import NodeMarker
 from spotguard.supervisor.controller import Controller, ControllerConfig
-from spotguard.supervisor.kubeapi import LEASES, Kube
+from spotguard.kube.api import LEASES, Kube
 from spotguard.supervisor.leader import LeaderElector
 from spotguard.supervisor.policy import Settings
 from spotguard.wire import names

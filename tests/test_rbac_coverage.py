@@ -5,8 +5,8 @@ Two independent views of "what the code calls", both compared with the rendered 
 - static: the AST of every module a component can import (the import closure of its entry
   module, lazy imports and importlib module strings included) is searched for calls of the
   official client's API methods; each method's HTTP verb and path come from the client's own
-  generated code (`_<method>_serialize`), so no hand-written name table can drift. The
-  supervisor goes through its dict facade (`supervisor/kubeapi.py`, `Kube`); its calls are
+  generated code (`_<method>_serialize`), so no hand-written name table can drift. Agent,
+  supervisor and injector go through the one dict facade (`spotguard/kube/api.py`, `Kube`); its calls are
   resolved to the `Resource` constants they pass (through adapters and informers), and a
   calibration test checks the facade model against real requests;
 - dynamic: the real processes run against kmock's HTTP server with the manifests' own args,
@@ -41,8 +41,8 @@ import pytest
 import yaml
 
 from spotguard.kube import load_api_client
-from spotguard.supervisor import kubeapi
-from spotguard.supervisor.kubeapi import Kube, Resource
+from spotguard.kube import api as kubeapi
+from spotguard.kube.api import Kube, Resource
 
 from tests.agent_helpers import AgentProcess, wait_for
 
@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 PARTS = ("agent", "hooks", "trainer", "supervisor", "emulator", "injector", "spotguard")
 # Code that never runs in the cluster under one of our ServiceAccounts.
 TEST_SUPPORT = {"spotguard.supervisor.testing"}
-FACADE_MODULE = "spotguard.supervisor.kubeapi"
+FACADE_MODULE = "spotguard.kube.api"
 # Entry modules of what each workload runs, keyed by the container's leading args.
 COMPONENTS = {
     ("agent",): ["spotguard.agent.cli"],
@@ -434,9 +434,9 @@ def client_use(scan: ModuleScan, ref: ast.Attribute) -> Use:
     return Use(scan.name, ref.lineno, frozenset(triples))
 
 
-# The supervisor's facade: Kube.<method> -> the verb of the one request it sends.
+# The facade: Kube.<method> -> the verb of the one request it sends.
 FACADE_VERBS = {"list": "list", "get": "get", "patch": "patch", "create": "create", "watch": "watch"}
-FACADE_RECEIVER = "kube"  # the supervisor holds its Kube as `kube` / `self.kube` throughout
+FACADE_RECEIVER = "kube"  # every component holds its Kube as `kube` / `self.kube` throughout
 
 
 def facade_triple(res: Resource, method: str, status: bool) -> Triple:
@@ -639,7 +639,8 @@ async def test_the_facade_model_matches_the_requests_it_sends():
             for res in resources:
                 ns = "ns1" if res.namespaced else None
                 body = {"apiVersion": res.api_version, "kind": res.kind, "metadata": {"name": "x"},
-                        **({"involvedObject": {"kind": "Pod", "name": "p"}} if res.kind == "Event" else {})}
+                        **({"involvedObject": {"kind": "Pod", "name": "p"}} if res.kind == "Event" else {}),
+                        **({"spec": {"token": "t"}} if res.kind == "TokenReview" else {})}
                 calls = [("list", False, lambda: kube.list(res, ns)), ("list", False, lambda: kube.list(res, None)),
                          ("get", False, lambda: kube.get(res, ns, "x")),
                          ("create", False, lambda: kube.create(res, ns, body)),
@@ -766,7 +767,7 @@ async def test_agent_requests_are_all_authorized(make_emulator):
 
 async def test_supervisor_requests_are_all_authorized():
     from spotguard.wire import names
-    from spotguard.supervisor.kubeapi import JOBS, NODES, PODS, PYTORCHJOBS
+    from spotguard.kube.api import JOBS, NODES, PODS, PYTORCHJOBS
     from spotguard.supervisor.testing import VersionedKubernetesEmulator
 
     emulator = VersionedKubernetesEmulator()

@@ -12,7 +12,7 @@ import sys
 import aiohttp
 import pytest
 
-from spotguard.supervisor.kubeapi import LEASES
+from spotguard.kube.api import LEASES
 from tests.supervisor_cluster import NS, eventually, running_cluster
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from spotguard.supervisor.kubeapi import PYTORCHJOBS
 from spotguard.wire import names
+from spotguard.kube.api import PYTORCHJOBS
 from tests.supervisor_cluster import NS, eventually, running_cluster
 from datetime import UTC
 

@@ -6,9 +6,9 @@ import json
 import threading
 
 from spotguard.kube import load_api_client
-from spotguard.supervisor.kubeapi import LEASES, Kube
-from spotguard.supervisor.leader import LeaderElector
 from spotguard.wire import names
+from spotguard.kube.api import LEASES, Kube
+from spotguard.supervisor.leader import LeaderElector
 from tests.supervisor_cluster import NS, eventually, running_cluster
 
 NODES = ["n0", "n1", "n2", "n3"]

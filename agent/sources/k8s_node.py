@@ -9,7 +9,7 @@ Watches ONE Node object and turns these marks into `drain` notices (deadline Non
 Each notice's id comes from (node, signal), so it is stable across watches and agent restarts;
 a removed taint or an uncordon withdraws it, as does the Node's deletion.
 
-The official client is blocking, so a daemon thread runs list + watch (field selector
+The Kubernetes access layer (`spotguard.kube.api`) is blocking, so a daemon thread runs list + watch (field selector
 `metadata.name=<node>`, also filtered by name here) and hands each new Node state, or each
 error, to the event loop. After an error or a 410 (watch expired) it re-lists and re-watches,
 with backoff on consecutive errors. `close()` (called when `run()` ends, cancellation
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import threading
 import time
@@ -31,6 +30,7 @@ from spotguard.agent.sources.base import Source, SourceError
 from spotguard.backoff import Backoff
 from spotguard.wire import names
 from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
+from spotguard.kube.api import NODES, ApiError, Kube, MalformedResponse, WatchStream
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class NodeSource(Source):
                  watch_seconds: int = WATCH_SECONDS, backoff: Backoff | None = None):
         super().__init__(node, interval=0.0)
         self.api_client = api_client
+        self.kube = Kube(api_client, request_timeout=request_timeout)
         self.request_timeout = request_timeout
         self.watch_seconds = watch_seconds
         self.watch_backoff = backoff or Backoff(base=0.5, cap=10.0)
@@ -123,7 +124,7 @@ class NodeSource(Source):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._watch_lock = threading.Lock()
-        self._watch: Any = None  # the kubernetes Watch in progress, to stop it from the loop
+        self._watch: WatchStream | None = None  # the watch in progress, to stop it from the loop
 
     # -- the async side ----------------------------------------------------------------------
 
@@ -183,7 +184,7 @@ class NodeSource(Source):
         with self._watch_lock:
             watch = self._watch
         if watch is not None:
-            watch.stop()
+            watch.close()
 
     # -- the watcher thread ------------------------------------------------------------------
 
@@ -216,51 +217,34 @@ class NodeSource(Source):
 
     def _list(self, stop: threading.Event) -> str | None:
         """Lists the Node; pushes its state; returns the list's resourceVersion."""
-        from kubernetes import client
-
         if stop.is_set():
             raise _Stopped()
-        api = client.CoreV1Api(self.api_client)
         self.lists += 1
-        resp = api.list_node(field_selector=f"metadata.name={self.node}", _preload_content=False,
-                             _request_timeout=(self.request_timeout, self.request_timeout))
         try:
-            body = json.loads(resp.data)
-        except ValueError:
+            items, version = self.kube.list(NODES, None, field_selector=f"metadata.name={self.node}")
+        except MalformedResponse:
             raise SourceError("malformed", "node list: body is not JSON") from None
-        finally:
-            resp.release_conn()
-        items = body.get("items") if isinstance(body, dict) else None
-        if not isinstance(items, list):
-            raise SourceError("malformed", "node list: no items array")
         mine = [item for item in items if _name_of(item) == self.node]
         self._push(_NodeState(mine[0] if mine else None), stop)
-        metadata = body.get("metadata")
-        version = metadata.get("resourceVersion") if isinstance(metadata, dict) else None
-        return version if isinstance(version, str) and version else None
+        return version or None
 
     def _watch_from(self, resource_version: str | None, stop: threading.Event) -> None:
         """Streams watch events for the Node until the watch ends, fails or is stopped."""
-        from kubernetes import client, watch
-
-        api = client.CoreV1Api(self.api_client)
-        w = watch.Watch()
-        with self._watch_lock:
-            self._watch = w
         if stop.is_set():
             raise _Stopped()
-        kwargs: dict[str, Any] = {"field_selector": f"metadata.name={self.node}",
-                                  "timeout_seconds": self.watch_seconds, "allow_watch_bookmarks": True,
-                                  "_request_timeout": (self.request_timeout, self.watch_seconds + 30)}
-        if resource_version is not None:
-            kwargs["resource_version"] = resource_version
-        events = w.stream(api.list_node, **kwargs)
+        stream = self.kube.watch(NODES, None, resource_version or "", timeout_seconds=self.watch_seconds,
+                                 field_selector=f"metadata.name={self.node}")
+        with self._watch_lock:
+            self._watch = stream
         try:
-            for event in events:
+            if stop.is_set():
+                raise _Stopped()
+            for event in stream:
                 if stop.is_set():
                     raise _Stopped()
-                kind = event.get("type")
-                obj = event.get("raw_object")
+                kind, obj = event.get("type"), event.get("object")
+                if kind == "ERROR":
+                    raise ApiError(int(obj.get("code") or 0), str(obj.get("message") or "watch error"))
                 if kind == "BOOKMARK" or _name_of(obj) != self.node:
                     continue
                 if kind in ("ADDED", "MODIFIED"):
@@ -271,7 +255,7 @@ class NodeSource(Source):
         finally:
             with self._watch_lock:
                 self._watch = None
-            events.close()  # runs the client's own cleanup: closes this watch's connection
+            stream.close()  # closes this watch's connection
 
 
 def _name_of(obj: Any) -> str | None:
@@ -285,7 +269,7 @@ def _classify(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, SourceError):
         return exc.reason, str(exc)
     status = getattr(exc, "status", None)
-    if isinstance(status, int) and status:  # kubernetes.client.ApiException
+    if isinstance(status, int) and status:  # spotguard.kube.api.ApiError
         if status == HTTP_GONE:
             return "gone", "watch expired (410)"
         label = "http_5xx" if status >= 500 else f"http_{status}"

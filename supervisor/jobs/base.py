@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 from collections.abc import Mapping
 
-from spotguard.supervisor.kubeapi import Resource
+from spotguard.kube.api import Resource
 
 
 class JobAdapter(ABC):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from spotguard.supervisor.capacity_type import directives_of, merge_patch
 from spotguard.supervisor.jobs.base import JobAdapter
-from spotguard.supervisor.kubeapi import JOBS
+from spotguard.kube.api import JOBS
 
 
 def _int(value: Any, default: int) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from spotguard.supervisor.capacity_type import directives_of, merge_patch
 from spotguard.supervisor.jobs.base import JobAdapter
-from spotguard.supervisor.kubeapi import PYTORCHJOBS
+from spotguard.kube.api import PYTORCHJOBS
 
 REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
 

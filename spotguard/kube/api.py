@@ -1,14 +1,18 @@
-"""A thin, blocking facade over the official `kubernetes` client that speaks plain dicts.
+"""The one Kubernetes access layer of agent, supervisor and injector: a thin, blocking facade
+over the official `kubernetes` client that speaks plain dicts.
 
-Every call goes through the typed APIs (CoreV1Api, BatchV1Api, CoordinationV1Api) or, for
+Every call goes through the typed APIs (CoreV1Api, BatchV1Api, CoordinationV1Api,
+AuthenticationV1Api, AdmissionregistrationV1Api) or, for
 other groups (e.g. kubeflow.org PyTorchJobs), CustomObjectsApi, always with
 `_preload_content=False` so responses are parsed with `json.loads` instead of model classes.
 Contract:
 - methods block: call them from a thread (`asyncio.to_thread`), never on the event loop;
-- `patch` sends `application/merge-patch+json` (valid for built-in and custom resources); put
-  `metadata.resourceVersion` in the body to make it conditional: the server answers 409 when
-  the object changed since, which `Conflict` reports;
-- `NotFound` / `Conflict` / `ApiError` carry the HTTP status; label and field selectors are
+- `patch` sends `application/merge-patch+json` (valid for built-in and custom resources) unless
+  told another `content_type` (strategic merge, JSON patch); put `metadata.resourceVersion` in
+  the body to make it conditional: the server answers 409 when the object changed since, which
+  `Conflict` reports (`spotguard.kube.conflict.retry_on_conflict` re-reads and retries);
+- `NotFound` / `Conflict` / `ApiError` carry the HTTP status (0: transport failure;
+  `MalformedResponse`: a 2xx whose body is not JSON); label and field selectors are
   sent to the server as documented (callers still filter, see `matches_labels`).
 """
 from __future__ import annotations
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,14 @@ EVENTS = Resource("", "v1", "events", "event", kind="Event")
 JOBS = Resource("batch", "v1", "jobs", "job", kind="Job")
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "lease", kind="Lease")
 PYTORCHJOBS = Resource("kubeflow.org", "v1", "pytorchjobs", "", kind="PyTorchJob")
+SECRETS = Resource("", "v1", "secrets", "secret", kind="Secret")
+TOKEN_REVIEWS = Resource("authentication.k8s.io", "v1", "tokenreviews", "token_review", namespaced=False,
+                         kind="TokenReview")
+MUTATING_WEBHOOKS = Resource("admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations",
+                             "mutating_webhook_configuration", namespaced=False, kind="MutatingWebhookConfiguration")
 
-_TYPED = {"": "CoreV1Api", "batch": "BatchV1Api", "coordination.k8s.io": "CoordinationV1Api"}
+_TYPED = {"": "CoreV1Api", "batch": "BatchV1Api", "coordination.k8s.io": "CoordinationV1Api",
+          "authentication.k8s.io": "AuthenticationV1Api", "admissionregistration.k8s.io": "AdmissionregistrationV1Api"}
 
 
 class ApiError(Exception):
@@ -64,6 +76,10 @@ class NotFound(ApiError):
 
 class Conflict(ApiError):
     pass
+
+
+class MalformedResponse(ApiError):
+    """A 2xx answer whose body is not a JSON document."""
 
 
 def _error(exc: Exception) -> ApiError:
@@ -109,7 +125,10 @@ class Kube:
                 raise
             raise ApiError(0, f"{type(exc).__name__}: {exc}") from None
         data = response.data
-        return json.loads(data) if data else {}
+        try:
+            return json.loads(data) if data else {}
+        except ValueError:
+            raise MalformedResponse(0, f"{getattr(fn, '__name__', 'call')}: the body is not JSON") from None
 
     def _typed_api(self, res: Resource):
         return self._typed.get(res.group) if res.snake else None
@@ -135,7 +154,9 @@ class Kube:
             body = self._call(self._custom.list_namespaced_custom_object, res.group, res.version, namespace, res.plural, **kw)
         else:
             body = self._call(self._custom.list_cluster_custom_object, res.group, res.version, res.plural, **kw)
-        items = body.get("items") or []
+        items = body.get("items") if isinstance(body, dict) else None
+        if not isinstance(items, list):
+            raise MalformedResponse(0, f"list of {res}: no items array")
         return [i for i in items if isinstance(i, dict)], str((body.get("metadata") or {}).get("resourceVersion") or "")
 
     def get(self, res: Resource, namespace: str | None, name: str) -> dict:
@@ -146,18 +167,20 @@ class Kube:
             return self._call(getattr(api, f"read_{res.snake}"), name)
         return self._call(self._custom.get_namespaced_custom_object, res.group, res.version, namespace, res.plural, name)
 
-    def patch(self, res: Resource, namespace: str | None, name: str, body: Mapping[str, Any], *,
-              status: bool = False) -> dict:
-        """A JSON merge patch (RFC 7386) of the object, or of its status subresource."""
+    def patch(self, res: Resource, namespace: str | None, name: str, body: Mapping[str, Any] | list, *,
+              status: bool = False, content_type: str = MERGE_PATCH) -> dict:
+        """A patch of the object, or of its status subresource: a JSON merge patch (RFC 7386)
+        by default; `content_type` STRATEGIC_MERGE_PATCH, or JSON_PATCH with a list of ops."""
         api = self._typed_api(res)
-        kw = {"_content_type": MERGE_PATCH}
+        kw = {"_content_type": content_type}
+        body = list(body) if isinstance(body, list) else dict(body)
         sub = "_status" if status else ""
         if api is not None:
             if res.namespaced:
-                return self._call(getattr(api, f"patch_namespaced_{res.snake}{sub}"), name, namespace, dict(body), **kw)
-            return self._call(getattr(api, f"patch_{res.snake}{sub}"), name, dict(body), **kw)
+                return self._call(getattr(api, f"patch_namespaced_{res.snake}{sub}"), name, namespace, body, **kw)
+            return self._call(getattr(api, f"patch_{res.snake}{sub}"), name, body, **kw)
         fn = self._custom.patch_namespaced_custom_object_status if status else self._custom.patch_namespaced_custom_object
-        return self._call(fn, res.group, res.version, namespace, res.plural, name, dict(body), **kw)
+        return self._call(fn, res.group, res.version, namespace, res.plural, name, body, **kw)
 
     def create(self, res: Resource, namespace: str | None, body: Mapping[str, Any]) -> dict:
         api = self._typed_api(res)
@@ -168,7 +191,7 @@ class Kube:
         return self._call(self._custom.create_namespaced_custom_object, res.group, res.version, namespace, res.plural, dict(body))
 
     def watch(self, res: Resource, namespace: str | None, resource_version: str, *, timeout_seconds: int = 300,
-              label_selector: Mapping[str, str] | None = None) -> "WatchStream":
+              label_selector: Mapping[str, str] | None = None, field_selector: str | None = None) -> "WatchStream":
         """Opens a watch from `resource_version`; iterate the returned stream for events."""
         kw: dict[str, Any] = {"watch": True, "timeout_seconds": timeout_seconds, "allow_watch_bookmarks": True,
                               "_request_timeout": (self.timeout, timeout_seconds + 30)}
@@ -176,21 +199,22 @@ class Kube:
             kw["resource_version"] = resource_version
         if label_selector:
             kw["label_selector"] = selector_text(label_selector)
-        api = self._typed_api(res)
-        try:
-            if api is not None:
-                if not res.namespaced:
-                    response = getattr(api, f"list_{res.snake}")(_preload_content=False, **kw)
-                elif namespace:
-                    response = getattr(api, f"list_namespaced_{res.snake}")(namespace, _preload_content=False, **kw)
-                else:
-                    response = getattr(api, f"list_{res.snake}_for_all_namespaces")(_preload_content=False, **kw)
+        if field_selector:
+            kw["field_selector"] = field_selector
+        api = self._typed_api(res)  # a method the client lacks raises AttributeError here: nothing is sent
+        if api is not None:
+            if not res.namespaced:
+                fn, args = getattr(api, f"list_{res.snake}"), ()
             elif namespace:
-                response = self._custom.list_namespaced_custom_object(res.group, res.version, namespace, res.plural,
-                                                                      _preload_content=False, **kw)
+                fn, args = getattr(api, f"list_namespaced_{res.snake}"), (namespace,)
             else:
-                response = self._custom.list_cluster_custom_object(res.group, res.version, res.plural,
-                                                                   _preload_content=False, **kw)
+                fn, args = getattr(api, f"list_{res.snake}_for_all_namespaces"), ()
+        elif namespace:
+            fn, args = self._custom.list_namespaced_custom_object, (res.group, res.version, namespace, res.plural)
+        else:
+            fn, args = self._custom.list_cluster_custom_object, (res.group, res.version, res.plural)
+        try:
+            response = fn(*args, _preload_content=False, **kw)
         except self._k.client.ApiException as exc:
             raise _error(exc) from None
         except Exception as exc:

@@ -1,0 +1,100 @@
+"""Keeps the jobs' cost totals: observed from the cache, restored from and saved into each job's
+decision record, and exported as metrics.
+
+Contract: `restore(key, obj)` seeds a job's totals from its record once (a restarted supervisor
+continues them); `observe()` integrates every job's node-hours up to now; `save()` writes the
+totals into a record whose saved totals differ (leader only, through `JobEffects.write_job`);
+`collect()` refreshes the metric families before a scrape.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+from spotguard.kube.api import ApiError
+from spotguard.wire import names
+from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, annotations_of
+from spotguard.supervisor.cost import CostLedger
+from spotguard.supervisor.effects import JobEffects, record_patch
+from spotguard.supervisor.jobs import JobAdapter
+from spotguard.supervisor.metrics import SupervisorMetrics
+from spotguard.supervisor.record import RecordError, parse_record
+
+log = logging.getLogger(__name__)
+
+
+class CostKeeper:
+    """See the module docstring."""
+
+    def __init__(self, ledger: CostLedger, cache: ClusterCache, adapters: Mapping[str, JobAdapter],
+                 effects: JobEffects, metrics: SupervisorMetrics, is_leader: Callable[[], bool]):
+        self.ledger = ledger
+        self.cache = cache
+        self.adapters = adapters
+        self.effects = effects
+        self.metrics = metrics
+        self.is_leader = is_leader
+
+    def restore(self, key: JobKey, obj: Mapping[str, Any]) -> None:
+        if key in self.ledger.jobs:
+            return
+        try:
+            record = parse_record(annotations_of(obj).get(names.ANN_STATUS))
+        except RecordError:
+            return
+        self.ledger.restore(key, record.cost)
+
+    def forget(self, key: JobKey) -> None:
+        self.ledger.forget(key)
+
+    def observe(self) -> None:
+        now = time.monotonic()
+        for key in list(self.cache.jobs):
+            adapter = self.adapters.get(key[0])
+            if adapter is not None:
+                self.ledger.observe(key, self.cache.running_nodes(key, adapter), now)
+
+    async def save(self) -> None:
+        """Writes each job's cost totals into its decision record when they changed (leader only)."""
+        for key, obj in list(self.cache.jobs.items()):
+            entry, adapter = self.ledger.jobs.get(key), self.adapters.get(key[0])
+            if entry is None or adapter is None or not self.is_leader():
+                continue
+            try:
+                record = parse_record(annotations_of(obj).get(names.ANN_STATUS))
+            except RecordError:
+                continue
+            totals = entry.totals()
+            if record.decided_at is None and not totals["cost"] and not totals["spot_hours"] \
+                    and not totals["on_demand_hours"] or record.cost == totals:
+                continue
+            try:
+                await self.effects.write_job(key, adapter, record_patch(obj, record.with_(cost=totals)))
+            except ApiError as exc:
+                log.warning("saving the cost of %s/%s failed: %s", key[1], key[2], exc)
+
+    def collect(self) -> None:
+        self.observe()
+        m = self.metrics
+        for family in (m.cost, m.on_demand, m.savings, m.spot_hours, m.on_demand_hours, m.reclaims, m.steps_lost):
+            family.clear()
+        m.managed_jobs.set(len(self.cache.jobs))
+        m.leader.set(1 if self.is_leader() else 0)
+        for key, obj in self.cache.jobs.items():
+            labels = {"kind": key[0], "namespace": key[1], "job": key[2]}
+            entry = self.ledger.jobs.get(key)
+            if entry is not None:
+                m.cost.set(entry.cost, **labels)
+                m.on_demand.set(entry.on_demand_equivalent, **labels)
+                m.savings.set(entry.savings_ratio, **labels)
+                m.spot_hours.set(entry.spot_hours, **labels)
+                m.on_demand_hours.set(entry.on_demand_hours, **labels)
+            annotations = annotations_of(obj)
+            try:
+                m.reclaims.set(parse_record(annotations.get(names.ANN_STATUS)).reclaims_survived, **labels)
+            except RecordError:
+                pass
+            lost = str(annotations.get(names.ANN_STEPS_LOST, "")).strip()
+            if lost.isdigit():
+                m.steps_lost.set(int(lost), **labels)

@@ -1,0 +1,180 @@
+"""The controller's writes: the job's conditional patches and everything level-triggered that
+follows a decision (Events, conditions, steps lost, membership and drain on the pods).
+
+Contract:
+- nothing is written unless `is_leader()`; every write of the job carries the cached object's
+  `metadata.resourceVersion` as precondition (`conditional`): a 409 re-reads the job into the
+  cache and requeues it (the reconciler decides again on the fresh object), a 404 drops it;
+- the `ensure_*` methods are idempotent: each compares what is there with what the decision
+  record implies and writes only the difference; a decision's Event is named after its
+  idempotency key (409 AlreadyExists = posted before).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import datetime, timezone
+from typing import Any, Callable, Mapping
+
+from spotguard.kube.api import EVENTS, PODS, Conflict, Kube, NotFound
+from spotguard.supervisor import conditions, membership, progress
+from spotguard.wire import names
+from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, annotations_of, meta
+from spotguard.supervisor.events import event_body
+from spotguard.supervisor.jobs import JobAdapter
+from spotguard.supervisor.metrics import SupervisorMetrics
+from spotguard.supervisor.policy import PolicyError, decision_key
+from spotguard.supervisor.record import RUNNING, Record, RecordError, parse_record
+
+log = logging.getLogger(__name__)
+
+WARNING_EVENTS = (names.EVENT_MAX_WAIT, names.EVENT_SUSPENDED, names.EVENT_FELL_BACK)
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def conditional(obj: Mapping[str, Any], body: dict) -> dict:
+    """`body` with the object's resourceVersion as the write's precondition (when it has one)."""
+    version = meta(obj).get("resourceVersion")
+    if version:
+        body.setdefault("metadata", {})["resourceVersion"] = version
+    return body
+
+
+def record_patch(obj: Mapping[str, Any], record: Record, **annotations: str) -> dict:
+    """The conditional patch that writes the decision record (and further annotations)."""
+    return conditional(obj, {"metadata": {"annotations": {names.ANN_STATUS: record.to_json(), **annotations}}})
+
+
+class JobEffects:
+    """See the module docstring."""
+
+    def __init__(self, kube: Kube, cache: ClusterCache, *, identity: str, membership_hosts: str,
+                 metrics: SupervisorMetrics, is_leader: Callable[[], bool], requeue: Callable[[JobKey], None]):
+        self.kube = kube
+        self.cache = cache
+        self.identity = identity
+        self.membership_hosts = membership_hosts
+        self.metrics = metrics
+        self.is_leader = is_leader
+        self.requeue = requeue
+        self._evented: set[str] = set()
+        self._reported_invalid: dict[JobKey, str] = {}
+
+    async def write_job(self, key: JobKey, adapter: JobAdapter, body: dict, *, status: bool = False) -> dict | None:
+        """One patch of the job (or its status); the new object, or None when it must be re-decided."""
+        if not self.is_leader():
+            return None
+        try:
+            new = await asyncio.to_thread(self.kube.patch, adapter.resource, key[1], key[2], body, status=status)
+        except Conflict:
+            self.metrics.conflicts.inc()
+            try:
+                self.cache.jobs[key] = await asyncio.to_thread(self.kube.get, adapter.resource, key[1], key[2])
+            except NotFound:
+                self.cache.jobs.pop(key, None)
+                return None
+            self.requeue(key)
+            return None
+        except NotFound:
+            self.cache.jobs.pop(key, None)
+            return None
+        self.cache.jobs[key] = new
+        return new
+
+    async def create_event(self, obj: Mapping[str, Any], *, key: str, reason: str, message: str, event_type: str,
+                           action: str) -> bool:
+        if not self.is_leader():
+            return False
+        body = event_body(obj, key=key, reason=reason, message=message, event_type=event_type, action=action,
+                          identity=self.identity, now=now())
+        try:
+            await asyncio.to_thread(self.kube.create, EVENTS, meta(obj).get("namespace", "default"), body)
+        except Conflict:
+            pass  # the same decision's Event exists already
+        return True
+
+    async def report_invalid(self, key: JobKey, obj: Mapping[str, Any], exc: PolicyError) -> None:
+        """A Warning Event naming the bad annotation, once per distinct problem."""
+        text = f"{exc.field}: {exc.message}"
+        if self._reported_invalid.get(key) == text:
+            return
+        message = f"invalid policy annotation {exc.field}: {exc.message}; the job is left untouched"
+        ok = await self.create_event(obj, key=decision_key("invalid", meta(obj).get("uid", ""), text),
+                                     reason=names.EVENT_INVALID_POLICY, message=message, event_type="Warning",
+                                     action="Validate")
+        if ok:
+            self._reported_invalid[key] = text
+        log.warning("job %s/%s: %s", key[1], key[2], message)
+
+    def forget_invalid(self, key: JobKey) -> None:
+        self._reported_invalid.pop(key, None)
+
+    async def ensure_event(self, obj: Mapping[str, Any], record: Record) -> None:
+        if not record.key or record.key in self._evented:
+            return
+        event_type = "Warning" if record.event in WARNING_EVENTS else "Normal"
+        if await self.create_event(obj, key=record.key, reason=record.event or "SpotguardDecision",
+                                   message=record.message, event_type=event_type, action=record.phase):
+            self._evented.add(record.key)
+            if len(self._evented) > 100000:
+                self._evented.clear()
+
+    async def ensure_conditions(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record) -> dict | None:
+        new_conditions = conditions.merged((obj.get("status") or {}).get("conditions"), record, now())
+        if new_conditions is None:
+            return obj
+        return await self.write_job(key, adapter, conditional(obj, {"status": {"conditions": new_conditions}}),
+                                    status=True)
+
+    async def ensure_steps_lost(self, key: JobKey, obj: dict, adapter: JobAdapter) -> dict | None:
+        """Adds the steps lost that newly drained pods report (their termination message) to the
+        record and writes the total as `spotguard.io/steps-lost`."""
+        annotations = annotations_of(obj)
+        try:
+            record = parse_record(annotations.get(names.ANN_STATUS))
+        except RecordError:
+            return obj
+        counted = progress.count_steps_lost(self.cache.pods_of(key), record.steps_lost, record.counted_exits)
+        if counted is None and (record.decided_at is None or annotations.get(names.ANN_STEPS_LOST) is not None):
+            return obj
+        total, exits = counted or (record.steps_lost, record.counted_exits)
+        body = record_patch(obj, record.with_(steps_lost=total, counted_exits=exits),
+                            **{names.ANN_STEPS_LOST: str(total)})
+        return await self.write_job(key, adapter, body)
+
+    async def ensure_membership(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record) -> None:
+        """Elastic jobs the supervisor has acted on: pushes the hosts of the running replicas on
+        nodes without a notice (new generation when they change) to every active replica pod."""
+        if record.decided_at is None or record.phase != RUNNING or adapter.suspended(obj):
+            return
+        pods, hosts, members = self.cache.members(key, adapter, self.membership_hosts)
+        if not hosts:
+            return
+        if hosts != record.members:
+            record = record.with_(generation=record.generation + 1, members=hosts)
+            if await self.write_job(key, adapter, record_patch(obj, record)) is None:
+                return
+        replicas = len(hosts) if self.membership_hosts == "node" else len(members)
+        world = replicas * membership.processes_per_replica(adapter.pod_spec(obj))
+        await self._push_membership(pods, membership.membership_json(record.generation, hosts, world))
+
+    async def ensure_drain(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record) -> None:
+        """A return to spot under way: the drain request rides the membership annotation to every
+        active replica pod (sidecar -> Guard: a `drain` notice, checkpoint, exit 83)."""
+        pods, hosts, members = self.cache.members(key, adapter, self.membership_hosts)
+        world = len(members) * membership.processes_per_replica(adapter.pod_spec(obj))
+        await self._push_membership(pods, membership.membership_json(record.generation, hosts, world,
+                                                                     drain=record.drain))
+
+    async def _push_membership(self, pods: list[dict], value: str) -> None:
+        for pod in membership.pods_to_update(pods, value):
+            if not self.is_leader():
+                return
+            try:
+                await asyncio.to_thread(self.kube.patch, PODS, meta(pod).get("namespace"), meta(pod).get("name"),
+                                        membership.pod_patch(value))
+            except NotFound:
+                continue
