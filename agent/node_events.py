@@ -43,7 +43,8 @@ class NodeEventPoster:
                     if key in done:
                         continue
                     digest = hashlib.sha256(json.dumps([notice.id, *key]).encode()).hexdigest()[:16]
-                    self.post(f"{ref['name'][:200]}.{digest}", ref, names.EVENT_NOTICE, notice_message(notice), "Warning",
+                    self.post(f"{ref['name'][:200]}.{digest}", ref, names.EVENT_NOTICE, notice_message(notice),
+                              "Warning",
                               annotations={names.ANN_NOTICE + "-id": notice.id})
                     done.add(key)
         live_ids = {n.id for n in desired or ()}

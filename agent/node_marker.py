@@ -177,7 +177,7 @@ class NodeMarker:
         """Sleeps `seconds` (None: until woken); a notify() wakes it early."""
         try:
             await asyncio.wait_for(self._wake.wait(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     def _sync(self, desired: list[Notice] | None) -> MarkPlan:

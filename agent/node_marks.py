@@ -85,7 +85,7 @@ def plan_marks(node: dict, desired: list[Notice] | None, *, mine: set[str], cord
         ours = our_taints(taints)
         wanted = {"key": names.TAINT_RECLAIM, "value": str(urgent.kind), "effect": names.TAINT_EFFECT}
         if len(ours) != 1 or {k: ours[0].get(k) for k in wanted} != wanted:
-            spec_changes["taints"] = others + [wanted]
+            spec_changes["taints"] = [*others, wanted]
         if cordon and not spec.get("unschedulable") and names.ANN_CORDONED not in annotations:
             spec_changes["unschedulable"] = True
             changes[names.ANN_CORDONED] = "true"

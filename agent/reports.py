@@ -17,7 +17,8 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
 
 from spotguard.agent.table import NoticeTable, Published
 from spotguard.wire.agent_report import Report

@@ -28,7 +28,8 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from spotguard.backoff import Backoff
 from spotguard.wire.live import Change, LiveSet
@@ -69,7 +70,7 @@ class NoticeListener(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 self._read_stream()
-            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+            except Exception as exc:
                 if self._stop_event.is_set():
                     break
                 self.stats["errors"] += 1

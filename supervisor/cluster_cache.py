@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from spotguard.wire.notice import Notice, NoticeFormatError
 from spotguard.supervisor import capacity, membership
@@ -196,7 +197,8 @@ class ClusterCache:
             try:
                 self._notice_cache[text] = Notice.from_json(text)
             except NoticeFormatError as exc:
-                log.warning("node %s: ignoring unreadable %s annotation: %s", meta(node).get("name"), names.ANN_NOTICE, exc)
+                log.warning("node %s: ignoring unreadable %s annotation: %s", meta(node).get("name"), names.ANN_NOTICE,
+                            exc)
                 self._notice_cache[text] = None
             if len(self._notice_cache) > 10000:
                 self._notice_cache.clear()
@@ -210,7 +212,8 @@ class ClusterCache:
         """The job's active replica pods."""
         return [p for p in self.pods_of(key) if capacity.pod_active(p) and adapter.is_replica_pod(p)]
 
-    def members(self, key: JobKey, adapter: JobAdapter, hosts_mode: str) -> tuple[list[dict], tuple[str, ...], list[dict]]:
+    def members(self, key: JobKey, adapter: JobAdapter,
+                hosts_mode: str) -> tuple[list[dict], tuple[str, ...], list[dict]]:
         """(active replica pods, member hosts, member pods): members run on nodes without a notice."""
         pods = self.replica_pods(key, adapter)
         members = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"

@@ -64,6 +64,7 @@ def merged(existing: Iterable[Mapping[str, Any]] | None, record: Record, now: da
             out.append(old)
             continue
         changed = True
-        transition = old.get("lastTransitionTime") if old is not None and old.get("status") == new["status"] else format_time(now)
+        unchanged = old is not None and old.get("status") == new["status"]
+        transition = old.get("lastTransitionTime") if unchanged else format_time(now)
         out.append({**new, "lastProbeTime": format_time(now), "lastTransitionTime": transition})
     return out if changed else None

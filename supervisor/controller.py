@@ -18,7 +18,8 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from spotguard.kube.api import NODES, PODS, Kube
 from spotguard.wire import names
@@ -104,7 +105,7 @@ class Controller:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(asyncio.to_thread(i.stop) for i in self._informers))
 
-    async def __aenter__(self) -> "Controller":
+    async def __aenter__(self) -> Controller:
         await self.start()
         return self
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from spotguard.kube.api import ApiError
 from spotguard.wire import names
@@ -66,8 +67,8 @@ class CostKeeper:
             except RecordError:
                 continue
             totals = entry.totals()
-            if record.decided_at is None and not totals["cost"] and not totals["spot_hours"] \
-                    and not totals["on_demand_hours"] or record.cost == totals:
+            if (record.decided_at is None and not totals["cost"] and not totals["spot_hours"] \
+                    and not totals["on_demand_hours"]) or record.cost == totals:
                 continue
             try:
                 await self.effects.write_job(key, adapter, record_patch(obj, record.with_(cost=totals)))

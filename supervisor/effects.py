@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import datetime, timezone
-from typing import Any, Callable, Mapping
+from datetime import datetime, UTC
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from spotguard.kube.api import EVENTS, PODS, Conflict, Kube, NotFound
 from spotguard.supervisor import conditions, membership, progress
@@ -32,7 +33,7 @@ WARNING_EVENTS = (names.EVENT_MAX_WAIT, names.EVENT_SUSPENDED, names.EVENT_FELL_
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def conditional(obj: Mapping[str, Any], body: dict) -> dict:

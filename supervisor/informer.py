@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from spotguard.backoff import Backoff
 from spotguard.kube.api import ApiError, Kube, NotFound, Resource, matches_labels

@@ -40,10 +40,12 @@ class SupervisorMetrics:
                                  "What the same node-hours would have cost on demand", JOB_LABELS)
         self.savings = r.gauge("spotguard_job_savings_ratio", "1 - cost / on-demand equivalent", JOB_LABELS)
         self.spot_hours = r.gauge("spotguard_job_spot_node_hours", "Node-hours on spot nodes", JOB_LABELS)
-        self.on_demand_hours = r.gauge("spotguard_job_on_demand_node_hours", "Node-hours on on-demand nodes", JOB_LABELS)
-        self.reclaims = r.gauge("spotguard_job_reclaims_survived", "Notices the job went through (decision record)", JOB_LABELS)
-        self.steps_lost = r.gauge("spotguard_job_steps_lost", "Training steps lost to reclaims (spotguard.io/steps-lost)",
-                                  JOB_LABELS)
+        self.on_demand_hours = r.gauge("spotguard_job_on_demand_node_hours", "Node-hours on on-demand nodes",
+                                       JOB_LABELS)
+        self.reclaims = r.gauge("spotguard_job_reclaims_survived", "Notices the job went through (decision record)",
+                                JOB_LABELS)
+        self.steps_lost = r.gauge("spotguard_job_steps_lost",
+                                  "Training steps lost to reclaims (spotguard.io/steps-lost)", JOB_LABELS)
 
     def render(self) -> str:
         return self.registry.render()

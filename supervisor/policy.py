@@ -25,7 +25,7 @@ import hashlib
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cached_property
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from spotguard.config import ConfigError
 from spotguard.supervisor import fallback as fallback_rules
@@ -203,7 +203,7 @@ class _Context:
         return self.state.policy
 
     @property
-    def strategy(self) -> "Strategy":
+    def strategy(self) -> Strategy:
         return STRATEGIES[self.policy.mode]
 
     @cached_property
@@ -275,8 +275,10 @@ class ElasticStrategy(Strategy):
         ready_at = (rec.decided_at or c.now) + timedelta(seconds=c.settings.scale_out_delay)
         if rec.decided_at is not None and c.now < ready_at:
             return c.stay(ready_at)
-        return c.act(SCALE, event=names.EVENT_SCALED, replicas=desired, key=decision_key("scale-out", c.previous, desired),
-                     message=f"capacity returned: scaling out from {state.replicas} to {desired} (max {policy.max_replicas})",
+        return c.act(SCALE, event=names.EVENT_SCALED, replicas=desired,
+                     key=decision_key("scale-out", c.previous, desired),
+                     message=(f"capacity returned: scaling out from {state.replicas} to {desired}"
+                              f" (max {policy.max_replicas})"),
                      phase=RUNNING, reason="CapacityReturned")
 
 
@@ -387,4 +389,5 @@ def needs_capacity(state_policy: Policy, record: Record, replicas: int, suspende
     computing them)."""
     if record.phase == SUSPENDED or (state_policy.fallback is not None and record.capacity == fallback_rules.ON_DEMAND):
         return True
-    return state_policy.mode == ELASTIC and not suspended and record.phase == RUNNING and replicas < state_policy.max_replicas
+    return (state_policy.mode == ELASTIC and not suspended and record.phase == RUNNING
+            and replicas < state_policy.max_replicas)

@@ -16,7 +16,8 @@ import logging
 import time
 from dataclasses import replace
 from datetime import datetime
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 from spotguard.wire.notice import Kind
 from spotguard.supervisor import capacity, progress
@@ -119,7 +120,8 @@ class Reconciler:
                          adapter.directives_patch(obj, decision.directives or {}))
         else:
             body = {}
-        body = merge(body, conditional(obj, {"metadata": {"annotations": {names.ANN_STATUS: decision.record.to_json()}}}))
+        status = {"metadata": {"annotations": {names.ANN_STATUS: decision.record.to_json()}}}
+        body = merge(body, conditional(obj, status))
         new = await self.effects.write_job(key, adapter, body)
         if new is None:
             return None

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, Generic, Hashable, TypeVar
+from typing import Generic, TypeVar
+from collections.abc import Awaitable, Callable, Hashable
 
 from spotguard.backoff import Backoff
 from spotguard.kube.api import ApiError

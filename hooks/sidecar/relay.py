@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -57,11 +57,11 @@ class Relay:
                     await self._follow(session)
                 except asyncio.CancelledError:
                     raise
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                     log.warning("agent stream %s: %s: %s", self.stream_url, type(exc).__name__, exc)
                 except SSEError as exc:
                     log.error("agent stream %s: broken framing (%s); reconnecting", self.stream_url, exc)
-                except Exception:  # noqa: BLE001 - the relay must outlive any bug in one event
+                except Exception:
                     log.exception("agent stream %s: unexpected failure; reconnecting", self.stream_url)
                 finally:
                     self.connected = False

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
+from collections.abc import Iterator, Mapping
 
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
@@ -151,7 +152,8 @@ class Kube:
             else:
                 body = self._call(getattr(api, f"list_{res.snake}_for_all_namespaces"), **kw)
         elif namespace:
-            body = self._call(self._custom.list_namespaced_custom_object, res.group, res.version, namespace, res.plural, **kw)
+            body = self._call(self._custom.list_namespaced_custom_object, res.group, res.version, namespace,
+                              res.plural, **kw)
         else:
             body = self._call(self._custom.list_cluster_custom_object, res.group, res.version, res.plural, **kw)
         items = body.get("items") if isinstance(body, dict) else None
@@ -165,7 +167,8 @@ class Kube:
             if res.namespaced:
                 return self._call(getattr(api, f"read_namespaced_{res.snake}"), name, namespace)
             return self._call(getattr(api, f"read_{res.snake}"), name)
-        return self._call(self._custom.get_namespaced_custom_object, res.group, res.version, namespace, res.plural, name)
+        return self._call(self._custom.get_namespaced_custom_object, res.group, res.version, namespace, res.plural,
+                          name)
 
     def patch(self, res: Resource, namespace: str | None, name: str, body: Mapping[str, Any] | list, *,
               status: bool = False, content_type: str = MERGE_PATCH) -> dict:
@@ -179,7 +182,8 @@ class Kube:
             if res.namespaced:
                 return self._call(getattr(api, f"patch_namespaced_{res.snake}{sub}"), name, namespace, body, **kw)
             return self._call(getattr(api, f"patch_{res.snake}{sub}"), name, body, **kw)
-        fn = self._custom.patch_namespaced_custom_object_status if status else self._custom.patch_namespaced_custom_object
+        custom = self._custom
+        fn = custom.patch_namespaced_custom_object_status if status else custom.patch_namespaced_custom_object
         return self._call(fn, res.group, res.version, namespace, res.plural, name, body, **kw)
 
     def create(self, res: Resource, namespace: str | None, body: Mapping[str, Any]) -> dict:
@@ -188,10 +192,11 @@ class Kube:
             if res.namespaced:
                 return self._call(getattr(api, f"create_namespaced_{res.snake}"), namespace, dict(body))
             return self._call(getattr(api, f"create_{res.snake}"), dict(body))
-        return self._call(self._custom.create_namespaced_custom_object, res.group, res.version, namespace, res.plural, dict(body))
+        return self._call(self._custom.create_namespaced_custom_object, res.group, res.version, namespace, res.plural,
+                          dict(body))
 
     def watch(self, res: Resource, namespace: str | None, resource_version: str, *, timeout_seconds: int = 300,
-              label_selector: Mapping[str, str] | None = None, field_selector: str | None = None) -> "WatchStream":
+              label_selector: Mapping[str, str] | None = None, field_selector: str | None = None) -> WatchStream:
         """Opens a watch from `resource_version`; iterate the returned stream for events."""
         kw: dict[str, Any] = {"watch": True, "timeout_seconds": timeout_seconds, "allow_watch_bookmarks": True,
                               "_request_timeout": (self.timeout, timeout_seconds + 30)}

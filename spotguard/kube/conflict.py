@@ -8,7 +8,8 @@ calls it wraps: run it in a thread.
 """
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import TypeVar
+from collections.abc import Callable
 
 from spotguard.kube.api import Conflict
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from spotguard.wire.notice import MAX_NOTICE_ID
 
@@ -41,7 +42,7 @@ class HookReport:
     steps_lost: int = 0
 
     @classmethod
-    def from_wire(cls, obj: Any) -> "HookReport":
+    def from_wire(cls, obj: Any) -> HookReport:
         if not isinstance(obj, Mapping):
             raise HookFormatError(f"body: expected a JSON object, got {type(obj).__name__}")
         if obj.get("v") != VERSION or isinstance(obj.get("v"), bool):
@@ -58,7 +59,8 @@ class HookReport:
         if phase not in PHASES:
             raise HookFormatError(f"phase: expected one of {', '.join(PHASES)}, got {phase!r:.40}")
         seconds = obj.get("seconds")
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+        if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds)
+                or seconds < 0):
             raise HookFormatError(f"seconds: expected a finite number >= 0, got {seconds!r:.40}")
         steps_lost = _whole(obj, "steps_lost", 0) if "steps_lost" in obj else 0
         return cls(notice_id, rank, world_size, step, phase, float(seconds), steps_lost)

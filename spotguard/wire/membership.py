@@ -46,7 +46,7 @@ class Membership:
         return wire
 
     @classmethod
-    def from_wire(cls, obj: Any) -> "Membership":
+    def from_wire(cls, obj: Any) -> Membership:
         if not isinstance(obj, dict):
             raise MembershipFormatError(f"membership: expected a JSON object, got {type(obj).__name__}")
         if obj.get("v") != VERSION or isinstance(obj.get("v"), bool):
@@ -68,7 +68,7 @@ class Membership:
         return json.dumps(self.to_wire(), separators=(",", ":"), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Membership":
+    def from_json(cls, text: str) -> Membership:
         try:
             obj = json.loads(text)
         except ValueError as exc:

@@ -21,14 +21,15 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
-from typing import Any, Mapping
+from datetime import datetime, UTC
+from typing import Any
+from collections.abc import Mapping
 
 WIRE_VERSION = 1
 MAX_NOTICE_ID = 512  # longest notice id a reader accepts where it names one (withdrawals, hook reports)
 
 
-class Kind(str, enum.Enum):
+class Kind(enum.StrEnum):
     """What is about to happen to the node."""
 
     RECLAIM = "reclaim"  # spot/preemptible capacity taken back: the node goes away
@@ -36,9 +37,6 @@ class Kind(str, enum.Enum):
     MAINTENANCE = "maintenance"  # scheduled host maintenance, reboot or retirement
     GPU_FAULT = "gpu-fault"  # a GPU on the node failed or is failing
     DRAIN = "drain"  # the cluster is removing or cordoning the node (Karpenter, autoscaler, kubectl)
-
-    def __str__(self) -> str:  # so f-strings and logs show "reclaim", not "Kind.RECLAIM"
-        return self.value
 
 
 class NoticeFormatError(ValueError):
@@ -49,11 +47,11 @@ def utc(dt: datetime) -> datetime:
     """Returns `dt` converted to UTC. Naive datetimes are rejected: their zone is unknowable."""
     if dt.tzinfo is None or dt.utcoffset() is None:
         raise ValueError("naive datetime: a notice time must carry its zone")
-    return dt.astimezone(timezone.utc)
+    return dt.astimezone(UTC)
 
 
 def now_utc() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def format_time(dt: datetime) -> str:
@@ -74,7 +72,7 @@ def parse_time(value: Any, field_name: str = "time") -> datetime:
         raise NoticeFormatError(f"{field_name}: not an ISO 8601 timestamp: {value!r:.80}") from None
     if parsed.tzinfo is None:
         raise NoticeFormatError(f"{field_name}: timestamp has no zone: {value!r:.80}")
-    return parsed.astimezone(timezone.utc)
+    return parsed.astimezone(UTC)
 
 
 def notice_id(source: str, node: str, *identity: Any) -> str:
@@ -148,10 +146,10 @@ class Notice:
             return None
         return (self.deadline - (now or now_utc())).total_seconds()
 
-    def with_deadline(self, deadline: datetime | None) -> "Notice":
+    def with_deadline(self, deadline: datetime | None) -> Notice:
         return replace(self, deadline=deadline)
 
-    def same_event(self, other: "Notice") -> bool:
+    def same_event(self, other: Notice) -> bool:
         """True when `other` describes this event identically apart from when it was detected."""
         return (self.id, self.kind, self.source, self.node, self.deadline, self.detail) == (
             other.id, other.kind, other.source, other.node, other.deadline, other.detail)
@@ -172,7 +170,7 @@ class Notice:
         return json.dumps(self.to_wire(), separators=(",", ":"), sort_keys=True)
 
     @classmethod
-    def from_wire(cls, obj: Any) -> "Notice":
+    def from_wire(cls, obj: Any) -> Notice:
         """Builds a notice from its wire object; NoticeFormatError names the first bad field."""
         if not isinstance(obj, Mapping):
             raise NoticeFormatError(f"notice: expected a JSON object, got {type(obj).__name__}")
@@ -197,7 +195,7 @@ class Notice:
         )
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Notice":
+    def from_json(cls, text: str | bytes) -> Notice:
         try:
             obj = json.loads(text)
         except (ValueError, UnicodeDecodeError) as exc:

@@ -15,7 +15,8 @@ simply not re-read the signal yet. Pure functions, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from spotguard.wire.notice import WIRE_VERSION, Notice, NoticeFormatError
 

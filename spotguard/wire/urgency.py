@@ -6,12 +6,12 @@ by detection time, then by id, so the order is total and the same on every node 
 """
 from __future__ import annotations
 
-from datetime import datetime, timezone
-from typing import Iterable
+from datetime import datetime, UTC
+from collections.abc import Iterable
 
 from spotguard.wire.notice import Notice
 
-_FAR_FUTURE = datetime.max.replace(tzinfo=timezone.utc)
+_FAR_FUTURE = datetime.max.replace(tzinfo=UTC)
 
 
 def deadline_key(notice: Notice) -> tuple[bool, datetime]:

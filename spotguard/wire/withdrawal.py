@@ -8,7 +8,8 @@ absent, but must be non-empty strings when given. Unknown extra fields are ignor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from spotguard.wire.notice import MAX_NOTICE_ID, WIRE_VERSION, Notice, NoticeFormatError
 
@@ -23,7 +24,8 @@ class Withdrawal:
     reason: str = "withdrawn"
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": WIRE_VERSION, "withdrawn": self.notice_id, "source": self.source, "node": self.node, "reason": self.reason}
+        return {"v": WIRE_VERSION, "withdrawn": self.notice_id, "source": self.source, "node": self.node,
+                "reason": self.reason}
 
 
 Update = Notice | Withdrawal
