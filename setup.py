@@ -28,6 +28,7 @@ for part in parts:
     package_dir[f"spotguard.{part}"] = part
     packages.append(f"spotguard.{part}")
     packages += [f"spotguard.{part}.{sub}" for sub in find_packages(part)]
-package_data = {"spotguard.trainer": ["scenarios/*.yaml"]} if "trainer" in parts else {}
+TRAINER_DATA = ["scenarios/*.yaml", "traces/*.csv", "traces/README.md"]  # bundled scenarios and spot traces
+package_data = {"spotguard.trainer": TRAINER_DATA} if "trainer" in parts else {}
 
 setup(packages=packages, package_dir=package_dir, package_data=package_data)

@@ -4,9 +4,10 @@
     .venv/bin/python bench/goodput.py --plan               # only print the replayed events
     .venv/bin/python bench/goodput.py --steps 2500         # same events, a ~4 min job: ~15 minutes
 
-A window of a spot availability trace (`t_seconds,event,node`, /work/shared/data/spot-traces)
-is mapped onto `--workers` local slots and compressed `--time-scale` times
-(`trainer.scenario.scenario_from_trace`); every trace preempt of a node holding a slot becomes
+A window of a spot availability trace (`t_seconds,event,node`; `--trace` takes a bundled name
+from trainer/traces/ or any file) is mapped onto `--workers` local slots and compressed
+`--time-scale` times (`trainer.scenario.scenario_from_trace`): the nodes live at `--start` hold
+the slots first (in order of their add), then every trace preempt of a node holding a slot becomes
 a reclaim notice with `--lead` seconds of warning, every add that finds a free slot becomes
 capacity returning. The same job (same steps, same step time, same trace) then runs as a full
 local dry-run in each mode (`trainer.goodput`):
@@ -21,12 +22,12 @@ on rescales, restarts and the time between them, wall time, goodput relative to 
 counts the capacity the trace took away). Goals: spotguard loses 0 steps per reclaim with a
 long enough notice; spotguard goodput >= 0.90 of ideal and above the periodic baseline.
 
-Default trace: aws-p3-bamboo.csv (Bamboo's AWS p3 trace, reused by Oobleck and Parcae), the
-45 minutes from t=15270 s, 30x faster: on 2 slots it gives 2 reclaims and 2 returns 16 s apart
-(compressed), and never takes both slots at once. The g4dn.xlarge us-east-1d trace the issue
-names has no such window for 2 slots: every window that fits a few minutes either reclaims
-both slots at once (the job suspends, whatever the handler) or brings events closer together
-than a relaunch takes (compare with `--plan --trace ...`).
+Default trace: aws-p3-bamboo (Bamboo's AWS p3 trace, reused by Oobleck and Parcae; the bundled
+traces, their origin and licence: trainer/traces/README.md), the 45 minutes from t=15270 s, 30x
+faster. 23 nodes are live there; on 2 slots (node33, node36) it gives 1 reclaim and 1 return
+20 s apart (compressed), on 4 slots 3 reclaims and 3 returns. `--plan` shows any window's slots
+and events before running it. `--workers` is bounded by the dry-run's global batch (32) and, in
+practice, by the machine: every slot is a torchrun and a rank process.
 The notice lead is not compressed (detection and the save run in real time); restarts are
 not either, so at 30x each one weighs as much as minutes of trace time.
 """
@@ -46,10 +47,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from spotguard.trainer.goodput import MODES, Comparison, render, run_mode
-from spotguard.trainer.scenario import ScenarioError, parse_trace, scenario_from_trace
+from spotguard.trainer.scenario import (ScenarioError, bundled_traces, find_trace, live_at, parse_trace,
+                                        scenario_from_trace, trace_slots_at)
 
-TRACES = Path("/work/shared/data/spot-traces")
-DEFAULT_TRACE = TRACES / "aws-p3-bamboo.csv"
+DEFAULT_TRACE = "aws-p3-bamboo"
+MAX_WORKERS = 32  # the dry-run's global batch: beyond it a rank would get no sample
 
 
 def _positive(kind):
@@ -57,11 +59,19 @@ def _positive(kind):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {'whole ' if kind is int else ''}number, got {text!r}") from None
+            expected = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
         return value
     return parse
+
+
+def _workers(text: str) -> int:
+    value = _positive(int)(text)
+    if value > MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_WORKERS} (the dry-run's global batch), got {text!r}")
+    return value
 
 
 def _non_negative(text: str) -> float:
@@ -86,17 +96,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/goodput.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.split("\n")[1:]))
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help=f"spot trace CSV (default {DEFAULT_TRACE.name})")
-    p.add_argument("--workers", type=_positive(int), default=2, help="local slots, one rank each (default 2)")
-    p.add_argument("--time-scale", type=_positive(float), default=30.0, help="trace seconds per replay second (default 30)")
+    p.add_argument("--trace", default=DEFAULT_TRACE,
+                   help=f"a bundled trace ({', '.join(bundled_traces())}) or a trace CSV file "
+                        f"(default {DEFAULT_TRACE})")
+    p.add_argument("--workers", type=_workers, default=2,
+                   help=f"local slots, one rank each, 1..{MAX_WORKERS} "
+                        "(default 2; each is a torchrun + rank process)")
+    p.add_argument("--time-scale", type=_positive(float), default=30.0,
+                   help="trace seconds per replay second (default 30)")
     p.add_argument("--start", type=_non_negative, default=15270.0, help="window start in trace seconds (default 15270)")
-    p.add_argument("--window", type=_positive(float), default=2700.0, help="window length in trace seconds (default 2700)")
+    p.add_argument("--window", type=_positive(float), default=2700.0,
+                   help="window length in trace seconds (default 2700)")
     p.add_argument("--lead", type=_positive(float), default=10.0,
                    help="reclaim notice lead in replay seconds (default 10; not compressed: the save is real time)")
     p.add_argument("--steps", type=_positive(int), default=1000, help="training steps in every mode (default 1000)")
     p.add_argument("--step-seconds", type=_non_negative, default=0.1, help="synthetic time per step (default 0.1)")
     p.add_argument("--checkpoint-every", type=_positive(int), default=100,
-                   help="periodic baseline: checkpoint every K steps (default 100: 10 s here, 5 min of trace time at 30x)")
+                   help="periodic baseline: checkpoint every K steps "
+                        "(default 100: 10 s here, 5 min of trace time at 30x)")
     p.add_argument("--modes", type=_modes, default=list(MODES), help=f"subset of {','.join(MODES)} (default all)")
     p.add_argument("--time-limit", type=_positive(float), default=420.0, help="per mode, seconds (default 420)")
     p.add_argument("--out", type=Path, default=None, help="keep the run directories here (default: a temporary one)")
@@ -111,26 +128,36 @@ class TraceError(ValueError):
 
 
 def build_scenario(args: argparse.Namespace):
-    """(scenario, trace rows) of the window; TraceError if the trace is unreadable or bad."""
+    """(scenario, trace rows, trace path) of the window; TraceError if the trace is missing,
+    unreadable (message: `--trace: ...`) or malformed (message: `file:line: field: ...`)."""
     try:
-        text = args.trace.read_text()
+        path = find_trace(args.trace)
+        text = path.read_text()
+    except ScenarioError as exc:
+        raise TraceError(f"--trace: {exc}") from None
     except OSError as exc:
-        raise TraceError(f"cannot read {args.trace} ({exc.strerror})") from None
+        raise TraceError(f"--trace: cannot read {args.trace} ({exc.strerror})") from None
     try:
-        return scenario_from_trace(text, origin=str(args.trace), workers=args.workers, time_scale=args.time_scale,
+        return scenario_from_trace(text, origin=str(path), workers=args.workers, time_scale=args.time_scale,
                                    window=args.window, start=args.start, lead=args.lead, steps=args.steps,
-                                   step_seconds=args.step_seconds), parse_trace(text, str(args.trace))
+                                   step_seconds=args.step_seconds), parse_trace(text, str(path)), path
     except ScenarioError as exc:
         raise TraceError(str(exc)) from None
 
 
-def print_plan(args: argparse.Namespace, scenario, rows) -> None:
+def print_plan(args: argparse.Namespace, scenario, rows, path: Path) -> None:
     in_window = [r for r in rows if args.start <= r.t <= args.start + args.window]
-    print(f"trace {args.trace.name}: window {args.start:g}..{args.start + args.window:g} s "
+    live = live_at(rows, args.start)
+    holders = trace_slots_at(rows, args.workers, args.start)
+    print(f"trace {path.name}: window {args.start:g}..{args.start + args.window:g} s "
           f"({len(in_window)} trace rows, {sum(r.event == 'preempt' for r in in_window)} preempts) "
           f"-> {args.window / args.time_scale:.1f} s replayed on {args.workers} slots ({scenario.cloud})")
     print(f"job: {scenario.steps} steps x {scenario.step_seconds:g} s, elastic (min 1), periodic baseline "
           f"checkpoints every {args.checkpoint_every} steps")
+    print(f"at the start: {len(live)} trace nodes live; slots held by "
+          + (", ".join(f"{slot}={node}" for node, slot in holders.items()) or "none")
+          + ("" if len(holders) == args.workers else
+             f" ({args.workers - len(holders)} slot(s) with no live trace node: the job starts them anyway)"))
     for e in scenario.events:
         lead = f", {e.lead:g}s notice" if e.kind == "reclaim" else ""
         trace_t = args.start + e.at * args.time_scale
@@ -185,11 +212,11 @@ def explain(comparison: Comparison, time_scale: float) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        scenario, rows = build_scenario(args)
+        scenario, rows, path = build_scenario(args)
     except TraceError as exc:
-        print(f"bench/goodput.py: --trace: {exc}", file=sys.stderr)
+        print(f"bench/goodput.py: {exc}", file=sys.stderr)
         return 2
-    print_plan(args, scenario, rows)
+    print_plan(args, scenario, rows, path)
     if args.plan:
         return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -207,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in explain(comparison, args.time_scale):
         print("  " + line)
     if args.json:
-        args.json.write_text(json.dumps({"scenario": {"trace": str(args.trace), "start": args.start,
+        args.json.write_text(json.dumps({"scenario": {"trace": str(path), "start": args.start,
                                                       "window": args.window, "time_scale": args.time_scale,
                                                       "lead": args.lead, "workers": args.workers,
                                                       "steps": args.steps, "step_seconds": args.step_seconds,

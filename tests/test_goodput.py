@@ -8,23 +8,11 @@ import pytest
 from spotguard.trainer.events import read_events
 from spotguard.trainer.goodput import MODES, Comparison, ModeResult, run_mode, summarize
 from spotguard.trainer.report import GenerationRecord, InjectedEvent
-from spotguard.trainer.scenario import scenario_from_trace
+from spotguard.trainer.scenario import find_trace, scenario_from_trace
 
-# 15 minutes of the AWS p3 trace (aws-p3-bamboo.csv from uclasystem/bamboo, MIT), t=15270..16200:
-# two nodes join, later one of them (node92) is preempted along with others the slots never held.
-TRACE_EXCERPT = """\
-t_seconds,event,node
-15360,add,node92
-15360,add,node93
-15660,preempt,node48
-15720,add,node94
-15900,preempt,node90
-16020,preempt,node36
-16140,preempt,node53
-16140,preempt,node92
-16140,preempt,node85
-16140,preempt,node94
-"""
+# 15.5 minutes of the bundled AWS p3 trace (from uclasystem/bamboo, MIT), t=15270..16200, on 2 slots:
+# node33 and node36 are live at the start and hold the slots; node36 is preempted at t=16020.
+TRACE = find_trace("aws-p3-bamboo")
 CHECKPOINT_EVERY = 40
 STEPS = 120
 
@@ -68,9 +56,9 @@ def test_goals_compare_against_ideal_and_baseline():
 
 @pytest.mark.timeout(300)
 async def test_three_modes_replay_a_trace_window(tmp_path):
-    scenario = scenario_from_trace(TRACE_EXCERPT, origin="aws-p3-bamboo.csv", workers=2, time_scale=300.0,
+    scenario = scenario_from_trace(TRACE.read_text(), origin=str(TRACE), workers=2, time_scale=300.0,
                                    start=15270.0, window=930.0, lead=5.0, steps=STEPS, step_seconds=0.05)
-    assert [(e.kind, e.node) for e in scenario.events if e.kind == "reclaim"] == [("reclaim", "node-0")]
+    assert [(e.kind, e.node) for e in scenario.events] == [("reclaim", "node-1")]
     results = {mode: await run_mode(mode, scenario, tmp_path, checkpoint_every=CHECKPOINT_EVERY, time_limit=150)
                for mode in MODES}
 

@@ -3,10 +3,12 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.trainer.scenario import (DEFAULT_SCENARIO, ScenarioError, bundled_scenarios, load_scenario,
-                                        parse_scenario, parse_trace, scenario_from_trace)
+import spotguard.trainer
+from spotguard.trainer.scenario import (DEFAULT_SCENARIO, ScenarioError, bundled_scenarios, bundled_traces,
+                                        find_trace, live_at, load_scenario, parse_scenario, parse_trace,
+                                        scenario_from_trace)
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "spot-traces"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_default_scenario_is_valid():
@@ -50,14 +52,20 @@ def test_unreadable_file_is_a_scenario_error(tmp_path):
 @pytest.mark.parametrize("text, line, field", [
     ("t,e,n\n", 1, "header"),
     ("t_seconds,event,node\n0,add,a\nx,add,b\n", 3, "t_seconds"),
-    ("t_seconds,event,node\n5,add,a\n3,add,b\n", 3, "back in time"),
+    ("t_seconds,event,node\n5,add,a\n3,add,b\n", 3, "t_seconds"),
+    ("t_seconds,event,node\n0,add,a\nnan,add,b\n", 3, "t_seconds"),
+    ("t_seconds,event,node\n-1,add,a\n", 2, "t_seconds"),
     ("t_seconds,event,node\n0,boom,a\n", 2, "event"),
-    ("t_seconds,event,node\n0,add\n", 2, "3 columns"),
+    ("t_seconds,event,node\n0,add\n", 2, "row"),
+    ("t_seconds,event,node\n0,add, \n", 2, "node"),
+    ("t_seconds,event,node\n0,add,a\n5,add,a\n", 3, "node"),
+    ("t_seconds,event,node\n0,add,a\n5,preempt,b\n", 3, "node"),
+    ("t_seconds,event,node\n0,add,a\n5,preempt,a\n6,preempt,a\n", 4, "node"),
 ])
-def test_bad_traces_name_the_line(text, line, field):
+def test_bad_traces_name_file_line_and_field(text, line, field):
     with pytest.raises(ScenarioError) as info:
         parse_trace(text, "t.csv")
-    assert str(info.value).startswith(f"t.csv:{line}") and field in str(info.value)
+    assert str(info.value).startswith(f"t.csv:{line}: {field}: ")
 
 
 def test_trace_maps_nodes_onto_slots_in_order():
@@ -67,9 +75,50 @@ def test_trace_maps_nodes_onto_slots_in_order():
         (1.0, "reclaim", "node-1"), (2.0, "capacity", "node-1"), (3.0, "reclaim", "node-0")]
 
 
-def test_real_traces_convert():
-    for path in sorted(TRACES.glob("*.csv")):
+def test_a_mid_trace_window_starts_with_the_live_nodes_in_the_slots():
+    text = ("t_seconds,event,node\n0,add,a\n0,add,b\n0,add,c\n100,preempt,a\n300,add,d\n"
+            "400,preempt,c\n500,preempt,d\n")
+    s = scenario_from_trace(text, "x.csv", workers=2, time_scale=100.0, start=200.0)
+    # b and c are live at 200 and hold node-0 and node-1; d finds no free slot when it is added
+    assert [(e.at, e.kind, e.node) for e in s.events] == [(2.0, "reclaim", "node-1")]
+    assert scenario_from_trace(text, "x.csv", workers=2, time_scale=100.0, start=200.0) == s  # deterministic
+
+
+def test_a_mid_trace_window_of_a_real_trace_reclaims_nodes_live_at_its_start():
+    path = find_trace("gcp-n1-v100x1-bamboo")
+    rows = parse_trace(path.read_text(), str(path))
+    start = 20000.0
+    s = scenario_from_trace(path.read_text(), str(path), workers=4, time_scale=30.0, start=start, window=3000.0)
+    by_line = {r.line: r for r in rows}
+    reclaimed = [by_line[e.line].node for e in s.events if e.kind == "reclaim"]
+    live = live_at(rows, start)
+    assert reclaimed and reclaimed[0] in live[:4]
+
+
+def test_every_bundled_trace_ships_in_the_package_and_converts():
+    names = bundled_traces()
+    assert {"aws-p3-bamboo", "aws-g4dn-bamboo", "gcp-n1-v100x1-bamboo", "aws-g4dn.xlarge-bamboo2020-use1c",
+            "aws-g4dn.xlarge-bamboo2020-use1d"} <= set(names)
+    package = Path(spotguard.trainer.__file__).resolve().parent / "traces"
+    assert (package / "README.md").read_text().count("MIT License") == 1
+    for name in names:
+        path = find_trace(name)
+        assert path.resolve().parent == package and find_trace(f"{name}.csv") == path
         rows = parse_trace(path.read_text(), str(path))
         assert rows and rows[0].t == 0
         s = scenario_from_trace(path.read_text(), str(path), workers=3, time_scale=600.0)
         assert any(e.kind == "reclaim" for e in s.events)
+        assert load_scenario(name).name == name  # the dry-run takes a bundled trace by name too
+
+
+def test_unknown_trace_names_the_bundled_ones(tmp_path):
+    with pytest.raises(ScenarioError, match="aws-p3-bamboo"):
+        find_trace(tmp_path / "missing.csv")
+
+
+def test_no_code_reads_traces_from_a_machine_path():
+    offenders = [str(p.relative_to(REPO)) for folder in ("bench", "trainer", "tests", "spotguard")
+                 for p in (REPO / folder).rglob("*.py")
+                 if p.resolve() != Path(__file__).resolve()
+                 and ("shared/data" in p.read_text() or "spot-traces" in p.read_text())]
+    assert offenders == []

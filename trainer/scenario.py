@@ -20,8 +20,8 @@ Event kinds: `reclaim` (spot reclaim notice with `lead` seconds of warning), `re
 `at` is seconds after training first starts. `allow_steps_lost: N` declares that the scenario
 expects up to N steps lost (a notice too short for a fresh save); any more fails the run.
 
-A scenario can also be a spot trace in the format of shared/data/spot-traces
-(`t_seconds,event,node` with `add`/`preempt` rows): see `scenario_from_trace`.
+A scenario can also be a spot trace (`t_seconds,event,node` with `add`/`preempt` rows; the
+bundled ones and their format are in trainer/traces/): see `scenario_from_trace`.
 
 Contract: `load_scenario` either returns a fully valid `Scenario` or raises `ScenarioError`
 whose message names the file, the line and the field; nothing is started before that.
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,8 @@ def parse_scenario(text: str, origin: str = "<scenario>") -> Scenario:
             if key not in raw:
                 raise ScenarioError(f"{where}: events[{index}].{key}: missing")
         if raw["kind"] not in EVENT_KINDS:
-            raise ScenarioError(f"{where}: events[{index}].kind: expected one of {', '.join(EVENT_KINDS)}, got {raw['kind']!r}")
+            raise ScenarioError(f"{where}: events[{index}].kind: expected one of {', '.join(EVENT_KINDS)}, "
+                                f"got {raw['kind']!r}")
         if not isinstance(raw["node"], str):
             raise ScenarioError(f"{where}: events[{index}].node: expected a node name such as node-0")
         lead = raw.get("lead")
@@ -200,14 +202,36 @@ def bundled_scenarios() -> list[str]:
     return sorted(p.stem for p in BUNDLED.glob("*.yaml"))
 
 
+BUNDLED_TRACES = Path(__file__).with_name("traces")
+
+
+def bundled_traces() -> list[str]:
+    """Names of the spot traces shipped with spotguard (trainer/traces/*.csv, see its README)."""
+    return sorted(p.stem for p in BUNDLED_TRACES.glob("*.csv"))
+
+
+def find_trace(name_or_path: str | Path) -> Path:
+    """The trace file `name_or_path` names: an existing file, else a bundled trace by name (with
+    or without `.csv`); ScenarioError listing the bundled names if it is neither."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    name = p.name[: -len(".csv")] if p.name.endswith(".csv") else p.name
+    if p.parent == Path() and name in bundled_traces():
+        return BUNDLED_TRACES / f"{name}.csv"
+    raise ScenarioError(f"{name_or_path}: no such file, nor a bundled trace (bundled: {', '.join(bundled_traces())})")
+
+
 def load_scenario(path: str | Path | None) -> Scenario:
-    """The scenario in `path` (YAML, or a spot trace .csv), a bundled scenario by name, or the
-    embedded default for None."""
+    """The scenario in `path` (YAML, or a spot trace .csv), a bundled scenario or trace by name,
+    or the embedded default for None."""
     if path is None:
         return parse_scenario(DEFAULT_SCENARIO, "<default scenario>")
     p = Path(path)
     if not p.exists() and str(path) in bundled_scenarios():
         p = BUNDLED / f"{path}.yaml"
+    elif not p.exists() and str(path) in bundled_traces():
+        p = BUNDLED_TRACES / f"{path}.csv"
     try:
         text = p.read_text()
     except OSError as exc:
@@ -226,50 +250,81 @@ class TraceRow:
 
 
 def parse_trace(text: str, origin: str = "<trace>") -> list[TraceRow]:
-    """Rows of a `t_seconds,event,node` trace; ScenarioError names the line of a bad row."""
+    """Rows of a `t_seconds,event,node` trace (format: trainer/traces/README.md).
+
+    ScenarioError names `origin:line: field:` of the first bad row: a wrong header, a wrong
+    column count, a time that is not a finite number >= 0 or goes back, an unknown event, an
+    empty node id, an `add` of a node that is live or a `preempt` of one that is not.
+    """
     reader = csv.reader(io.StringIO(text))
     header = next(reader, None)
     if header is None or [h.strip() for h in header] != ["t_seconds", "event", "node"]:
-        raise ScenarioError(f"{origin}:1: expected the header t_seconds,event,node")
+        raise ScenarioError(f"{origin}:1: header: expected t_seconds,event,node")
     rows = []
     last_t = 0.0
+    live: set[str] = set()
     for line, row in enumerate(reader, start=2):
         if not row or all(not c.strip() for c in row):
             continue
         if len(row) != 3:
-            raise ScenarioError(f"{origin}:{line}: expected 3 columns (t_seconds,event,node), got {len(row)}")
+            raise ScenarioError(f"{origin}:{line}: row: expected 3 columns (t_seconds,event,node), got {len(row)}")
         try:
             t = float(row[0])
         except ValueError:
             raise ScenarioError(f"{origin}:{line}: t_seconds: not a number: {row[0]!r}") from None
+        if not math.isfinite(t) or t < 0:
+            raise ScenarioError(f"{origin}:{line}: t_seconds: must be a finite number >= 0, got {row[0]!r}")
         if t < last_t:
             raise ScenarioError(f"{origin}:{line}: t_seconds: {t:g} goes back in time (previous {last_t:g})")
-        if row[1] not in ("add", "preempt"):
+        event, node = row[1].strip(), row[2].strip()
+        if event not in ("add", "preempt"):
             raise ScenarioError(f"{origin}:{line}: event: expected add or preempt, got {row[1]!r}")
-        rows.append(TraceRow(t, row[1], row[2].strip(), line))
+        if not node:
+            raise ScenarioError(f"{origin}:{line}: node: empty node id")
+        if event == "add" and node in live:
+            raise ScenarioError(f"{origin}:{line}: node: {node!r} added while it is live")
+        if event == "preempt" and node not in live:
+            raise ScenarioError(f"{origin}:{line}: node: {node!r} preempted while it is not live")
+        (live.add if event == "add" else live.discard)(node)
+        rows.append(TraceRow(t, event, node, line))
         last_t = t
     return rows
+
+
+def live_at(rows: list[TraceRow], start: float) -> list[str]:
+    """Trace nodes live just before `start` (added earlier, not yet preempted), in order of their add."""
+    live: dict[str, None] = {}
+    for row in rows:
+        if row.t >= start:
+            break
+        if row.event == "add":
+            live[row.node] = None
+        else:
+            live.pop(row.node, None)
+    return list(live)
 
 
 def scenario_from_trace(text: str, origin: str = "<trace>", workers: int = 2, time_scale: float = 60.0,
                         window: float | None = None, start: float = 0.0, lead: float = 15.0,
                         steps: int = 600, step_seconds: float = 0.05, cloud: str | None = None) -> Scenario:
-    """Replays a real spot trace on `workers` local slots, `time_scale` times faster.
+    """Replays the window [start, start + window] of a real spot trace on `workers` local slots,
+    `time_scale` times faster.
 
-    The trace's node ids are mapped onto local slots in order of appearance: a trace node takes
-    a free slot when it is added (if any) and frees it when preempted. A preempt of a node that
-    holds a slot becomes a reclaim of that slot (with `lead` seconds of notice); an add that
-    finds a free slot while the job runs short becomes capacity returning.
+    The nodes live at `start` hold the slots first, in order of their add (the first `workers`
+    of them; `trace_slots_at` names them). Then the window's rows replay in order: an add that
+    finds a free slot takes it (capacity returning, if after the window's first instant), a
+    preempt of a node that holds a slot becomes a reclaim of that slot with `lead` seconds of
+    notice and frees it. Rows of nodes that hold no slot change nothing.
     """
     rows = parse_trace(text, origin)
-    slots: dict[str, str] = {}
-    free = [f"node-{i}" for i in range(workers)]
+    slots = trace_slots_at(rows, workers, start)
+    free = [f"node-{i}" for i in range(workers) if f"node-{i}" not in slots.values()]
     events: list[ScenarioEvent] = []
     for row in rows:
         if row.t < start or (window is not None and row.t > start + window):
             continue
         at = (row.t - start) / time_scale
-        if row.event == "add" and row.node not in slots and free:
+        if row.event == "add" and free:
             slots[row.node] = free.pop(0)
             if at > 0:
                 events.append(ScenarioEvent(at=at, kind="capacity", node=slots[row.node], line=row.line))
@@ -283,3 +338,9 @@ def scenario_from_trace(text: str, origin: str = "<trace>", workers: int = 2, ti
                         step_seconds=step_seconds, events=tuple(events))
     _check_semantics(scenario, origin)
     return scenario
+
+
+def trace_slots_at(rows: list[TraceRow], workers: int, start: float) -> dict[str, str]:
+    """{trace node: slot} at `start`: the first `workers` nodes live there, in order of their add,
+    on node-0, node-1, ...; slots beyond the live nodes stay free."""
+    return {node: f"node-{i}" for i, node in enumerate(live_at(rows, start)[:workers])}
