@@ -144,7 +144,7 @@ class NodeMarker:
             return
         self._warned[key] = now
         if len(self._warned) > 1024:  # forget the oldest: bounded memory
-            for old in sorted(self._warned, key=self._warned.get)[:512]:
+            for old in sorted(self._warned, key=self._warned.__getitem__)[:512]:
                 del self._warned[old]
         task = asyncio.get_running_loop().create_task(self.event(reason, message, type))
         self._pending.add(task)

@@ -76,14 +76,15 @@ def plan_marks(node: dict, desired: list[Notice] | None, *, mine: set[str], cord
     changes: dict[str, Any] = {}
     spec_changes: dict[str, Any] = {}
     others = [t for t in taints if t.get("key") != names.TAINT_RECLAIM]
-    if want_marked:
-        text = urgent.to_json()
+    mark = urgent if want_marked else None  # want_marked is set only with a live urgent notice
+    if mark is not None:
+        text = mark.to_json()
         if current_text != text:
             changes[names.ANN_NOTICE] = text
         if boot_id and annotations.get(names.ANN_NOTICE_BOOT_ID) != boot_id:
             changes[names.ANN_NOTICE_BOOT_ID] = boot_id
         ours = our_taints(taints)
-        wanted = {"key": names.TAINT_RECLAIM, "value": str(urgent.kind), "effect": names.TAINT_EFFECT}
+        wanted = {"key": names.TAINT_RECLAIM, "value": str(mark.kind), "effect": names.TAINT_EFFECT}
         if len(ours) != 1 or {k: ours[0].get(k) for k in wanted} != wanted:
             spec_changes["taints"] = [*others, wanted]
         if cordon and not spec.get("unschedulable") and names.ANN_CORDONED not in annotations:
@@ -98,7 +99,7 @@ def plan_marks(node: dict, desired: list[Notice] | None, *, mine: set[str], cord
         if annotations.get(names.ANN_CORDONED) == "true" and spec.get("unschedulable"):
             spec_changes["unschedulable"] = False
     if not changes and not spec_changes:
-        return MarkPlan(adopted=urgent.id if want_marked else None)
+        return MarkPlan(adopted=mark.id if mark is not None else None)
     patch: dict[str, Any] = {"metadata": {}}
     if meta.get("resourceVersion"):
         patch["metadata"]["resourceVersion"] = meta["resourceVersion"]
@@ -106,7 +107,7 @@ def plan_marks(node: dict, desired: list[Notice] | None, *, mine: set[str], cord
         patch["metadata"]["annotations"] = changes
     if spec_changes:
         patch["spec"] = spec_changes
-    return MarkPlan(patch=patch, marked=urgent.id if want_marked else None)
+    return MarkPlan(patch=patch, marked=mark.id if mark is not None else None)
 
 
 def our_taints(taints: list[dict]) -> list[dict]:

@@ -54,6 +54,7 @@ class NoticeListener(threading.Thread):
             raise ValueError(f"not an http(s) URL: {url!r}")
         self.url = url.rstrip("/")
         self._parsed = parsed
+        self._host: str = parsed.hostname  # checked non-empty above
         self._on_notice = on_notice
         self._on_withdrawn = on_withdrawn or (lambda _id: None)
         self.read_timeout = read_timeout
@@ -100,7 +101,7 @@ class NoticeListener(threading.Thread):
 
     def _read_stream(self) -> None:
         cls = http.client.HTTPSConnection if self._parsed.scheme == "https" else http.client.HTTPConnection
-        conn = cls(self._parsed.hostname, self._parsed.port, timeout=self.read_timeout)
+        conn = cls(self._host, self._parsed.port, timeout=self.read_timeout)
         self._conn = conn
         base = self._parsed.path.rstrip("/")
         conn.request("GET", base + STREAM_PATH, headers={"Accept": "text/event-stream", "Cache-Control": "no-cache"})

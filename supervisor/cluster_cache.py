@@ -78,7 +78,7 @@ class ClusterCache:
     # ---- informer events -------------------------------------------------------------------
     def apply_node(self, kind: str, payload: Any) -> list[JobKey]:
         if kind == "SYNC":
-            self.nodes = {meta(n).get("name"): n for n in payload if meta(n).get("name")}
+            self.nodes = {name: n for n in payload if (name := meta(n).get("name"))}
             self._notice_cache.clear()
             self._capacity_generation += 1
             return list(self.jobs)
@@ -224,8 +224,8 @@ class ClusterCache:
     def notice_seen_at(self, key: JobKey) -> float | None:
         """The monotonic time the latest notice on one of the job's nodes was first seen."""
         seen = [self._notice_seen_at.get(self._pod_node.get(p, "")) for p in self._pods_by_owner.get(key, ())]
-        seen = [s for s in seen if s is not None]
-        return max(seen) if seen else None
+        known = [s for s in seen if s is not None]
+        return max(known) if known else None
 
     def free_slots(self, key: JobKey, pod_spec: Mapping[str, Any], ignore_own: bool) -> int:
         """capacity.free_slots over the caches, memoized per pod shape until capacity changes."""

@@ -46,11 +46,11 @@ def wanted(record: Record) -> list[dict]:
 
 def merged(existing: Iterable[Mapping[str, Any]] | None, record: Record, now: datetime) -> list[dict] | None:
     """The full new conditions list, or None when nothing of ours needs to change."""
-    existing = [dict(c) for c in existing or [] if isinstance(c, Mapping)]
+    rows: list[dict] = [dict(c) for c in existing or [] if isinstance(c, Mapping)]
     want = {c["type"]: c for c in wanted(record)}
-    current = {c.get("type"): c for c in existing if c.get("type") in OURS}
+    current = {c.get("type"): c for c in rows if c.get("type") in OURS}
     changed = False
-    out = [c for c in existing if c.get("type") not in OURS]
+    out = [c for c in rows if c.get("type") not in OURS]
     for ctype in OURS:
         new, old = want.get(ctype), current.get(ctype)
         if new is None:
@@ -65,6 +65,6 @@ def merged(existing: Iterable[Mapping[str, Any]] | None, record: Record, now: da
             continue
         changed = True
         unchanged = old is not None and old.get("status") == new["status"]
-        transition = old.get("lastTransitionTime") if unchanged else format_time(now)
+        transition = old.get("lastTransitionTime") if old is not None and unchanged else format_time(now)
         out.append({**new, "lastProbeTime": format_time(now), "lastTransitionTime": transition})
     return out if changed else None

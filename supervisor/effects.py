@@ -174,8 +174,11 @@ class JobEffects:
         for pod in membership.pods_to_update(pods, value):
             if not self.is_leader():
                 return
+            name = meta(pod).get("name")
+            if not name:
+                raise ValueError(f"a replica pod without metadata.name: {meta(pod)!r}")
             try:
-                await asyncio.to_thread(self.kube.patch, PODS, meta(pod).get("namespace"), meta(pod).get("name"),
+                await asyncio.to_thread(self.kube.patch, PODS, meta(pod).get("namespace"), name,
                                         membership.pod_patch(value))
             except NotFound:
                 continue

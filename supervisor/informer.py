@@ -16,7 +16,7 @@ from typing import Any
 from collections.abc import Callable, Mapping
 
 from spotguard.backoff import Backoff
-from spotguard.kube.api import ApiError, Kube, NotFound, Resource, matches_labels
+from spotguard.kube.api import ApiError, Kube, NotFound, Resource, WatchStream, matches_labels
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class Informer:
         self.synced = asyncio.Event()
         self.served = True
         self._stop = threading.Event()
-        self._stream = None
+        self._stream: WatchStream | None = None
         self._thread = threading.Thread(target=self._run, name=f"watch-{res.plural}", daemon=True)
 
     def start(self) -> None:

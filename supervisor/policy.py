@@ -362,8 +362,9 @@ def _fallback_decides(c: _Context) -> bool:
     return move is not None and (move.acts or move.recheck_at is None or c.rec.phase != SUSPENDED)
 
 
-# The transitions, first match wins: (what holds, what follows).
-TRANSITIONS: tuple[tuple[Callable[[_Context], bool], Callable[[_Context], Decision]], ...] = (
+# The transitions, first match wins: (what holds, what follows). A step whose condition held
+# never gives None (the fallback step's condition checks for its move); decide() enforces that.
+TRANSITIONS: tuple[tuple[Callable[[_Context], bool], Callable[[_Context], Decision | None]], ...] = (
     (lambda c: c.rec.phase == GAVE_UP, lambda c: c.stay()),
     (_fallback_decides, lambda c: c.move),  # spot <-> on-demand (fallback.py)
     (lambda c: c.rec.phase == SUSPENDED, _wait_for_capacity),
@@ -380,7 +381,10 @@ def decide(state: JobState, now: datetime, settings: Settings = Settings(), iden
     context = _Context(state, now, settings, identity)
     for holds, step in TRANSITIONS:
         if holds(context):
-            return step(context)
+            decision = step(context)
+            if decision is None:
+                raise RuntimeError(f"transition {step!r} held but gave no decision for {state!r}")
+            return decision
     raise AssertionError("the last transition always holds")
 
 

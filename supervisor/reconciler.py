@@ -97,19 +97,21 @@ class Reconciler:
                     generation=decision.record.generation + 1, members=hosts))
         return decision
 
-    async def _effects(self, key: JobKey, obj: dict | None, adapter: JobAdapter, mode: str, record: Record) -> None:
+    async def _effects(self, key: JobKey, obj: dict, adapter: JobAdapter, mode: str, record: Record) -> None:
         await self.effects.ensure_event(obj, record)
-        obj = await self.effects.ensure_conditions(key, obj, adapter, record)
-        if obj is not None:
-            obj = await self.effects.ensure_steps_lost(key, obj, adapter)
-        if obj is not None and mode == ELASTIC:
-            await self.effects.ensure_membership(key, obj, adapter, record)
-        if obj is not None and record.drain and record.phase == CHECKPOINTING:
-            await self.effects.ensure_drain(key, obj, adapter, record)
+        current = await self.effects.ensure_conditions(key, obj, adapter, record)
+        if current is not None:
+            current = await self.effects.ensure_steps_lost(key, current, adapter)
+        if current is not None and mode == ELASTIC:
+            await self.effects.ensure_membership(key, current, adapter, record)
+        if current is not None and record.drain and record.phase == CHECKPOINTING:
+            await self.effects.ensure_drain(key, current, adapter, record)
 
     async def _apply(self, key: JobKey, obj: dict, adapter: JobAdapter, decision: Decision) -> dict | None:
         """Writes the decision as one conditional patch; None when it must be re-decided."""
         if decision.action == SCALE:
+            if decision.replicas is None:
+                raise RuntimeError(f"job {key[1]}/{key[2]}: a {SCALE} decision without replicas")
             body = adapter.scale_patch(decision.replicas)
         elif decision.action == SUSPEND:
             body = adapter.suspend_patch(True)

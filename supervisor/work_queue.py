@@ -50,6 +50,12 @@ class WorkQueue(Generic[K]):
             self._loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
 
+    def _opened(self) -> tuple[asyncio.AbstractEventLoop, asyncio.Queue[K]]:
+        """The loop and queue `open()` made; a RuntimeError when used before it."""
+        if self._loop is None or self._queue is None:
+            raise RuntimeError("WorkQueue used before open() or start()")
+        return self._loop, self._queue
+
     def start(self, workers: int, name: str = "worker") -> None:
         self.open()
         self._tasks = [asyncio.create_task(self._work(), name=f"{name}-{i}") for i in range(max(1, workers))]
@@ -65,28 +71,30 @@ class WorkQueue(Generic[K]):
     def add(self, key: K, delay: float = 0.0) -> None:
         if not self.running:
             return
+        loop, queue = self._opened()
         if delay > 0:
-            when = self._loop.time() + delay
+            when = loop.time() + delay
             timer = self._timers.get(key)
             if timer is not None and not timer.cancelled() and timer.when() <= when:
                 return
             if timer is not None:
                 timer.cancel()
-            self._timers[key] = self._loop.call_at(when, self._fire, key)
+            self._timers[key] = loop.call_at(when, self._fire, key)
             return
         if key in self._busy:
             self._dirty.add(key)
         elif key not in self._queued:
             self._queued.add(key)
-            self._queue.put_nowait(key)
+            queue.put_nowait(key)
 
     def _fire(self, key: K) -> None:
         self._timers.pop(key, None)
         self.add(key)
 
     async def _work(self) -> None:
+        _, queue = self._opened()
         while True:
-            key = await self._queue.get()
+            key = await queue.get()
             self._queued.discard(key)
             self._busy.add(key)
             try:

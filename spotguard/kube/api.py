@@ -17,6 +17,7 @@ Contract:
 """
 from __future__ import annotations
 
+import builtins
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -170,7 +171,7 @@ class Kube:
         return self._call(self._custom.get_namespaced_custom_object, res.group, res.version, namespace, res.plural,
                           name)
 
-    def patch(self, res: Resource, namespace: str | None, name: str, body: Mapping[str, Any] | list, *,
+    def patch(self, res: Resource, namespace: str | None, name: str, body: Mapping[str, Any] | builtins.list, *,
               status: bool = False, content_type: str = MERGE_PATCH) -> dict:
         """A patch of the object, or of its status subresource: a JSON merge patch (RFC 7386)
         by default; `content_type` STRATEGIC_MERGE_PATCH, or JSON_PATCH with a list of ops."""
@@ -207,6 +208,7 @@ class Kube:
         if field_selector:
             kw["field_selector"] = field_selector
         api = self._typed_api(res)  # a method the client lacks raises AttributeError here: nothing is sent
+        args: tuple[str, ...]
         if api is not None:
             if not res.namespaced:
                 fn, args = getattr(api, f"list_{res.snake}"), ()
