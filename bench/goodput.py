@@ -57,7 +57,8 @@ def _positive(kind):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {'whole ' if kind is int else ''}number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected a {'whole ' if kind is int else ''}number, got {text!r}") from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
         return value
@@ -88,15 +89,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 epilog="\n".join(__doc__.split("\n")[1:]))
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help=f"spot trace CSV (default {DEFAULT_TRACE.name})")
     p.add_argument("--workers", type=_positive(int), default=2, help="local slots, one rank each (default 2)")
-    p.add_argument("--time-scale", type=_positive(float), default=30.0, help="trace seconds per replay second (default 30)")
+    p.add_argument("--time-scale", type=_positive(float), default=30.0,
+                   help="trace seconds per replay second (default 30)")
     p.add_argument("--start", type=_non_negative, default=15270.0, help="window start in trace seconds (default 15270)")
-    p.add_argument("--window", type=_positive(float), default=2700.0, help="window length in trace seconds (default 2700)")
+    p.add_argument("--window", type=_positive(float), default=2700.0,
+                   help="window length in trace seconds (default 2700)")
     p.add_argument("--lead", type=_positive(float), default=10.0,
                    help="reclaim notice lead in replay seconds (default 10; not compressed: the save is real time)")
     p.add_argument("--steps", type=_positive(int), default=1000, help="training steps in every mode (default 1000)")
     p.add_argument("--step-seconds", type=_non_negative, default=0.1, help="synthetic time per step (default 0.1)")
     p.add_argument("--checkpoint-every", type=_positive(int), default=100,
-                   help="periodic baseline: checkpoint every K steps (default 100: 10 s here, 5 min of trace time at 30x)")
+                   help="periodic baseline: checkpoint every K steps "
+                        "(default 100: 10 s here, 5 min of trace time at 30x)")
     p.add_argument("--modes", type=_modes, default=list(MODES), help=f"subset of {','.join(MODES)} (default all)")
     p.add_argument("--time-limit", type=_positive(float), default=420.0, help="per mode, seconds (default 420)")
     p.add_argument("--out", type=Path, default=None, help="keep the run directories here (default: a temporary one)")

@@ -37,7 +37,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pynvml
 
@@ -150,7 +151,7 @@ class FakeGpuBackend(GpuBackend):
 
     # ---- scenario files --------------------------------------------------------------------
     @classmethod
-    def from_scenario(cls, source: str | Path | Mapping[str, Any], field_name: str = "--gpu") -> "FakeGpuBackend":
+    def from_scenario(cls, source: str | Path | Mapping[str, Any], field_name: str = "--gpu") -> FakeGpuBackend:
         """Builds a fake from a scenario (a YAML/JSON file path or a dict); ConfigError(field_name)
         names what is wrong."""
         if isinstance(source, Mapping):

@@ -26,12 +26,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--tls-cert", required=True, help="PEM certificate (the Secret's tls.crt)")
     serve.add_argument("--tls-key", required=True, help="PEM private key (the Secret's tls.key)")
     serve.add_argument("--image", default=None, help="sidecar image (env SPOTGUARD_SIDECAR_IMAGE)")
-    serve.add_argument("--grace-seconds", default="120", help="default terminationGracePeriodSeconds floor (default 120)")
+    serve.add_argument(
+        "--grace-seconds", default="120", help="default terminationGracePeriodSeconds floor (default 120)"
+    )
     for flag, default in SIDECAR_RESOURCES.items():
-        serve.add_argument(f"--{flag}", default=default, help=f"the sidecar's {flag[8:].replace('-', ' ')} (default {default})")
+        serve.add_argument(
+            f"--{flag}", default=default, help=f"the sidecar's {flag[8:].replace('-', ' ')} (default {default})"
+        )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=run_serve)
-    certgen = sub.add_parser("certgen", help="fill the webhook's pre-created TLS Secret, set its caBundle (install Job)")
+    certgen = sub.add_parser(
+        "certgen", help="fill the webhook's pre-created TLS Secret, set its caBundle (install Job)"
+    )
     certgen.add_argument("--namespace", default="spotguard")
     certgen.add_argument("--secret", default="spotguard-injector-tls")
     certgen.add_argument("--service", default="spotguard-injector")

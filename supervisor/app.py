@@ -65,7 +65,9 @@ async def run_supervisor(options: Options, stop: asyncio.Event, announce: Callab
     site = web.TCPSite(runner, options.listen_host, options.listen_port)
     await site.start()
     sockets = getattr(site._server, "sockets", None) or []
-    address = "{}:{}".format(*sockets[0].getsockname()[:2]) if sockets else f"{options.listen_host}:{options.listen_port}"
+    address = (
+        "{}:{}".format(*sockets[0].getsockname()[:2]) if sockets else f"{options.listen_host}:{options.listen_port}"
+    )
     election_stop = asyncio.Event()
     election = None
     try:

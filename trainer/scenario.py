@@ -168,7 +168,9 @@ def parse_scenario(text: str, origin: str = "<scenario>") -> Scenario:
             if key not in raw:
                 raise ScenarioError(f"{where}: events[{index}].{key}: missing")
         if raw["kind"] not in EVENT_KINDS:
-            raise ScenarioError(f"{where}: events[{index}].kind: expected one of {', '.join(EVENT_KINDS)}, got {raw['kind']!r}")
+            raise ScenarioError(
+                f"{where}: events[{index}].kind: expected one of {', '.join(EVENT_KINDS)}, got {raw['kind']!r}"
+            )
         if not isinstance(raw["node"], str):
             raise ScenarioError(f"{where}: events[{index}].node: expected a node name such as node-0")
         lead = raw.get("lead")

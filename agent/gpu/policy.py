@@ -7,8 +7,9 @@ Actions:
 - `fatal`: a notice of kind gpu-fault with deadline now (checkpoint + drain);
 - `recovery` (Xids only): read the recovery-action field now and act on it (Xid 154).
 
-The defaults are the Xid table of the GPU-health fact sheet (shared/reference/gpu-health.md). Overrides are a mapping (from
-YAML or JSON, `--gpu-policy FILE`), merged over the defaults key by key:
+The defaults are the Xid table of the GPU-health fact sheet (shared/reference/gpu-health.md).
+Overrides are a mapping (from YAML or JSON, `--gpu-policy FILE`), merged over the defaults key by
+key:
 ```yaml
 xid:                      # an Xid, a range "144-150" or a list "13,31" -> action
   "109": fatal

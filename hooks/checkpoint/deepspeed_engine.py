@@ -105,7 +105,8 @@ class StoreCheckpointEngine(CheckpointEngine):
         skeleton, tensors = flatten(state_dict)
         pending = self._pending
         self._writes.append(self._blob_pool.submit(
-            rawformat.write_blob, pending, rel, skeleton, tensors, self.files, self._file_pool, {"source": "deepspeed"}))
+            rawformat.write_blob, pending, rel, skeleton, tensors, self.files, self._file_pool,
+            {"source": "deepspeed"}))
 
     def load(self, path: str, map_location=None):
         if rawformat.is_raw_index(Path(path)):

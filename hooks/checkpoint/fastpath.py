@@ -219,7 +219,9 @@ class FastCheckpointer:
             if not snap.valid:
                 raise RuntimeError("snapshot was overwritten before it was persisted")
             if self.mode == "process":
-                results = self._process.write(snap.slot.shm.name, [(str(p), a, b) for p, (a, b) in zip(paths, self._bounds)])
+                results = self._process.write(
+                    snap.slot.shm.name, [(str(p), a, b) for p, (a, b) in zip(paths, self._bounds)]
+                )
             else:
                 view = memoryview(snap.slot.arena.numpy())
                 futures = [self._pool.submit(rawformat.write_pieces, p, [view[a:b]])

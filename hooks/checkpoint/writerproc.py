@@ -1,10 +1,10 @@
 """The separate writer process of the fast path (mode="process").
 
 Run as `python -m spotguard.hooks.checkpoint.writerproc THREADS`. Protocol on stdin/stdout,
-one JSON object per line: first `{"ready": pid}` from the child, then request `{"shm": name, "jobs": [[path, start, end], ...]}`, answer
-`{"ok": [[size, crc32], ...]}` or `{"error": "text"}`. It writes each byte range of the named
-shared-memory segment to its file (in parallel, fsynced) and never unlinks the segment: the
-parent owns it. EOF on stdin ends the process.
+one JSON object per line: first `{"ready": pid}` from the child, then request
+`{"shm": name, "jobs": [[path, start, end], ...]}`, answer `{"ok": [[size, crc32], ...]}` or
+`{"error": "text"}`. It writes each byte range of the named shared-memory segment to its file (in
+parallel, fsynced) and never unlinks the segment: the parent owns it. EOF on stdin ends the process.
 """
 from __future__ import annotations
 
