@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, runtime_checkable
 
 from aiohttp import web
 
@@ -41,6 +41,13 @@ from spotguard.http_server import ServerLimits, start_server
 log = logging.getLogger(__name__)
 
 INJECT_LABEL = "spotguard.io/inject"
+
+
+@runtime_checkable
+class _WarnsAboutGpus(Protocol):
+    """A source that reports GPU warnings through an `on_warning(uuid, reason, detail)` callback."""
+
+    on_warning: Callable[[str, str, dict], None] | None
 
 
 class Agent:
@@ -85,7 +92,7 @@ class Agent:
             self.gpu_source = _gpu_source(cfg)
         if self.gpu_source is not None:
             self.sources.append(self.gpu_source)
-            if getattr(self.gpu_source, "on_warning", False) is None:
+            if isinstance(self.gpu_source, _WarnsAboutGpus) and self.gpu_source.on_warning is None:
                 self.gpu_source.on_warning = self._gpu_warning
         if cfg.kubernetes:
             if self.api_client is None:
@@ -98,6 +105,12 @@ class Agent:
                 self.sources.append(node_source)
             if self.marker is None:
                 self.marker = _node_marker(self.api_client, cfg.node, cfg.cordon)
+        self.origins = {f"{i}:{s.name}": s for i, s in enumerate(self.sources)}
+
+    async def start(self) -> str:
+        """Builds, binds and starts everything; returns the bound address "host:port"."""
+        await self._build()
+        cfg = self.config
         if self.authenticator is None:
             if cfg.report_token_file:
                 self.authenticator = SharedSecretAuth.from_file(cfg.report_token_file)
@@ -105,18 +118,12 @@ class Agent:
                 self.authenticator = TokenReviewAuth(self.api_client)
             else:
                 self.authenticator = RefuseAll()
-        self.origins = {f"{i}:{s.name}": s for i, s in enumerate(self.sources)}
-
-    async def start(self) -> str:
-        """Builds, binds and starts everything; returns the bound address "host:port"."""
-        await self._build()
         self._started_monotonic = time.monotonic()
         expected = self._expected_pods if (self.config.kubernetes and self.api_client is not None) else None
         self.reports = ReportBook(self.table, self.origins, expected_pods=expected)
         self.table.add_listener(self.metrics.observe)
         self.table.add_listener(self._notify_marker)
         self.metrics.registry.add_collector(self._collect)
-        cfg = self.config
         self.server = AgentServer(self.table, self.metrics, self.readiness, self.reports, self.authenticator,
                                   keepalive=cfg.keepalive, max_subscribers=cfg.max_streams,
                                   max_per_client=cfg.max_streams_per_client, body_timeout=cfg.header_timeout)
@@ -209,7 +216,8 @@ class Agent:
                                                     field_selector=f"spec.nodeName={self.config.node}",
                                                     _request_timeout=5)
             return {(p.metadata.namespace, p.metadata.name) for p in pods.items
-                    if p.spec is not None and p.spec.node_name == self.config.node
+                    if p.metadata is not None and p.metadata.namespace is not None and p.metadata.name is not None
+                    and p.spec is not None and p.spec.node_name == self.config.node
                     and (p.metadata.labels or {}).get(INJECT_LABEL) == "true"
                     and (p.status is None or p.status.phase in (None, "Pending", "Running"))}
 

@@ -249,7 +249,7 @@ class FakeGpuBackend(GpuBackend):
     def total_ecc_errors(self, index: int) -> int:
         return self._gpu("total_ecc_errors", index).ecc_uncorrected
 
-    def field_values(self, index: int, field_ids: Sequence[int]) -> dict[int, object]:
+    def field_values(self, index: int, field_ids: Sequence[int]) -> dict[int, float | BaseException]:
         g = self._gpu("field_values", index)
         known = {FI_GPU_RECOVERY_ACTION: g.recovery_action}
         return {fid: known.get(fid, pynvml.NVMLError_NotSupported()) for fid in field_ids}

@@ -63,7 +63,7 @@ from spotguard.agent.notice import Kind, Notice, now_utc
 from spotguard.config import ConfigError, http_url, positive_float, positive_int
 from spotguard.hooks.agreement import Agreement, make_agreement
 from spotguard.hooks.agreement.base import Verdict
-from spotguard.hooks.agreement.collectives import join_collectives
+from spotguard.hooks.agreement.collectives import GroupCollectives, join_collectives
 from spotguard.hooks.drain import DrainRecord, DrainSequence, ExitProcess, ReturnToLoop
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.notice_gate import ACT_ON, Action, NoticeGate
@@ -143,7 +143,7 @@ class Guard:
         """Carries the agreement flag inside `ddp_model`'s gradient all_reduce (see the module
         docstring). Every rank calls it once, before the first backward. Returns False (and the
         Guard keeps its own agreement) when not distributed, pipelined, or the model takes no hook."""
-        if not self.collectives.distributed or self.pipeline:
+        if not isinstance(self.collectives, GroupCollectives) or self.pipeline:
             return False
         from spotguard.hooks.agreement.piggyback import PiggybackAgreement
 

@@ -131,10 +131,10 @@ def write_atomic(path: str, data: bytes, mode: int | None = None) -> None:
         os.close(dir_fd)
 
 
-def _int_field(block: Mapping[str, Any], key: str, default: int | None, minimum: int) -> int | None:
+def _int_field(block: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
+    """`block[key]` (or `default` when absent) checked to be a whole number >= minimum; an explicit
+    null is refused like any other non-number."""
     value = block.get(key, default)
-    if value is None:
-        return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ElasticityError(f"elasticity.{key}: expected a whole number >= {minimum}, got {value!r}")
     return value

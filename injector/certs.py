@@ -97,6 +97,8 @@ def ensure_secret_and_ca_bundle(api_client, namespace: str, secret_name: str, se
     if all(data.get(k) for k in TLS_KEYS):
         ca_pem = base64.b64decode(data["ca.crt"])
     else:
+        if secret.metadata is None:
+            raise RuntimeError(f"secret {namespace}/{secret_name}: the API answered without metadata")
         material = make_certificate(service_dns_names(service, namespace))
         body = {"metadata": {"resourceVersion": secret.metadata.resource_version},
                 "data": {"tls.crt": base64.b64encode(material.cert_pem).decode(),
@@ -108,7 +110,11 @@ def ensure_secret_and_ca_bundle(api_client, namespace: str, secret_name: str, se
         except kubernetes.client.ApiException as exc:
             if exc.status != 409:
                 raise
-            ca_pem = base64.b64decode(core.read_namespaced_secret(secret_name, namespace).data["ca.crt"])
+            winner = core.read_namespaced_secret(secret_name, namespace).data or {}
+            if not winner.get("ca.crt"):
+                raise RuntimeError(
+                    f"secret {namespace}/{secret_name}: changed by another writer but holds no ca.crt") from None
+            ca_pem = base64.b64decode(winner["ca.crt"])
     config = admission.read_mutating_webhook_configuration(webhook_name)
     ops = [{"op": "replace" if (w.client_config.ca_bundle or None) else "add",
             "path": f"/webhooks/{i}/clientConfig/caBundle",

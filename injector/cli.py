@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 import re
+from typing import TypedDict
 
 from spotguard.config import ConfigError, Layers, positive_int
 from spotguard.daemon import run_daemon
@@ -78,15 +79,27 @@ def run_serve(args: argparse.Namespace) -> int:
     return run_daemon(lambda stop: _serve(host, port, ctx, cfg, stop))
 
 
-def sidecar_resources(args: argparse.Namespace) -> dict[str, str]:
+class SidecarResources(TypedDict):
+    """InjectorConfig's resource fields (one per SIDECAR_RESOURCES flag, without `sidecar-`)."""
+
+    cpu_request: str
+    cpu_limit: str
+    memory_request: str
+    memory_limit: str
+
+
+def sidecar_resources(args: argparse.Namespace) -> SidecarResources:
     """InjectorConfig's resource fields from the --sidecar-* flags; ConfigError names a bad one."""
-    out = {}
-    for flag in SIDECAR_RESOURCES:
+
+    def quantity(flag: str) -> str:
         value = str(getattr(args, flag.replace("-", "_"))).strip()
         if not QUANTITY.fullmatch(value):
             raise ConfigError(f"--{flag}", f"expected a Kubernetes quantity like 100m or 64Mi, got {value!r}")
-        out[flag[len("sidecar-"):].replace("-", "_")] = value
-    return out
+        return value
+
+    return SidecarResources(cpu_request=quantity("sidecar-cpu-request"), cpu_limit=quantity("sidecar-cpu-limit"),
+                            memory_request=quantity("sidecar-memory-request"),
+                            memory_limit=quantity("sidecar-memory-limit"))
 
 
 async def _serve(host: str, port: int, ctx, cfg, stop: asyncio.Event) -> int:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 from collections.abc import Mapping
 
 from spotguard.agent.gpu.datafile import load_data
@@ -243,7 +243,8 @@ def _mapping(value: Any, where: str, bad) -> Mapping[Any, Any]:
     return value
 
 
-def _number(value: Any, integer: bool = False) -> bool:
+def _number(value: Any, integer: bool = False) -> TypeGuard[float]:
+    """True for a number (not a bool, not NaN); with `integer`, for a whole number only."""
     if isinstance(value, bool):
         return False
     return isinstance(value, int) if integer else isinstance(value, (int, float)) and value == value

@@ -24,12 +24,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from spotguard.agent.notice import Kind, Notice, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.backoff import Backoff
+
+if TYPE_CHECKING:
+    from urllib3 import HTTPResponse
 
 log = logging.getLogger(__name__)
 
@@ -222,8 +225,9 @@ class NodeSource(Source):
             raise _Stopped()
         api = client.CoreV1Api(self.api_client)
         self.lists += 1
-        resp = api.list_node(field_selector=f"metadata.name={self.node}", _preload_content=False,
-                             _request_timeout=(self.request_timeout, self.request_timeout))
+        # with _preload_content=False the client answers the raw urllib3 response, not a V1NodeList
+        resp = cast("HTTPResponse", api.list_node(field_selector=f"metadata.name={self.node}", _preload_content=False,
+                                                  _request_timeout=(self.request_timeout, self.request_timeout)))
         try:
             body = json.loads(resp.data)
         except ValueError:
