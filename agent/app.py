@@ -324,9 +324,8 @@ def _node_marker(api_client: Any, node: str, cordon: bool) -> Any:
     return NodeMarker(api_client, node, cordon=cordon)
 
 
-async def run_agent(
-    agent: Agent, stop: asyncio.Event, announce: Callable[[str], Awaitable[None] | None] | None = None
-) -> None:
+async def run_agent(agent: Agent, stop: asyncio.Event,
+                    announce: Callable[[str], Awaitable[None] | None] | None = None) -> None:
     """Starts `agent`, calls `announce(address)`, waits for `stop`, then stops it."""
     await agent.start()
     try:

@@ -180,12 +180,10 @@ class ElasticRule:
         if (not isinstance(micro, list) or not micro
                 or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in micro)):
             raise ElasticityError(
-                f"elasticity.micro_batch_sizes: expected a non-empty list of whole numbers >= 1, got {micro!r:.80}"
-            )
+                f"elasticity.micro_batch_sizes: expected a non-empty list of whole numbers >= 1, got {micro!r:.80}")
         if any(m > max_batch for m in micro):
             raise ElasticityError(
-                f"elasticity.micro_batch_sizes: every size must be <= max_train_batch_size ({max_batch})"
-            )
+                f"elasticity.micro_batch_sizes: every size must be <= max_train_batch_size ({max_batch})")
         min_gpus = _int_field(block, "min_gpus", 1, 1)
         max_gpus = _int_field(block, "max_gpus", max_batch // min(micro), 1)
         if max_gpus < min_gpus:

@@ -115,8 +115,7 @@ def local_world_size(pod: dict[str, Any]) -> int:
     if raw is not None:
         if not str(raw).isdigit() or int(raw) < 1:
             raise PodSpecError(
-                f"metadata.annotations[{LOCAL_WORLD_ANNOTATION}]: expected a whole number >= 1, got {raw!r}"
-            )
+                f"metadata.annotations[{LOCAL_WORLD_ANNOTATION}]: expected a whole number >= 1, got {raw!r}")
         return int(raw)
     gpus = 0
     for container in (pod.get("spec") or {}).get("containers") or []:

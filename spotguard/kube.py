@@ -14,8 +14,7 @@ def load_api_client(kubeconfig: str | None = None, host: str | None = None):
         import kubernetes
     except ImportError:
         raise ConfigError(
-            "--kubeconfig", "the kubernetes client is not installed (pip install 'spotguard[k8s]')"
-        ) from None
+            "--kubeconfig", "the kubernetes client is not installed (pip install 'spotguard[k8s]')") from None
     if host is not None:
         cfg = kubernetes.client.Configuration()
         cfg.host = host.rstrip("/")

@@ -297,8 +297,7 @@ class ControlPlane:
         if service_account is None:
             return self._kubeconfig("admin", self.admin_token)
         return self._kubeconfig(
-            f"{namespace}-{service_account}", self.service_account_token(service_account, namespace)
-        )
+            f"{namespace}-{service_account}", self.service_account_token(service_account, namespace))
 
     def _get(self, path: str) -> int:
         ctx = ssl.create_default_context(cafile=str(self.pki.ca_cert))

@@ -82,8 +82,7 @@ class Publisher:
         self.live.pop(notice.id, None)
         if not silently:
             self._send(
-                encode("withdrawn", Withdrawal(notice.id, notice.source, notice.node).to_wire(), self._next_id())
-            )
+                encode("withdrawn", Withdrawal(notice.id, notice.source, notice.node).to_wire(), self._next_id()))
 
     def add_silently(self, notice: Notice) -> None:
         self.live[notice.id] = notice.to_wire()

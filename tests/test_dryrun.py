@@ -15,9 +15,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def dry_run(
-    tmp_path: Path, scenario_text: str | None = None, *args: str, timeout: float = 300
-) -> tuple[int, dict | None, str]:
+def dry_run(tmp_path: Path, scenario_text: str | None = None, *args: str,
+            timeout: float = 300) -> tuple[int, dict | None, str]:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "spotguard", "dry-run", "--no-live", "--out", str(out), "--time-limit", "240", *args]
     if scenario_text is not None:

@@ -285,8 +285,7 @@ def test_plain_torch_resume_is_exact_and_answered_notice_is_ignored(tmp_path, si
         assert guard2.resume() == 3 and adapter2.extra == {"data_pos": 40}
         assert guard2.step(3) is False  # the notice this checkpoint answered does not drain again
         assert all(
-            torch.equal(a, b) for a, b in zip(model2.state_dict().values(), reference_model.state_dict().values())
-        )
+            torch.equal(a, b) for a, b in zip(model2.state_dict().values(), reference_model.state_dict().values()))
         assert str(opt2.state_dict()) == str(reference_opt.state_dict())
     finally:
         guard2.close()
@@ -320,8 +319,7 @@ def test_deadline_too_short_persists_last_snapshot(tmp_path, sidecar, monkeypatc
         guard.close()
     # a notice with time to spare saves fresh
     guard = make_guard(
-        sidecar, adapter=PlainTorchAdapter(model, opt, checkpoint_dir=tmp_path / "ck2"), snapshot_every=4
-    )
+        sidecar, adapter=PlainTorchAdapter(model, opt, checkpoint_dir=tmp_path / "ck2"), snapshot_every=4)
     try:
         sidecar.push("notice", notice(seconds=60, nid="aws.spot:later").to_wire())
         wait_until(lambda: guard.gate.pending is not None)

@@ -90,9 +90,8 @@ async def test_policy_table(case: Case):
                 job = await cluster.job("j1")
                 rec = record_of(job) if names.ANN_STATUS in job["metadata"].get("annotations", {}) else {}
                 assert rec.get("phase") == expect["phase"], rec
-                assert (
-                    job["spec"]["parallelism"] == expect["parallelism"] and job["spec"]["suspend"] == expect["suspend"]
-                )
+                spec = job["spec"]
+                assert spec["parallelism"] == expect["parallelism"] and spec["suspend"] == expect["suspend"]
                 assert await cluster.events("j1", expect["event"])
                 return job
 

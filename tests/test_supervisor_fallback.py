@@ -114,9 +114,8 @@ def test_fallback_needs_on_demand_capacity_and_a_mutable_template():
 
 
 def test_spot_capacity_back_before_fallback_resumes_on_spot():
-    assert (
-        decide(_state(_suspended(), free_slots=2, alt_slots=2), T0 + timedelta(seconds=30), Settings()).action == RESUME
-    )
+    later = T0 + timedelta(seconds=30)
+    assert decide(_state(_suspended(), free_slots=2, alt_slots=2), later, Settings()).action == RESUME
 
 
 def _on_demand(**changes) -> Record:
@@ -128,9 +127,8 @@ def test_return_waits_for_return_after_of_free_spot_capacity_then_drains():
     start = decide(_state(_on_demand(), directives=ON_DEMAND, alt_slots=2), T0, Settings())
     assert start.action == RECORD and start.record.spot_free_since == T0
     waiting = _on_demand(spot_free_since=T0)
-    assert (
-        decide(_state(waiting, directives=ON_DEMAND, alt_slots=2), T0 + timedelta(seconds=4), Settings()).action == NONE
-    )
+    too_soon = T0 + timedelta(seconds=4)
+    assert decide(_state(waiting, directives=ON_DEMAND, alt_slots=2), too_soon, Settings()).action == NONE
     drain = decide(_state(waiting, directives=ON_DEMAND, alt_slots=2), T0 + timedelta(seconds=5), Settings())
     assert drain.action == RECORD and drain.record.phase == "Checkpointing" and drain.record.move_to == "spot"
     assert drain.record.drain and drain.record.generation == waiting.generation + 1
@@ -140,22 +138,19 @@ def test_return_never_while_a_notice_is_live():
     waiting = _on_demand(spot_free_since=T0)
     hit = (NoticeHit("gcp:1", "od-1", "maintenance", None),)
     out = decide(
-        _state(waiting, directives=ON_DEMAND, alt_slots=2, notices=hit), T0 + timedelta(seconds=60), Settings()
-    )
+        _state(waiting, directives=ON_DEMAND, alt_slots=2, notices=hit), T0 + timedelta(seconds=60), Settings())
     assert out.action == RECORD and out.record.spot_free_since is None and out.record.phase == "Running"
 
 
 def test_return_suspends_after_the_drain_then_restores_the_spot_directives():
     draining = _on_demand(
-        phase="Checkpointing", move_to="spot", drain="d", checkpoint_deadline=T0 + timedelta(seconds=60)
-    )
+        phase="Checkpointing", move_to="spot", drain="d", checkpoint_deadline=T0 + timedelta(seconds=60))
     assert decide(_state(draining, directives=ON_DEMAND, alt_slots=2), T0, Settings()).action == NONE
     suspend = decide(_state(draining, directives=ON_DEMAND, alt_slots=2, drained=True), T0, Settings())
     assert suspend.action == SUSPEND and suspend.record.move_to == "spot"
     moving = suspend.record
     blocked = decide(
-        _state(moving, suspended=True, directives=ON_DEMAND, alt_slots=2, template_mutable=False), T0, Settings()
-    )
+        _state(moving, suspended=True, directives=ON_DEMAND, alt_slots=2, template_mutable=False), T0, Settings())
     assert blocked.action == NONE
     back = decide(_state(moving, suspended=True, directives=ON_DEMAND, alt_slots=2), T0, Settings())
     assert back.action == MOVE and back.directives == SPOT and back.record.capacity == ""

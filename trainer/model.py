@@ -59,8 +59,7 @@ def state_digest(*tensor_dicts: dict) -> str:
         if isinstance(obj, torch.Tensor):
             h.update(prefix.encode())
             h.update(
-                obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b""
-            )
+                obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b"")
         elif isinstance(obj, dict):
             for key in sorted(obj, key=str):
                 feed(obj[key], f"{prefix}.{key}")

@@ -169,8 +169,7 @@ def parse_scenario(text: str, origin: str = "<scenario>") -> Scenario:
                 raise ScenarioError(f"{where}: events[{index}].{key}: missing")
         if raw["kind"] not in EVENT_KINDS:
             raise ScenarioError(
-                f"{where}: events[{index}].kind: expected one of {', '.join(EVENT_KINDS)}, got {raw['kind']!r}"
-            )
+                f"{where}: events[{index}].kind: expected one of {', '.join(EVENT_KINDS)}, got {raw['kind']!r}")
         if not isinstance(raw["node"], str):
             raise ScenarioError(f"{where}: events[{index}].node: expected a node name such as node-0")
         lead = raw.get("lead")

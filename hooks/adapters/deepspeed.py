@@ -110,8 +110,7 @@ class DeepSpeedAdapter(StoreAdapter):
         self.ds_engine.target(pending, pending.dir)
         try:
             self.engine.save_checkpoint(
-                str(pending.dir), tag=DS_TAG, client_state=self._client_state(step), save_latest=False
-            )
+                str(pending.dir), tag=DS_TAG, client_state=self._client_state(step), save_latest=False)
         finally:
             self.ds_engine.target(None, pending.dir)
 
@@ -119,8 +118,7 @@ class DeepSpeedAdapter(StoreAdapter):
         self.ds_engine.capture(self._scratch)
         try:
             self.engine.save_checkpoint(
-                str(self._scratch), tag=DS_TAG, client_state=self._client_state(step), save_latest=False
-            )
+                str(self._scratch), tag=DS_TAG, client_state=self._client_state(step), save_latest=False)
             return self.ds_engine.captured
         finally:
             self.ds_engine.captured = None

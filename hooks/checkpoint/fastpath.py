@@ -40,8 +40,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import IO, Any, cast
 from collections.abc import Mapping
+from typing import IO, Any, cast
 
 import torch
 
