@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, runtime_checkable
 
 from aiohttp import web
 
@@ -41,6 +41,13 @@ from spotguard.wire import names
 from spotguard.kube.api import PODS, Kube
 
 log = logging.getLogger(__name__)
+
+@runtime_checkable
+class _WarnsAboutGpus(Protocol):
+    """A source that reports GPU warnings through an `on_warning(uuid, reason, detail)` callback."""
+
+    on_warning: Callable[[str, str, dict], None] | None
+
 
 class Agent:
     """See the module docstring. Optional arguments replace what `start()` would build."""
@@ -84,7 +91,7 @@ class Agent:
             self.gpu_source = _gpu_source(cfg)
         if self.gpu_source is not None:
             self.sources.append(self.gpu_source)
-            if getattr(self.gpu_source, "on_warning", False) is None:
+            if isinstance(self.gpu_source, _WarnsAboutGpus) and self.gpu_source.on_warning is None:
                 self.gpu_source.on_warning = self._gpu_warning
         if cfg.kubernetes:
             if self.api_client is None:
@@ -97,6 +104,12 @@ class Agent:
                 self.sources.append(node_source)
             if self.marker is None:
                 self.marker = _node_marker(self.api_client, cfg.node, cfg.cordon)
+        self.origins = {f"{i}:{s.name}": s for i, s in enumerate(self.sources)}
+
+    async def start(self) -> str:
+        """Builds, binds and starts everything; returns the bound address "host:port"."""
+        await self._build()
+        cfg = self.config
         if self.authenticator is None:
             if cfg.report_token_file:
                 self.authenticator = SharedSecretAuth.from_file(cfg.report_token_file)
@@ -104,18 +117,12 @@ class Agent:
                 self.authenticator = TokenReviewAuth(self.api_client)
             else:
                 self.authenticator = RefuseAll()
-        self.origins = {f"{i}:{s.name}": s for i, s in enumerate(self.sources)}
-
-    async def start(self) -> str:
-        """Builds, binds and starts everything; returns the bound address "host:port"."""
-        await self._build()
         self._started_monotonic = time.monotonic()
         expected = self._expected_pods if (self.config.kubernetes and self.api_client is not None) else None
         self.reports = ReportBook(self.table, self.origins, expected_pods=expected)
         self.table.add_listener(self.metrics.observe)
         self.table.add_listener(self._notify_marker)
         self.metrics.registry.add_collector(self._collect)
-        cfg = self.config
         self.server = AgentServer(self.table, self.metrics, self.readiness, self.reports, self.authenticator,
                                   keepalive=cfg.keepalive, max_subscribers=cfg.max_streams,
                                   max_per_client=cfg.max_streams_per_client, body_timeout=cfg.header_timeout)
@@ -205,10 +212,16 @@ class Agent:
         def list_pods() -> set[tuple[str, str]]:
             pods, _ = kube.list(PODS, None, label_selector={names.LABEL_INJECT: "true"},
                                 field_selector=f"spec.nodeName={self.config.node}")
-            return {((p.get("metadata") or {}).get("namespace"), (p.get("metadata") or {}).get("name"))
-                    for p in pods if (p.get("spec") or {}).get("nodeName") == self.config.node
-                    and ((p.get("metadata") or {}).get("labels") or {}).get(names.LABEL_INJECT) == "true"
-                    and (p.get("status") or {}).get("phase") in (None, "Pending", "Running")}
+            expected: set[tuple[str, str]] = set()
+            for p in pods:
+                meta = p.get("metadata") or {}
+                namespace, name = meta.get("namespace"), meta.get("name")
+                if (isinstance(namespace, str) and isinstance(name, str)
+                        and (p.get("spec") or {}).get("nodeName") == self.config.node
+                        and (meta.get("labels") or {}).get(names.LABEL_INJECT) == "true"
+                        and (p.get("status") or {}).get("phase") in (None, "Pending", "Running")):
+                    expected.add((namespace, name))
+            return expected
 
         return await asyncio.to_thread(list_pods)
 
@@ -313,7 +326,8 @@ def _node_marker(api_client: Any, node: str, cordon: bool) -> Any:
     return NodeMarker(api_client, node, cordon=cordon)
 
 
-async def run_agent(agent: Agent, stop: asyncio.Event, announce: Callable[[str], Awaitable[None] | None] | None = None) -> None:
+async def run_agent(agent: Agent, stop: asyncio.Event,
+                    announce: Callable[[str], Awaitable[None] | None] | None = None) -> None:
     """Starts `agent`, calls `announce(address)`, waits for `stop`, then stops it."""
     await agent.start()
     try:

@@ -171,12 +171,14 @@ class TokenReviewAuth:
         audiences = status.get("audiences")
         if audiences is not None and self.audience not in audiences:
             return AuthError(401, f"token is not valid for audience {self.audience!r}")
-        user = status.get("user") if isinstance(status.get("user"), dict) else {}
+        raw_user = status.get("user")
+        user: dict = raw_user if isinstance(raw_user, dict) else {}
         username = user.get("username") or ""
         if not isinstance(username, str) or not username.startswith(SA_PREFIX):
             return AuthError(403, "only pod service-account tokens may report")
         namespace = username[len(SA_PREFIX):].split(":", 1)[0]
-        extra = user.get("extra") if isinstance(user.get("extra"), dict) else {}
+        raw_extra = user.get("extra")
+        extra: dict = raw_extra if isinstance(raw_extra, dict) else {}
         pods = extra.get(POD_NAME_CLAIM) or []
         pod = pods[0] if isinstance(pods, list) and len(pods) == 1 else None
         if not namespace:

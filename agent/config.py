@@ -37,7 +37,8 @@ from __future__ import annotations
 import argparse
 import socket
 from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from spotguard.config import ConfigError, Layers, http_url, one_of, positive_float, positive_int
 from spotguard.wire import names

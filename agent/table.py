@@ -82,7 +82,7 @@ class Subscription:
         self.snapshot = snapshot
         self.seq = seq
         self.complete = complete
-        self._queue: asyncio.Queue[Published | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[Published | Resync | None] = asyncio.Queue()
         self._max_backlog = max_backlog
         self._sink: Sink | None = None
         self.closed = False

@@ -68,7 +68,8 @@ async def _run(args) -> int:
     print(f"agent footprint (AWS emulator at defaults{'' if args.no_gpu else ' + fake GPU source'}, "
           f"1 subscriber), {args.seconds:.0f} s window after {args.warmup:.0f} s warm-up, "
           f"{requests} metadata requests served")
-    print(f"RSS {rss / mib:.1f} MiB (peak {peak / mib:.1f})   goal <= 64 MiB: {'met' if peak <= 64 * mib else 'NOT met'}")
+    print(
+        f"RSS {rss / mib:.1f} MiB (peak {peak / mib:.1f})   goal <= 64 MiB: {'met' if peak <= 64 * mib else 'NOT met'}")
     print(f"CPU {cpu:.2f}% of one core               goal <= 1%: {'met' if cpu <= 1.0 else 'NOT met'}")
     return 0
 

@@ -112,8 +112,10 @@ async def bench_cloud(cloud: str, flips: int) -> dict:
         proc, address = await asyncio.to_thread(start_agent, cloud, emu.url)
         agent_inbox, alone_inbox = Inbox(), Inbox()
         ready = asyncio.Event()
-        tasks = [asyncio.create_task(subscribe(address, agent_inbox, ready)),
-                 asyncio.create_task(run_alone(build_sources(cloud, node="bench-alone", base_url=emu.url), alone_inbox))]
+        tasks = [
+            asyncio.create_task(subscribe(address, agent_inbox, ready)),
+            asyncio.create_task(run_alone(build_sources(cloud, node="bench-alone", base_url=emu.url), alone_inbox)),
+        ]
         agent_lat, alone_lat, overhead = [], [], []
         try:
             await asyncio.wait_for(ready.wait(), 10)

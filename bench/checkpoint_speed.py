@@ -177,8 +177,10 @@ def print_table(label: str, rows: dict, nbytes: int) -> None:
     best = min((k for k in rows if k.startswith("spotguard")), key=lambda k: rows[k][1])
     stall, durable = rows[best]
     print(f"goals for the best spotguard mode ({best}):")
-    print(f"  durable {durable:.3f}s <= 1.25 x raw write {raw:.3f}s = {1.25 * raw:.3f}s: {'MET' if durable <= 1.25 * raw else 'NOT MET'}")
-    print(f"  stall {stall:.3f}s <= 2 x memcpy {memcpy:.3f}s = {2 * memcpy:.3f}s: {'MET' if stall <= 2 * memcpy else 'NOT MET'}")
+    print(f"  durable {durable:.3f}s <= 1.25 x raw write {raw:.3f}s = {1.25 * raw:.3f}s: "
+          f"{'MET' if durable <= 1.25 * raw else 'NOT MET'}")
+    print(f"  stall {stall:.3f}s <= 2 x memcpy {memcpy:.3f}s = {2 * memcpy:.3f}s: "
+          f"{'MET' if stall <= 2 * memcpy else 'NOT MET'}")
     for name in ("torch.save + fsync", "dcp.save", "DeepSpeed save_checkpoint (ZeRO-0) + fsync"):
         if name in rows:
             other = rows[name][1]
@@ -204,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     free = shutil.disk_usage(parent).free
     need = args.size_mb * (1 << 20) * 2
     if free < need:
-        print(f"not enough disk space in {parent}: {free / 2**30:.1f} GiB free, need {need / 2**30:.1f} GiB", file=sys.stderr)
+        print(f"not enough disk space in {parent}: {free / 2**30:.1f} GiB free, need {need / 2**30:.1f} GiB",
+              file=sys.stderr)
         return 1
     model, opt = build_state(args.size_mb)
     state = state_of(model, opt)

@@ -4,9 +4,10 @@ For each cloud, its reclaim source runs at its default interval (and request tim
 an emulator in this process (GCP's hanging GETs wait 2 s instead of 30, so that a storm has
 caught the source within seconds). Each storm makes every read of the reclaim path fail (one
 kind per storm, in turn: HTTP 503, a corrupt body, a dropped connection); once it has failed a
-read, a reclaim notice is scheduled behind it, and 3-5 s (random) later the storm is cleared. Latency is from the moment the
-clear is sent to the moment the source yields the notice. The notice is withdrawn (emulator
-reset) before the next storm. A source that backs off for long after a few errors shows here.
+read, a reclaim notice is scheduled behind it, and 3-5 s (random) later the storm is cleared.
+Latency is from the moment the clear is sent to the moment the source yields the notice. The notice
+is withdrawn (emulator reset) before the next storm. A source that backs off for long after a few
+errors shows here.
 
 Goal: p99 <= interval + 1 s (GCP's hanging GET: interval 0, so 1 s). Percentiles are
 nearest-rank. Exit status 1 when a measured row misses the goal or a storm was not detected.

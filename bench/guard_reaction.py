@@ -200,7 +200,8 @@ def measure(args) -> None:
                 starts = [json.loads(lines(r)[trial])["t"] for r in range(args.ranks)]
                 if os.environ.get("BENCH_DEBUG") and path == "sidecar":
                     rec = json.loads(lines(target)[trial])["received"]
-                    print(f"trial {trial}: received after {(rec - sent) * 1000:.1f} ms, hooks after {(max(starts) - sent) * 1000:.1f} ms")
+                    print(f"trial {trial}: received after {(rec - sent) * 1000:.1f} ms, "
+                          f"hooks after {(max(starts) - sent) * 1000:.1f} ms")
                 results[path].append(max(starts) - sent)
             first, last = json.loads(lines(0)[0]), json.loads(lines(0)[-1])
             step_seconds = (last["t"] - first["t"]) / max(1, last["step"] - first["step"])
@@ -213,12 +214,13 @@ def measure(args) -> None:
                     p.wait(10)
             sidecar.close()
     goal = step_seconds + 0.020
-    print(f"guard_reaction [{args.agreement}]: {args.ranks} ranks, gloo, {args.step_ms:.0f} ms synthetic step (measured step "
-          f"{step_seconds * 1000:.1f} ms), notice to rank {target} only, {args.trials} trials per path")
+    print(f"guard_reaction [{args.agreement}]: {args.ranks} ranks, gloo, {args.step_ms:.0f} ms synthetic step "
+          f"(measured step {step_seconds * 1000:.1f} ms), notice to rank {target} only, {args.trials} trials per path")
     for path, values in results.items():
         worst = max(values)
         print(f"  {path:8} notice -> hooks started on all ranks: median {statistics.median(values) * 1000:6.1f} ms, "
-              f"max {worst * 1000:6.1f} ms (goal <= step + 20 = {goal * 1000:.0f} ms: {'met' if worst <= goal else 'NOT met'})")
+              f"max {worst * 1000:6.1f} ms (goal <= step + 20 = {goal * 1000:.0f} ms: "
+              f"{'met' if worst <= goal else 'NOT met'})")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,8 @@ class Supervisor:
 
     def __init__(self, cmd: list[str]):
         log = open(os.environ.get("SUPERVISOR_BENCH_LOG", os.devnull), "w")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
 
     async def listen(self, timeout: float) -> str:
@@ -332,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  p50 {statistics.median(ms):.1f} ms   p99 {percentile(ms, 0.99):.1f} ms   max {max(ms):.1f} ms"
           f"   (goal: p99 <= 250 ms)")
     for line in result["metrics"].splitlines():
-        if line.startswith(("spotguard_supervisor_notice_to_patch_seconds_sum", "spotguard_supervisor_notice_to_patch_seconds_count",
+        if line.startswith(("spotguard_supervisor_notice_to_patch_seconds_sum",
+                            "spotguard_supervisor_notice_to_patch_seconds_count",
                             "spotguard_supervisor_decisions_total")):
             print("  " + line)
     print(f"  wall time {time.monotonic() - started:.1f} s")

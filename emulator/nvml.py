@@ -37,7 +37,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pynvml
 
@@ -150,7 +151,7 @@ class FakeGpuBackend(GpuBackend):
 
     # ---- scenario files --------------------------------------------------------------------
     @classmethod
-    def from_scenario(cls, source: str | Path | Mapping[str, Any], field_name: str = "--gpu") -> "FakeGpuBackend":
+    def from_scenario(cls, source: str | Path | Mapping[str, Any], field_name: str = "--gpu") -> FakeGpuBackend:
         """Builds a fake from a scenario (a YAML/JSON file path or a dict); ConfigError(field_name)
         names what is wrong."""
         if isinstance(source, Mapping):
@@ -248,7 +249,7 @@ class FakeGpuBackend(GpuBackend):
     def total_ecc_errors(self, index: int) -> int:
         return self._gpu("total_ecc_errors", index).ecc_uncorrected
 
-    def field_values(self, index: int, field_ids: Sequence[int]) -> dict[int, object]:
+    def field_values(self, index: int, field_ids: Sequence[int]) -> dict[int, float | BaseException]:
         g = self._gpu("field_values", index)
         known = {FI_GPU_RECOVERY_ACTION: g.recovery_action}
         return {fid: known.get(fid, pynvml.NVMLError_NotSupported()) for fid in field_ids}

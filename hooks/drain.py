@@ -78,6 +78,8 @@ def agreed_notice(collectives: Collectives, verdict: Verdict) -> Notice:
         if collectives.rank == verdict.source_rank and verdict.pending is not None:
             payload = verdict.pending.to_json().encode()
         notice = Notice.from_json(collectives.broadcast_bytes(payload, verdict.source_rank))
+    if notice is None:
+        raise ValueError("a verdict without a pending notice (a single process acts only on its own notice)")
     if math.isfinite(verdict.deadline_ts):
         notice = notice.with_deadline(datetime.fromtimestamp(verdict.deadline_ts, UTC))
     return notice

@@ -24,10 +24,10 @@ Contract:
   the next agreement (cost ~0; a notice is then acted on one agreement later).
 - `piggyback_on(ddp_model)` (done by `attach` when the adapter's `gradient_carrier()` is a DDP
   model, as TorchDCPAdapter's is) carries the "notice pending here" flag as one extra element of
-  the model's own last gradient bucket (a DDP communication hook): every rank reads the same count, and only when it is non-zero does the blocking
-  agreement run. A step without a notice then costs no collective of the Guard's own, and a
-  notice is still acted on at the boundary of the step it arrived in (or the next, if it came
-  after that step's last bucket was sent).
+  the model's own last gradient bucket (a DDP communication hook): every rank reads the same count,
+  and only when it is non-zero does the blocking agreement run. A step without a notice then costs
+  no collective of the Guard's own, and a notice is still acted on at the boundary of the step it
+  arrived in (or the next, if it came after that step's last bucket was sent).
 - Kinds in `act_on` (default: everything but `rebalance`) are acted on; a notice whose id the
   resumed checkpoint already answered is ignored; a withdrawal clears a notice not yet agreed.
 - A notice whose deadline is more than `horizon_seconds` away (default 120: AWS's lead time, so
@@ -62,7 +62,7 @@ from collections.abc import Callable, Iterable
 from spotguard.config import ConfigError, http_url, positive_float, positive_int
 from spotguard.hooks.agreement import Agreement, make_agreement
 from spotguard.hooks.agreement.base import Verdict
-from spotguard.hooks.agreement.collectives import join_collectives
+from spotguard.hooks.agreement.collectives import GroupCollectives, join_collectives
 from spotguard.hooks.drain import DrainRecord, DrainSequence, ExitProcess, ReturnToLoop
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.notice_gate import ACT_ON, Action, NoticeGate
@@ -144,7 +144,7 @@ class Guard:
         """Carries the agreement flag inside `ddp_model`'s gradient all_reduce (see the module
         docstring). Every rank calls it once, before the first backward. Returns False (and the
         Guard keeps its own agreement) when not distributed, pipelined, or the model takes no hook."""
-        if not self.collectives.distributed or self.pipeline:
+        if not isinstance(self.collectives, GroupCollectives) or self.pipeline:
             return False
         from spotguard.hooks.agreement.piggyback import PiggybackAgreement
 

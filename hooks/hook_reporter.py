@@ -61,8 +61,12 @@ class HookReporter:
         token = self._token()
         if token:
             headers["Authorization"] = f"Bearer {token}"
+        host = self._parsed.hostname
+        if host is None:
+            log.warning("cannot report to the sidecar: %r names no host", self.url)
+            return None
         cls = http.client.HTTPSConnection if self._parsed.scheme == "https" else http.client.HTTPConnection
-        conn = cls(self._parsed.hostname, self._parsed.port, timeout=self.timeout)
+        conn = cls(host, self._parsed.port, timeout=self.timeout)
         try:
             conn.request("POST", self._parsed.path.rstrip("/") + HOOKS_PATH, body=json.dumps(body), headers=headers)
             response = conn.getresponse()

@@ -131,10 +131,10 @@ def write_atomic(path: str, data: bytes, mode: int | None = None) -> None:
         os.close(dir_fd)
 
 
-def _int_field(block: Mapping[str, Any], key: str, default: int | None, minimum: int) -> int | None:
+def _int_field(block: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
+    """`block[key]` (or `default` when absent) checked to be a whole number >= minimum; an explicit
+    null is refused like any other non-number."""
     value = block.get(key, default)
-    if value is None:
-        return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ElasticityError(f"elasticity.{key}: expected a whole number >= {minimum}, got {value!r}")
     return value
@@ -179,9 +179,11 @@ class ElasticRule:
         micro = block.get("micro_batch_sizes", [2, 4, 6])
         if (not isinstance(micro, list) or not micro
                 or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in micro)):
-            raise ElasticityError(f"elasticity.micro_batch_sizes: expected a non-empty list of whole numbers >= 1, got {micro!r:.80}")
+            raise ElasticityError(
+                f"elasticity.micro_batch_sizes: expected a non-empty list of whole numbers >= 1, got {micro!r:.80}")
         if any(m > max_batch for m in micro):
-            raise ElasticityError(f"elasticity.micro_batch_sizes: every size must be <= max_train_batch_size ({max_batch})")
+            raise ElasticityError(
+                f"elasticity.micro_batch_sizes: every size must be <= max_train_batch_size ({max_batch})")
         min_gpus = _int_field(block, "min_gpus", 1, 1)
         max_gpus = _int_field(block, "max_gpus", max_batch // min(micro), 1)
         if max_gpus < min_gpus:

@@ -2,8 +2,9 @@
 
 `make_certificate` builds a CA and a serving certificate for the webhook Service's DNS names.
 `ensure_secret_and_ca_bundle` (run once by the install Job) stores them in the TLS Secret the
-manifests pre-create (empty) unless it holds a certificate already, and writes the CA into the MutatingWebhookConfiguration's caBundle. With
-cert-manager present, use the `cert-manager` overlay instead and skip the Job.
+manifests pre-create (empty) unless it holds a certificate already, and writes the CA into the
+MutatingWebhookConfiguration's caBundle. With cert-manager present, use the `cert-manager` overlay
+instead and skip the Job.
 """
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def make_certificate(dns_names: list[str], ip_addresses: Sequence[str] = (), day
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
     sans = [x509.DNSName(n) for n in dns_names] + [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses]
+    common_name = dns_names[0] if dns_names else "spotguard"
     cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns_names[0] if dns_names else "spotguard")]))
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 import re
+from typing import TypedDict
 
 from spotguard.config import ConfigError, Layers, positive_int
 from spotguard.daemon import run_daemon
@@ -26,12 +27,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--tls-cert", required=True, help="PEM certificate (the Secret's tls.crt)")
     serve.add_argument("--tls-key", required=True, help="PEM private key (the Secret's tls.key)")
     serve.add_argument("--image", default=None, help="sidecar image (env SPOTGUARD_SIDECAR_IMAGE)")
-    serve.add_argument("--grace-seconds", default="120", help="default terminationGracePeriodSeconds floor (default 120)")
+    serve.add_argument(
+        "--grace-seconds", default="120", help="default terminationGracePeriodSeconds floor (default 120)"
+    )
     for flag, default in SIDECAR_RESOURCES.items():
-        serve.add_argument(f"--{flag}", default=default, help=f"the sidecar's {flag[8:].replace('-', ' ')} (default {default})")
+        serve.add_argument(
+            f"--{flag}", default=default, help=f"the sidecar's {flag[8:].replace('-', ' ')} (default {default})"
+        )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=run_serve)
-    certgen = sub.add_parser("certgen", help="fill the webhook's pre-created TLS Secret, set its caBundle (install Job)")
+    certgen = sub.add_parser(
+        "certgen", help="fill the webhook's pre-created TLS Secret, set its caBundle (install Job)"
+    )
     certgen.add_argument("--namespace", default="spotguard")
     certgen.add_argument("--secret", default="spotguard-injector-tls")
     certgen.add_argument("--service", default="spotguard-injector")
@@ -72,15 +79,27 @@ def run_serve(args: argparse.Namespace) -> int:
     return run_daemon(lambda stop: _serve(host, port, ctx, cfg, stop))
 
 
-def sidecar_resources(args: argparse.Namespace) -> dict[str, str]:
+class SidecarResources(TypedDict):
+    """InjectorConfig's resource fields (one per SIDECAR_RESOURCES flag, without `sidecar-`)."""
+
+    cpu_request: str
+    cpu_limit: str
+    memory_request: str
+    memory_limit: str
+
+
+def sidecar_resources(args: argparse.Namespace) -> SidecarResources:
     """InjectorConfig's resource fields from the --sidecar-* flags; ConfigError names a bad one."""
-    out = {}
-    for flag in SIDECAR_RESOURCES:
+
+    def quantity(flag: str) -> str:
         value = str(getattr(args, flag.replace("-", "_"))).strip()
         if not QUANTITY.fullmatch(value):
             raise ConfigError(f"--{flag}", f"expected a Kubernetes quantity like 100m or 64Mi, got {value!r}")
-        out[flag[len("sidecar-"):].replace("-", "_")] = value
-    return out
+        return value
+
+    return SidecarResources(cpu_request=quantity("sidecar-cpu-request"), cpu_limit=quantity("sidecar-cpu-limit"),
+                            memory_request=quantity("sidecar-memory-request"),
+                            memory_limit=quantity("sidecar-memory-limit"))
 
 
 async def _serve(host: str, port: int, ctx, cfg, stop: asyncio.Event) -> int:

@@ -108,7 +108,8 @@ def local_world_size(pod: dict[str, Any]) -> int:
     raw = annotations.get(names.ANN_LOCAL_WORLD_SIZE)
     if raw is not None:
         if not str(raw).isdigit() or int(raw) < 1:
-            raise PodSpecError(f"metadata.annotations[{names.ANN_LOCAL_WORLD_SIZE}]: expected a whole number >= 1, got {raw!r}")
+            raise PodSpecError(
+                f"metadata.annotations[{names.ANN_LOCAL_WORLD_SIZE}]: expected a whole number >= 1, got {raw!r}")
         return int(raw)
     gpus = 0
     for container in (pod.get("spec") or {}).get("containers") or []:
@@ -200,9 +201,11 @@ def grace_for(pod: dict[str, Any], cfg: InjectorConfig) -> int:
     try:
         value = int(raw)
     except (TypeError, ValueError):
-        raise PodSpecError(f"metadata.annotations[{names.ANN_GRACE_SECONDS}]: expected whole seconds, got {raw!r}") from None
+        raise PodSpecError(
+            f"metadata.annotations[{names.ANN_GRACE_SECONDS}]: expected whole seconds, got {raw!r}") from None
     if not 1 <= value <= MAX_GRACE:
-        raise PodSpecError(f"metadata.annotations[{names.ANN_GRACE_SECONDS}]: must be within 1..{MAX_GRACE}, got {value}")
+        raise PodSpecError(
+            f"metadata.annotations[{names.ANN_GRACE_SECONDS}]: must be within 1..{MAX_GRACE}, got {value}")
     return value
 
 

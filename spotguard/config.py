@@ -15,7 +15,8 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 

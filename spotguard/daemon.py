@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

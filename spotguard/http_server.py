@@ -4,9 +4,10 @@
   connection must complete a request's headers within `header_timeout` seconds of connecting
   (or of its previous response), else it is closed (aiohttp's keep-alive timer, which also
   runs before the first request, is that deadline); a body left unread after the response is
-  drained for at most that long too; request lines and header fields are bounded. A request the HTTP parser refuses (oversized or broken headers, bad request line)
-  is answered 400 by aiohttp and logged here as one INFO line without a traceback: a client's
-  mistake is not the server's error. Everything else aiohttp logs is left as it is.
+  drained for at most that long too; request lines and header fields are bounded. A request the HTTP
+  parser refuses (oversized or broken headers, bad request line) is answered 400 by aiohttp and
+  logged here as one INFO line without a traceback: a client's mistake is not the server's error.
+  Everything else aiohttp logs is left as it is.
 - `read_json(request, max_bytes, timeout)` reads a request body for a handler: at most
   `max_bytes` (413), within `timeout` seconds (408), intact (400 for a broken chunked body),
   UTF-8 JSON nested at most `spotguard.safe_json.MAX_DEPTH` levels (400). It raises

@@ -31,7 +31,8 @@ class JsonFormatter(logging.Formatter):
 def setup_logging(level: str = "info", json_format: bool = True) -> None:
     """Routes the root logger to stderr, as JSON lines unless json_format is False."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if json_format else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        JsonFormatter() if json_format else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -54,9 +54,13 @@ async def run_supervisor(options: Options, stop: asyncio.Event, announce: Callab
                               settings=Settings(options.checkpoint_timeout, options.scale_out_delay),
                               resync=options.resync, workers=options.workers, membership_hosts=options.membership_hosts)
     controller_ref: list[Controller] = []
+
+    def on_leadership(leader: bool) -> None:
+        if controller_ref:  # the controller exists once the elector does (it is built next)
+            controller_ref[0].on_leadership(leader)
+
     elector = LeaderElector(kube, options.lease_namespace, options.lease_name, options.identity,
-                            lease_duration=options.lease_duration,
-                            on_change=lambda leader: controller_ref and controller_ref[0].on_leadership(leader))
+                            lease_duration=options.lease_duration, on_change=on_leadership)
     controller = Controller(kube, config, elector=elector, metrics=metrics, ledger=CostLedger(options.prices))
     controller_ref.append(controller)
 
@@ -65,7 +69,9 @@ async def run_supervisor(options: Options, stop: asyncio.Event, announce: Callab
     site = web.TCPSite(runner, options.listen_host, options.listen_port)
     await site.start()
     sockets = getattr(site._server, "sockets", None) or []
-    address = "{}:{}".format(*sockets[0].getsockname()[:2]) if sockets else f"{options.listen_host}:{options.listen_port}"
+    address = (
+        "{}:{}".format(*sockets[0].getsockname()[:2]) if sockets else f"{options.listen_host}:{options.listen_port}"
+    )
     election_stop = asyncio.Event()
     election = None
     try:

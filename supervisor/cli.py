@@ -31,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lease-name", default=None, help="Lease name (default spotguard-supervisor)")
     p.add_argument("--lease-namespace", default=None,
                    help="Lease namespace (default: $POD_NAMESPACE, else --namespace, else default)")
-    p.add_argument("--identity", default=None, help="this replica's identity in the Lease (default: $POD_NAME or host-pid)")
+    p.add_argument(
+        "--identity", default=None, help="this replica's identity in the Lease (default: $POD_NAME or host-pid)")
     p.add_argument("--listen", default=None, help="ADDR:PORT for /metrics and /healthz (default 0.0.0.0:9742)")
     p.add_argument("--prices", default=None, help="YAML/JSON price table for cost metrics (see supervisor/README.md)")
     p.add_argument("--resync", default=None, help="seconds between full reconciles (default 60)")

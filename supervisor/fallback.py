@@ -113,9 +113,10 @@ def decide_move(state: JobState, now: datetime, settings: Settings, identity: st
         deadline = rec.checkpoint_deadline or now
         if not (state.drained or now >= deadline):
             return Decision(NONE, rec, recheck_at=deadline)
-        return _act(SUSPEND, state, now, identity, event=names.EVENT_RETURNING, key=decision_key("return-suspend", previous),
-                    message=("a replica drained after its checkpoint" if state.drained else "the checkpoint timeout passed")
-                    + f"; suspending to move to {rec.move_to} capacity", phase=SUSPENDED, reason="Moving",
+        why = "a replica drained after its checkpoint" if state.drained else "the checkpoint timeout passed"
+        return _act(SUSPEND, state, now, identity, event=names.EVENT_RETURNING,
+                    key=decision_key("return-suspend", previous),
+                    message=why + f"; suspending to move to {rec.move_to} capacity", phase=SUSPENDED, reason="Moving",
                     waiting_since=now, replicas=need)
 
     if rec.phase == SUSPENDED and rec.move_to:
@@ -169,8 +170,9 @@ def decide_move(state: JobState, now: datetime, settings: Settings, identity: st
         key = decision_key("return-drain", previous)
         deadline = now + timedelta(seconds=settings.checkpoint_timeout)
         return _act(RECORD, state, now, identity, event=names.EVENT_RETURNING, key=key, recheck_at=deadline,
-                    message=(f"spot capacity for {state.replicas} replicas free for {_seconds(rec.spot_free_since, now):.0f}s "
-                             f"(return-after {fallback.return_after:g}s): draining at a checkpoint to return to spot"),
+                    message=(f"spot capacity for {state.replicas} replicas free for "
+                             f"{_seconds(rec.spot_free_since, now):.0f}s (return-after {fallback.return_after:g}s): "
+                             "draining at a checkpoint to return to spot"),
                     phase=CHECKPOINTING, reason="ReturningToSpot", move_to=SPOT, drain=key,
                     checkpoint_deadline=deadline, replicas=state.replicas, generation=rec.generation + 1)
     return None

@@ -296,7 +296,8 @@ class ControlPlane:
         `service_account` one that authenticates as that ServiceAccount (TokenRequest, 1 h)."""
         if service_account is None:
             return self._kubeconfig("admin", self.admin_token)
-        return self._kubeconfig(f"{namespace}-{service_account}", self.service_account_token(service_account, namespace))
+        return self._kubeconfig(
+            f"{namespace}-{service_account}", self.service_account_token(service_account, namespace))
 
     def _get(self, path: str) -> int:
         ctx = ssl.create_default_context(cafile=str(self.pki.ca_cert))

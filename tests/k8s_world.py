@@ -51,7 +51,8 @@ def set_container_exit(plane, namespace: str, pod: str, exit_code: int, containe
     name = container or current.spec.containers[0].name
     when = (finished_at or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
     term = {"terminated": {"exitCode": exit_code, "startedAt": when, "finishedAt": when,
-                           "reason": "Error" if exit_code else "Completed", **({"message": message} if message else {})}}
+                           "reason": "Error" if exit_code else "Completed",
+                           **({"message": message} if message else {})}}
     phase = "Running" if restarted else ("Succeeded" if exit_code == 0 else "Failed")
     status = {"name": name, "image": current.spec.containers[0].image, "imageID": "", "ready": restarted,
               "restartCount": 1 if restarted else 0}

@@ -82,7 +82,8 @@ class Publisher:
         """Removes a notice; `silently`: as if the event was lost while disconnected."""
         self.live.pop(notice.id, None)
         if not silently:
-            self._send(encode("withdrawn", Withdrawal(notice.id, notice.source, notice.node).to_wire(), self._next_id()))
+            self._send(
+                encode("withdrawn", Withdrawal(notice.id, notice.source, notice.node).to_wire(), self._next_id()))
 
     def add_silently(self, notice: Notice) -> None:
         self.live[notice.id] = notice.to_wire()

@@ -77,7 +77,8 @@ class Cluster:
             await self.add_pod(name, i, node, kind=kind)
         return job
 
-    async def notice(self, node: str, kind: str = "reclaim", deadline_in: float | None = 120.0, ident: str = "1") -> Notice:
+    async def notice(self, node: str, kind: str = "reclaim", deadline_in: float | None = 120.0,
+                     ident: str = "1") -> Notice:
         now = datetime.now(UTC)
         notice = Notice(id=notice_id("aws.spot", node, ident), kind=kind, source="aws.spot", node=node, detected_at=now,
                         deadline=None if deadline_in is None else now + timedelta(seconds=deadline_in))

@@ -117,7 +117,8 @@ async def test_azure_event_approved_only_after_an_authenticated_checkpointed_rep
                 "step": 7, "hook_seconds": {"checkpoint": 0.5}, "steps_lost": 0}
         async with http.post(url + "/v1/reports", json=body) as resp:
             assert resp.status == 401
-        async with http.post(url + "/v1/reports", json=body, headers={"Authorization": "Bearer not-the-secret"}) as resp:
+        async with http.post(
+            url + "/v1/reports", json=body, headers={"Authorization": "Bearer not-the-secret"}) as resp:
             assert resp.status == 401
         await asyncio.sleep(0.3)
         assert (await control.notices())[0]["params"]["approved_at"] is None  # nothing approved early
@@ -209,7 +210,8 @@ def test_bad_config_exits_2_naming_the_field(args, env, field, tmp_path):
 
 async def test_gpu_policy_end_to_end_with_the_fake_backend(http, tmp_path):
     scenario = tmp_path / "gpus.yaml"
-    scenario.write_text("gpus: 2\nsteps:\n  - {at: 0.3, xid: {gpu: 1, xid: 92}}\n  - {at: 0.6, xid: {gpu: 0, xid: 79}}\n")
+    scenario.write_text(
+        "gpus: 2\nsteps:\n  - {at: 0.3, xid: {gpu: 1, xid: 92}}\n  - {at: 0.6, xid: {gpu: 0, xid: 79}}\n")
     proc = AgentProcess("--cloud", "aws", "--metadata-url", "http://127.0.0.1:9", "--no-kubernetes", "--listen",
                         "127.0.0.1:0", "--gpu", f"fake:{scenario}", "--ready-grace", "0.5")
     try:

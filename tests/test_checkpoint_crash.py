@@ -3,9 +3,9 @@
 A zygote process imports torch and the store once, then forks one saving child per trial (so
 a trial costs milliseconds, not a torch import). Each child opens the store (which finishes or
 cleans up what the previous, killed child left), resolves the newest checkpoint that verifies,
-checks that every tensor in it carries the step it claims and that `latest` names it, then saves step after step until it
-is SIGKILLed. Trials alternate between the fast path (snapshot + parallel background writes)
-and plain multi-file `write_bytes` saves. Two lanes:
+checks that every tensor in it carries the step it claims and that `latest` names it, then saves
+step after step until it is SIGKILLed. Trials alternate between the fast path (snapshot + parallel
+background writes) and plain multi-file `write_bytes` saves. Two lanes:
 - `unique`: every step is a new tag;
 - `recommit`: most steps re-commit the one tag `rolling` (every fifth step a new tag, so
   retention runs beside the re-commits).

@@ -195,7 +195,8 @@ DCP_WORKER = textwrap.dedent("""
             pending.close()
             dist.barrier()
         if rank == 0:
-            torch.save({k: v.clone() for k, v in model.module.state_dict().items()}, os.path.join(root, "..", "expected.pt"))
+            final_state = {k: v.clone() for k, v in model.module.state_dict().items()}
+            torch.save(final_state, os.path.join(root, "..", "expected.pt"))
     else:
         info = store.resolve(verify=True)
         msd, osd = get_state_dict(model, opt)

@@ -162,7 +162,8 @@ def test_bad_configuration_and_names_are_refused(tmp_path):
 
 
 def build_copy(store: CheckpointStore, info, content: bytes = b"converted"):
-    return store.derived("universal").build(info, lambda out: (out / "ds").mkdir() or (out / "ds" / "x").write_bytes(content))
+    return store.derived("universal").build(
+        info, lambda out: (out / "ds").mkdir() or (out / "ds" / "x").write_bytes(content))
 
 
 def test_derived_copy_is_reused_only_for_the_commit_it_was_made_from(tmp_path):
@@ -225,7 +226,8 @@ def test_a_failed_or_killed_derived_build_stays_invisible(tmp_path):
 
     with pytest.raises(RuntimeError, match="converter failed"):
         store.derived("universal").build(info, failing)
-    assert not [p for p in (tmp_path / "_universal").iterdir() if not p.name.startswith(".") or p.name.startswith(".build-")]
+    assert not [
+        p for p in (tmp_path / "_universal").iterdir() if not p.name.startswith(".") or p.name.startswith(".build-")]
     builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path), "t"], stdout=subprocess.PIPE, text=True)
     try:
         assert builder.stdout.readline().strip() == "building"

@@ -15,7 +15,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def dry_run(tmp_path: Path, scenario_text: str | None = None, *args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
+def dry_run(tmp_path: Path, scenario_text: str | None = None, *args: str,
+            timeout: float = 300) -> tuple[int, dict | None, str]:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "spotguard", "dry-run", "--no-live", "--out", str(out), "--time-limit", "240", *args]
     if scenario_text is not None:
@@ -90,7 +91,8 @@ def test_deepspeed_dry_run_resumes_at_a_smaller_world(tmp_path):
 
 
 def test_malformed_scenario_names_the_line_and_starts_nothing(tmp_path):
-    bad = "name: bad\nworkers: 2\nevents:\n  - {at: 1, kind: reclaim, node: node-0}\n  - {at: 2, kind: meteor, node: node-1}\n"
+    bad = ("name: bad\nworkers: 2\nevents:\n"
+           "  - {at: 1, kind: reclaim, node: node-0}\n  - {at: 2, kind: meteor, node: node-1}\n")
     path = tmp_path / "bad.yaml"
     path.write_text(bad)
     out = tmp_path / "run"

@@ -166,7 +166,9 @@ def test_withdrawn_before_agreement_and_rebalance_are_not_acted_on(sidecar):
     try:
         sidecar.push("notice", notice(kind="rebalance", nid="aws.rebalance:1").to_wire())
         sidecar.push("notice", notice(nid="azure.preempt:1").to_wire())
-        sidecar.push("withdrawn", {"v": 1, "withdrawn": "azure.preempt:1", "source": "azure", "node": "n1", "reason": "canceled"})
+        sidecar.push(
+            "withdrawn", {"v": 1, "withdrawn": "azure.preempt:1", "source": "azure", "node": "n1", "reason": "canceled"}
+        )
         wait_until(lambda: guard.listener.stats["notices"] == 2 and guard.gate.pending is None)
         assert guard.step(0) is False
     finally:
@@ -219,7 +221,8 @@ def test_failed_checkpoint_hook_exits_84(tmp_path):
     with pytest.raises(SystemExit) as exc:
         guard.step(5)
     assert exc.value.code == EXIT_CHECKPOINT_FAILED and drained == []
-    assert describe_exit(83).startswith("preempted") and describe_exit(84).endswith("failed") and "crash" in describe_exit(1)
+    assert describe_exit(83).startswith("preempted") and describe_exit(84).endswith("failed")
+    assert "crash" in describe_exit(1)
 
 
 def test_config_errors_name_the_field(monkeypatch):
@@ -282,7 +285,8 @@ def test_plain_torch_resume_is_exact_and_answered_notice_is_ignored(tmp_path, si
         wait_until(lambda: guard2.listener.stats["notices"] == 1)
         assert guard2.resume() == 3 and adapter2.extra == {"data_pos": 40}
         assert guard2.step(3) is False  # the notice this checkpoint answered does not drain again
-        assert all(torch.equal(a, b) for a, b in zip(model2.state_dict().values(), reference_model.state_dict().values()))
+        assert all(
+            torch.equal(a, b) for a, b in zip(model2.state_dict().values(), reference_model.state_dict().values()))
         assert str(opt2.state_dict()) == str(reference_opt.state_dict())
     finally:
         guard2.close()
@@ -315,7 +319,8 @@ def test_deadline_too_short_persists_last_snapshot(tmp_path, sidecar, monkeypatc
     finally:
         guard.close()
     # a notice with time to spare saves fresh
-    guard = make_guard(sidecar, adapter=PlainTorchAdapter(model, opt, checkpoint_dir=tmp_path / "ck2"), snapshot_every=4)
+    guard = make_guard(
+        sidecar, adapter=PlainTorchAdapter(model, opt, checkpoint_dir=tmp_path / "ck2"), snapshot_every=4)
     try:
         sidecar.push("notice", notice(seconds=60, nid="aws.spot:later").to_wire())
         wait_until(lambda: guard.gate.pending is not None)

@@ -42,7 +42,8 @@ def reference(tmp_path_factory):
     return load_state(out / "state-final.pt")
 
 
-def interrupted_by_sidecar(tmp_path, world: int, target_rank: int, seconds: float, extra=()) -> tuple[SidecarStub, list]:
+def interrupted_by_sidecar(tmp_path, world: int, target_rank: int, seconds: float,
+                           extra=()) -> tuple[SidecarStub, list]:
     """Runs `world` DDP ranks; the stand-in sidecar sends one notice, seen only by `target_rank`."""
     out = tmp_path / "first"
     token = tmp_path / "token"

@@ -96,7 +96,8 @@ def test_local_agreement_acts_on_a_pending_notice_at_once():
     agreement = make_agreement(Collectives(), agree_every=5)  # a process alone: no collective at all
     assert agreement.at_boundary(3, None) is None
     verdict = agreement.at_boundary(3, notice("a", seconds=45))  # not a multiple of agree_every: still now
-    assert (verdict.pending.id, verdict.source_rank, verdict.deadline_ts) == ("a", 0, (NOW + timedelta(seconds=45)).timestamp())
+    assert (verdict.pending.id, verdict.source_rank, verdict.deadline_ts) == (
+        "a", 0, (NOW + timedelta(seconds=45)).timestamp())
 
 
 # ---- the save decision ------------------------------------------------------------------------

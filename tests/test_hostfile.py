@@ -113,6 +113,8 @@ def test_elastic_rule_prefers_the_batch_size_with_most_world_sizes():
     ({"micro_batch_sizes": [2, "4"]}, "elasticity.micro_batch_sizes"),
     ({"micro_batch_sizes": [4000]}, "elasticity.micro_batch_sizes"),
     ({"max_train_batch_size": 0}, "elasticity.max_train_batch_size"),
+    ({"max_train_batch_size": None}, "elasticity.max_train_batch_size"),
+    ({"max_gpus": None}, "elasticity.max_gpus"),
     ({"min_gpus": 4, "max_gpus": 2}, "elasticity.max_gpus"),
     ({"prefer_larger_batch": "yes"}, "elasticity.prefer_larger_batch"),
     ({"version": 0.2}, "elasticity.version"),

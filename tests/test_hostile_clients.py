@@ -219,9 +219,11 @@ async def test_one_client_cannot_take_every_agent_stream_slot(servers, no_errors
     host, port, _, _, agent = servers["agent"]
     url = f"http://{host}:{port}"
     # the sidecar already holds one stream from 127.0.0.1: the cap is 3 per client, 6 in all
-    async with aiohttp.ClientSession(trust_env=False) as one, \
-            aiohttp.ClientSession(trust_env=False, connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))) as two, \
-            aiohttp.ClientSession(trust_env=False, connector=aiohttp.TCPConnector(local_addr=("127.0.0.3", 0))) as three:
+    async with (
+        aiohttp.ClientSession(trust_env=False) as one,
+        aiohttp.ClientSession(trust_env=False, connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))) as two,
+        aiohttp.ClientSession(trust_env=False, connector=aiohttp.TCPConnector(local_addr=("127.0.0.3", 0))) as three,
+    ):
         held = [await open_stream(one, url) for _ in range(2)]
         assert [r.status for r in held] == [200, 200]
         refused = await open_stream(one, url)

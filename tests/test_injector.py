@@ -38,7 +38,8 @@ async def webhook(tmp_path):
     (tmp_path / "ca.crt").write_bytes(material.ca_pem)
     runner = web.AppRunner(make_app(CFG))
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls_context(str(tmp_path / "tls.crt"), str(tmp_path / "tls.key")))
+    site = web.TCPSite(runner, "127.0.0.1", 0,
+                       ssl_context=tls_context(str(tmp_path / "tls.crt"), str(tmp_path / "tls.key")))
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     client_ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
@@ -67,7 +68,7 @@ async def test_labelled_pod_gets_native_sidecar_env_prestop_and_grace(webhook):
     assert status == 200 and answer["response"]["uid"] == "u-1"
     out = applied(original, answer)
     (sidecar,) = out["spec"]["initContainers"]
-    assert sidecar["name"] == SIDECAR_NAME and sidecar["restartPolicy"] == "Always" and sidecar["image"] == "spotguard:test"
+    assert (sidecar["name"], sidecar["restartPolicy"], sidecar["image"]) == (SIDECAR_NAME, "Always", "spotguard:test")
     trainer = out["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in trainer["env"]}
     assert env["A"] == "1" and env["SPOTGUARD_SIDECAR_URL"] == "http://127.0.0.1:9741"
@@ -163,7 +164,8 @@ def test_sidecar_learns_its_pods_rank_count_and_node():
     assert sidecar["securityContext"]["runAsUser"] == 65532  # no user set by the pod: the image's
     assert sidecar["resources"]["limits"].keys() == {"cpu", "memory"}
     original["metadata"]["annotations"]["spotguard.io/local-world-size"] = "2"
-    assert {e["name"]: e for e in build_patch(original, CFG)[0]["value"][0]["env"]}["SPOTGUARD_LOCAL_WORLD_SIZE"]["value"] == "2"
+    env = {e["name"]: e for e in build_patch(original, CFG)[0]["value"][0]["env"]}
+    assert env["SPOTGUARD_LOCAL_WORLD_SIZE"]["value"] == "2"
 
 
 @pytest.mark.parametrize("pod_ctx,container_ctx,expected", [

@@ -71,10 +71,10 @@ class World:
         for pod in pods:
             term = {"exitCode": names.EXIT_PREEMPTED, "reason": "Error", "startedAt": now, "finishedAt": now,
                     "message": json.dumps({"v": 1, "steps_lost": steps_lost})}
+            container = {"name": "train", "image": "train:1", "imageID": "", "ready": False, "restartCount": 1,
+                         "lastState": {"terminated": term}, "state": {"waiting": {"reason": "CrashLoopBackOff"}}}
             self.core.patch_namespaced_pod_status(pod.metadata.name, self.ns, {"status": {
-                "phase": "Running", "containerStatuses": [{"name": "train", "image": "train:1", "imageID": "",
-                                                           "ready": False, "restartCount": 1, "lastState": {"terminated": term},
-                                                           "state": {"waiting": {"reason": "CrashLoopBackOff"}}}]}})
+                "phase": "Running", "containerStatuses": [container]}})
 
     def mark(self, node: str, notice: Notice | None) -> None:
         """The agent's marks: the notice annotation and the reclaim taint (or their removal)."""
@@ -82,8 +82,8 @@ class World:
         body_taints = [{"key": t.key, "value": t.value, "effect": t.effect} for t in taints]
         if notice is not None:
             body_taints.append({"key": names.TAINT_RECLAIM, "value": "reclaim", "effect": "NoSchedule"})
-        self.core.patch_node(node, {"metadata": {"annotations": {names.ANN_NOTICE: notice.to_json() if notice else None}},
-                                    "spec": {"taints": body_taints}})
+        annotations = {names.ANN_NOTICE: notice.to_json() if notice else None}
+        self.core.patch_node(node, {"metadata": {"annotations": annotations}, "spec": {"taints": body_taints}})
 
     def job(self) -> dict:
         return self.plane.api_client().sanitize_for_serialization(self.batch.read_namespaced_job("train", self.ns))

@@ -64,7 +64,10 @@ def _restrict(plane, namespace: str) -> None:
     core = _core(plane)
     core.patch_namespace(namespace, {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted",
                                                              "pod-security.kubernetes.io/enforce-version": "latest"}}})
-    probe = {"metadata": {"name": "probe"}, "spec": {"containers": [{"name": "c", "image": "x", "resources": RESOURCES}]}}
+    probe = {
+        "metadata": {"name": "probe"},
+        "spec": {"containers": [{"name": "c", "image": "x", "resources": RESOURCES}]},
+    }
     wait_until(lambda: _admitted(core, namespace, probe), 30, "Pod Security restricted enforced")
 
 

@@ -137,8 +137,9 @@ class World:
         """Adds `count` Ready nodes of this test's pool at once (threads: each waits for its taint)."""
         names_ = [f"{self.ns}-n{len(self.nodes) + i}" for i in range(count)]
         self.nodes += names_
-        threads = [threading.Thread(target=add_ready_node, args=(self.plane, n, {POOL: self.ns, **(labels or {})}, gpus))
-                   for n in names_]
+        threads = [
+            threading.Thread(target=add_ready_node, args=(self.plane, n, {POOL: self.ns, **(labels or {})}, gpus))
+            for n in names_]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -346,7 +347,8 @@ async def test_fallback_moves_a_pytorchjob_to_on_demand_and_back_to_spot(control
         await asyncio.to_thread(wait_until, lambda: world.record().phase == "Checkpointing", 15, "checkpoint wait")
         await asyncio.to_thread(_drain, control_plane, world, on(spot))
         await asyncio.to_thread(wait_until, lambda: on(on_demand), 30, "master and workers on on-demand nodes")
-        assert _selectors(world.job()) == {role: {CAPACITY: "on-demand", POOL: world.ns} for role in ("Master", "Worker")}
+        assert _selectors(world.job()) == {
+            role: {CAPACITY: "on-demand", POOL: world.ns} for role in ("Master", "Worker")}
         assert world.record().capacity == "on-demand"
         conditions = await asyncio.to_thread(wait_until, lambda: names.COND_ON_DEMAND in world.conditions()
                                              and world.conditions(), 15, "SpotguardOnDemand condition")

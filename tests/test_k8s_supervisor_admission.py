@@ -82,7 +82,8 @@ def test_supervisor_may_write_only_scaling_suspension_and_scheduling_of_a_job(po
     # A suspended, never-started Job's template labels are mutable for the API server: only the
     # policy can refuse this one.
     template_label = {"spec": {"template": {"metadata": {"labels": {"app": "train", "x": "y"}}}}}
-    wait_until(lambda: patch(template_label, dry_run="All") == 403, 30, "the Job policy enforced (template label denied)")
+    wait_until(
+        lambda: patch(template_label, dry_run="All") == 403, 30, "the Job policy enforced (template label denied)")
     assert patch({"spec": {"template": {"spec": {"containers": [{"name": "t", "image": "evil:1"}]}}}}) in (403, 422)
     assert patch({"spec": {"template": {"spec": {"schedulingGates": [{"name": "x"}]}}}}) == 403
     assert patch({"metadata": {"labels": {"team": "b"}}}) == 403

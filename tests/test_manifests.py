@@ -41,8 +41,11 @@ def test_kustomizations_render_and_validate(target: Path, version: str):
         validate(doc, version)
 
 
-@pytest.mark.parametrize("path", [*sorted((ROOT / "examples").glob("*.yaml")), ROOT / "monitoring" / "servicemonitor.yaml"],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [*sorted((ROOT / "examples").glob("*.yaml")), ROOT / "monitoring" / "servicemonitor.yaml"],
+    ids=lambda p: p.name,
+)
 def test_examples_validate(path: Path):
     docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
     assert docs

@@ -151,7 +151,8 @@ async def test_marks_annotation_taint_and_events_on_node_and_opted_in_pods(clust
         await marker.stop()
     node = cluster.node()
     assert Notice.from_json(node["metadata"]["annotations"][names.ANN_NOTICE]) == reclaim  # earliest deadline
-    assert node["spec"]["taints"] == [GPU_TAINT, {"key": names.TAINT_RECLAIM, "value": "reclaim", "effect": "NoSchedule"}]
+    reclaim_taint = {"key": names.TAINT_RECLAIM, "value": "reclaim", "effect": "NoSchedule"}
+    assert node["spec"]["taints"] == [GPU_TAINT, reclaim_taint]
     assert "unschedulable" not in node["spec"]  # cordon is off by default
     node_events = cluster.events_about("Node", NODE)
     assert sorted(e["message"].split("id ")[-1] for e in node_events) == sorted([reclaim.id, rebalance.id])

@@ -421,7 +421,8 @@ def client_use(scan: ModuleScan, ref: ast.Attribute) -> Use:
             if kind == "ref":
                 raise Unresolved(f"{scan.name}:{ref.lineno}: {ref.attr} passed around; cannot see its group/plural")
             method = re.sub(r"_(with_http_info|without_preload_content)$", "", ref.attr)
-            params = [p for p in inspect.signature(getattr(getattr(kubernetes.client, cls_name), method)).parameters if p != "self"]
+            signature = inspect.signature(getattr(getattr(kubernetes.client, cls_name), method))
+            params = [p for p in signature.parameters if p != "self"]
             bound = dict(zip(params, args))
             bound.update({kw.arg: kw.value for kw in keywords if kw.arg})
             for p in placeholders:
@@ -471,7 +472,8 @@ class Component:
                 for node in ast.walk(other.tree):
                     if isinstance(node, ast.ClassDef) and any(
                             isinstance(s, (ast.Assign, ast.AnnAssign)) and getattr(s, "value", None) is not None
-                            and expr.attr in {_terminal(t) for t in (s.targets if isinstance(s, ast.Assign) else [s.target])}
+                            and expr.attr in {_terminal(t)
+                                              for t in (s.targets if isinstance(s, ast.Assign) else [s.target])}
                             for s in node.body):
                         value = getattr(getattr(module, node.name, None), expr.attr, None)
                         if isinstance(value, Resource):
@@ -501,7 +503,8 @@ class Component:
         found: set[Resource] = set()
         for other in self.scans.values():
             for node in ast.walk(other.tree):
-                if isinstance(node, ast.Call) and _terminal(node.func) == klass and not isinstance(node.func, ast.Attribute):
+                if (isinstance(node, ast.Call) and _terminal(node.func) == klass
+                        and not isinstance(node.func, ast.Attribute)):
                     arg = node.args[position] if len(node.args) > position else next(
                         (k.value for k in node.keywords if k.arg == param), None)
                     if arg is None:
@@ -590,7 +593,8 @@ def test_static_calls_equal_granted_rules(component):
     sa = workload(component).service_account
     granted = granted_triples(sa)
     uses = "\n".join(str(u) for u in comp.uses())
-    assert used - granted == set(), f"{sa}: the code calls these but RBAC denies them:\n{sorted(used - granted)}\n{uses}"
+    assert used - granted == set(), (
+        f"{sa}: the code calls these but RBAC denies them:\n{sorted(used - granted)}\n{uses}")
     assert granted - used == set(), f"{sa}: granted but never called (least privilege):\n{sorted(granted - used)}"
 
 
@@ -669,7 +673,8 @@ def test_no_component_gets_secrets_or_pod_deletion():
         for rule in rules:
             assert "*" not in (rule.group, rule.resource, rule.verb), (sa, rule)
             assert rule.verb not in ("escalate", "bind", "impersonate"), (sa, rule)
-            assert not (rule.resource.split("/")[0] == "pods" and rule.verb in ("delete", "deletecollection")), (sa, rule)
+            deletes_pods = rule.resource.split("/")[0] == "pods" and rule.verb in ("delete", "deletecollection")
+            assert not deletes_pods, (sa, rule)
             if rule.resource.split("/")[0] == "secrets":
                 assert sa == certgen.service_account, (sa, rule)
                 assert rule.namespace == certgen.namespace, rule
@@ -812,8 +817,8 @@ async def test_supervisor_requests_are_all_authorized():
         deploy = workload(("supervisor",))
         fields = {"metadata.name": "spotguard-supervisor-0", "metadata.namespace": deploy.namespace}
         args = [*deploy.expanded_args(fields), f"--kube-host={url}", "--listen=127.0.0.1:0", "--log-level=warning"]
-        proc = await asyncio.to_thread(subprocess.Popen, [sys.executable, "-m", "spotguard", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=REPO,
+        proc = await asyncio.to_thread(subprocess.Popen, [sys.executable, "-m", "spotguard", *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **deploy.env_values(fields)})
         try:
             line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)

@@ -55,7 +55,7 @@ async def test_the_sidecar_process_serves_relays_and_stops_on_sigterm(tmp_path):
             url = await read_listening_url(proc)
             assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
             async with StreamReader(url) as guard:
-                event, data = await guard.next(10)
+                _event, data = await guard.next(10)
                 if not data["notices"]:  # connected before the relay's first snapshot
                     _event, data = await guard.next(10)
                     data = {"notices": [data]}

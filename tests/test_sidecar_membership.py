@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from spotguard.hooks.hostfile import Host, read_hostfile
-from spotguard.hooks.sidecar.membership import AnnotationFormatError, parse_downward_annotations, read_membership, unquote_go
+from spotguard.hooks.sidecar.membership import (AnnotationFormatError, parse_downward_annotations, read_membership,
+                                                unquote_go)
 from spotguard.wire.membership import Membership, MembershipFormatError
 from tests.sidecar_helpers import (Publisher, StreamReader, eventually, go_quote, make_notice, running_sidecar,
                                    write_annotations)

@@ -10,7 +10,8 @@ import sys
 import aiohttp
 import pytest
 
-from tests.sidecar_helpers import Publisher, eventually, hook, live_notice, post_hook, prestop, read_token, running_sidecar
+from tests.sidecar_helpers import (Publisher, eventually, hook, live_notice, post_hook, prestop, read_token,
+                                   running_sidecar)
 
 
 async def test_token_file_is_private_and_fresh_each_start(tmp_path):
@@ -30,7 +31,8 @@ async def test_hooks_need_the_bearer_token(tmp_path):
         for token in (None, "wrong", read_token(sc) + "x", ""):
             status, answer = await post_hook(http, sc, body, token=token)
             assert status == 401 and "token" in answer["error"]
-        async with http.post(sc.url + "/v1/hooks", json=body, headers={"Authorization": "Basic " + read_token(sc)}) as r:
+        basic = {"Authorization": "Basic " + read_token(sc)}
+        async with http.post(sc.url + "/v1/hooks", json=body, headers=basic) as r:
             assert r.status == 401
         assert sc.book.progress(notice.id).ranks == {}
         status, answer = await post_hook(http, sc, body)
@@ -50,7 +52,8 @@ async def test_hooks_need_the_bearer_token(tmp_path):
     ({"step": "7"}, "step"),
     ({"phase": "saved"}, "phase: expected one of checkpoint-durable, drained, failed"),
     ({"seconds": -1}, "seconds"),
-    (b'{"v": 1, "notice_id": "n", "rank": 0, "world_size": 1, "step": 1, "phase": "drained", "seconds": NaN}', "seconds"),
+    (b'{"v": 1, "notice_id": "n", "rank": 0, "world_size": 1, "step": 1, "phase": "drained", "seconds": NaN}',
+     "seconds"),
     ({"steps_lost": -3}, "steps_lost"),
 ])
 async def test_malformed_hook_bodies_get_400_with_a_message_and_change_nothing(tmp_path, body, message):
@@ -160,7 +163,8 @@ async def test_prestop_command_blocks_then_exits_by_outcome(tmp_path):
             aiohttp.ClientSession() as http:
         notice = await live_notice(pub, sc)
         cmd = [sys.executable, "-m", "spotguard", "sidecar", "prestop", "--url", sc.url, "--timeout", "30"]
-        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
         try:
             await asyncio.sleep(1.0)
             assert proc.returncode is None

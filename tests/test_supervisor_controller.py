@@ -90,7 +90,8 @@ async def test_policy_table(case: Case):
                 job = await cluster.job("j1")
                 rec = record_of(job) if names.ANN_STATUS in job["metadata"].get("annotations", {}) else {}
                 assert rec.get("phase") == expect["phase"], rec
-                assert job["spec"]["parallelism"] == expect["parallelism"] and job["spec"]["suspend"] == expect["suspend"]
+                spec = job["spec"]
+                assert spec["parallelism"] == expect["parallelism"] and spec["suspend"] == expect["suspend"]
                 assert await cluster.events("j1", expect["event"])
                 return job
 
@@ -184,7 +185,10 @@ async def test_restart_mid_decision_repeats_no_action():
             await asyncio.sleep(0.5)
             job = await cluster.job("j1")
             assert job["spec"]["parallelism"] == 3
-            assert cluster.spec_writes("j1") == [{"parallelism": 4, "suspend": False}, {"parallelism": 3, "suspend": False}]
+            assert cluster.spec_writes("j1") == [
+                {"parallelism": 4, "suspend": False},
+                {"parallelism": 3, "suspend": False},
+            ]
             assert len(await cluster.events("j1", names.EVENT_SCALED)) == 1
             assert record_of(job)["reclaims_survived"] == 1
         finally:

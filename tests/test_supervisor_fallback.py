@@ -62,7 +62,8 @@ def test_fallback_defaults():
          "nodeSelectorTerms": [{"matchExpressions": [
              {"key": "cloud.google.com/gke-spot", "operator": "NotIn", "values": ["true"]}]}]}}}}),
     ({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "kubernetes.azure.com/scalesetpriority", "operator": "In", "values": ["spot"]}]}]}}}},
+        {"matchExpressions": [
+            {"key": "kubernetes.azure.com/scalesetpriority", "operator": "In", "values": ["spot"]}]}]}}}},
      {"nodeSelector": None, "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
          "nodeSelectorTerms": [{"matchExpressions": [
              {"key": "kubernetes.azure.com/scalesetpriority", "operator": "NotIn", "values": ["spot"]}]}]}}}}),
@@ -114,7 +115,8 @@ def test_fallback_needs_on_demand_capacity_and_a_mutable_template():
 
 
 def test_spot_capacity_back_before_fallback_resumes_on_spot():
-    assert decide(_state(_suspended(), free_slots=2, alt_slots=2), T0 + timedelta(seconds=30), Settings()).action == RESUME
+    later = T0 + timedelta(seconds=30)
+    assert decide(_state(_suspended(), free_slots=2, alt_slots=2), later, Settings()).action == RESUME
 
 
 def _on_demand(**changes) -> Record:
@@ -126,7 +128,8 @@ def test_return_waits_for_return_after_of_free_spot_capacity_then_drains():
     start = decide(_state(_on_demand(), directives=ON_DEMAND, alt_slots=2), T0, Settings())
     assert start.action == RECORD and start.record.spot_free_since == T0
     waiting = _on_demand(spot_free_since=T0)
-    assert decide(_state(waiting, directives=ON_DEMAND, alt_slots=2), T0 + timedelta(seconds=4), Settings()).action == NONE
+    too_soon = T0 + timedelta(seconds=4)
+    assert decide(_state(waiting, directives=ON_DEMAND, alt_slots=2), too_soon, Settings()).action == NONE
     drain = decide(_state(waiting, directives=ON_DEMAND, alt_slots=2), T0 + timedelta(seconds=5), Settings())
     assert drain.action == RECORD and drain.record.phase == "Checkpointing" and drain.record.move_to == "spot"
     assert drain.record.drain and drain.record.generation == waiting.generation + 1
@@ -135,17 +138,20 @@ def test_return_waits_for_return_after_of_free_spot_capacity_then_drains():
 def test_return_never_while_a_notice_is_live():
     waiting = _on_demand(spot_free_since=T0)
     hit = (NoticeHit("gcp:1", "od-1", "maintenance", None),)
-    out = decide(_state(waiting, directives=ON_DEMAND, alt_slots=2, notices=hit), T0 + timedelta(seconds=60), Settings())
+    out = decide(
+        _state(waiting, directives=ON_DEMAND, alt_slots=2, notices=hit), T0 + timedelta(seconds=60), Settings())
     assert out.action == RECORD and out.record.spot_free_since is None and out.record.phase == "Running"
 
 
 def test_return_suspends_after_the_drain_then_restores_the_spot_directives():
-    draining = _on_demand(phase="Checkpointing", move_to="spot", drain="d", checkpoint_deadline=T0 + timedelta(seconds=60))
+    draining = _on_demand(
+        phase="Checkpointing", move_to="spot", drain="d", checkpoint_deadline=T0 + timedelta(seconds=60))
     assert decide(_state(draining, directives=ON_DEMAND, alt_slots=2), T0, Settings()).action == NONE
     suspend = decide(_state(draining, directives=ON_DEMAND, alt_slots=2, drained=True), T0, Settings())
     assert suspend.action == SUSPEND and suspend.record.move_to == "spot"
     moving = suspend.record
-    blocked = decide(_state(moving, suspended=True, directives=ON_DEMAND, alt_slots=2, template_mutable=False), T0, Settings())
+    blocked = decide(
+        _state(moving, suspended=True, directives=ON_DEMAND, alt_slots=2, template_mutable=False), T0, Settings())
     assert blocked.action == NONE
     back = decide(_state(moving, suspended=True, directives=ON_DEMAND, alt_slots=2), T0, Settings())
     assert back.action == MOVE and back.directives == SPOT and back.record.capacity == ""
@@ -160,7 +166,11 @@ def test_record_round_trips_fallback_fields():
 def test_steps_lost_counted_once_per_drain_from_termination_messages():
     def pod(uid, lost):
         term = {"exitCode": 83, "finishedAt": "2026-01-02T03:04:06Z", "message": json.dumps({"steps_lost": lost})}
-        return {"metadata": {"uid": uid}, "status": {"containerStatuses": [{"name": "c", "lastState": {"terminated": term}}]}}
+        return {
+            "metadata": {"uid": uid},
+            "status": {"containerStatuses": [{"name": "c", "lastState": {"terminated": term}}]},
+        }
+
     total, counted = progress.count_steps_lost([pod("a", 3), pod("b", 3)], 1, ())
     assert total == 4 and len(counted) == 2
     assert progress.count_steps_lost([pod("a", 3), pod("b", 3)], total, counted) is None

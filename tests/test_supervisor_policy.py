@@ -55,22 +55,31 @@ CASES = [
     ("elastic notice -> survivors", state(notices=HIT, healthy=3), 0, SCALE, 3, "Running"),
     ("elastic notice below min -> suspend", state(notices=HIT, healthy=1), 0, SUSPEND, 4, "Suspended"),
     ("elastic handled notice -> nothing", state(notices=HIT, healthy=3, replicas=3,
-                                                record=Record(handled=("aws.spot:1",), decided_at=T0)), 5, NONE, None, "Running"),
-    ("elastic capacity back, too soon", state(replicas=3, healthy=3, free=1, record=Record(decided_at=T0)), 1, NONE, None, "Running"),
-    ("elastic capacity back -> scale out", state(replicas=3, healthy=3, free=5, record=Record(decided_at=T0)), 60, SCALE, 4, "Running"),
+                                                record=Record(handled=("aws.spot:1",), decided_at=T0)),
+     5, NONE, None, "Running"),
+    ("elastic capacity back, too soon", state(replicas=3, healthy=3, free=1, record=Record(decided_at=T0)),
+     1, NONE, None, "Running"),
+    ("elastic capacity back -> scale out", state(replicas=3, healthy=3, free=5, record=Record(decided_at=T0)),
+     60, SCALE, 4, "Running"),
     ("fixed notice -> checkpoint wait", state(policy=FX, notices=HIT, healthy=3), 0, RECORD, 4, "Checkpointing"),
     ("fixed drained -> suspend", state(policy=FX, drained=True, record=Record(phase="Checkpointing", decided_at=T0,
-                                       checkpoint_deadline=T0 + timedelta(seconds=100), replicas=4, handled=("aws.spot:1",))),
+                                       checkpoint_deadline=T0 + timedelta(seconds=100), replicas=4,
+                                       handled=("aws.spot:1",))),
      1, SUSPEND, 4, "Suspended"),
     ("fixed deadline -> suspend", state(policy=FX, record=Record(phase="Checkpointing", decided_at=T0,
-                                        checkpoint_deadline=T0 + timedelta(seconds=10), replicas=4)), 11, SUSPEND, 4, "Suspended"),
+                                        checkpoint_deadline=T0 + timedelta(seconds=10), replicas=4)),
+     11, SUSPEND, 4, "Suspended"),
     ("fixed suspended, partial capacity", state(policy=FX, suspended=True, free=3,
-                                                record=Record(phase="Suspended", replicas=4, decided_at=T0)), 5, NONE, None, "Suspended"),
+                                                record=Record(phase="Suspended", replicas=4, decided_at=T0)),
+     5, NONE, None, "Suspended"),
     ("fixed suspended, capacity -> resume", state(policy=FX, suspended=True, free=4,
-                                                  record=Record(phase="Suspended", replicas=4, decided_at=T0)), 5, RESUME, 4, "Running"),
+                                                  record=Record(phase="Suspended", replicas=4, decided_at=T0)),
+     5, RESUME, 4, "Running"),
     ("max-wait expiry -> give up", state(policy=Policy("elastic", 3, 4, 30.0), suspended=True, free=2,
-                                         record=Record(phase="Suspended", waiting_since=T0, decided_at=T0)), 31, RECORD, None, "GaveUp"),
-    ("gave up stays", state(suspended=True, free=9, record=Record(phase="GaveUp", decided_at=T0)), 99, NONE, None, "GaveUp"),
+                                         record=Record(phase="Suspended", waiting_since=T0, decided_at=T0)),
+     31, RECORD, None, "GaveUp"),
+    ("gave up stays", state(suspended=True, free=9, record=Record(phase="GaveUp", decided_at=T0)),
+     99, NONE, None, "GaveUp"),
     ("suspended by the user: hands off", state(suspended=True, free=9, notices=HIT), 0, NONE, None, "Running"),
 ]
 
@@ -85,7 +94,8 @@ def test_decide_table(name, st, offset, action, replicas, phase):
     if decision.acts:
         assert decision.key and decision.record.key == decision.key and decision.record.decided_by == "me"
         # same state, same time -> same decision (what a restarted supervisor relies on)
-        assert decide(st, T0 + timedelta(seconds=offset), Settings(checkpoint_timeout=60, scale_out_delay=30), "me") == decision
+        settings = Settings(checkpoint_timeout=60, scale_out_delay=30)
+        assert decide(st, T0 + timedelta(seconds=offset), settings, "me") == decision
 
 
 def test_record_round_trip_and_bad_records():
@@ -116,8 +126,8 @@ def node(name, gpus="4", ready=True, taints=(), labels=None, annotations=None, u
 
 
 def pod(gpus="1", cpu="1", memory="1Gi"):
-    return {"spec": {"containers": [{"resources": {"requests": {"nvidia.com/gpu": gpus, "cpu": cpu, "memory": memory}}}]},
-            "status": {"phase": "Running"}}
+    requests = {"nvidia.com/gpu": gpus, "cpu": cpu, "memory": memory}
+    return {"spec": {"containers": [{"resources": {"requests": requests}}]}, "status": {"phase": "Running"}}
 
 
 def test_capacity_counts_only_healthy_matching_nodes():
@@ -125,7 +135,8 @@ def test_capacity_counts_only_healthy_matching_nodes():
     nodes = [
         node("ok", labels={"pool": "gpu"}, taints=[{"key": "gpu", "effect": "NoSchedule"}]),  # 4 GPUs, 1 used -> 1 more
         node("notice", labels={"pool": "gpu"}, annotations={names.ANN_NOTICE: "{}"}),
-        node("tainted", labels={"pool": "gpu"}, taints=[{"key": names.TAINT_RECLAIM, "value": "reclaim", "effect": "NoSchedule"}]),
+        node("tainted", labels={"pool": "gpu"},
+             taints=[{"key": names.TAINT_RECLAIM, "value": "reclaim", "effect": "NoSchedule"}]),
         node("other-pool", labels={"pool": "cpu"}),
         node("not-ready", labels={"pool": "gpu"}, ready=False),
         node("cordoned", labels={"pool": "gpu"}, unschedulable=True),

@@ -48,7 +48,8 @@ class LocalSupervisor:
         self.record = Record(replicas=scenario.workers)
         self.decisions: list[dict] = []
 
-    def decide(self, world: list[str], hits: list[NoticeHit], available: list[str], drained: bool) -> policy_mod.Decision:
+    def decide(self, world: list[str], hits: list[NoticeHit], available: list[str],
+               drained: bool) -> policy_mod.Decision:
         noticed = {h.node for h in hits}
         suspended = self.record.phase == SUSPENDED
         state = JobState(policy=self.policy, replicas=len(world), suspended=False, record=self.record,
@@ -143,7 +144,8 @@ class DryRun:
                 await self._inject(event)
             except Exception as exc:  # a failed injection is reported, the run goes on
                 log.exception("could not inject %s on %s", event.kind, event.node)
-                self.injected.append(InjectedEvent(event.kind, event.node, event.at, time.time(), note=f"failed: {exc}"))
+                self.injected.append(
+                    InjectedEvent(event.kind, event.node, event.at, time.time(), note=f"failed: {exc}"))
 
     async def _inject(self, event: ScenarioEvent) -> None:
         node = self.nodes[event.node]
@@ -257,7 +259,8 @@ class DryRun:
                     continue  # ranks still starting up: nothing to decide until they train
                 if running:
                     decision = self.supervisor.decide(self.world, self._hits(), self.available, drained=False)
-                    if decision.action == policy_mod.SCALE and decision.replicas and decision.replicas > len(self.world):
+                    if (decision.action == policy_mod.SCALE and decision.replicas
+                            and decision.replicas > len(self.world)):
                         log.info("scaling out to %d: draining the running generation", decision.replicas)
                         self._rescale_requested = True
                         gen.signal_all(signal.SIGTERM)  # the Guard turns it into a consistent checkpoint

@@ -88,7 +88,8 @@ class Generation:
             log_path = logs / f"gen{self.index}-{launch.node}.log"
             log = await asyncio.to_thread(open, log_path, "ab")
             with log:
-                process = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                process = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=log,
+                                                               stderr=asyncio.subprocess.STDOUT,
                                                                stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
                                                                preexec_fn=_die_with_parent)
             self.running[launch.node] = RunningNode(launch.node, process, log_path)

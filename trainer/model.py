@@ -58,7 +58,8 @@ def state_digest(*tensor_dicts: dict) -> str:
     def feed(obj, prefix: str) -> None:
         if isinstance(obj, torch.Tensor):
             h.update(prefix.encode())
-            h.update(obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b"")
+            h.update(
+                obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b"")
         elif isinstance(obj, dict):
             for key in sorted(obj, key=str):
                 feed(obj[key], f"{prefix}.{key}")

@@ -115,7 +115,7 @@ class GpuBackend(abc.ABC):
         """Volatile uncorrected (double-bit) ECC error count since the last driver load/reset."""
 
     @abc.abstractmethod
-    def field_values(self, index: int, field_ids: Sequence[int]) -> dict[int, object]:
+    def field_values(self, index: int, field_ids: Sequence[int]) -> dict[int, float | BaseException]:
         """nvmlDeviceGetFieldValues: field id -> value, or the NVMLError of that one field."""
 
     @abc.abstractmethod

@@ -91,9 +91,9 @@ class NvmlBackend(GpuBackend):
         return int(self.nvml.nvmlDeviceGetTotalEccErrors(
             self._handle(index), self.nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, self.nvml.NVML_VOLATILE_ECC))
 
-    def field_values(self, index: int, field_ids: Sequence[int]) -> dict[int, object]:
+    def field_values(self, index: int, field_ids: Sequence[int]) -> dict[int, float | BaseException]:
         values = self.nvml.nvmlDeviceGetFieldValues(self._handle(index), list(field_ids))
-        out: dict[int, object] = {}
+        out: dict[int, float | BaseException] = {}
         for value in values:
             if value.nvmlReturn != self.nvml.NVML_SUCCESS:
                 out[int(value.fieldId)] = self.nvml.NVMLError(value.nvmlReturn)

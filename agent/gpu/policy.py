@@ -7,8 +7,9 @@ Actions:
 - `fatal`: a notice of kind gpu-fault with deadline now (checkpoint + drain);
 - `recovery` (Xids only): read the recovery-action field now and act on it (Xid 154).
 
-The defaults are the Xid table of the GPU-health fact sheet (shared/reference/gpu-health.md). Overrides are a mapping (from
-YAML or JSON, `--gpu-policy FILE`), merged over the defaults key by key:
+The defaults are the Xid table of the GPU-health fact sheet (shared/reference/gpu-health.md).
+Overrides are a mapping (from YAML or JSON, `--gpu-policy FILE`), merged over the defaults key by
+key:
 ```yaml
 xid:                      # an Xid, a range "144-150" or a list "13,31" -> action
   "109": fatal
@@ -30,7 +31,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 from collections.abc import Mapping
 
 from spotguard.agent.gpu.datafile import load_data
@@ -242,7 +243,8 @@ def _mapping(value: Any, where: str, bad) -> Mapping[Any, Any]:
     return value
 
 
-def _number(value: Any, integer: bool = False) -> bool:
+def _number(value: Any, integer: bool = False) -> TypeGuard[float]:
+    """True for a number (not a bool, not NaN); with `integer`, for a whole number only."""
     if isinstance(value, bool):
         return False
     return isinstance(value, int) if integer else isinstance(value, (int, float)) and value == value

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, UTC
 from collections.abc import Mapping
+from typing import Any
 
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.agent.sources.http import MetadataClient, Response, expect_status
@@ -174,7 +175,7 @@ def parse_scheduled_events(status: int, headers: Mapping[str, str], body: bytes,
             else:
                 deadline = detected
             not_before = ""
-        detail = {"EventId": event_id, "EventType": event_type, "EventStatus": event_status,
+        detail: dict[str, Any] = {"EventId": event_id, "EventType": event_type, "EventStatus": event_status,
                   "NotBefore": not_before, "Resources": [r for r in resources if r.casefold() == mine]}
         for key in ("ResourceType", "Description", "EventSource"):
             if isinstance(event.get(key), str):

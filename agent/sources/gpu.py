@@ -112,16 +112,17 @@ class GpuHealthSource(Source):
         if not self.available:
             await asyncio.sleep(self.read_interval)
             return []
+        _backend, events, _readers = self._ready()
         timeout = self._next_read - loop.time()
         if timeout > 0:
             try:
-                first = await asyncio.wait_for(self._events.get(), timeout)
+                first = await asyncio.wait_for(events.get(), timeout)
             except TimeoutError:
                 first = None
             if first is not None:
                 batch = [first]
-                while not self._events.empty():
-                    batch.append(self._events.get_nowait())
+                while not events.empty():
+                    batch.append(events.get_nowait())
                 if self._handle_events(batch):
                     await self._read()
                 return self._current()
@@ -168,31 +169,32 @@ class GpuHealthSource(Source):
         """Runs in a thread: init, enumerate, register events. Returns a reason for "no GPUs",
         None when ready; raises SourceError when init failed in a way worth retrying."""
         nvml = _pynvml()
+        backend, _events, _readers = self._ready()
         try:
-            self.backend.init()
+            backend.init()
         except (nvml.NVMLError_LibraryNotFound, nvml.NVMLError_DriverNotLoaded) as exc:
             return f"NVML unavailable ({exc})"
         except nvml.NVMLError as exc:
             raise SourceError(f"nvml_{error_name(exc)}", f"nvmlInit failed: {exc}") from None
         try:
-            count = self.backend.device_count()
+            count = backend.device_count()
             gpus = []
             for i in range(count):
                 try:
-                    uuid = self.backend.uuid(i)
+                    uuid = backend.uuid(i)
                 except nvml.NVMLError_GpuIsLost:
                     uuid = f"index-{i}"
                     self._lost.add(i)
                 try:
-                    pci = self.backend.pci_bus_id(i)
+                    pci = backend.pci_bus_id(i)
                 except nvml.NVMLError:
                     pci = ""
                 gpus.append(Gpu(i, uuid, pci))
         except nvml.NVMLError as exc:
-            self.backend.shutdown()
+            backend.shutdown()
             raise SourceError(f"nvml_{error_name(exc)}", f"enumerating GPUs failed: {exc}") from None
         if not gpus:
-            self.backend.shutdown()
+            backend.shutdown()
             return "NVML sees no GPU"
         self.gpus = gpus
         if self.expected_count is None:
@@ -202,7 +204,7 @@ class GpuHealthSource(Source):
             if gpu.index in self._lost:
                 continue
             try:
-                self._registered[gpu.index] = self.backend.register_events(gpu.index, gb.WANTED_EVENTS)
+                self._registered[gpu.index] = backend.register_events(gpu.index, gb.WANTED_EVENTS)
             except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound) as exc:
                 self._log_once(f"register:{gpu.index}", logging.WARNING,
                                "gpu %s: event registration unavailable (%s): polling it", gpu.uuid, exc)
@@ -216,6 +218,13 @@ class GpuHealthSource(Source):
         log.info("gpu: %d GPU(s), events on %d", len(gpus), sum(1 for m in self._registered.values() if m))
         return None
 
+    def _ready(self) -> tuple[gb.GpuBackend, asyncio.Queue, SignalReaders]:
+        """The backend, event queue and readers `_start` sets up (before `_setup` runs); a clear
+        error for a method called before it."""
+        if self.backend is None or self._events is None or self._readers is None:
+            raise RuntimeError("GpuHealthSource: used before _start() set up its backend, queue and readers")
+        return self.backend, self._events, self._readers
+
     def _no_gpus(self, why: str) -> None:
         self.available = False
         self.mode = "none"
@@ -223,8 +232,9 @@ class GpuHealthSource(Source):
 
     def _post(self, loop: asyncio.AbstractEventLoop, item: Any) -> bool:
         """From the waiter thread: hands `item` to the loop; False once the loop is closed."""
+        _backend, events, _readers = self._ready()
         try:
-            loop.call_soon_threadsafe(self._events.put_nowait, item)
+            loop.call_soon_threadsafe(events.put_nowait, item)
             return True
         except RuntimeError:  # the loop is closed: the agent is gone
             return False
@@ -284,7 +294,8 @@ class GpuHealthSource(Source):
     # ---- periodic reads ----------------------------------------------------------------------
     async def _read(self) -> None:
         self._next_read = asyncio.get_running_loop().time() + self.read_interval
-        result = await asyncio.to_thread(self._readers.read_all, self.gpus, self.expected_count)
+        _backend, _events, readers = self._ready()
+        result = await asyncio.to_thread(readers.read_all, self.gpus, self.expected_count)
         for gpu in result.lost:
             if gpu.index not in self._lost_reported:
                 self._lost_reported.add(gpu.index)
@@ -333,7 +344,7 @@ class GpuHealthSource(Source):
 
     def _warn(self, finding: Finding, action: str) -> None:
         uuid = _gpu_name(finding)
-        detail = {"signal": finding.signal, "meaning": self.policy.signal_meaning(finding.signal)}
+        detail: dict[str, Any] = {"signal": finding.signal, "meaning": self.policy.signal_meaning(finding.signal)}
         detail.update(finding.detail)
         if finding.value is not None:
             detail["value"] = finding.value
@@ -372,7 +383,7 @@ def fault_notice(source: str, node: str, finding: Finding, policy: GpuPolicy) ->
     """A new gpu-fault notice for a fatal finding (deadline: now)."""
     uuid = _gpu_name(finding)
     now: datetime = now_utc()
-    detail = {"gpu": uuid, "signal": finding.signal, "meaning": policy.signal_meaning(finding.signal)}
+    detail: dict[str, Any] = {"gpu": uuid, "signal": finding.signal, "meaning": policy.signal_meaning(finding.signal)}
     if finding.gpu is not None:
         detail.update(index=finding.gpu.index, pci_bus_id=finding.gpu.pci_bus_id)
     if finding.value is not None:

@@ -23,14 +23,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.backoff import Backoff
 from spotguard.wire import names
 from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 from spotguard.kube.api import NODES, ApiError, Kube, MalformedResponse, WatchStream
+
+if TYPE_CHECKING:
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,8 @@ def drain_signals(node: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
         signals[key] = detail
     metadata = node.get("metadata")
     annotations = metadata.get("annotations") if isinstance(metadata, Mapping) else None
-    cordoned_by_us = isinstance(annotations, Mapping) and names.ANN_CORDONED in annotations  # written by the node marker when it cordons
+    # the cordon annotation is written by the node marker when it cordons
+    cordoned_by_us = isinstance(annotations, Mapping) and names.ANN_CORDONED in annotations
     if spec.get("unschedulable") is True and not cordoned_by_us:
         # A cordon the agent itself made (node marking with --cordon) is an echo of a notice
         # it already has, not a new signal: reporting it would keep the node marked forever.
@@ -244,7 +248,8 @@ class NodeSource(Source):
                     raise _Stopped()
                 kind, obj = event.get("type"), event.get("object")
                 if kind == "ERROR":
-                    raise ApiError(int(obj.get("code") or 0), str(obj.get("message") or "watch error"))
+                    error = obj if isinstance(obj, dict) else {}
+                    raise ApiError(int(error.get("code") or 0), str(error.get("message") or "watch error"))
                 if kind == "BOOKMARK" or _name_of(obj) != self.node:
                     continue
                 if kind in ("ADDED", "MODIFIED"):

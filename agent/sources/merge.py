@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from spotguard.agent.sources.base import Source
 from spotguard.wire.withdrawal import Update
 
 
-async def merged_updates(sources: Sequence[Source], queue_size: int = 1024) -> AsyncIterator[tuple[Source, Update]]:
+async def merged_updates(sources: Sequence[Source],
+                         queue_size: int = 1024) -> AsyncGenerator[tuple[Source, Update], None]:
     """Yields (source, update) from every source as they come. Cancelling the consumer (or
     closing the generator) stops every source; a source's own loop never ends on its own."""
     queue: asyncio.Queue[tuple[Source, Update]] = asyncio.Queue(queue_size)

@@ -47,7 +47,12 @@ def _not_found() -> web.Response:
 class Handler(CloudHandler):
     name = "aws"
     kinds = ("reclaim", "rebalance", "maintenance", "lifecycle")
-    default_lead: ClassVar[dict[str, float]] = {"reclaim": 120.0, "rebalance": 600.0, "maintenance": 3600.0, "lifecycle": 300.0}
+    default_lead: ClassVar[dict[str, float]] = {
+        "reclaim": 120.0,
+        "rebalance": 600.0,
+        "maintenance": 3600.0,
+        "lifecycle": 300.0,
+    }
     vm_name = "i-0123456789abcdef0"
 
     def __init__(self, imdsv1: bool = True, **options: Any) -> None:

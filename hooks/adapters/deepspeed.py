@@ -109,14 +109,16 @@ class DeepSpeedAdapter(StoreAdapter):
     def _write(self, pending, step: int) -> None:
         self.ds_engine.target(pending, pending.dir)
         try:
-            self.engine.save_checkpoint(str(pending.dir), tag=DS_TAG, client_state=self._client_state(step), save_latest=False)
+            self.engine.save_checkpoint(
+                str(pending.dir), tag=DS_TAG, client_state=self._client_state(step), save_latest=False)
         finally:
             self.ds_engine.target(None, pending.dir)
 
     def _take_snapshot(self, step: int) -> dict[str, bytes]:
         self.ds_engine.capture(self._scratch)
         try:
-            self.engine.save_checkpoint(str(self._scratch), tag=DS_TAG, client_state=self._client_state(step), save_latest=False)
+            self.engine.save_checkpoint(
+                str(self._scratch), tag=DS_TAG, client_state=self._client_state(step), save_latest=False)
             return self.ds_engine.captured
         finally:
             self.ds_engine.captured = None

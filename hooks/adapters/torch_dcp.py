@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from spotguard.hooks.adapters.base import StoreAdapter, tag_for
@@ -115,7 +116,10 @@ class TorchDCPAdapter(StoreAdapter):
         t0 = time.monotonic()
         extra = self.extra_state() if self.extra_state else {}
         pending = self.store.begin(tag_for(step, reason))
-        future = dcp.async_save(self.state(), storage_writer=self.store.dcp_writer(pending), process_group=self._group)
+        response = dcp.async_save(self.state(), storage_writer=self.store.dcp_writer(pending),
+                                  process_group=self._group)
+        # a plain Future without an async stager; the staging/upload pair with one
+        future = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
 
         def finish() -> None:
             try:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from spotguard.hooks.agreement.base import Agreement, Verdict
 from spotguard.hooks.agreement.boundary import BlockingAgreement, LocalAgreement, PipelinedAgreement
-from spotguard.hooks.agreement.collectives import Collectives
+from spotguard.hooks.agreement.collectives import Collectives, GroupCollectives
 
 __all__ = ["Agreement", "Verdict", "make_agreement"]
 
 
 def make_agreement(collectives: Collectives, *, agree_every: int = 1, pipeline: bool = False) -> Agreement:
     """The Guard's own agreement for `collectives`: local alone, else blocking or pipelined."""
-    if not collectives.distributed:
+    if not isinstance(collectives, GroupCollectives):  # the one distributed kind
         return LocalAgreement()
     if pipeline:
         return PipelinedAgreement(collectives, agree_every)

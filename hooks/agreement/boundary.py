@@ -48,7 +48,8 @@ class BlockingAgreement(Agreement):
         if pending is None:
             self._flag.copy_(self._idle)  # preallocated: no allocation while idle
         else:
-            self._flag.copy_(self._torch.tensor(contribution(pending, self.rank, self.world_size), dtype=self._torch.float64))
+            self._flag.copy_(
+                self._torch.tensor(contribution(pending, self.rank, self.world_size), dtype=self._torch.float64))
 
     def _verdict(self, pending: Notice | None) -> Verdict | None:
         agreed = outcome(self._flag.tolist())

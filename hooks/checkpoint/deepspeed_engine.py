@@ -28,8 +28,8 @@ import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
@@ -38,7 +38,7 @@ from spotguard.config import positive_int
 
 from . import rawformat
 from .layout import flatten
-from .store import CheckpointStore, PendingCheckpoint
+from .store import CheckpointInfo, CheckpointStore, PendingCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class StoreCheckpointEngine(CheckpointEngine):
         self._writes: list[Future] = []
         self._file_pool = ThreadPoolExecutor(self.files, thread_name_prefix="spotguard-ds-write")
         self._blob_pool = ThreadPoolExecutor(2, thread_name_prefix="spotguard-ds-blob")
-        self.last_commit = None
+        self.last_commit: CheckpointInfo | None = None
 
     def prepare(self, metadata: Mapping[str, Any] | None = None) -> None:
         """Sets the manifest metadata (step, reason, notice_id, ...) for the next save_checkpoint."""
@@ -93,19 +93,19 @@ class StoreCheckpointEngine(CheckpointEngine):
         os.makedirs(target if target is not None else path, exist_ok=exist_ok or target is not None)
 
     def save(self, state_dict, path: str) -> None:
-        target = self._redirect(path)
-        if target is None:
+        target, pending = self._redirect(path), self._pending
+        if target is None or pending is None:  # (_redirect gives None while no checkpoint is pending)
             raise ValueError(f"{path} is outside the checkpoint being saved ({self._base}); call save_checkpoint "
                              "with save_dir = the store root")
-        rel = target.relative_to(self._pending.dir).as_posix()
+        rel = target.relative_to(pending.dir).as_posix()
         if not self.fast:
             torch.save(state_dict, target)
-            self._pending.adopt(rel)
+            pending.adopt(rel)
             return
         skeleton, tensors = flatten(state_dict)
-        pending = self._pending
         self._writes.append(self._blob_pool.submit(
-            rawformat.write_blob, pending, rel, skeleton, tensors, self.files, self._file_pool, {"source": "deepspeed"}))
+            rawformat.write_blob, pending, rel, skeleton, tensors, self.files, self._file_pool,
+            {"source": "deepspeed"}))
 
     def load(self, path: str, map_location=None):
         if rawformat.is_raw_index(Path(path)):

@@ -40,8 +40,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Any
 from collections.abc import Mapping
+from typing import IO, Any, cast
 
 import torch
 
@@ -159,8 +159,9 @@ class FastCheckpointer:
             if slot.persisting is None or slot.persisting.done():
                 return slot
         oldest = candidates[0]
-        log.warning("every snapshot slot is being persisted; waiting for the oldest")
-        oldest.persisting.exception()  # wait; errors were logged by the persist itself
+        if oldest.persisting is not None:  # always: a slot without one was returned above
+            log.warning("every snapshot slot is being persisted; waiting for the oldest")
+            oldest.persisting.exception()  # wait; errors were logged by the persist itself
         return oldest
 
     def snapshot(self, state: Any, *, step: int | None = None, metadata: Mapping[str, Any] | None = None) -> Snapshot:
@@ -218,13 +219,9 @@ class FastCheckpointer:
         with snap.slot.lock:
             if not snap.valid:
                 raise RuntimeError("snapshot was overwritten before it was persisted")
-            if self.mode == "process":
-                results = self._process.write(snap.slot.shm.name, [(str(p), a, b) for p, (a, b) in zip(paths, self._bounds)])
-            else:
-                view = memoryview(snap.slot.arena.numpy())
-                futures = [self._pool.submit(rawformat.write_pieces, p, [view[a:b]])
-                           for p, (a, b) in zip(paths, self._bounds)]
-                results = [f.result() for f in futures]
+            jobs = [(p, a, b) for p, (a, b) in zip(paths, self._bounds)]
+            write = self._write_process if self.mode == "process" else self._write_threads
+            results = write(snap.slot, jobs)
         for name, (size, crc) in zip(names, results):
             pending.record(name, size, crc)
         meta = {"step": snap.step, "rank": rank, "taken_at": snap.taken_at, **snap.metadata}
@@ -234,6 +231,21 @@ class FastCheckpointer:
         pending.finish_rank(rank)
         log.info("rank %d persisted %.1f MB in %.2fs", rank, self._total / 1e6, time.perf_counter() - started)
         return self._total
+
+    def _write_process(self, slot: _Slot, jobs: list[tuple[Path, int, int]]) -> list[tuple[int, int]]:
+        """Writes each (path, start, end) range of the slot's shared memory in the writer process."""
+        if self._process is None or slot.shm is None:
+            raise RuntimeError("FastCheckpointer: no writer process or shared memory "
+                               "(prepare() first, not after close())")
+        return self._process.write(slot.shm.name, [(str(p), a, b) for p, a, b in jobs])
+
+    def _write_threads(self, slot: _Slot, jobs: list[tuple[Path, int, int]]) -> list[tuple[int, int]]:
+        """Writes each (path, start, end) range of the slot's arena on the file-writer threads."""
+        if self._pool is None:
+            raise RuntimeError("FastCheckpointer: no writer threads (prepare() first, not after close())")
+        view = slot.arena.numpy().data
+        futures = [self._pool.submit(rawformat.write_pieces, p, [view[a:b]]) for p, a, b in jobs]
+        return [f.result() for f in futures]
 
     def save(self, store: CheckpointStore, tag: str, state: Any, *, step: int | None = None, rank: int = 0,
              world_size: int = 1, metadata: Mapping[str, Any] | None = None) -> tuple[Snapshot, Future]:
@@ -312,8 +324,10 @@ class _WriterProcess:
     def __init__(self, threads: int):
         self._proc = subprocess.Popen([sys.executable, "-m", "spotguard.hooks.checkpoint.writerproc", str(threads)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        # stdin and stdout are PIPEs, so Popen set both
+        self._stdin, self._stdout = cast(IO[str], self._proc.stdin), cast(IO[str], self._proc.stdout)
         self._mutex = threading.Lock()
-        ready = self._proc.stdout.readline()  # at prepare time, so no save waits for its start-up
+        ready = self._stdout.readline()  # at prepare time, so no save waits for its start-up
         if not ready.startswith('{"ready"'):
             self.close()
             raise OSError(f"checkpoint writer process failed to start: {ready!r}")
@@ -322,9 +336,9 @@ class _WriterProcess:
         with self._mutex:
             if self._proc.poll() is not None:
                 raise OSError(f"checkpoint writer process exited with {self._proc.returncode}")
-            self._proc.stdin.write(json.dumps({"shm": shm_name, "jobs": jobs}) + "\n")
-            self._proc.stdin.flush()
-            line = self._proc.stdout.readline()
+            self._stdin.write(json.dumps({"shm": shm_name, "jobs": jobs}) + "\n")
+            self._stdin.flush()
+            line = self._stdout.readline()
         if not line:
             raise OSError("checkpoint writer process died during a write")
         answer = json.loads(line)
@@ -334,11 +348,11 @@ class _WriterProcess:
 
     def close(self) -> None:
         with contextlib.suppress(OSError, ValueError):
-            self._proc.stdin.close()
+            self._stdin.close()
         try:
             self._proc.wait(10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait(5)
         with contextlib.suppress(OSError, ValueError):
-            self._proc.stdout.close()
+            self._stdout.close()

@@ -75,7 +75,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    return memoryview(flat.numpy())
+    return flat.numpy().data
 
 
 def write_pieces(path: Path, pieces: Sequence[memoryview]) -> tuple[int, int]:
@@ -133,7 +133,7 @@ def load_blob(index_path: Path, *, verify: bool = False, threads: int = 4) -> tu
     index = read_index(index_path)
     total = int(index["total"])
     arena = torch.empty(max(total, 1), dtype=torch.uint8)
-    view = memoryview(arena.numpy())
+    view = arena.numpy().data
     ranges, start = [], 0
     for f in index["files"]:
         ranges.append((index_path.parent / f["name"], start, int(f["size"]), f["crc32"]))

@@ -34,9 +34,10 @@ def _candidates(root: Path, live: set[str]) -> dict[str, list[tuple[int, Path]]]
             if tag in live or not TAG_RE.match(tag):
                 continue
         else:
-            tag = tag_of_aside(REPLACED_PREFIX, name)
-            if tag is None:
+            aside_tag = tag_of_aside(REPLACED_PREFIX, name)
+            if aside_tag is None:
                 continue
+            tag = aside_tag
         manifest = read_complete(entry, tag)
         if manifest is not None:
             found.setdefault(tag, []).append((manifest["sequence"], entry))

@@ -25,6 +25,7 @@ objects plus "manifest last" ordering, which is what this class does on a file s
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import logging
@@ -32,6 +33,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -439,7 +441,7 @@ class CheckpointStore:
         """The copies of kind `kind` derived from this store's checkpoints (`<root>/_<kind>/`, derived.py)."""
         return DerivedCopies(self.root, kind)
 
-    def _prune_derived(self) -> list[str]:
+    def _prune_derived(self) -> builtins.list[str]:
         """Removes derived copies except those made from one of the newest `keep_last` checkpoints as committed now."""
         areas = derived_areas(self.root)
         if not areas:
@@ -447,7 +449,7 @@ class CheckpointStore:
         keep = self.list()[-self.keep_last:]
         return [f"_{area.kind}/{name}" for area in areas for name in area.prune(keep)]
 
-    def apply_retention(self, protect: set[str] = frozenset()) -> list[str]:
+    def apply_retention(self, protect: AbstractSet[str] = frozenset()) -> builtins.list[str]:
         """Deletes complete checkpoints beyond the newest `keep_last`, except notice ones; returns tags removed.
 
         Derived copies (derived.py) are kept only for the newest `keep_last` checkpoints.
@@ -469,7 +471,7 @@ class CheckpointStore:
             log.info("retention removed %s", ", ".join(removed + pruned))
         return removed
 
-    def cleanup(self) -> list[str]:
+    def cleanup(self) -> builtins.list[str]:
         """Finishes or undoes commits a crash interrupted, then removes leftovers of dead writers.
 
         First the newest complete copy of every tag (a decided pending commit, or a copy set aside

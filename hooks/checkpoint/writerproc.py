@@ -1,10 +1,10 @@
 """The separate writer process of the fast path (mode="process").
 
 Run as `python -m spotguard.hooks.checkpoint.writerproc THREADS`. Protocol on stdin/stdout,
-one JSON object per line: first `{"ready": pid}` from the child, then request `{"shm": name, "jobs": [[path, start, end], ...]}`, answer
-`{"ok": [[size, crc32], ...]}` or `{"error": "text"}`. It writes each byte range of the named
-shared-memory segment to its file (in parallel, fsynced) and never unlinks the segment: the
-parent owns it. EOF on stdin ends the process.
+one JSON object per line: first `{"ready": pid}` from the child, then request
+`{"shm": name, "jobs": [[path, start, end], ...]}`, answer `{"ok": [[size, crc32], ...]}` or
+`{"error": "text"}`. It writes each byte range of the named shared-memory segment to its file (in
+parallel, fsynced) and never unlinks the segment: the parent owns it. EOF on stdin ends the process.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
+from typing import Any
 
 from .rawformat import write_pieces
 
@@ -30,10 +31,15 @@ def main(argv: list[str] | None = None) -> int:
             name = request["shm"]
             if name not in attached:
                 attached[name] = shared_memory.SharedMemory(name=name)
-                resource_tracker.unregister(attached[name]._name, "shared_memory")
+                # the parent owns the segment: untrack it so this process's exit does not unlink it.
+                # `_name` (the tracker's key) is private, so typeshed leaves it out; 3.13's track=False
+                # replaces this.
+                resource_tracker.unregister(attached[name]._name, "shared_memory")  # type: ignore[attr-defined]
             view = attached[name].buf
+            if view is None:
+                raise ValueError(f"shared memory {name} is closed")
             futures = [pool.submit(write_pieces, Path(p), [view[a:b]]) for p, a, b in request["jobs"]]
-            answer = {"ok": [list(f.result()) for f in futures]}
+            answer: dict[str, Any] = {"ok": [list(f.result()) for f in futures]}
         except Exception as exc:  # reported to the parent; the loop goes on
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         sys.stdout.write(json.dumps(answer) + "\n")

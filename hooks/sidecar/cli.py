@@ -50,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="bearer token for the agent's POST /v1/reports (default $SPOTGUARD_AGENT_TOKEN_FILE; "
                         "unset: reports are not forwarded)")
     p.add_argument("--podinfo-dir", default=None,
-                   help="downward-API volume with the pod's annotations (default $SPOTGUARD_PODINFO_DIR or /etc/podinfo)")
+                   help="downward-API volume with the pod's annotations "
+                        "(default $SPOTGUARD_PODINFO_DIR or /etc/podinfo)")
     p.add_argument("--hostfile", default=None, help="DeepSpeed hostfile to keep in step with the membership")
     p.add_argument("--deepspeed-config", default=None,
                    help="DeepSpeed JSON config whose elasticity block bounds the world size")

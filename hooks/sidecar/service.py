@@ -125,7 +125,8 @@ class Sidecar:
                                                           ServerLimits(header_timeout=cfg.header_timeout),
                                                           shutdown_timeout=1.0)
         except OSError as exc:
-            raise ConfigError("--listen", f"cannot listen on {cfg.listen_host}:{cfg.listen_port}: {exc.strerror or exc}") from None
+            raise ConfigError(
+                "--listen", f"cannot listen on {cfg.listen_host}:{cfg.listen_port}: {exc.strerror or exc}") from None
         self.url = f"http://{host}:{port}"
         self._tasks = [asyncio.create_task(self.relay.run(), name="sidecar-relay"),
                        asyncio.create_task(self.reporter.run(), name="sidecar-reporter")]

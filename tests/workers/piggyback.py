@@ -19,11 +19,11 @@ def main(out: Path) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    plain = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 4)),
-                                                      bucket_cap_mb=0.001)  # several buckets
+    plain = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 4)), bucket_cap_mb=0.001)  # several buckets
     torch.manual_seed(0)
-    piggy = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 4)),
-                                                      bucket_cap_mb=0.001)
+    piggy = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 4)), bucket_cap_mb=0.001)
     guard = Guard(install_signals=False, exit_on_drain=False)
     attached = guard.piggyback_on(piggy)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + rank))
