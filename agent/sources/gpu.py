@@ -92,7 +92,7 @@ class GpuHealthSource(Source):
         self._active_warnings: set[tuple] = set()
         self._xid_times: dict[tuple[str, int], collections.deque] = {}
         self._readers: SignalReaders | None = None
-        self._logged: set[str] = set()
+        self._log_once = LogOnce(log)
         self._lost: set[int] = set()
         self._lost_reported: set[int] = set()
         self._registered: dict[int, int] = {}
@@ -343,13 +343,7 @@ class GpuHealthSource(Source):
         return existing if existing is not None else fault_notice(self.name, self.node, finding, self.policy)
 
     def _warn(self, finding: Finding, action: str) -> None:
-        uuid = _gpu_name(finding)
-        detail: dict[str, Any] = {"signal": finding.signal, "meaning": self.policy.signal_meaning(finding.signal)}
-        detail.update(finding.detail)
-        if finding.value is not None:
-            detail["value"] = finding.value
-        if action == "cordon":
-            detail["cordon"] = True
+        uuid, detail = _gpu_name(finding), warning_detail(finding, action, self.policy)
         self.warnings[finding.signal] += 1
         log.warning("gpu %s: warning %s", uuid, finding.signal, extra={"gpu": uuid, "detail": detail})
         if self.on_warning is not None:
@@ -369,10 +363,31 @@ class GpuHealthSource(Source):
             return self.gpus[index]
         return None
 
-    def _log_once(self, key: str, level: int, message: str, *args: Any) -> None:
-        if key not in self._logged:
-            self._logged.add(key)
-            log.log(level, message, *args)
+
+
+class LogOnce:
+    """`log_once(key, level, message, *args)`: logs the first time a key is seen, then stays quiet."""
+
+    def __init__(self, logger: logging.Logger):
+        self.logger = logger
+        self.seen: set[str] = set()
+
+    def __call__(self, key: str, level: int, message: str, *args: Any) -> None:
+        if key not in self.seen:
+            self.seen.add(key)
+            self.logger.log(level, message, *args)
+
+
+def warning_detail(finding: Finding, action: str, policy: GpuPolicy) -> dict[str, Any]:
+    """What a GPU warning reports: the signal, its meaning, the finding's detail and value, and
+    `cordon` when the policy asks for one."""
+    detail: dict[str, Any] = {"signal": finding.signal, "meaning": policy.signal_meaning(finding.signal)}
+    detail.update(finding.detail)
+    if finding.value is not None:
+        detail["value"] = finding.value
+    if action == "cordon":
+        detail["cordon"] = True
+    return detail
 
 
 def fault_notice_id(source: str, node: str, finding: Finding) -> str:

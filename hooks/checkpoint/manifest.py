@@ -65,3 +65,35 @@ def tag_of_aside(prefix: str, name: str) -> str | None:
         return None
     base, sep, suffix = name[len(prefix):].rpartition("-")
     return base if sep and len(suffix) == 8 and TAG_RE.match(base) else None
+
+
+def collect_parts(pending_dir: Path, world_size: int) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Every rank's part manifest in `pending_dir` merged into one file table (each entry gains
+    its `rank`), checked against the files on disk; and the problems found (a missing or
+    unreadable part, a file recorded twice, missing, or of another size). Commit only when the
+    problems are none."""
+    files: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    for rank in range(world_size):
+        part_path = pending_dir / f"{PART_PREFIX}{rank}.json"
+        try:
+            part = json.loads(part_path.read_bytes())
+        except FileNotFoundError:
+            problems.append(f"rank {rank} has not finished (no {part_path.name})")
+            continue
+        except ValueError as exc:
+            problems.append(f"rank {rank}'s part manifest is unreadable: {exc}")
+            continue
+        for name, entry in part.get("files", {}).items():
+            if name in files:
+                problems.append(f"{name} recorded by rank {files[name]['rank']} and rank {rank}")
+                continue
+            try:
+                actual = (pending_dir / name).stat().st_size
+            except FileNotFoundError:
+                problems.append(f"{name} (rank {rank}) is missing")
+                continue
+            if actual != entry["size"]:
+                problems.append(f"{name} (rank {rank}) has {actual} bytes, part manifest says {entry['size']}")
+            files[name] = {**entry, "rank": rank}
+    return files, problems

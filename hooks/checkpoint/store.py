@@ -45,7 +45,7 @@ from . import fsutil
 from .derived import DerivedCopies, derived_areas
 from .locks import WriterLock, live_tags_reaping_dead, store_lock
 from .manifest import (LATEST, MANIFEST, MANIFEST_VERSION, PART_PREFIX, PENDING_PREFIX, REPLACED_PREFIX, TAG_RE,
-                       TRASH_PREFIX, aside_name, fingerprint, read_manifest)
+                       TRASH_PREFIX, aside_name, collect_parts, fingerprint, read_manifest)
 from .recovery import recover_commits, repair_latest
 
 log = logging.getLogger(__name__)
@@ -277,7 +277,9 @@ class CheckpointStore:
         with store_lock(self.root, exclusive=False):
             if not pending_dir.is_dir():
                 raise CommitError(f"{tag}: no pending checkpoint at {pending_dir}")
-            files = self._collect_parts(tag, pending_dir, world_size)
+            files, problems = collect_parts(pending_dir, world_size)
+            if problems:
+                raise CommitError(f"{tag}: refusing to commit: " + "; ".join(problems))
             sequence = 1 + max((c.sequence for c in self.list()), default=0)
             manifest = {"v": MANIFEST_VERSION, "tag": tag, "sequence": sequence, "world_size": world_size,
                         "committed_at": time.time(), "checksum": fsutil.CHECKSUM_ALGO,
@@ -317,35 +319,6 @@ class CheckpointStore:
             raise
         fsutil.fsync_dir(self.root)
         return replaced
-
-    def _collect_parts(self, tag: str, pending_dir: Path, world_size: int) -> dict[str, dict[str, Any]]:
-        files: dict[str, dict[str, Any]] = {}
-        problems = []
-        for rank in range(world_size):
-            part_path = pending_dir / f"{PART_PREFIX}{rank}.json"
-            try:
-                part = json.loads(part_path.read_bytes())
-            except FileNotFoundError:
-                problems.append(f"rank {rank} has not finished (no {part_path.name})")
-                continue
-            except ValueError as exc:
-                problems.append(f"rank {rank}'s part manifest is unreadable: {exc}")
-                continue
-            for name, entry in part.get("files", {}).items():
-                if name in files:
-                    problems.append(f"{name} recorded by rank {files[name]['rank']} and rank {rank}")
-                    continue
-                try:
-                    actual = (pending_dir / name).stat().st_size
-                except FileNotFoundError:
-                    problems.append(f"{name} (rank {rank}) is missing")
-                    continue
-                if actual != entry["size"]:
-                    problems.append(f"{name} (rank {rank}) has {actual} bytes, part manifest says {entry['size']}")
-                files[name] = {**entry, "rank": rank}
-        if problems:
-            raise CommitError(f"{tag}: refusing to commit: " + "; ".join(problems))
-        return files
 
     # ---- reading ---------------------------------------------------------------------------
     def _info_from_manifest(self, directory: Path, manifest: dict[str, Any], identity: str) -> CheckpointInfo:
