@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from aiohttp import web
 
@@ -41,13 +41,6 @@ from spotguard.wire import names
 from spotguard.kube.api import PODS, Kube
 
 log = logging.getLogger(__name__)
-
-@runtime_checkable
-class _WarnsAboutGpus(Protocol):
-    """A source that reports GPU warnings through an `on_warning(uuid, reason, detail)` callback."""
-
-    on_warning: Callable[[str, str, dict], None] | None
-
 
 class Agent:
     """See the module docstring. Optional arguments replace what `start()` would build."""
@@ -91,8 +84,6 @@ class Agent:
             self.gpu_source = _gpu_source(cfg)
         if self.gpu_source is not None:
             self.sources.append(self.gpu_source)
-            if isinstance(self.gpu_source, _WarnsAboutGpus) and self.gpu_source.on_warning is None:
-                self.gpu_source.on_warning = self._gpu_warning
         if cfg.kubernetes:
             if self.api_client is None:
                 from spotguard.kube import load_api_client
@@ -191,19 +182,6 @@ class Agent:
     def _notify_marker(self, published: Published) -> None:
         if self.ready and self.marker is not None:
             self.marker.notify(self.table.live())
-
-    def _gpu_warning(self, gpu_uuid: str, reason: str, detail: Any = None) -> None:
-        """GPU source callback for a warning (not fatal): counted in metrics by the collector
-        (from the source's `warnings`), logged here, and passed to the marker for a Node Event
-        when the marker offers `warn(reason, message)`."""
-        log.debug("GPU warning %s on %s", reason, gpu_uuid, extra={"gpu": gpu_uuid, "reason": reason,
-                                                                       "detail": detail})
-        warn = getattr(self.marker, "warn", None)
-        if callable(warn):
-            try:
-                warn(reason, f"GPU {gpu_uuid}: {reason} {detail if detail is not None else ''}".strip())
-            except Exception:
-                log.exception("node marker could not record the GPU warning")
 
     async def _expected_pods(self) -> set[tuple[str, str]]:
         """The opted-in pods running on this node (who must report before an early approval)."""

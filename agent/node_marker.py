@@ -37,9 +37,15 @@ When marks are removed (the restart rules):
   that id (then it is kept, as live).
 `stop()` stops the reconciler and KEEPS the marks (a restarted agent takes them over).
 
+Advisory notices (`Notice.advisory`, e.g. GPU warnings) are information, never marks: they
+set no annotation, taint or cordon and post no SpotguardNotice Events. Each advisory that
+becomes live posts one Warning Event on the Node (reason: its detail's `signal`; message: the
+GPU and the detail, which says `"cordon": true` when the policy recommends a cordon), again
+only after it was withdrawn and came back.
+
 Besides the notices, `event(reason, message, type)` posts a one-off Event on the Node, and
-`warn(reason, message)` does the same without blocking (for callbacks such as GPU warnings),
-at most once per `warn_interval` seconds for the same text.
+`warn(reason, message)` does the same without blocking, at most once per `warn_interval`
+seconds for the same text.
 
 RBAC the agent needs: nodes get/patch, pods list (all namespaces), events create.
 """
@@ -87,6 +93,7 @@ class NodeMarker:
         self.warn_interval = 60.0
         self._warned: dict[tuple[str, str], float] = {}
         self._pending: set[asyncio.Task] = set()
+        self._advised: set[str] = set()  # ids of the live advisories already posted as Events
 
     @property
     def stats(self) -> dict[str, int]:
@@ -96,8 +103,9 @@ class NodeMarker:
     # ---- the interface the agent uses --------------------------------------------------------
     def notify(self, live: list[Notice]) -> None:
         """Records the live notices as the desired state and wakes the reconciler. Non-blocking;
-        call it from the event loop's thread."""
-        self._desired = list(live)
+        call it from the event loop's thread. Advisories only post their Events (module docstring)."""
+        self._advise([n for n in live if n.advisory])
+        self._desired = [n for n in live if not n.advisory]
         self._version += 1
         self.in_sync = False
         self._wake.set()
@@ -149,6 +157,15 @@ class NodeMarker:
         task = asyncio.get_running_loop().create_task(self.event(reason, message, type))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+
+    def _advise(self, advisories: list[Notice]) -> None:
+        """Posts a Warning Event for each advisory not live at the last notify()."""
+        for notice in advisories:
+            if notice.id not in self._advised:
+                detail = {k: v for k, v in notice.detail.items() if k != "gpu"}
+                reason = str(detail.get("signal") or notice.kind.value)
+                self.warn(reason, f"GPU {notice.detail.get('gpu', 'unknown')}: {reason} {detail}")
+        self._advised = {n.id for n in advisories}
 
     # ---- the reconciler ------------------------------------------------------------------------
     async def _run(self) -> None:

@@ -5,7 +5,8 @@ call from the listener thread and the training loop at once.
 
 Contract:
 - `offer(notice, now)` returns a `Decision`:
-  IGNORE when its kind is not in `act_on` or its id is answered (by the checkpoint the job
+  IGNORE when it is an advisory (information, never acted on), when its kind is not in
+  `act_on`, or when its id is answered (by the checkpoint the job
   resumed from, or by a finished drain: a re-sent or updated copy never drains again);
   HOLD when its deadline is more than `horizon_seconds` after `now` (kept until `release_due`
   finds it within the horizon, or a withdrawal drops it);
@@ -39,7 +40,7 @@ class Action(enum.Enum):
 
 @dataclass(frozen=True)
 class Decision:
-    """What `offer` did and why: `why` is "kind", "answered" (IGNORE), "new" or "again" (HOLD: held
+    """What `offer` did and why: `why` is "advisory", "kind", "answered" (IGNORE), "new" or "again" (HOLD: held
     for the first time or already held), "" (ACT). `seconds_left` is the notice's time to its deadline."""
 
     action: Action
@@ -78,6 +79,8 @@ class NoticeGate:
             return frozenset(self._held)
 
     def offer(self, notice: Notice, now: datetime) -> Decision:
+        if notice.advisory:
+            return Decision(Action.IGNORE, "advisory")
         if notice.kind not in self.act_on:
             return Decision(Action.IGNORE, "kind")
         if notice.id in self._answered:

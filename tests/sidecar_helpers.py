@@ -20,16 +20,16 @@ import aiohttp
 from aiohttp import web
 
 from spotguard.hooks.sidecar.service import Sidecar, SidecarConfig
-from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.notice import Kind, Notice, notice_id, now_utc, Severity
 from spotguard.wire.sse import KEEPALIVE, SSEDecoder, encode
 from spotguard.wire.withdrawal import Withdrawal
 
 
 def make_notice(node: str = "node-a", kind: Kind = Kind.RECLAIM, deadline_in: float | None = 120.0,
-                tag: str = "1") -> Notice:
+                tag: str = "1", severity: Severity = Severity.ACT) -> Notice:
     deadline = None if deadline_in is None else now_utc() + timedelta(seconds=deadline_in)
     return Notice(id=notice_id("test.src", node, kind.value, tag), kind=kind, source="test.src", node=node,
-                  detected_at=now_utc(), deadline=deadline, detail={"tag": tag})
+                  detected_at=now_utc(), deadline=deadline, detail={"tag": tag}, severity=severity)
 
 
 class Publisher:

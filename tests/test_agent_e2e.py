@@ -217,8 +217,12 @@ async def test_gpu_policy_end_to_end_with_the_fake_backend(http, tmp_path):
     try:
         await proc.started()
         async with http.get(proc.url + "/v1/stream") as resp:
-            event = await SSEReader(resp).until(lambda e: e.event == "notice", timeout=10)
+            reader = SSEReader(resp)
+            first = await reader.until(lambda e: e.event == "notice" and e.json().get("severity"), timeout=10)
+            advisory = first.json()
+            event = await reader.until(lambda e: e.event == "notice" and not e.json().get("severity"), timeout=10)
         notice = event.json()
+        assert (advisory["severity"], advisory["detail"]["xid"], advisory["deadline"]) == ("advisory", 92, None)
         assert (notice["kind"], notice["source"], notice["detail"]["xid"]) == ("gpu-fault", "gpu", 79)
         assert notice["deadline"] == notice["detected_at"]  # fatal: deadline now
         async with http.get(proc.url + "/metrics") as resp:

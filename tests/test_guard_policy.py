@@ -6,6 +6,7 @@ maximum the all_reduce(MAX) computes.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from datetime import datetime, timedelta, UTC
 
 from spotguard.hooks.agreement import make_agreement
@@ -13,7 +14,7 @@ from spotguard.hooks.agreement.base import contribution, outcome
 from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.notice_gate import Action, NoticeGate
 from spotguard.hooks.save_decision import SaveChoice, decide, vote
-from spotguard.wire.notice import Kind, Notice
+from spotguard.wire.notice import Kind, Notice, Severity
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
@@ -29,6 +30,16 @@ def reduce_max(*votes: list[float]) -> list[float]:
 
 
 # ---- the notice gate --------------------------------------------------------------------------
+def test_gate_never_acts_on_an_advisory():
+    gate = NoticeGate(horizon_seconds=120)
+    for seconds in (0.0, 60.0, None, 3600.0):  # due now, soon, no deadline, beyond the horizon
+        advisory = replace(notice(f"adv-{seconds}", seconds=seconds, kind="gpu-fault"), severity=Severity.ADVISORY)
+        decision = gate.offer(advisory, NOW)
+        assert (decision.action, decision.why) == (Action.IGNORE, "advisory")
+    assert gate.pending is None and not gate.holding
+    assert gate.release_due(NOW + timedelta(hours=2)) == [] and gate.pending is None
+
+
 def test_gate_ignores_kinds_not_acted_on_and_answered_ids():
     gate = NoticeGate(horizon_seconds=120)
     assert gate.offer(notice("r", kind="rebalance"), NOW).action is Action.IGNORE

@@ -10,6 +10,8 @@ import sys
 import aiohttp
 import pytest
 
+from spotguard.wire.notice import Kind, Severity
+
 from tests.sidecar_helpers import (Publisher, eventually, hook, live_notice, post_hook, prestop, read_token,
                                    running_sidecar)
 
@@ -78,6 +80,14 @@ async def test_oversized_hook_body_is_refused(tmp_path):
 
 async def test_prestop_without_a_live_notice_returns_at_once(tmp_path):
     async with Publisher() as pub, running_sidecar(tmp_path, pub.url) as sc, aiohttp.ClientSession() as http:
+        answer = await prestop(http, sc, 30)
+        assert answer["outcome"] == "no-notice" and answer["waited_seconds"] < 5
+
+
+async def test_prestop_with_only_an_advisory_live_returns_no_notice_at_once(tmp_path):
+    async with Publisher() as pub, running_sidecar(tmp_path, pub.url) as sc, aiohttp.ClientSession() as http:
+        advisory = await live_notice(pub, sc, kind=Kind.GPU_FAULT, deadline_in=None, severity=Severity.ADVISORY)
+        assert sc.live.get(advisory.id).advisory  # relayed as an advisory
         answer = await prestop(http, sc, 30)
         assert answer["outcome"] == "no-notice" and answer["waited_seconds"] < 5
 

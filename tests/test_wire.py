@@ -8,7 +8,11 @@ from pathlib import Path
 from spotguard.supervisor.membership import membership_json
 from spotguard.wire.live import LiveSet
 from spotguard.wire.membership import Membership
-from spotguard.wire.notice import Kind, Notice, now_utc
+import json
+
+import pytest
+
+from spotguard.wire.notice import Kind, Notice, NoticeFormatError, Severity, now_utc
 from spotguard.wire.urgency import most_urgent, most_urgent_first
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +24,27 @@ def _notice(name: str, deadline_s: float | None, detected_s: float = 0.0) -> Not
     base = now_utc()
     deadline = None if deadline_s is None else base + timedelta(seconds=deadline_s)
     return Notice(name, Kind.RECLAIM, "test", "node-1", base + timedelta(seconds=detected_s), deadline)
+
+
+def test_severity_round_trips_and_is_on_the_wire_only_when_advisory():
+    act = _notice("a", 30)
+    advisory = Notice("g", Kind.GPU_FAULT, "gpu", "node-1", now_utc(), None, {"signal": "xid_63", "cordon": True},
+                      severity=Severity.ADVISORY)
+    assert act.severity is Severity.ACT and not act.advisory and "severity" not in act.to_wire()
+    assert advisory.advisory and advisory.to_wire()["severity"] == "advisory"
+    for notice in (act, advisory):
+        again = Notice.from_json(notice.to_json())
+        assert again == notice and again.severity is notice.severity
+    legacy = act.to_wire()  # an older writer: no severity field -> act
+    assert Notice.from_wire(legacy).severity is Severity.ACT
+    assert not advisory.same_event(Notice(**{**advisory.__dict__, "severity": Severity.ACT}))
+
+
+@pytest.mark.parametrize("value", ["urgent", "", 1, None, ["advisory"]])
+def test_an_unknown_severity_is_refused_naming_the_field(value):
+    wire = {**_notice("a", 30).to_wire(), "severity": value}
+    with pytest.raises(NoticeFormatError, match=r"^severity: "):
+        Notice.from_json(json.dumps(wire))
 
 
 def _imports(path: Path) -> list[str]:

@@ -19,9 +19,13 @@ What it reports:
   life of the process (the GPU needs a reset or a reboot, which restarts the agent); faults read
   from persistent counters stay live while the counter shows them. Because those counters
   survive an agent restart, a still-failed GPU yields the same notice id again after a restart.
-- warn/cordon -> `warnings[reason] += 1` and `on_warning(gpu_uuid, reason, detail)` (the agent
-  turns them into metrics and Node Events). Event warnings fire per event; warnings read from
-  persistent signals fire when the condition appears (again only after it cleared).
+- warn/cordon -> an ADVISORY notice (`Severity.ADVISORY`: information, never a reason to act)
+  of kind gpu-fault, deadline None, id = notice_id("gpu", node, gpu uuid, signal, "advisory"),
+  detail = `warning_detail()` (with `"cordon": true` for a cordon), frozen at first sight; and
+  `warnings[reason] += 1` (the agent's metrics). An advisory read from a persistent signal is
+  live while the reading shows the condition and withdrawn when it clears; an event-borne one
+  (an Xid) is live until `advisory_hold` seconds after its latest event. Event warnings count
+  per event; persistent ones when the condition appears (again only after it cleared).
 
 Degraded modes: without NVML (LibraryNotFound / DriverNotLoaded at init, or no GPU) it logs
 "no GPUs" once and yields nothing; NotSupported/FunctionNotFound on event registration or from
@@ -38,19 +42,16 @@ import logging
 import time
 from datetime import datetime
 from typing import Any
-from collections.abc import Callable
 
 from spotguard.agent.gpu import backend as gb
 from spotguard.agent.gpu.event_waiter import EventWaiter
 from spotguard.agent.gpu.readers import Finding, Gpu, SignalReaders, error_name
 from spotguard.agent.gpu.policy import GpuPolicy
-from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.notice import Kind, Notice, Severity, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.backoff import Backoff
 
 log = logging.getLogger(__name__)
-
-WarningCallback = Callable[[str, str, dict], None]
 
 # Event bit -> the signal it carries (Xid and the "read now" events are handled apart).
 _EVENT_SIGNALS = {
@@ -72,15 +73,15 @@ class GpuHealthSource(Source):
 
     def __init__(self, node: str, backend: gb.GpuBackend | None = None, policy: GpuPolicy | None = None,
                  interval: float = 5.0, *, expected_count: int | None = None,
-                 on_warning: WarningCallback | None = None, wait_timeout_ms: int = 500):
-        if not interval > 0 or wait_timeout_ms <= 0:
-            raise ValueError("GpuHealthSource needs interval > 0 and wait_timeout_ms > 0")
+                 wait_timeout_ms: int = 500, advisory_hold: float = 600.0):
+        if not interval > 0 or wait_timeout_ms <= 0 or not advisory_hold > 0:
+            raise ValueError("GpuHealthSource needs interval > 0, wait_timeout_ms > 0 and advisory_hold > 0")
         super().__init__(node, interval=0.0, backoff=Backoff(base=1.0, cap=60.0))
         self.read_interval = interval
         self.backend = backend
         self.policy = policy or GpuPolicy()
         self.expected_count = expected_count
-        self.on_warning = on_warning
+        self.advisory_hold = advisory_hold
         self.wait_timeout_ms = wait_timeout_ms
         self.warnings: collections.Counter = collections.Counter()
         self.seen: collections.Counter = collections.Counter()  # events and xids, e.g. "xid:13"
@@ -89,7 +90,8 @@ class GpuHealthSource(Source):
         self.gpus: list[Gpu] = []
         self._sticky: dict[str, Notice] = {}
         self._level: dict[str, Notice] = {}
-        self._active_warnings: set[tuple] = set()
+        self._level_advisories: dict[str, Notice] = {}  # from persistent signals, by id
+        self._event_advisories: dict[str, tuple[Notice, float]] = {}  # id -> (notice, monotonic expiry)
         self._xid_times: dict[tuple[str, int], collections.deque] = {}
         self._readers: SignalReaders | None = None
         self._log_once = LogOnce(log)
@@ -306,23 +308,23 @@ class GpuHealthSource(Source):
                 self._apply(Finding(None, "gpu_lost", None, {"from": "nvmlEventSetWait"}),
                             self.policy.signal_action("gpu_lost"))
         level: dict[str, Notice] = {}
-        warnings_now: set[tuple] = set()
+        advisories: dict[str, Notice] = {}
         for finding in result.findings:
             action = self.policy.signal_action(finding.signal)
             if action == "fatal":
                 notice = self._notice(finding, previous=self._level)
                 level[notice.id] = notice
             elif action in ("warn", "cordon"):
-                key = (_gpu_name(finding), finding.signal, finding.value)
-                warnings_now.add(key)
-                if key not in self._active_warnings:
-                    self._warn(finding, action)
+                advisory = self._level_advisories.get(advisory_notice_id(self.name, self.node, finding))
+                if advisory is None:
+                    advisory = self._warn(finding, action)
+                advisories[advisory.id] = advisory
         for notice in level.values():
             if notice.id not in self._level and notice.id not in self._sticky:
                 log.warning("gpu: fault %s (%s)", notice.detail.get("signal"), notice.detail.get("gpu"),
                             extra={"notice_id": notice.id})
         self._level = level
-        self._active_warnings = warnings_now
+        self._level_advisories = advisories
 
     # ---- results -----------------------------------------------------------------------------
     def _apply(self, finding: Finding, action: str) -> None:
@@ -334,7 +336,9 @@ class GpuHealthSource(Source):
                             extra={"notice_id": notice.id})
                 self._sticky[notice.id] = notice
         elif action in ("warn", "cordon"):
-            self._warn(finding, action)
+            live = self._event_advisories.get(advisory_notice_id(self.name, self.node, finding))
+            fresh = self._warn(finding, action)
+            self._event_advisories[fresh.id] = (live[0] if live else fresh, time.monotonic() + self.advisory_hold)
 
     def _notice(self, finding: Finding, previous: dict[str, Notice]) -> Notice:
         """The notice for a fatal finding, frozen at first sight: no churn from changing readings."""
@@ -342,18 +346,20 @@ class GpuHealthSource(Source):
         existing = previous.get(nid) or self._sticky.get(nid) or self._level.get(nid)
         return existing if existing is not None else fault_notice(self.name, self.node, finding, self.policy)
 
-    def _warn(self, finding: Finding, action: str) -> None:
-        uuid, detail = _gpu_name(finding), warning_detail(finding, action, self.policy)
+    def _warn(self, finding: Finding, action: str) -> Notice:
+        """Counts and logs a warning; returns its advisory notice as it would be new."""
+        advisory = advisory_notice(self.name, self.node, finding, action, self.policy)
         self.warnings[finding.signal] += 1
-        log.warning("gpu %s: warning %s", uuid, finding.signal, extra={"gpu": uuid, "detail": detail})
-        if self.on_warning is not None:
-            try:
-                self.on_warning(uuid, finding.signal, detail)
-            except Exception:  # the callback belongs to the agent; never let it stop the source
-                log.exception("gpu: on_warning callback failed")
+        log.warning("gpu %s: warning %s", advisory.detail["gpu"], finding.signal,
+                    extra={"gpu": advisory.detail["gpu"], "detail": advisory.detail, "notice_id": advisory.id})
+        return advisory
 
     def _current(self) -> list[Notice]:
-        return list(self._sticky.values()) + [n for i, n in self._level.items() if i not in self._sticky]
+        now = time.monotonic()
+        self._event_advisories = {i: (n, until) for i, (n, until) in self._event_advisories.items() if until > now}
+        faults = list(self._sticky.values()) + [n for i, n in self._level.items() if i not in self._sticky]
+        advisories = {**self._level_advisories, **{i: n for i, (n, _) in self._event_advisories.items()}}
+        return faults + list(advisories.values())
 
     def _lost_notice_live(self) -> bool:
         return any(n.detail.get("signal") == "gpu_lost" for n in self._sticky.values())
@@ -388,6 +394,18 @@ def warning_detail(finding: Finding, action: str, policy: GpuPolicy) -> dict[str
     if action == "cordon":
         detail["cordon"] = True
     return detail
+
+
+def advisory_notice_id(source: str, node: str, finding: Finding) -> str:
+    """The stable id of a warning's advisory: one per GPU and signal."""
+    return notice_id(source, node, _gpu_name(finding), finding.signal, "advisory")
+
+
+def advisory_notice(source: str, node: str, finding: Finding, action: str, policy: GpuPolicy) -> Notice:
+    """The advisory gpu-fault notice for a warn/cordon finding (no deadline: nothing to act on)."""
+    detail = {"gpu": _gpu_name(finding), **warning_detail(finding, action, policy)}
+    return Notice(id=advisory_notice_id(source, node, finding), kind=Kind.GPU_FAULT, source=source, node=node,
+                  detected_at=now_utc(), deadline=None, detail=detail, severity=Severity.ADVISORY)
 
 
 def fault_notice_id(source: str, node: str, finding: Finding) -> str:

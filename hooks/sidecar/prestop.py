@@ -138,11 +138,13 @@ async def wait_for_pod(live: LiveSet, book: HookBook, pulse: Pulse, timeout: flo
     """Blocks until the pod's ranks are done with a live notice, or it is pointless to wait.
 
     `pulse` must fire on every change of `live` (its completeness included) and of `book`.
+    Advisory notices are information, never waited for: with only advisories live, it is as
+    with none.
     """
     start = time.monotonic()
     had_notice = False
     while True:
-        notices = live.notices()
+        notices = [n for n in live.notices() if not n.advisory]
         waited = time.monotonic() - start
         if not notices:
             settle_left = min(timeout, unsettled_wait) - waited

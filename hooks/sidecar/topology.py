@@ -4,9 +4,9 @@ to what the DeepSpeed elasticity config allows; and the hostfile that follows it
 Inputs: the hostfile as found at start (the *base*: each host's slots), the latest
 `spotguard.io/membership` annotation (which hosts the supervisor wants, and the world size it
 caps), and the live notices (a notice whose `node` names a host of the job marks it departing;
-`rebalance` is only a risk and departs nobody). Output, on every change: the hostfile is
-rewritten atomically (in a thread) and `on_membership(wire)` is called with the event data
-`{"v": 1, "generation", "hosts", "world_size", "departing"}`.
+`rebalance` is only a risk and an advisory only information: neither departs anybody). Output,
+on every change: the hostfile is rewritten atomically (in a thread) and `on_membership(wire)`
+is called with the event data `{"v": 1, "generation", "hosts", "world_size", "departing"}`.
 
 Rules:
 - candidate hosts: the membership's hosts in its order (all base hosts before any membership);
@@ -100,7 +100,8 @@ class Topology:
 
     async def set_notices(self, notices: Iterable[Notice]) -> None:
         job = self._job_hosts()
-        departing = tuple(sorted({n.node for n in notices if n.kind not in NON_DEPARTING and n.node in job}))
+        departing = tuple(sorted({n.node for n in notices if not n.advisory and n.kind not in NON_DEPARTING
+                                  and n.node in job}))
         if departing != self.departing:
             self.departing = departing
             await self.update()

@@ -10,6 +10,10 @@ Contract (stable across releases):
   `node` is the Kubernetes node (or host) name.
 - `detected_at` and `deadline` are timezone-aware UTC datetimes; `deadline` is None when the
   cloud gives no time. `detail` holds the cloud's raw fields (JSON-compatible values only).
+- `severity` is one of `Severity`: "act" (the default: a threat to act on) or "advisory"
+  (information only: no consumer acts on it, waits for it or marks the node for it; e.g. a GPU
+  warning). The wire form carries `severity` only when advisory, so a missing field reads as
+  act and older readers and writers stay compatible.
 - The wire form is a JSON object with `"v": WIRE_VERSION`. A reader rejects any other
   version, a missing or mistyped field, or a naive timestamp with `NoticeFormatError`; it never
   guesses. Unknown extra fields are ignored, so a newer writer can add fields.
@@ -37,6 +41,13 @@ class Kind(enum.StrEnum):
     MAINTENANCE = "maintenance"  # scheduled host maintenance, reboot or retirement
     GPU_FAULT = "gpu-fault"  # a GPU on the node failed or is failing
     DRAIN = "drain"  # the cluster is removing or cordoning the node (Karpenter, autoscaler, kubectl)
+
+
+class Severity(enum.StrEnum):
+    """Whether a notice asks for action or only informs."""
+
+    ACT = "act"  # a threat: checkpoint, drain, mark the node
+    ADVISORY = "advisory"  # information only: never a reason to act
 
 
 class NoticeFormatError(ValueError):
@@ -118,6 +129,7 @@ class Notice:
     detected_at: datetime
     deadline: datetime | None = None
     detail: Mapping[str, Any] = field(default_factory=dict)
+    severity: Severity = Severity.ACT
 
     def __post_init__(self) -> None:
         for name in ("id", "source", "node"):
@@ -128,6 +140,10 @@ class Notice:
             object.__setattr__(self, "kind", Kind(self.kind))
         except ValueError:
             raise NoticeFormatError(f"kind: unknown kind {self.kind!r:.40}") from None
+        try:
+            object.__setattr__(self, "severity", Severity(self.severity))
+        except (ValueError, TypeError):
+            raise NoticeFormatError(f"severity: unknown severity {self.severity!r:.40}") from None
         for name in ("detected_at", "deadline"):
             value = getattr(self, name)
             if value is None and name == "deadline":
@@ -140,6 +156,11 @@ class Notice:
                 raise NoticeFormatError(f"{name}: {exc}") from None
         object.__setattr__(self, "detail", _json_safe(self.detail, "detail"))
 
+    @property
+    def advisory(self) -> bool:
+        """True for an advisory: information, never a reason to act."""
+        return self.severity is Severity.ADVISORY
+
     def seconds_left(self, now: datetime | None = None) -> float | None:
         """Seconds until the deadline (negative once passed), or None when there is none."""
         if self.deadline is None:
@@ -151,11 +172,11 @@ class Notice:
 
     def same_event(self, other: Notice) -> bool:
         """True when `other` describes this event identically apart from when it was detected."""
-        return (self.id, self.kind, self.source, self.node, self.deadline, self.detail) == (
-            other.id, other.kind, other.source, other.node, other.deadline, other.detail)
+        return (self.id, self.kind, self.source, self.node, self.deadline, self.detail, self.severity) == (
+            other.id, other.kind, other.source, other.node, other.deadline, other.detail, other.severity)
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire: dict[str, Any] = {
             "v": WIRE_VERSION,
             "id": self.id,
             "kind": self.kind.value,
@@ -165,6 +186,9 @@ class Notice:
             "deadline": None if self.deadline is None else format_time(self.deadline),
             "detail": dict(self.detail),
         }
+        if self.advisory:
+            wire["severity"] = self.severity.value
+        return wire
 
     def to_json(self) -> str:
         return json.dumps(self.to_wire(), separators=(",", ":"), sort_keys=True)
@@ -192,6 +216,7 @@ class Notice:
             detected_at=parse_time(obj["detected_at"], "detected_at"),
             deadline=None if deadline is None else parse_time(deadline, "deadline"),
             detail=detail,
+            severity=obj.get("severity", Severity.ACT),
         )
 
     @classmethod
