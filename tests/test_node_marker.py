@@ -14,7 +14,7 @@ from spotguard.agent.node_marker import NodeMarker
 from spotguard.backoff import Backoff
 from spotguard.kube import load_api_client
 from spotguard.wire import names
-from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
+from spotguard.wire.notice import Kind, Notice, Severity, notice_id, now_utc
 from spotguard.wire.urgency import most_urgent
 
 NODE = "node-a"
@@ -456,3 +456,37 @@ def test_most_urgent():
     a, b, c = make_notice(seconds=None, tag="a"), make_notice(seconds=30, tag="b"), make_notice(seconds=10, tag="c")
     assert most_urgent([a, b, c]) is c and most_urgent([a]) is a and most_urgent([]) is None
     assert json.loads(c.to_json())["id"] == c.id
+
+
+async def test_an_advisory_posts_one_warning_event_and_never_marks(cluster):
+    """A GPU warning is an advisory notice: a Warning Event on the Node once per lifetime, and no
+    annotation, taint, cordon or SpotguardNotice Event, even beside an actionable notice."""
+    await node_with(cluster)
+    await cluster.create("pod", pod("train-0", NODE), "team-a")
+    now = now_utc()
+    advisory = Notice(id=notice_id("gpu", NODE, "GPU-1", "remap_pending", "advisory"), kind=Kind.GPU_FAULT,
+                      source="gpu", node=NODE, detected_at=now, deadline=None, severity=Severity.ADVISORY,
+                      detail={"gpu": "GPU-1", "signal": "remap_pending", "cordon": True})
+    marker = make_marker(cluster, cordon=True)
+    await marker.start()
+    try:
+        marker.notify([advisory])
+        await until(lambda: marker.stats["events"] >= 1, what="the advisory's Event")
+        marker.notify([advisory])  # still live: nothing new
+        await synced(marker)
+        await asyncio.sleep(0.3)
+        node = cluster.node()
+        assert names.ANN_NOTICE not in (node["metadata"].get("annotations") or {})
+        assert our_taints(node) == [] and "unschedulable" not in node["spec"]
+        events = cluster.events_about("Node", NODE)
+        assert len(events) == 1 and events[0]["type"] == "Warning" and events[0]["reason"] != names.EVENT_NOTICE
+        assert not cluster.events_about("Pod", "train-0")
+
+        reclaim = make_notice(Kind.RECLAIM, 120, "r")  # an actionable notice beside it is marked as usual
+        marker.notify([advisory, reclaim])
+        await synced(marker)
+        node = cluster.node()
+        assert Notice.from_json(node["metadata"]["annotations"][names.ANN_NOTICE]) == reclaim
+        assert len(cluster.events_about("Node", NODE)) == 2
+    finally:
+        await marker.stop()
