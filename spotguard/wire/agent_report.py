@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Mapping
 
+from spotguard.wire.fields import versioned_object, whole
+
 VERSION = 1
 STATUSES = ("checkpointed", "failed")
 
@@ -45,21 +47,9 @@ def _name(obj: Mapping, key: str) -> str:
     return value
 
 
-def _count(obj: Mapping, key: str) -> int | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ReportFormatError(f"{key}: expected a whole number >= 0")
-    return value
-
-
 def parse_report(obj: Any) -> Report:
     """Validates a report body; ReportFormatError names the first bad field."""
-    if not isinstance(obj, Mapping):
-        raise ReportFormatError("body: expected a JSON object")
-    if obj.get("v") != VERSION or isinstance(obj.get("v"), bool):
-        raise ReportFormatError(f"v: unsupported version {obj.get('v')!r:.20} (expected {VERSION})")
+    obj = versioned_object(obj, VERSION, ReportFormatError, "body")
     status = obj.get("status")
     if status not in STATUSES:
         raise ReportFormatError(f"status: expected one of {', '.join(STATUSES)}")
@@ -71,5 +61,5 @@ def parse_report(obj: Any) -> Report:
                 or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0):
             raise ReportFormatError(f"hook_seconds.{str(name)[:64]}: expected seconds >= 0")
     return Report(notice_id=_name(obj, "notice_id"), pod=_name(obj, "pod"), namespace=_name(obj, "namespace"),
-                  status=status, step=_count(obj, "step"), hook_seconds=dict(hooks),
-                  steps_lost=_count(obj, "steps_lost"))
+                  status=status, step=whole(obj, "step", 0, ReportFormatError, optional=True), hook_seconds=dict(hooks),
+                  steps_lost=whole(obj, "steps_lost", 0, ReportFormatError, optional=True))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Mapping
 
+from spotguard.wire.fields import versioned_object, whole
 from spotguard.wire.notice import MAX_NOTICE_ID
 
 VERSION = 1
@@ -20,13 +20,6 @@ PHASES = ("checkpoint-durable", "drained", "failed")
 
 class HookFormatError(ValueError):
     """A hook report body is invalid; the message names the field."""
-
-
-def _whole(obj: Mapping, name: str, minimum: int) -> int:
-    value = obj.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise HookFormatError(f"{name}: expected a whole number >= {minimum}, got {value!r:.40}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -43,18 +36,15 @@ class HookReport:
 
     @classmethod
     def from_wire(cls, obj: Any) -> HookReport:
-        if not isinstance(obj, Mapping):
-            raise HookFormatError(f"body: expected a JSON object, got {type(obj).__name__}")
-        if obj.get("v") != VERSION or isinstance(obj.get("v"), bool):
-            raise HookFormatError(f"v: unsupported version {obj.get('v')!r:.20} (expected {VERSION})")
+        obj = versioned_object(obj, VERSION, HookFormatError, "body")
         notice_id = obj.get("notice_id")
         if not isinstance(notice_id, str) or not notice_id or len(notice_id) > MAX_NOTICE_ID:
             raise HookFormatError(f"notice_id: expected a non-empty string of at most {MAX_NOTICE_ID} characters")
-        world_size = _whole(obj, "world_size", 1)
-        rank = _whole(obj, "rank", 0)
+        world_size = whole(obj, "world_size", 1, HookFormatError)
+        rank = whole(obj, "rank", 0, HookFormatError)
         if rank >= world_size:
             raise HookFormatError(f"rank: {rank} is not below world_size {world_size}")
-        step = _whole(obj, "step", 0)
+        step = whole(obj, "step", 0, HookFormatError)
         phase = obj.get("phase")
         if phase not in PHASES:
             raise HookFormatError(f"phase: expected one of {', '.join(PHASES)}, got {phase!r:.40}")
@@ -62,7 +52,7 @@ class HookReport:
         if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds)
                 or seconds < 0):
             raise HookFormatError(f"seconds: expected a finite number >= 0, got {seconds!r:.40}")
-        steps_lost = _whole(obj, "steps_lost", 0) if "steps_lost" in obj else 0
+        steps_lost = whole(obj, "steps_lost", 0, HookFormatError) if "steps_lost" in obj else 0
         return cls(notice_id, rank, world_size, step, phase, float(seconds), steps_lost)
 
     def to_wire(self) -> dict[str, Any]:

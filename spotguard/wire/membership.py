@@ -14,19 +14,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from spotguard.wire.fields import versioned_object, whole
+
 VERSION = 1
 MAX_DRAIN_ID = 256
 
 
 class MembershipFormatError(ValueError):
     """A membership value is not the versioned JSON object; the message names the field."""
-
-
-def _whole(obj: dict, name: str, minimum: int) -> int:
-    value = obj.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise MembershipFormatError(f"{name}: expected a whole number >= {minimum}, got {value!r:.40}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -47,12 +42,9 @@ class Membership:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Membership:
-        if not isinstance(obj, dict):
-            raise MembershipFormatError(f"membership: expected a JSON object, got {type(obj).__name__}")
-        if obj.get("v") != VERSION or isinstance(obj.get("v"), bool):
-            raise MembershipFormatError(f"v: unsupported version {obj.get('v')!r:.20} (expected {VERSION})")
-        generation = _whole(obj, "generation", 0)
-        world_size = _whole(obj, "world_size", 0)
+        obj = versioned_object(obj, VERSION, MembershipFormatError, "membership")
+        generation = whole(obj, "generation", 0, MembershipFormatError)
+        world_size = whole(obj, "world_size", 0, MembershipFormatError)
         hosts = obj.get("hosts")
         if not isinstance(hosts, list) or any(not isinstance(h, str) or not h or h != h.strip() for h in hosts):
             raise MembershipFormatError("hosts: expected a list of non-empty host names")

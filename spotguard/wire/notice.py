@@ -29,6 +29,8 @@ from datetime import datetime, UTC
 from typing import Any
 from collections.abc import Mapping
 
+from spotguard.wire.fields import versioned_object
+
 WIRE_VERSION = 1
 MAX_NOTICE_ID = 512  # longest notice id a reader accepts where it names one (withdrawals, hook reports)
 
@@ -196,11 +198,7 @@ class Notice:
     @classmethod
     def from_wire(cls, obj: Any) -> Notice:
         """Builds a notice from its wire object; NoticeFormatError names the first bad field."""
-        if not isinstance(obj, Mapping):
-            raise NoticeFormatError(f"notice: expected a JSON object, got {type(obj).__name__}")
-        version = obj.get("v")
-        if version != WIRE_VERSION or isinstance(version, bool):
-            raise NoticeFormatError(f"v: unsupported wire version {version!r:.20} (this reader speaks {WIRE_VERSION})")
+        obj = versioned_object(obj, WIRE_VERSION, NoticeFormatError, "notice", "wire version")
         for name in ("id", "kind", "source", "node", "detected_at"):
             if name not in obj:
                 raise NoticeFormatError(f"{name}: missing")

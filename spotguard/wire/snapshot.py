@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Iterable, Mapping
 
+from spotguard.wire.fields import versioned_object
 from spotguard.wire.notice import WIRE_VERSION, Notice, NoticeFormatError
 
 
@@ -47,10 +48,7 @@ def snapshot_wire(node: str | None, notices: Iterable[Notice], complete: bool) -
 def parse_snapshot(obj: Any) -> Snapshot:
     """A snapshot wire object, validated whole: NoticeFormatError names the first bad part, and
     a snapshot with any bad part is refused entirely (a half-read snapshot must not withdraw)."""
-    if not isinstance(obj, Mapping):
-        raise NoticeFormatError(f"snapshot: expected a JSON object, got {type(obj).__name__}")
-    if obj.get("v") != WIRE_VERSION or isinstance(obj.get("v"), bool):
-        raise NoticeFormatError(f"v: unsupported wire version {obj.get('v')!r:.20}")
+    obj = versioned_object(obj, WIRE_VERSION, NoticeFormatError, "snapshot", "wire version")
     notices = obj.get("notices")
     if not isinstance(notices, list):
         raise NoticeFormatError("notices: expected a list")

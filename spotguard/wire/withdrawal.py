@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Mapping
 
+from spotguard.wire.fields import versioned_object
 from spotguard.wire.notice import MAX_NOTICE_ID, WIRE_VERSION, Notice, NoticeFormatError
 
 
@@ -35,10 +35,7 @@ source yields, what the agent's table publishes)."""
 
 def parse_withdrawal(obj: Any) -> Withdrawal:
     """A withdrawal wire object; NoticeFormatError names the bad field."""
-    if not isinstance(obj, Mapping):
-        raise NoticeFormatError(f"withdrawal: expected a JSON object, got {type(obj).__name__}")
-    if obj.get("v") != WIRE_VERSION or isinstance(obj.get("v"), bool):
-        raise NoticeFormatError(f"v: unsupported wire version {obj.get('v')!r:.20}")
+    obj = versioned_object(obj, WIRE_VERSION, NoticeFormatError, "withdrawal", "wire version")
     notice_id = obj.get("withdrawn")
     if not isinstance(notice_id, str) or not notice_id or len(notice_id) > MAX_NOTICE_ID:
         raise NoticeFormatError(f"withdrawn: expected a notice id, got {notice_id!r:.80}")
