@@ -19,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -31,6 +30,8 @@ from typing import Any
 from collections.abc import Iterable
 
 import yaml
+
+from spotguard.trainer.launcher import free_port
 
 ASSETS_ENV = "KUBEBUILDER_ASSETS"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
@@ -49,12 +50,6 @@ def assets_dir() -> Path | None:
         return None
     folder = Path(value)
     return folder if all((folder / b).is_file() for b in BINARIES) else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -146,7 +141,7 @@ class ControlPlane:
             f'{tokens["admin"]},admin,admin-uid,"system:masters"\n'
             f'{tokens["kcm"]},system:kube-controller-manager,kcm-uid\n'
             f'{tokens["scheduler"]},system:kube-scheduler,scheduler-uid\n')
-        etcd_port, peer_port, api_port = _free_port(), _free_port(), _free_port()
+        etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
         self.url = f"https://127.0.0.1:{api_port}"
         try:
             self._spawn("etcd", "--name=test", f"--data-dir={self.workdir / 'etcd'}",
