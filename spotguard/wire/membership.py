@@ -3,7 +3,10 @@
 
 Wire form: `{"v": 1, "generation": n, "hosts": [...], "world_size": n}` and optionally
 `"drain": "<id>"`, the supervisor asking every member to checkpoint and drain (a return from
-on-demand to spot capacity; the sidecar turns it into a `drain` notice). `Membership.to_json`
+on-demand to spot capacity; the sidecar turns it into a `drain` notice), and optionally
+`"store": "host:port"`, the rendezvous store of the first host (the group's rank 0) for jobs
+that change membership in place: a rank re-forms its process group there, at prefix
+`m<generation>/`, when the hosts differ from its group's (hooks/elastic). `Membership.to_json`
 writes it (supervisor), `Membership.from_wire`/`from_json` read it (sidecar), rejecting another
 version, a negative count, duplicate or empty hosts and a bad drain id with
 `MembershipFormatError` naming the field.
@@ -20,6 +23,12 @@ VERSION = 1
 MAX_DRAIN_ID = 256
 
 
+def _is_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return (bool(sep) and bool(host) and host == host.strip() and len(text) <= 260 and port.isdigit()
+            and 0 < int(port) < 65536)
+
+
 class MembershipFormatError(ValueError):
     """A membership value is not the versioned JSON object; the message names the field."""
 
@@ -32,12 +41,15 @@ class Membership:
     hosts: tuple[str, ...]
     world_size: int
     drain: str = ""  # the supervisor's drain request id ("" when none)
+    store: str = ""  # "host:port" of the first host's rendezvous store ("" when not in place)
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"v": VERSION, "generation": self.generation, "hosts": list(self.hosts),
                                 "world_size": self.world_size}
         if self.drain:
             wire["drain"] = self.drain
+        if self.store:
+            wire["store"] = self.store
         return wire
 
     @classmethod
@@ -53,7 +65,10 @@ class Membership:
         drain = obj.get("drain", "")
         if not isinstance(drain, str) or len(drain) > MAX_DRAIN_ID or drain != drain.strip():
             raise MembershipFormatError(f"drain: expected a request id of at most {MAX_DRAIN_ID} characters")
-        return cls(generation, tuple(hosts), world_size, drain)
+        store = obj.get("store", "")
+        if not isinstance(store, str) or (store and not _is_host_port(store)):
+            raise MembershipFormatError("store: expected \"host:port\" with a port in 1..65535")
+        return cls(generation, tuple(hosts), world_size, drain, store)
 
     def to_json(self) -> str:
         """The annotation value: compact JSON with sorted keys, so equal memberships compare equal as text."""

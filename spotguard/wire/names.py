@@ -74,6 +74,18 @@ ENV_AGENT_TOKEN_FILE = "SPOTGUARD_AGENT_TOKEN_FILE"  # sidecar: bearer token for
 ENV_PODINFO_DIR = "SPOTGUARD_PODINFO_DIR"  # sidecar: the downward-API volume
 ENV_TERMINATION_LOG = "SPOTGUARD_TERMINATION_LOG"  # Guard: where a drained rank writes its termination message
 
+# ---- In-place membership changes (`spotguard launch` sets them; hooks/elastic reads them) -----
+ENV_IN_PLACE = "SPOTGUARD_IN_PLACE"  # "1": survivors re-form the group in place instead of exiting
+ENV_NODE = "SPOTGUARD_NODE"  # the host this rank runs on, as membership `hosts` and notices name it
+ENV_RDZV_HOST = "SPOTGUARD_RDZV_HOST"  # the address peers reach this host's rendezvous store at
+ENV_RDZV_PORT = "SPOTGUARD_RDZV_PORT"  # the port this host's store listens on when it leads a group
+ENV_JOIN = "SPOTGUARD_JOIN"  # "1": this worker joins a running job (state from a live peer)
+ENV_READY_FILE = "SPOTGUARD_READY_FILE"  # a joiner creates it once ready (readiness probe / dry-run)
+ENV_REFORM_TIMEOUT = "SPOTGUARD_REFORM_TIMEOUT"  # seconds a re-form may take before the fallback
+ENV_MIN_WORLD_SIZE = "SPOTGUARD_MIN_WORLD_SIZE"  # fewer survivors than this: everyone drains instead
+ANN_IN_PLACE = PREFIX + "in-place"  # "true": the elastic policy changes membership in place
+RDZV_PORT = 29411  # default rendezvous port of a training pod
+
 # ---- Exit codes of a rank that drained after a notice (docs/protocols.md, "Guard") -----------
 # A launcher or the supervisor reads them to tell a reclaim from a crash. 83: drained, the
 # checkpoint is durable (restart, with fewer workers if the node is gone, and resume from it);
