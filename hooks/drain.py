@@ -14,13 +14,14 @@ A SystemExit or KeyboardInterrupt inside a save or hook propagates; anything els
 failed checkpoint.
 
 Then the Guard hands the record to its `Departure`, the seam between a drain and what follows:
-- `ExitProcess`: closes the Guard, leaves the process groups together, raises
+- `ExitProcess`: closes the Guard, leaves the process groups together (`leave`), raises
   SystemExit(`EXIT_PREEMPTED` 83, or `EXIT_CHECKPOINT_FAILED` 84 when any rank failed). With
   `hard_exit` an atexit hook (registered when the ExitProcess is made, so exit handlers
   registered later run first) flushes logging/stdio and calls `os._exit(code)`: torch's C++
   teardown intermittently aborts in gloo and would turn an 83 into a crash.
 - `ReturnToLoop`: `step()` returns True and training code decides (`exit_on_drain=False`).
-A later departure (survivors continuing in place) implements `after_drain` the same way.
+Survivors of an in-place change never reach a departure: `DrainSequence.run(..., staying=True)`
+only checkpoints, and the Guard hands them to `hooks.elastic.reformer`.
 """
 from __future__ import annotations
 
@@ -98,8 +99,12 @@ class DrainSequence:
         self.reporter = reporter
         self.save_margin_seconds = save_margin_seconds
 
-    def run(self, step: int, verdict: Verdict) -> DrainRecord:
-        notice = agreed_notice(self.collectives, verdict)
+    def run(self, step: int, verdict: Verdict, *, notice: Notice | None = None, staying: bool = False) -> DrainRecord:
+        """`notice`: the agreed notice when the caller already has it. `staying`: this rank
+        continues in place after the checkpoint (no @on_drain hooks, no `drained` report, no
+        termination message: it did not drain)."""
+        if notice is None:
+            notice = agreed_notice(self.collectives, verdict)
         started = time.time()
         t0 = time.monotonic()
         saved_step, used_snapshot, ok = step, False, True
@@ -116,6 +121,9 @@ class DrainSequence:
         extra = {"steps_lost": step - saved_step, "saved_step": saved_step}
         self._report(notice, saved_step, "checkpoint-durable" if ok else "failed", checkpoint_seconds, extra)
         drain_seconds = 0.0
+        if staying and ok:
+            return DrainRecord(step, saved_step, notice, used_snapshot, ok, EXIT_PREEMPTED, checkpoint_seconds, 0.0,
+                               started)
         if ok:
             t1 = time.monotonic()
             for hook in self.drain_hooks:
@@ -178,9 +186,9 @@ class ReturnToLoop:
 class ExitProcess:
     """After a drain the rank exits with the record's code (see the module docstring)."""
 
-    def __init__(self, close: Callable[[], None], collectives: Collectives, hard_exit: bool = True):
+    def __init__(self, close: Callable[[], None], leave: Callable[[], None], hard_exit: bool = True):
         self._close = close
-        self._collectives = collectives
+        self._leave = leave
         self._hard_exit = hard_exit
         self._code: int | None = None
         atexit.register(self._exit_after_drain)
@@ -189,7 +197,7 @@ class ExitProcess:
         if self._hard_exit:
             self._code = record.exit_code
         self._close()
-        self._collectives.leave()
+        self._leave()
         raise SystemExit(record.exit_code)
 
     def release(self) -> None:

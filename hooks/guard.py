@@ -49,6 +49,17 @@ Contract:
 - `offer(notice)` hands the Guard a notice from elsewhere (the listener and signals use it too).
 - `resume()` loads through the attached adapter and the `@on_resume` hooks and returns the step
   to start from (0 without a checkpoint).
+- In place (`in_place=True`, default from `SPOTGUARD_IN_PLACE=1` as `spotguard launch` sets, and
+  an adapter made with `build=`; `hooks/elastic`): a notice naming one host of the group, or a
+  membership the supervisor pushes, changes the group instead of ending it. At the agreed step a
+  shrink still writes the durable checkpoint, then the leaving ranks hand over and exit 83 and the
+  survivors re-form the group and continue from the next step in the same processes; a grow
+  re-forms with the joiners, who receive the state from a live peer. `step()` then returns False,
+  `rank`/`world_size` are the new group's, `last_resize` says what happened (with the pause), the
+  `@on_resize` hooks run (`hook(record)`), and training code reads `adapter.model` /
+  `adapter.optimizer` again. Any failure falls back to the drain (exit 83 with a durable
+  checkpoint). In-place jobs make the model, then the adapter, then the Guard (the order a
+  joiner repeats), and call `hooks.elastic.init_process_group()` instead of torch's.
 - Bad configuration raises `spotguard.config.ConfigError` naming the field.
 """
 from __future__ import annotations
@@ -63,12 +74,19 @@ from spotguard.config import ConfigError, http_url, positive_float, positive_int
 from spotguard.hooks.agreement import Agreement, make_agreement
 from spotguard.hooks.agreement.base import Verdict
 from spotguard.hooks.agreement.collectives import GroupCollectives, join_collectives
-from spotguard.hooks.drain import DrainRecord, DrainSequence, ExitProcess, ReturnToLoop
+from spotguard.hooks.drain import DrainRecord, DrainSequence, ExitProcess, ReturnToLoop, agreed_notice
+from spotguard.hooks.elastic.join import elastic_process, in_place_enabled
+from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, Change, MembershipView
+from spotguard.hooks.elastic.reformer import Outcome, Reformer, ResizeRecord
+from spotguard.hooks.elastic.rendezvous import Rendezvous
+from spotguard.hooks.elastic.transfer import share
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.notice_gate import ACT_ON, Action, NoticeGate
 from spotguard.hooks.notice_listener import NoticeListener
 from spotguard.hooks.signals import SignalTrap
 from spotguard.wire import names
+from spotguard.hooks.termination_message import write_termination_message
+from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
 from spotguard.wire.notice import Kind, Notice, now_utc
 
 if TYPE_CHECKING:
@@ -87,7 +105,7 @@ class Guard:
                  extra_signals: Iterable[int] = (), snapshot_every: int = 0, save_margin_seconds: float = 1.0,
                  act_on: Iterable[Kind | str] = ACT_ON, exit_on_drain: bool = True, process_group: Any = None,
                  install_signals: bool = True, hard_exit: bool = True, pipeline: bool = False,
-                 horizon_seconds: float = 120.0):
+                 horizon_seconds: float = 120.0, in_place: bool | None = None):
         self.grace_seconds = positive_float("grace_seconds", grace_seconds)
         self.agree_every = positive_int("agree_every", agree_every)
         self.snapshot_every = positive_int("snapshot_every", snapshot_every, allow_zero=True)
@@ -104,13 +122,30 @@ class Guard:
         self._reclaim_hooks: list[Callable] = []
         self._drain_hooks: list[Callable] = []
         self._resume_hooks: list[Callable] = []
+        self._resize_hooks: list[Callable] = []
         self.adapter: CheckpointAdapter | None = None
         self.last_drain: DrainRecord | None = None
+        self.last_resize: ResizeRecord | None = None
+        self.resizes: list[ResizeRecord] = []
 
+        self.view: MembershipView | None = None
+        self.reformer: Reformer | None = None
+        if in_place_enabled() if in_place is None else in_place:
+            process = elastic_process()
+            self.view = MembershipView.from_env()
+            self.reformer = Reformer(process.rendezvous if process is not None else Rendezvous.from_env(),
+                                     self._resize_phase)
+            self._phase_hooks: list[Callable] = []
+        self._process_group = process_group
         self.collectives = join_collectives(process_group)
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
         self.agreement: Agreement = make_agreement(self.collectives, agree_every=self.agree_every, pipeline=pipeline)
-        self.departure = ExitProcess(self.close, self.collectives, hard_exit) if exit_on_drain else ReturnToLoop()
+        if self.view is not None:
+            self.view.learn_hosts(self.collectives)
+            process = elastic_process()
+            if process is not None and process.joined is not None:
+                self.view.adopt(process.joined.generation)
+        self.departure = ExitProcess(self.close, self.leave_group, hard_exit) if exit_on_drain else ReturnToLoop()
         self.reporter = (HookReporter(self.sidecar_url, token_file, self.rank, self.world_size)
                          if self.sidecar_url else None)
 
@@ -120,7 +155,8 @@ class Guard:
             self._trap.install()
         self.listener: NoticeListener | None = None
         if self.sidecar_url:
-            self.listener = NoticeListener(self.sidecar_url, self.offer, self.withdraw)
+            self.listener = NoticeListener(self.sidecar_url, self.offer, self.withdraw,
+                                           on_membership=self.view.offer if self.view is not None else None)
             self.listener.start()
         if adapter is not None:
             self.attach(adapter)
@@ -156,8 +192,10 @@ class Guard:
         return True
 
     def _notice_here(self) -> bool:
-        """A pending notice, or a caught signal (step() turns it into the notice before agreeing)."""
-        return self.gate.pending is not None or (self._trap is not None and self._trap.received is not None)
+        """A pending notice or membership, or a caught signal (step() turns it into the notice
+        before agreeing)."""
+        return (self.gate.pending is not None or (self._trap is not None and self._trap.received is not None)
+                or (self.view is not None and self.view.pending_notice() is not None))
 
     # ---- registration ---------------------------------------------------------------------
     def on_reclaim(self, fn: Callable) -> Callable:
@@ -175,6 +213,21 @@ class Guard:
         self._resume_hooks.append(fn)
         return fn
 
+    def on_resize(self, fn: Callable) -> Callable:
+        """Decorator: `fn(record)` runs on every rank of the new group after an in-place change."""
+        self._resize_hooks.append(fn)
+        return fn
+
+    def on_resize_phase(self, fn: Callable) -> Callable:
+        """Decorator: `fn(phase, record)` runs as each phase of an in-place change ends (timelines, tests)."""
+        if self.view is not None:
+            self._phase_hooks.append(fn)
+        return fn
+
+    def _resize_phase(self, phase: str, record: ResizeRecord) -> None:
+        for hook in self._phase_hooks:
+            hook(phase, record)
+
     def attach(self, adapter: CheckpointAdapter) -> None:
         """Makes `adapter` the checkpoint of this job (every rank, before the first backward); the
         agreement rides on the adapter's `gradient_carrier()` when it offers one."""
@@ -188,7 +241,12 @@ class Guard:
             self.piggyback_on(carrier)
 
     def resume(self) -> int:
-        """Loads the newest checkpoint (adapter, then @on_resume hooks); the step to start from."""
+        """Loads the newest checkpoint (adapter, then @on_resume hooks); the step to start from.
+        A joiner receives the state of a live peer instead (no storage read, no @on_resume hooks)."""
+        process = elastic_process()
+        if self.view is not None and process is not None and process.joined is not None \
+                and not process.state_received:
+            return self._receive_state(process)
         start = 0
         if self.adapter is not None:
             loaded = self.adapter.resume()
@@ -202,6 +260,21 @@ class Guard:
             if value is not None:
                 start = int(value)
         return start
+
+    def _receive_state(self, process) -> int:
+        """The joiner's half of a grow (the survivors are in `Reformer.run`'s transfer)."""
+        adapter = self.adapter
+        if adapter is None or not getattr(adapter, "resizable", False):
+            raise RuntimeError("a joiner needs an adapter made with build= before resume()")
+        held, source = share(self.collectives, None)
+        adapter.load_full_state(held.state)
+        adapter.extra = dict(held.extra)
+        if not self.collectives.all_ok(True):
+            raise RuntimeError("a rank of the new group failed the change")
+        process.state_received = True
+        log.warning("joined in place: state of step %d from rank %d, now rank %d of %d", held.step, source,
+                    self.rank, self.world_size)
+        return held.step + 1
 
     # ---- notices in -----------------------------------------------------------------------
     def offer(self, notice: Notice) -> None:
@@ -244,7 +317,10 @@ class Guard:
         if self.gate.holding:
             for notice in self.gate.release_due(now_utc()):
                 self._log_acting(notice)
-        verdict = self.agreement.at_boundary(step, self.gate.pending)
+        pending = self.gate.pending
+        if pending is None and self.view is not None:
+            pending = self.view.pending_notice()
+        verdict = self.agreement.at_boundary(step, pending)
         if verdict is not None:
             return self._drain(step, verdict)
         if self.snapshot_every and self.adapter is not None and step % self.snapshot_every == 0:
@@ -252,13 +328,73 @@ class Guard:
         return False
 
     def _drain(self, step: int, verdict: Verdict) -> bool:
+        notice = agreed_notice(self.collectives, verdict)
+        change = self._change_for(notice, step)
+        if change is not None and not change.plan.leaving_hosts:
+            return self._resize(step, notice, change, None)  # a grow: nobody leaves, nothing to save first
+        leaving = change is None or change.plan.leaves(self.rank)
         sequence = DrainSequence(self.collectives, self.adapter, reclaim_hooks=self._reclaim_hooks,
                                  drain_hooks=self._drain_hooks, reporter=self.reporter,
                                  save_margin_seconds=self.save_margin_seconds)
-        record = sequence.run(step, verdict)
+        record = sequence.run(step, verdict, notice=notice, staying=not leaving)
         self.last_drain = record
         self.gate.answered(record.notice.id)  # a re-sent or updated copy does not drain again
-        return self.departure.after_drain(record)
+        if change is None or not record.ok:
+            return self.departure.after_drain(record)
+        return self._resize(step, notice, change, record)
+
+    def _change_for(self, notice, step: int) -> Change | None:
+        """The in-place change the agreed notice asks for; None: every rank drains."""
+        if self.view is None or self.adapter is None or not getattr(self.adapter, "resizable", False):
+            return None
+        try:
+            return self.view.plan_for(notice, step)
+        except ValueError as exc:  # a membership that cannot be a group: drain as before
+            log.error("membership change not possible in place (%s): draining", exc)
+            return None
+
+    def _resize(self, step: int, notice, change: Change, drained: DrainRecord | None) -> bool:
+        """Runs the change; the survivors continue (False), the others leave through the departure."""
+        assert self.reformer is not None and self.view is not None
+        record = self.reformer.run(self, step, change, checkpointed=drained is not None and drained.ok)
+        self.last_resize = record
+        self.resizes.append(record)
+        if notice.source == MEMBERSHIP_SOURCE:
+            self.view.adopt(change.generation)
+        if record.outcome is Outcome.CONTINUE:
+            log.warning("in place at step %d: world %d -> %d, rank %d -> %d, paused %.3fs", step,
+                        record.old_world_size, record.new_world_size, record.old_rank, record.new_rank,
+                        record.pause_seconds)
+            for hook in self._resize_hooks:
+                hook(record)
+            return False
+        if drained is None:
+            drained = DrainRecord(step, step, notice, False, record.durable,
+                                  EXIT_PREEMPTED if record.durable else EXIT_CHECKPOINT_FAILED, 0.0, 0.0,
+                                  record.started_at)
+        elif record.outcome is Outcome.FALLBACK:
+            write_termination_message(notice.id, step, drained.saved_step, drained.ok)
+        self.last_drain = drained
+        return self.departure.after_drain(drained)
+
+    # ---- the group, for the reformer ------------------------------------------------------------
+    def leave_group(self) -> None:
+        """Closes the agreement and destroys this rank's process groups (after a last agreement)."""
+        self.agreement.close()
+        self.collectives.leave()
+
+    def bind_group(self) -> None:
+        """The Guard's collectives, agreement and host list on the (new) default group (collective)."""
+        self.collectives = join_collectives(self._process_group)
+        self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
+        self.agreement = make_agreement(self.collectives, agree_every=self.agree_every, pipeline=self.pipeline)
+        if self.view is not None:
+            self.view.learn_hosts(self.collectives)
+        if self.reporter is not None:
+            self.reporter.rank, self.reporter.world_size = self.rank, self.world_size
+        carrier = self.adapter.gradient_carrier() if self.adapter is not None else None
+        if carrier is not None:
+            self.piggyback_on(carrier)
 
     def close(self) -> None:
         """Stops the listener, restores signal handlers, closes the agreement and the adapter."""

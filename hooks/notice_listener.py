@@ -10,8 +10,8 @@ Contract:
 - A `snapshot` event is applied by the rule every consumer shares (`wire.snapshot.reconcile`,
   through the LiveSet): its new or changed notices are delivered the same way, and a notice
   delivered earlier that it lacks is withdrawn (`on_withdrawn`) only when the snapshot is
-  complete; a snapshot with any bad part is refused whole. `membership` events are not the Guard's business (the
-  sidecar rewrites the hostfile) and are skipped quietly.
+  complete; a snapshot with any bad part is refused whole. A `membership` event's JSON object goes
+  to `on_membership` (the in-place Guard and a joiner use it; skipped quietly without one).
 - Malformed input (bad JSON, a bad notice, an unknown event type) is logged with what was wrong
   and skipped: nothing changes. A broken byte stream (not UTF-8, an endless line) drops the
   connection and reconnects with a fresh decoder.
@@ -47,7 +47,8 @@ class NoticeListener(threading.Thread):
     """Reads the sidecar's stream on a daemon thread and forwards new notices."""
 
     def __init__(self, url: str, on_notice: Callable[[Notice], None], on_withdrawn: Callable[[str], None] | None = None,
-                 *, read_timeout: float = 30.0, backoff: Backoff | None = None):
+                 *, read_timeout: float = 30.0, backoff: Backoff | None = None,
+                 on_membership: Callable[[dict], None] | None = None):
         super().__init__(name="spotguard-notice-listener", daemon=True)
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -57,6 +58,7 @@ class NoticeListener(threading.Thread):
         self._host: str = parsed.hostname  # checked non-empty above
         self._on_notice = on_notice
         self._on_withdrawn = on_withdrawn or (lambda _id: None)
+        self._on_membership = on_membership
         self.read_timeout = read_timeout
         self._backoff = backoff or Backoff(base=0.1, cap=5.0)
         self._stop_event = threading.Event()
@@ -137,7 +139,11 @@ class NoticeListener(threading.Thread):
                 self._live.withdraw(withdrawal)
                 self._withdraw(withdrawal.notice_id, withdrawal.reason)
             elif event.event == "membership":
-                log.debug("membership event ignored by the Guard (the sidecar handles it)")
+                data = self._json(event)
+                if not isinstance(data, dict):
+                    raise NoticeFormatError("membership: expected a JSON object")
+                if self._on_membership is not None:
+                    self._on_membership(data)
             else:
                 raise NoticeFormatError(f"unknown event type {event.event!r:.40}")
         except (NoticeFormatError, ValueError) as exc:

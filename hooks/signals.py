@@ -29,10 +29,11 @@ SOURCE = "signal"
 
 
 def node_name() -> str:
-    """The node this process runs on, as the notices name it (NODE_NAME, else the host name)."""
+    """The node this process runs on, as the notices name it (SPOTGUARD_NODE, NODE_NAME, else the
+    host name)."""
     import os
 
-    return os.environ.get("NODE_NAME") or socket.gethostname() or "localhost"
+    return os.environ.get("SPOTGUARD_NODE") or os.environ.get("NODE_NAME") or socket.gethostname() or "localhost"
 
 
 class SignalTrap:

@@ -94,12 +94,12 @@ def test_agreement_outcome_is_the_earliest_deadline_and_the_lowest_rank_holding_
     soon, late = notice("soon", seconds=30), notice("late", seconds=90)
     flags = [contribution(None, 0, world), contribution(late, 1, world), contribution(soon, 2, world),
              contribution(soon, 3, world)]
-    deadline, source_rank = outcome(reduce_max(*flags))
+    deadline, source_rank = outcome(reduce_max(*flags), world)
     # the elements reduce independently: rank 1 (the lowest holding any notice) speaks for all,
     # with the earliest deadline any rank holds
     assert deadline == soon.deadline.timestamp() and source_rank == 1
-    assert outcome(reduce_max(*(contribution(None, r, world) for r in range(world)))) is None
-    undated = outcome(reduce_max(contribution(None, 0, 2), contribution(notice("u", seconds=None), 1, 2)))
+    assert outcome(reduce_max(*(contribution(None, r, world) for r in range(world))), world) is None
+    undated = outcome(reduce_max(contribution(None, 0, 2), contribution(notice("u", seconds=None), 1, 2)), 2)
     assert undated == (math.inf, 1)
 
 

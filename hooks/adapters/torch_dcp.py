@@ -20,6 +20,14 @@ Contract:
 - A snapshot is a clone of the state dict's tensors (DTensors stay sharded, local shards copied).
 - `gradient_carrier()` is the model when it is DDP and `piggyback` is on: the Guard then carries
   its agreement inside the model's gradient all_reduce.
+- In place (`build=` given: a function that makes a fresh `(model, optimizer)` for the CURRENT
+  default process group, the same function every rank and every joiner uses): `full_state()`
+  (collective on the current group) is the whole model and optimizer state, gathered from every
+  rank's shards under FSDP2, on every rank; after the group was re-formed, `rebuild()` makes the
+  model, optimizer and the adapter's own group anew (collective on the new group: the model is
+  built first, then the group, the same order in which a joiner builds them before it makes its
+  adapter) and `load_full_state(state)` loads it, sharding it to the new mesh. `model` and
+  `optimizer` then name the new objects: training code reads them again after a resize.
 """
 from __future__ import annotations
 
@@ -27,10 +35,11 @@ import logging
 import threading
 import time
 from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -46,15 +55,31 @@ def _same_tensor_layout(buffer: Any, leaf: Any) -> bool:
             and getattr(buffer, "placements", None) == getattr(leaf, "placements", None))
 
 
+def _shard_like(mine: Any, full: Any) -> Any:
+    """`full` (nested dicts and lists) with every tensor whose counterpart in `mine` (the live,
+    sharded state) is a DTensor cut to that DTensor's shard; everything else as `full` has it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(mine, DTensor) and isinstance(full, torch.Tensor):
+        return distribute_tensor(full.detach(), mine.device_mesh, mine.placements, src_data_rank=None)
+    if isinstance(full, dict) and isinstance(mine, dict):
+        return {k: _shard_like(mine.get(k), v) for k, v in full.items()}
+    if isinstance(full, (list, tuple)) and isinstance(mine, (list, tuple)) and len(full) == len(mine):
+        return type(full)(_shard_like(m, f) for m, f in zip(mine, full))
+    return full
+
+
 class TorchDCPAdapter(StoreAdapter):
     """Checkpoints a DDP or FSDP2 model and its optimizer with DCP through the store."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, piggyback: bool = True,
-                 **kwargs):
+                 build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None, **kwargs):
         """`piggyback` (DDP models): the Guard's agreement rides on the gradient all_reduce.
+        `build`: makes a fresh (model, optimizer) for the current group; enables in-place resizes.
         `kwargs`: `checkpoint_dir` or `store`, `keep_last`, `extra_state` (see StoreAdapter)."""
         self.model, self.optimizer = model, optimizer
         self.piggyback = piggyback
+        self.build = build
         self._snapshot_buffers: tuple[list, Any] | None = None  # (tensor leaves, tree spec)
         self._inflight: threading.Thread | None = None
         self.async_error: BaseException | None = None
@@ -69,6 +94,34 @@ class TorchDCPAdapter(StoreAdapter):
         """The live state in DCP's layout: {"model": ..., "optim": ...} from `get_state_dict`."""
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optim": optim_state}
+
+    # ---- in place ----------------------------------------------------------------------------
+    @property
+    def resizable(self) -> bool:
+        return self.build is not None
+
+    def full_state(self) -> dict[str, Any]:
+        """The whole state on every rank (collective: FSDP2 shards are gathered)."""
+        self.wait()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer,
+                                                  options=StateDictOptions(full_state_dict=True))
+        return {"model": model_state, "optim": optim_state}
+
+    def rebuild(self) -> None:
+        """A fresh model, optimizer and adapter group on the current default group (collective)."""
+        if self.build is None:
+            raise RuntimeError("this adapter was made without build=: it cannot be resized in place")
+        self.wait()
+        self.model, self.optimizer = self.build()
+        self._snapshot_buffers, self._snapshot, self.snapshot_step = None, None, None
+        self._setup_group()
+
+    def load_full_state(self, state: dict[str, Any]) -> None:
+        """Loads a `full_state()` into the current model and optimizer, sharded as they are: each
+        rank cuts its own shards from the full tensors (no communication, and no mesh lookup by
+        group name, which a re-formed default group reuses)."""
+        loaded = _shard_like(self.state(), {"model": state["model"], "optim": state["optim"]})
+        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
 
     def _dcp_save(self, state: dict[str, Any], pending) -> None:
         dcp.save(state, storage_writer=self.store.dcp_writer(pending), process_group=self._group)

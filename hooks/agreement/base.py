@@ -1,9 +1,11 @@
 """The agreement interface and its arithmetic.
 
-Every rank contributes [notice here, -deadline, -rank] (idle: [0, -inf, -world]); the element-wise
+Every rank contributes [notice here, -deadline, -rank] (idle: [0, -inf, -2*world]); the element-wise
 maximum over the ranks says whether any rank holds a notice, the earliest deadline, and the
 lowest rank holding one (that rank later broadcasts its notice, so every rank acts on the same
-notice and deadline). `contribution` and `outcome` are that arithmetic, pure.
+notice and deadline). A pushed membership (the in-place Guard's internal notice, source
+`names.MEMBERSHIP_SOURCE`) contributes -(rank + world): any rank holding a real notice at the
+same boundary is chosen before it. `contribution` and `outcome` are that arithmetic, pure.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 
 from spotguard.hooks.notice_gate import deadline_ts
+from spotguard.wire.names import MEMBERSHIP_SOURCE
 from spotguard.wire.notice import Notice
 
 
@@ -29,15 +32,16 @@ class Verdict:
 def contribution(pending: Notice | None, rank: int, world_size: int) -> list[float]:
     """This rank's flag for the agreement."""
     if pending is None:
-        return [0.0, -math.inf, -float(world_size)]
-    return [1.0, -deadline_ts(pending), -float(rank)]
+        return [0.0, -math.inf, -2.0 * world_size]
+    order = rank + world_size if pending.source == MEMBERSHIP_SOURCE else rank
+    return [1.0, -deadline_ts(pending), -float(order)]
 
 
-def outcome(combined: Sequence[float]) -> tuple[float, int] | None:
-    """(earliest deadline, lowest rank holding a notice) from the element-wise maximum of every
-    rank's contribution; None when no rank holds a notice."""
+def outcome(combined: Sequence[float], world_size: int) -> tuple[float, int] | None:
+    """(earliest deadline, lowest rank holding a notice: a real one before a membership) from the
+    element-wise maximum of every rank's contribution; None when no rank holds a notice."""
     if combined[0] > 0:
-        return -combined[1], int(-combined[2])
+        return -combined[1], int(-combined[2]) % world_size
     return None
 
 

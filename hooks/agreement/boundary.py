@@ -52,7 +52,7 @@ class BlockingAgreement(Agreement):
                 self._torch.tensor(contribution(pending, self.rank, self.world_size), dtype=self._torch.float64))
 
     def _verdict(self, pending: Notice | None) -> Verdict | None:
-        agreed = outcome(self._flag.tolist())
+        agreed = outcome(self._flag.tolist(), self.world_size)
         return None if agreed is None else Verdict(pending, *agreed)
 
 

@@ -2,7 +2,8 @@
 
 Contract: every rank calls the same methods in the same order. `max(values)` is the element-wise
 maximum over the ranks; `all_ok(ok)` is True on every rank when every rank passed True;
-`broadcast_bytes(payload, src)` returns `src`'s payload on every rank; `leave()` is a last
+`broadcast_bytes(payload, src)` returns `src`'s payload on every rank; `gather_strings(value)`
+is every rank's string by rank; `leave()` is a last
 agreement and then the destruction of the process groups, so no rank tears a connection down
 while a peer's gloo thread still uses it. The base class `Collectives` (a process alone) answers with its own input.
 """
@@ -32,6 +33,10 @@ class Collectives:
     def broadcast_bytes(self, payload: bytes, src: int) -> bytes:
         return payload
 
+    def gather_strings(self, value: str) -> list[str]:
+        """Every rank's `value`, by rank."""
+        return [value]
+
     def leave(self) -> None:
         pass
 
@@ -49,6 +54,7 @@ class GroupCollectives(Collectives):
         self.torch, self.dist = torch, dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = group if group is not None else dist.new_group(backend="gloo")
+        self._left = False
 
     def all_reduce_max_(self, tensor: Any, async_op: bool = False) -> Any:
         """In place on a preallocated tensor (the agreements' hot path); the work when async."""
@@ -73,7 +79,15 @@ class GroupCollectives(Collectives):
         self.dist.broadcast(data, src=src, group=self.group)
         return data.numpy().tobytes()
 
+    def gather_strings(self, value: str) -> list[str]:
+        gathered: list = [None] * self.world_size
+        self.dist.all_gather_object(gathered, value, group=self.group)
+        return [str(v) for v in gathered]
+
     def leave(self) -> None:
+        if self._left:
+            return
+        self._left = True
         try:
             self.all_ok(True)
             self.dist.destroy_process_group()

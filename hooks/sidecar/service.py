@@ -38,7 +38,7 @@ from spotguard.wire.snapshot import snapshot_wire
 
 log = logging.getLogger(__name__)
 
-DRAIN_SOURCE = "supervisor.drain"  # the source of drain notices the supervisor asks for by membership
+DRAIN_SOURCE = names.SUPERVISOR_DRAIN_SOURCE  # the source of drain notices the supervisor asks for by membership
 
 
 @dataclass

@@ -83,6 +83,8 @@ ENV_JOIN = "SPOTGUARD_JOIN"  # "1": this worker joins a running job (state from 
 ENV_READY_FILE = "SPOTGUARD_READY_FILE"  # a joiner creates it once ready (readiness probe / dry-run)
 ENV_REFORM_TIMEOUT = "SPOTGUARD_REFORM_TIMEOUT"  # seconds a re-form may take before the fallback
 ENV_MIN_WORLD_SIZE = "SPOTGUARD_MIN_WORLD_SIZE"  # fewer survivors than this: everyone drains instead
+SUPERVISOR_DRAIN_SOURCE = "supervisor.drain"  # source of the drain notice a membership's `drain` becomes
+MEMBERSHIP_SOURCE = "spotguard.membership"  # source of the Guard's internal notice for a pushed membership
 ANN_IN_PLACE = PREFIX + "in-place"  # "true": the elastic policy changes membership in place
 RDZV_PORT = 29411  # default rendezvous port of a training pod
 

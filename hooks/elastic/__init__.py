@@ -1,0 +1,15 @@
+"""Membership changes in place: survivors never restart, joiners heal from live peers.
+
+- `plan`: who leaves, stays and joins, and the new ranks (pure).
+- `rendezvous`: this process's store and forming a default group on a leader's store.
+- `membership_view`: the group's hosts, pushed memberships, and which agreed notice changes the group.
+- `transfer`: the state a survivor holds, broadcast to joiners.
+- `reformer`: the change at the agreed step, with its fallback to the drain.
+- `join`: `init_process_group()` for in-place jobs (start, or join a running job).
+The Guard (`hooks/guard.py`) drives them; `spotguard launch` starts the workers.
+"""
+from __future__ import annotations
+
+from spotguard.hooks.elastic.join import elastic_process, init_process_group
+
+__all__ = ["elastic_process", "init_process_group"]

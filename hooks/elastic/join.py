@@ -1,0 +1,162 @@
+"""A process's first group: `init_process_group()` in place of torch's, for in-place jobs.
+
+    from spotguard.hooks.elastic import init_process_group
+    init_process_group()          # instead of torch.distributed.init_process_group("gloo")
+    model, optimizer = build()    # then the adapter (with build=build), then the Guard
+    adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=..., build=build)
+    guard = Guard.from_env(adapter=adapter)
+    start = guard.resume()        # a joiner receives the state of a live peer here
+
+Contract:
+- Without `SPOTGUARD_IN_PLACE=1` it is `torch.distributed.init_process_group(backend)` (env://).
+- In place, a starting worker (RANK, WORLD_SIZE from the launcher) forms generation 0 at prefix
+  `m0/` on the store of rank 0, which rank 0 serves on its rendezvous port for as long as it lives
+  (`SPOTGUARD_RDZV_PORT`; the launcher makes it MASTER_PORT on node 0).
+- A joiner (`SPOTGUARD_JOIN=1`) announces itself by creating `SPOTGUARD_READY_FILE` (the pod's
+  readiness, or the dry-run's signal), then waits (at most `join_timeout` seconds) for a membership
+  that lists its host (`SPOTGUARD_NODE`) with a `store`: from its sidecar's stream
+  (`SPOTGUARD_SIDECAR_URL`), or from `memberships`, a callable polled for one (tests). It forms
+  the group that membership names (prefix `m<generation>/`, rank by the host's place in the list)
+  and remembers it: the Guard made next receives the state from a live peer in `resume()`.
+- Raises `ReformError` when the group cannot be formed, `TimeoutError` when no membership lists
+  this host in time.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from collections.abc import Callable
+
+from spotguard.config import positive_int
+from spotguard.hooks.elastic.membership_view import MembershipView
+from spotguard.hooks.elastic.rendezvous import Rendezvous
+from spotguard.wire import names
+from spotguard.wire.membership import Membership, MembershipFormatError
+
+log = logging.getLogger("spotguard.hooks.elastic")
+
+
+@dataclass
+class ElasticProcess:
+    """What `init_process_group` left for the Guard of this process."""
+
+    rendezvous: Rendezvous
+    joined: Membership | None = None  # the membership this process joined (None: it started the job)
+    state_received: bool = False
+
+
+_process: ElasticProcess | None = None
+
+
+def elastic_process() -> ElasticProcess | None:
+    """This process's in-place state, once `init_process_group` formed its first group."""
+    return _process
+
+
+def in_place_enabled(env: dict[str, str] | None = None) -> bool:
+    return (os.environ if env is None else env).get(names.ENV_IN_PLACE, "") == "1"
+
+
+def init_process_group(backend: str = "gloo", *, memberships: Callable[[], dict | None] | None = None,
+                       join_timeout: float = 600.0) -> None:
+    """See the module docstring."""
+    global _process
+    import torch.distributed as dist
+
+    if not in_place_enabled():
+        dist.init_process_group(backend)
+        return
+    if backend != "gloo":
+        raise ValueError("in-place membership changes run on gloo here (backend='gloo')")
+    rendezvous = Rendezvous.from_env()
+    env = os.environ
+    if env.get(names.ENV_JOIN, "") != "1":
+        rank = positive_int("RANK", env.get("RANK") or 0, allow_zero=True)
+        world = positive_int("WORLD_SIZE", env.get("WORLD_SIZE") or 1)
+        master = f"{env.get('MASTER_ADDR') or '127.0.0.1'}:{env.get('MASTER_PORT') or rendezvous.port}"
+        rendezvous.form(master, "m0/", rank, world)
+        _process = ElasticProcess(rendezvous)
+        return
+    view = MembershipView.from_env()
+    warm_up()
+    announce(env.get(names.ENV_READY_FILE))
+    membership = wait_for_membership(view.node, memberships, join_timeout)
+    rank = membership.hosts.index(view.node) * view.procs_per_host + view.local_rank
+    world = len(membership.hosts) * view.procs_per_host
+    log.warning("joining membership %d as rank %d of %d (store %s)", membership.generation, rank, world,
+                membership.store)
+    rendezvous.form(membership.store, f"m{membership.generation}/", rank, world)
+    _process = ElasticProcess(rendezvous, joined=membership)
+
+
+def warm_up() -> None:
+    """Imports what building and loading a model in a new group needs, before the joiner says it
+    is ready: the survivors wait for the joiner only after that (their pause), not for imports."""
+    import importlib
+
+    for module in ("torch.nn.parallel", "torch.distributed.device_mesh", "torch.distributed.fsdp",
+                   "torch.distributed.tensor", "torch.distributed.tensor.debug",
+                   "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+                   "torch.distributed.algorithms.ddp_comm_hooks"):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # an optional part missing from this torch build
+            pass
+
+
+def announce(ready_file: str | None) -> None:
+    """Creates the ready file (its directory too); nothing without one."""
+    if not ready_file:
+        return
+    path = Path(ready_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{os.getpid()}\n")
+
+
+def _listing(data: dict | None, node: str) -> Membership | None:
+    if not data:
+        return None
+    try:
+        membership = Membership.from_wire({k: v for k, v in data.items() if k != "departing"})
+    except (MembershipFormatError, AttributeError):
+        return None
+    return membership if node in membership.hosts and membership.store else None
+
+
+def wait_for_membership(node: str, memberships: Callable[[], dict | None] | None, timeout: float) -> Membership:
+    """The first membership listing `node` with a store, from `memberships` or the sidecar stream."""
+    deadline = time.monotonic() + timeout
+    if memberships is not None:
+        while time.monotonic() < deadline:
+            found = _listing(memberships(), node)
+            if found is not None:
+                return found
+            time.sleep(0.05)
+        raise TimeoutError(f"no membership listed {node} within {timeout:.0f}s")
+    url = os.environ.get(names.ENV_SIDECAR_URL)
+    if not url:
+        raise TimeoutError(f"a joiner needs {names.ENV_SIDECAR_URL} (or memberships=) to learn its membership")
+    from spotguard.hooks.notice_listener import NoticeListener
+
+    found_event = threading.Event()
+    box: list[Membership] = []
+
+    def on_membership(data: dict[str, Any]) -> None:
+        found = _listing(data, node)
+        if found is not None and not box:
+            box.append(found)
+            found_event.set()
+
+    listener = NoticeListener(url, lambda _notice: None, on_membership=on_membership)
+    listener.start()
+    try:
+        if not found_event.wait(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"no membership listed {node} within {timeout:.0f}s")
+        return box[0]
+    finally:
+        listener.stop()

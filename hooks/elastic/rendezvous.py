@@ -1,0 +1,118 @@
+"""Where a group meets: this process's rendezvous store, and forming the default process group.
+
+Every process that can lead a group (its host's local rank 0) serves a c10d `TCPStore` on its
+rendezvous port (`SPOTGUARD_RDZV_PORT`) from the moment it first leads one, and keeps it for its
+lifetime, so a group led by a survivor never depends on a host that left. A group is formed on
+its leader's store under a prefix unique to the formation (`m<generation>/` for a membership the
+supervisor pushed, `s<...>/` for a shrink the ranks agreed on themselves), so keys of earlier
+formations never collide.
+
+Contract:
+- `Rendezvous.from_env()` reads `SPOTGUARD_RDZV_HOST` / `SPOTGUARD_RDZV_PORT` (falling back to
+  MASTER_ADDR / MASTER_PORT) and `SPOTGUARD_REFORM_TIMEOUT` (default 30 s); a bad value raises
+  `ConfigError` naming the variable.
+- `address` is "host:port" of this process's store (whether or not it serves yet).
+- `form(store_address, prefix, rank, world_size)` destroys whatever default group exists and
+  initialises a new gloo default group of `world_size` at `prefix` on the store at
+  `store_address` (served by this process when `rank` is 0). It raises `ReformError` when the
+  group is not complete within the timeout; the caller falls back.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+from spotguard.config import ConfigError, positive_float, positive_int
+from spotguard.hooks.elastic.caches import forget_mesh_caches
+from spotguard.wire import names
+
+log = logging.getLogger("spotguard.hooks.elastic")
+
+
+class ReformError(RuntimeError):
+    """A group could not be formed (a peer missing, the store unreachable)."""
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected host:port, got {address!r}")
+    return host, int(port)
+
+
+class Rendezvous:
+    """This process's side of every formation; see the module docstring."""
+
+    def __init__(self, host: str, port: int, timeout: float = 30.0):
+        self.host, self.port, self.timeout = host, port, timeout
+        self._server: Any = None  # the TCPStore this process serves, once it led a group
+        self._clients: list[Any] = []
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Rendezvous:
+        env = dict(os.environ if env is None else env)
+        host = env.get(names.ENV_RDZV_HOST) or env.get("MASTER_ADDR") or "127.0.0.1"
+        port_text = env.get(names.ENV_RDZV_PORT) or env.get("MASTER_PORT") or str(names.RDZV_PORT)
+        port = positive_int(names.ENV_RDZV_PORT, port_text)
+        if not 0 < port < 65536:
+            raise ConfigError(names.ENV_RDZV_PORT, f"expected a port in 1..65535, got {port_text!r}")
+        timeout = positive_float(names.ENV_REFORM_TIMEOUT, env.get(names.ENV_REFORM_TIMEOUT) or 30)
+        return cls(host, port, timeout)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def serve(self) -> Any:
+        """This process's store, started on first use (it then lives as long as the process)."""
+        if self._server is None:
+            from torch.distributed import TCPStore
+
+            try:
+                self._server = TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=self.timeout))
+            except Exception as exc:
+                raise ReformError(f"cannot serve the rendezvous store on {self.address}: {exc}") from exc
+            log.info("serving the rendezvous store on %s", self.address)
+        return self._server
+
+    def store_at(self, address: str, leader: bool) -> Any:
+        if leader:
+            return self.serve()
+        from torch.distributed import TCPStore
+
+        host, port = split_address(address)
+        try:
+            client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout))
+        except Exception as exc:
+            raise ReformError(f"cannot reach the rendezvous store at {address}: {exc}") from exc
+        self._clients = [client]  # the previous formation's client goes with its group
+        return client
+
+    def form(self, store_address: str, prefix: str, rank: int, world_size: int) -> None:
+        """See the module docstring."""
+        import torch.distributed as dist
+
+        destroy_groups()
+        forget_mesh_caches()
+        store = dist.PrefixStore(prefix, self.store_at(store_address, leader=rank == 0))
+        try:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=self.timeout))
+        except Exception as exc:
+            destroy_groups()
+            raise ReformError(f"forming {prefix} (rank {rank} of {world_size}) on {store_address} failed: {exc}") \
+                from exc
+
+
+def destroy_groups() -> None:
+    """Destroys every process group of this process (none: nothing happens)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # a peer may already be gone
+            log.warning("process groups not destroyed cleanly: %s", exc)

@@ -1,0 +1,185 @@
+"""A tiny job for the in-place membership tests: one host (one rank) per process, DDP or FSDP2.
+
+    python elastic.py --mode ddp|fsdp2 --ckpt DIR --out DIR --steps N [--join]
+
+The environment names the host (SPOTGUARD_NODE) and the rendezvous (SPOTGUARD_RDZV_*); the
+test harness pushes memberships by writing `<out>/membership.json` (what a sidecar would relay).
+Files written into --out (the tests read them):
+- progress-<node>: the last finished step;
+- pid-<node>: this process's id;
+- state-<tag>.pt (by rank 0): the full training state as full tensors at `resize-<n>` (right
+  after the n-th in-place change), `joined` (a joiner, right after receiving the state),
+  `resume` (right after loading a checkpoint), `save` (the agreed step) and `final`;
+- resize-<node>.jsonl: one line per change (outcome, ranks, pause, phases);
+- exit-<node>: the exit status.
+Fault injection (tests only): FAIL_AT=<phase>, FAIL_NODE=<node>, FAIL_HOW=raise|exit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
+from spotguard.hooks.elastic import init_process_group
+from spotguard.hooks.guard import Guard
+
+NODE = os.environ.get("SPOTGUARD_NODE", "?")
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["ddp", "fsdp2"], required=True)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--signal-at", type=int, default=-1, help="the node --signal-node sends itself SIGTERM at this step")
+    p.add_argument("--signal-node", default="")
+    p.add_argument("--stop-after", type=int, default=0, help="finish once this many changes happened")
+    return p.parse_args(argv)
+
+
+def build_for(mode: str):
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        world = dist.get_world_size()
+        if mode == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return build
+
+
+def batch(step: int, rank: int, world: int):
+    """Step `step`'s global batch (16 samples), this rank's contiguous share."""
+    g = torch.Generator().manual_seed(100_003 * step)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    per = 16 // world
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def full_state(adapter) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(adapter.model, adapter.optimizer,
+                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return {}
+    out = {f"param/{k}": v.detach().clone() for k, v in model_state.items()}
+    for name, state in optim_state["state"].items():
+        for key, value in state.items():
+            out[f"{key}/{name}"] = torch.as_tensor(value).detach().clone()
+    return out
+
+
+def membership_reader(out: Path):
+    path = out / "membership.json"
+
+    def read() -> dict | None:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+    return read
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"pid-{NODE}").write_text(str(os.getpid()))
+    read_membership = membership_reader(out)
+    fail_at, fail_node, fail_how = os.environ.get("FAIL_AT"), os.environ.get("FAIL_NODE"), os.environ.get("FAIL_HOW")
+
+    def maybe_fail(phase: str) -> None:
+        if phase == fail_at and NODE == fail_node:
+            if fail_how == "exit":
+                os._exit(1)
+            raise RuntimeError(f"injected failure at {phase}")
+
+    init_process_group(memberships=read_membership, join_timeout=60)
+    maybe_fail("formed-joiner")
+    build = build_for(args.mode)
+    model, optimizer = build()
+    adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=args.ckpt, build=build)
+    guard = Guard.from_env(adapter=adapter, in_place=True)
+
+    def dump(tag: str) -> None:
+        state = full_state(adapter)
+        if dist.get_rank() == 0:
+            torch.save(state, out / f"state-{tag}.pt")
+
+    @guard.on_resize_phase
+    def phase(name, record):
+        maybe_fail(name)
+
+    @guard.on_reclaim
+    def saved(step, notice):
+        dump("save")
+
+    def watch() -> None:
+        seen = None
+        while True:
+            data = read_membership()
+            if data is not None and data != seen:
+                seen = data
+                guard.view.offer(data)
+            time.sleep(0.05)
+
+    threading.Thread(target=watch, daemon=True).start()
+    joining = os.environ.get("SPOTGUARD_JOIN") == "1"
+    start = guard.resume()
+    dump("joined" if joining else ("resume" if start else "start"))
+    changes = 0
+    code = 0
+    try:
+        for step in range(start, args.steps):
+            x, y = batch(step, guard.rank, guard.world_size)
+            adapter.optimizer.zero_grad()
+            torch.nn.functional.mse_loss(adapter.model(x), y).backward()
+            adapter.optimizer.step()
+            (out / f"progress-{NODE}").write_text(str(step))
+            if step == args.signal_at and NODE == args.signal_node:
+                os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(args.step_sleep)
+            seen = guard.last_resize
+            guard.step(step)
+            record = guard.last_resize
+            if record is not seen and record is not None:
+                changes += 1
+                with open(out / f"resize-{NODE}.jsonl", "a") as f:
+                    f.write(json.dumps({"step": record.step, "outcome": record.outcome.value,
+                                        "old_rank": record.old_rank, "new_rank": record.new_rank,
+                                        "world": record.new_world_size, "pause": record.pause_seconds,
+                                        "phases": record.phases, "pid": os.getpid()}) + "\n")
+                dump(f"resize-{changes}")
+                if args.stop_after and changes >= args.stop_after:
+                    break
+        dump("final")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    (out / f"exit-{NODE}").write_text(str(code))
+    guard.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
