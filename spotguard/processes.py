@@ -11,15 +11,17 @@ from collections.abc import Callable
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
     """A `preexec_fn` for subprocesses: the child gets `sig` when the process that started it
     dies (Linux PR_SET_PDEATHSIG), so a killed launcher leaves no orphan behind. Elsewhere, or
-    where libc cannot be loaded, it does nothing."""
+    where libc cannot be loaded, it does nothing. libc is loaded here, in the parent, so the
+    child runs no import between fork and exec (safe beside the event loop's watcher threads)."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
 
     def set_parent_death_signal() -> None:
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+        prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
 
     return set_parent_death_signal
 
