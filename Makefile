@@ -41,7 +41,7 @@ test: $(STAMP)
 TREE := .cache/package-tree
 PRODUCT_PARTS := spotguard.wire spotguard.kube spotguard.agent spotguard.hooks spotguard.supervisor spotguard.injector
 SHARED_MODULES := spotguard.config spotguard.daemon spotguard.http_server spotguard.metrics spotguard.backoff \
-                  spotguard.logs spotguard.safe_json spotguard.stream_slots
+                  spotguard.logs spotguard.processes spotguard.safe_json spotguard.stream_slots
 
 # All three run, so one CI log shows every finding; the target fails if any of them failed.
 lint: $(STAMP)

@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "spotguard.agent.watch",  # watch
     "spotguard.agent.cli",  # agent
     "spotguard.hooks.sidecar.cli",  # sidecar
+    "spotguard.hooks.launch",  # launch
     "spotguard.supervisor.cli",  # supervisor
     "spotguard.injector.cli",  # injector
     "spotguard.bench_cli",  # bench

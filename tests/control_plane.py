@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 import yaml
 
-from spotguard.trainer.launcher import free_port
+from spotguard.processes import die_with_parent, free_port
 
 ASSETS_ENV = "KUBEBUILDER_ASSETS"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
@@ -50,12 +50,6 @@ def assets_dir() -> Path | None:
         return None
     folder = Path(value)
     return folder if all((folder / b).is_file() for b in BINARIES) else None
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -271,7 +265,7 @@ class ControlPlane:
         try:
             self.processes[name] = subprocess.Popen([str(self.assets / name), *args], stdout=log,
                                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                    preexec_fn=_die_with_parent, cwd=self.workdir)
+                                                    preexec_fn=die_with_parent(signal.SIGKILL), cwd=self.workdir)
         finally:
             log.close()
 

@@ -11,29 +11,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launching process dies (Linux), so a killed
-    dry-run never leaves a torchrun behind (torchrun then stops its own workers)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def free_port() -> int:
-    """An ephemeral TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from spotguard.processes import die_with_parent, free_port
 
 
 @dataclass
@@ -91,7 +74,7 @@ class Generation:
                 process = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=log,
                                                                stderr=asyncio.subprocess.STDOUT,
                                                                stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
-                                                               preexec_fn=_die_with_parent)
+                                                               preexec_fn=die_with_parent(signal.SIGTERM))
             self.running[launch.node] = RunningNode(launch.node, process, log_path)
 
     async def wait(self) -> dict[str, int]:
