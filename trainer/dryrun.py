@@ -27,7 +27,9 @@ from spotguard.supervisor import policy as policy_mod
 from spotguard.supervisor.policy import JobState, NoticeHit, Policy, Settings, decide
 from spotguard.supervisor.record import SUSPENDED, Record
 from spotguard.trainer.events import EventTail, read_events
+from spotguard.processes import free_port
 from spotguard.trainer.launcher import Generation, NodeLaunch
+from spotguard.wire.membership import Membership
 from spotguard.trainer.nodes import SimulatedNode, make_secret
 from spotguard.trainer.report import GenerationRecord, InjectedEvent, build_report
 from spotguard.trainer.scenario import Scenario, ScenarioEvent
@@ -90,6 +92,10 @@ class DryRun:
         self._tail = EventTail(run_dir / "events")
         self._retiring: list[Generation] = []  # drained generations whose torchruns are still exiting
         self._rescale_requested = False
+        self.in_place = scenario.in_place
+        self.rdzv_ports = {n: free_port() for n in scenario.nodes} if self.in_place else None
+        self.membership_generation = 0
+        self._joining: dict[str, float] = {}  # node -> when its joiner was started (in place)
 
     # ---- the parts --------------------------------------------------------------------------
     async def _start_nodes(self) -> None:
@@ -110,14 +116,17 @@ class DryRun:
             argv.append(f"--checkpoint-every={s.checkpoint_every}")
         return argv + self.train_argv_extra
 
+    def _node_launch(self, index: int, n: str) -> NodeLaunch:
+        return NodeLaunch(n, {names.ENV_SIDECAR_URL: self.nodes[n].sidecar_url,
+                              names.ENV_TOKEN_FILE: str(self.nodes[n].token_file),
+                              names.ENV_GRACE_SECONDS: "30",
+                              "SPOTGUARD_EVENT_LOG": str(self.run_dir / "events" / f"gen{index}-{n}.jsonl")})
+
     async def _launch(self, world: list[str]) -> None:
         index = len(self.generations)
-        launches = [NodeLaunch(n, {names.ENV_SIDECAR_URL: self.nodes[n].sidecar_url,
-                                   names.ENV_TOKEN_FILE: str(self.nodes[n].token_file),
-                                   names.ENV_GRACE_SECONDS: "30",
-                                   "SPOTGUARD_EVENT_LOG": str(self.run_dir / "events" / f"gen{index}-{n}.jsonl")})
-                    for n in world]
-        self.generation = Generation(index, launches, self._train_argv(), self.run_dir)
+        launches = [self._node_launch(index, n) for n in world]
+        self.generation = Generation(index, launches, self._train_argv(), self.run_dir, rdzv_ports=self.rdzv_ports,
+                                     min_world_size=self.scenario.min_workers)
         await self.generation.start()
         self.world = list(world)
         self.generations.append(GenerationRecord(index, len(world), list(world), self.generation.launched_at))
@@ -189,7 +198,54 @@ class DryRun:
                 del self._deaths[node]
                 if self.generation is not None and not self.generation.done and node in self.world:
                     log.warning("%s reached its deadline with its rank still running: the job loses it", node)
-                    self.generation.signal_all(signal.SIGKILL)
+                    if self.in_place:
+                        self.generation.signal_node(node, signal.SIGKILL)
+                    else:
+                        self.generation.signal_all(signal.SIGKILL)
+
+    # ---- in place: the local supervisor pushes memberships, joiners are added -------------------
+    async def _push_membership(self, hosts: list[str]) -> None:
+        """A new membership generation for every node's pod (the annotation -> sidecar -> Guard path)."""
+        assert self.rdzv_ports is not None
+        self.membership_generation += 1
+        membership = Membership(self.membership_generation, tuple(hosts), len(hosts),
+                                store=f"127.0.0.1:{self.rdzv_ports[hosts[0]]}")
+        for node in self.nodes.values():
+            await asyncio.to_thread(node.push_membership, membership)
+        log.info("membership %d: %s", self.membership_generation, ", ".join(hosts))
+
+    async def _follow_in_place(self, gen: Generation) -> None:
+        """Departures (a rank left with 83 while others train on), ready joiners, and scale-outs."""
+        gone = [n for n in self.world if n in gen.running and gen.running[n].process.returncode is not None]
+        if gone and len(gone) < len(self.world):
+            for node in gone:
+                self.world.remove(node)
+                log.info("%s left in place (exit %s): %d workers train on", node,
+                         gen.running[node].process.returncode, len(self.world))
+            self.generations[-1].world_size = len(self.world)
+            await self._push_membership(self.world)
+        for node, started in list(self._joining.items()):
+            joiner = gen.running.get(node)
+            if joiner is not None and joiner.process.returncode is not None:
+                log.warning("the joiner on %s ended (exit %s) before joining", node, joiner.process.returncode)
+                del self._joining[node]
+            elif self.nodes[node].ready_file.exists():
+                del self._joining[node]
+                self.world.append(node)
+                self.generations[-1].nodes = list(self.world)
+                self.generations[-1].world_size = len(self.world)
+                await self._push_membership(self.world)
+        decision = self.supervisor.decide(self.world, self._hits(), self.available, drained=False)
+        if decision.action == policy_mod.SCALE and decision.replicas:
+            want = decision.replicas - len(self.world) - len(self._joining)
+            noticed = {h.node for n in self.available for h in self._hits_on(n)}
+            for node in [n for n in self.available if n not in self.world and n not in self._joining
+                         and n not in noticed][:max(0, want)]:
+                ready = self.nodes[node].ready_file
+                ready.unlink(missing_ok=True)
+                self._joining[node] = time.time()
+                await gen.add_joiner(self._node_launch(gen.index, node), ready)
+                log.info("scaling out in place: a joiner starts on %s", node)
 
     # ---- the supervisor's view --------------------------------------------------------------
     def _hits(self) -> list[NoticeHit]:
@@ -205,10 +261,11 @@ class DryRun:
         return hits
 
     def _all_drained(self, gen: Generation) -> bool:
-        """Whether every rank of `gen` logged `drained` with EXIT_PREEMPTED (checkpoint durable)."""
-        drained = {e.get("rank") for e in self._events() if e["event"] == "drained"
+        """Whether every node still in `gen` logged `drained` with EXIT_PREEMPTED (checkpoint durable)."""
+        drained = {e.get("node") for e in self._events() if e["event"] == "drained"
                    and e.get("generation") == gen.index and e.get("exit_code") == EXIT_PREEMPTED}
-        return len(drained) >= gen.world_size
+        members = self.world if self.in_place else [n.node for n in gen.nodes]
+        return bool(members) and all(n in drained for n in members)
 
     def _training(self, gen: Generation) -> bool:
         """Whether every rank of `gen` has logged `start` (loaded its checkpoint, Guard armed)."""
@@ -248,6 +305,9 @@ class DryRun:
                     self.on_update(self)
                 gen = self.generation
                 running = gen is not None and not gen.done
+                if running and self.in_place and self._training(gen) and not self._all_drained(gen):
+                    await self._follow_in_place(gen)
+                    continue
                 if running and self._all_drained(gen):
                     # Every rank's checkpoint is durable and it has left the training loop; torchrun's
                     # own teardown (seconds) need not hold up the next generation.

@@ -22,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cloud", choices=("aws", "gcp", "azure", "alibaba"), default=None)
     p.add_argument("--scenario", default=None, help="scenario YAML or spot-trace CSV (default: the embedded one)")
     p.add_argument("--workers", default=None, help="simulated nodes, one rank each")
-    p.add_argument("--framework", choices=("ddp", "deepspeed"), default=None)
+    p.add_argument("--framework", choices=("ddp", "fsdp2", "deepspeed"), default=None)
+    p.add_argument("--membership", choices=("in-place", "restart"), default=None,
+                   help="how membership changes happen (default: in place for elastic DDP/FSDP2 jobs)")
     p.add_argument("--policy", choices=("elastic", "fixed"), default=None)
     p.add_argument("--out", default=None, help="run directory (default: runs/dryrun-<time>)")
     p.add_argument("--time-limit", default="600", help="give up after this many seconds (default 600)")
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         scenario = load_scenario(args.scenario)
         workers = None if args.workers is None else positive_int("--workers", args.workers)
         scenario = scenario.with_overrides(cloud=args.cloud, workers=workers, framework=args.framework,
-                                           policy=args.policy)
+                                           policy=args.policy, membership=args.membership)
     except ScenarioError as exc:
         raise ConfigError("--scenario", str(exc)) from None
     if scenario.min_workers > scenario.workers:

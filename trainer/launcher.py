@@ -41,9 +41,14 @@ class Generation:
     """The job at one world size. `start()`, then `wait()` until every node's torchrun ends."""
 
     def __init__(self, index: int, nodes: list[NodeLaunch], train_argv: list[str], run_dir: Path,
-                 extra_env: dict[str, str] | None = None):
+                 extra_env: dict[str, str] | None = None, rdzv_ports: dict[str, int] | None = None,
+                 min_world_size: int = 1):
+        """`rdzv_ports` (node -> port): launch with `spotguard launch` for in-place membership
+        changes (every node's store on its own port of 127.0.0.1) instead of torchrun."""
         self.index = index
         self.nodes = nodes
+        self.rdzv_ports = rdzv_ports
+        self.min_world_size = min_world_size
         self.train_argv = train_argv
         self.run_dir = run_dir
         self.extra_env = extra_env or {}
@@ -64,18 +69,42 @@ class Generation:
                    "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DS_ACCELERATOR": "cpu",
                    "PYTHONUNBUFFERED": "1", "SPOTGUARD_GENERATION": str(self.index), "SPOTGUARD_NODE": launch.node,
                    "TORCHELASTIC_SHUTDOWN_TIMEOUT": "60"}
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.world_size}",
-                   f"--node-rank={rank}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-                   f"--master-port={port}", "--max-restarts=0", "--monitor-interval=0.1",
-                   *self.train_argv]
-            log_path = logs / f"gen{self.index}-{launch.node}.log"
-            log = await asyncio.to_thread(open, log_path, "ab")
-            with log:
-                process = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=log,
-                                                               stderr=asyncio.subprocess.STDOUT,
-                                                               stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
-                                                               preexec_fn=die_with_parent(signal.SIGTERM))
-            self.running[launch.node] = RunningNode(launch.node, process, log_path)
+            if self.rdzv_ports is None:
+                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.world_size}",
+                       f"--node-rank={rank}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                       f"--master-port={port}", "--max-restarts=0", "--monitor-interval=0.1",
+                       *self.train_argv]
+            else:
+                cmd = self._in_place_command(launch.node, rank, self.world_size)
+            await self._spawn(launch.node, cmd, env)
+
+    def _in_place_command(self, node: str, rank: int, world_size: int, ready_file: Path | None = None) -> list[str]:
+        assert self.rdzv_ports is not None
+        first = self.nodes[0].node
+        cmd = [sys.executable, "-m", "spotguard", "launch", f"--nnodes={world_size}", f"--node-rank={rank}",
+               "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={self.rdzv_ports[first]}",
+               f"--node-name={node}", "--rdzv-host=127.0.0.1", f"--rdzv-port={self.rdzv_ports[node]}",
+               "--reform-timeout=10", f"--min-world-size={self.min_world_size}"]
+        if ready_file is not None:
+            cmd += ["--join", f"--ready-file={ready_file}"]
+        return cmd + self.train_argv
+
+    async def _spawn(self, node: str, cmd: list[str], env: dict[str, str]) -> None:
+        log_path = self.run_dir / "logs" / f"gen{self.index}-{node}.log"
+        log = await asyncio.to_thread(open, log_path, "ab")
+        with log:
+            process = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=log,
+                                                           stderr=asyncio.subprocess.STDOUT,
+                                                           stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+                                                           preexec_fn=die_with_parent(signal.SIGTERM))
+        self.running[node] = RunningNode(node, process, log_path)
+
+    async def add_joiner(self, launch: NodeLaunch, ready_file: Path) -> None:
+        """Starts a worker on `launch.node` that joins the running job in place once a membership
+        lists it (it creates `ready_file` when it is ready to)."""
+        env = {**os.environ, **self.extra_env, **launch.env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+               "PYTHONUNBUFFERED": "1", "SPOTGUARD_GENERATION": str(self.index), "SPOTGUARD_NODE": launch.node}
+        await self._spawn(launch.node, self._in_place_command(launch.node, 0, 1, ready_file), env)
 
     async def wait(self) -> dict[str, int]:
         """Waits for every node's torchrun; returns node -> exit code."""

@@ -7,6 +7,8 @@ components, served over real sockets on 127.0.0.1; only the GPU is fake.
 """
 from __future__ import annotations
 
+import json
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -20,6 +22,8 @@ from spotguard.agent.sources.gpu import GpuHealthSource
 from spotguard.emulator.control import EmulatorControl
 from spotguard.emulator.server import Emulator
 from spotguard.hooks.sidecar.service import Sidecar, SidecarConfig
+from spotguard.wire import names
+from spotguard.wire.membership import Membership
 
 FATAL_XID = 79  # "GPU has fallen off the bus": checkpoint + drain + reboot
 
@@ -44,6 +48,24 @@ class SimulatedNode:
     sidecar: Sidecar | None = None
     gpu: FakeGpuBackend | None = None
     maintenance_ids: list[str] = field(default_factory=list)
+    rdzv_port: int = 0  # the rendezvous port of this node's training pod (in-place jobs)
+
+    @property
+    def podinfo_dir(self) -> Path:
+        """The node's "downward-API volume": the supervisor's membership annotation."""
+        return self.run_dir / "nodes" / self.name / "podinfo"
+
+    @property
+    def ready_file(self) -> Path:
+        """What a joiner on this node creates once ready (the readiness probe's file)."""
+        return self.run_dir / "nodes" / self.name / "ready"
+
+    def push_membership(self, membership: Membership) -> None:
+        """Writes the membership annotation the way the kubelet would (atomic rename; blocking)."""
+        self.podinfo_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.podinfo_dir / ".annotations.tmp"
+        tmp.write_text(f"{names.ANN_MEMBERSHIP}={json.dumps(membership.to_json())}\n")
+        os.replace(tmp, self.podinfo_dir / "annotations")
 
     @property
     def sidecar_url(self) -> str:
@@ -56,6 +78,7 @@ class SimulatedNode:
     async def start(self, report_secret_file: Path) -> None:
         node_dir = self.run_dir / "nodes" / self.name
         node_dir.mkdir(parents=True, exist_ok=True)
+        self.podinfo_dir.mkdir(parents=True, exist_ok=True)
         self.emulator = await Emulator(self.cloud).start()
         self.control = EmulatorControl(self.emulator.url, self.emulator.control_token)
         self.gpu = FakeGpuBackend(gpus=1)
@@ -67,7 +90,8 @@ class SimulatedNode:
         address = await self.agent.start()
         self.sidecar = Sidecar(SidecarConfig(agent_url=f"http://{address}", token_file=str(self.token_file),
                                              listen_port=0, agent_token_file=str(report_secret_file),
-                                             local_world_size=1, pod=f"train-{self.name}"))
+                                             local_world_size=1, pod=f"train-{self.name}",
+                                             podinfo_dir=str(self.podinfo_dir), podinfo_interval=0.1))
         await self.sidecar.start()
 
     async def inject(self, kind: str, lead: float | None) -> Injected:

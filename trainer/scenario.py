@@ -38,7 +38,8 @@ from typing import Any
 import yaml
 
 CLOUDS = ("aws", "gcp", "azure", "alibaba")
-FRAMEWORKS = ("ddp", "deepspeed")
+FRAMEWORKS = ("ddp", "fsdp2", "deepspeed")
+MEMBERSHIP_PATHS = ("in-place", "restart")
 POLICIES = ("elastic", "fixed")
 EVENT_KINDS = ("reclaim", "rebalance", "maintenance", "cancel", "gpu-fault", "capacity")
 DEFAULT_LEAD = {"aws": 120.0, "gcp": 30.0, "azure": 30.0, "alibaba": 120.0}
@@ -83,7 +84,15 @@ class Scenario:
     step_seconds: float = 0.05
     checkpoint_every: int = 0  # periodic checkpoints every K steps (0: only on notices)
     allow_steps_lost: int = 0  # steps the scenario expects to lose (a notice too short for a save)
+    membership: str = ""  # in-place | restart; "" picks: in place for elastic DDP/FSDP2 jobs
     events: tuple[ScenarioEvent, ...] = field(default_factory=tuple)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether membership changes happen in place (survivors keep running) or by relaunch."""
+        if self.membership:
+            return self.membership == "in-place"
+        return self.policy == "elastic" and self.framework != "deepspeed"
 
     @property
     def nodes(self) -> list[str]:
@@ -98,7 +107,7 @@ class Scenario:
 
 
 _TOP_FIELDS = {"name", "cloud", "workers", "framework", "policy", "min_workers", "steps",
-               "step_seconds", "checkpoint_every", "allow_steps_lost", "events"}
+               "step_seconds", "checkpoint_every", "allow_steps_lost", "membership", "events"}
 _EVENT_FIELDS = {"at", "kind", "node", "lead"}
 
 
@@ -139,7 +148,8 @@ def parse_scenario(text: str, origin: str = "<scenario>") -> Scenario:
     if not isinstance(name, str) or not name:
         raise ScenarioError(f"{at('name')}: name: expected a non-empty string")
     fields: dict[str, Any] = {"name": name}
-    for key, choices in (("cloud", CLOUDS), ("framework", FRAMEWORKS), ("policy", POLICIES)):
+    for key, choices in (("cloud", CLOUDS), ("framework", FRAMEWORKS), ("policy", POLICIES),
+                         ("membership", MEMBERSHIP_PATHS)):
         if key in data:
             if data[key] not in choices:
                 raise ScenarioError(f"{at(key)}: {key}: expected one of {', '.join(choices)}, got {data[key]!r}")
@@ -185,6 +195,9 @@ def parse_scenario(text: str, origin: str = "<scenario>") -> Scenario:
 
 
 def _check_semantics(s: Scenario, origin: str) -> None:
+    if s.membership == "in-place" and (s.policy != "elastic" or s.framework == "deepspeed"):
+        raise ScenarioError(f"{origin}: membership: in-place needs policy elastic and framework ddp or fsdp2 "
+                            "(DeepSpeed relaunches: README, 'Membership changes in place')")
     if s.min_workers > s.workers:
         raise ScenarioError(f"{origin}: min_workers: {s.min_workers} is more than workers ({s.workers})")
     nodes = set(s.nodes)

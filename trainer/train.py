@@ -35,7 +35,7 @@ log = logging.getLogger("spotguard.trainer")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spotguard.trainer.train", description=__doc__.split("\n")[0])
-    p.add_argument("--framework", choices=("ddp", "deepspeed"), default="ddp")
+    p.add_argument("--framework", choices=("ddp", "fsdp2", "deepspeed"), default="ddp")
     p.add_argument("--steps", type=int, default=200, help="total optimizer steps")
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--global-batch", type=int, default=32)
@@ -79,14 +79,27 @@ class Batching:
 
 
 def setup_distributed() -> tuple[int, int]:
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo")
+    """Joins or starts the job's group (in place under `spotguard launch`, else torch's env://)."""
+    from spotguard.hooks.elastic import init_process_group
+
+    if ("RANK" in os.environ or os.environ.get("SPOTGUARD_JOIN") == "1") and not dist.is_initialized():
+        init_process_group("gloo")
+    return current_world()
+
+
+def current_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-def digest_of(model, optimizer) -> str:
+def digest_of(model, optimizer, framework: str = "ddp") -> str:
+    """A digest of the whole state (FSDP2: gathered, a collective every rank makes)."""
+    if framework == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+        return state_digest(model_state, optim_state.get("state", {}))
     module = getattr(model, "module", model)
     params = {k: v for k, v in module.state_dict().items()}
     if optimizer is None:
@@ -94,16 +107,35 @@ def digest_of(model, optimizer) -> str:
     return state_digest(params, optimizer.state_dict().get("state", {}))
 
 
-def build_ddp(args, rank, world_size, batching, guarded: bool):
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def torch_builder(args, base_world: int):
+    """`build()` for the current group: the model (DDP, or FSDP2 over a 1-D CPU mesh) and its
+    optimizer at this world size's learning rate. The adapter calls it again after a resize."""
+    def build():
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
+        _rank, world_size = current_world()
+        model = build_model(args.seed)
+        if args.framework == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world_size,))
+            for layer in model.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        elif world_size > 1:
+            model = DDP(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=Batching(args, world_size, base_world).lr)
+    return build
+
+
+def build_ddp(args, rank, world_size, batching, guarded: bool):
     from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 
-    model = build_model(args.seed)
-    if world_size > 1:
-        model = DDP(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=batching.lr)
-    adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=args.checkpoint_dir)
+    build = torch_builder(args, args.base_world)
+    model, optimizer = build()
+    adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=args.checkpoint_dir, build=build)
     return model, optimizer, adapter
 
 
@@ -133,6 +165,12 @@ def build_deepspeed(args, rank, world_size, batching, guarded: bool):
                                                    config=ds_config(args, world_size, batching))
     adapter = DeepSpeedAdapter(engine, checkpoint_dir=args.checkpoint_dir) if guarded else None
     return engine, None, adapter
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """This world size's learning rate (a loaded optimizer state carries the saving run's)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def train_step_ddp(model, optimizer, x, y, batching) -> float:
@@ -178,30 +216,42 @@ def main(argv: list[str] | None = None) -> int:
                       args.event_log.replace(".jsonl", f"-rank{rank}.jsonl"),
                       rank=rank, world_size=world_size, generation=generation, node=os.environ.get("SPOTGUARD_NODE"))
     base_world = args.base_world_size or int(os.environ.get("SPOTGUARD_BASE_WORLD_SIZE", world_size))
+    args.base_world = base_world
     batching = Batching(args, world_size, base_world)
 
-    guard = None if args.no_guard else Guard.from_env(snapshot_every=args.snapshot_every, exit_on_drain=False)
-    build = build_ddp if args.framework == "ddp" else build_deepspeed
-    model, optimizer, adapter = build(args, rank, world_size, batching, guarded=guard is not None)
+    build = build_deepspeed if args.framework == "deepspeed" else build_ddp
+    model, optimizer, adapter = build(args, rank, world_size, batching, guarded=not args.no_guard)
+    # The Guard after the model and adapter: the order a joiner repeats in place.
+    guard = None if args.no_guard else Guard.from_env(adapter=adapter, snapshot_every=args.snapshot_every,
+                                                       exit_on_drain=False)
     if guard is None:
         start = (adapter.resume() or 0) if adapter is not None else 0
     else:
-        guard.attach(adapter)
         start = guard.resume()
-    events.write("start", step=start, digest=digest_of(model, optimizer), resumed=start > 0,
-                 global_batch=batching.global_size, accumulation=batching.accumulation, lr=batching.lr)
+        rank, world_size = guard.rank, guard.world_size
+        events.common.update(rank=rank, world_size=world_size)
+        batching = Batching(args, world_size, base_world)
+    if optimizer is not None:
+        set_lr(optimizer, batching.lr)
+    events.write("start", step=start, digest=digest_of(model, optimizer, args.framework), resumed=start > 0,
+                 global_batch=batching.global_size, accumulation=batching.accumulation, lr=batching.lr,
+                 joined=os.environ.get("SPOTGUARD_JOIN") == "1", pid=os.getpid())
 
     tick, tick_step = time.monotonic(), start
     step = start
+    last_step_at, max_gap = time.time(), 0.0
+    seen_resize = guard.last_resize if guard is not None else None
     for step in range(start, args.steps):
         x, y = global_batch(args.seed, step, batching.global_size)
         share = rank_share(x, rank, world_size)
-        if args.framework == "ddp":
+        if args.framework != "deepspeed":
             loss = train_step_ddp(model, optimizer, x[share], y[share], batching)
         else:
             loss = train_step_deepspeed(model, x[share], y[share], batching)
         if args.step_seconds:
             time.sleep(args.step_seconds)
+        now_wall = time.time()
+        max_gap, last_step_at = max(max_gap, now_wall - last_step_at), now_wall
         done = step + 1
         if done % args.log_every == 0:
             now = time.monotonic()
@@ -210,7 +260,27 @@ def main(argv: list[str] | None = None) -> int:
             tick, tick_step = now, done
         if adapter is not None and args.checkpoint_every and done % args.checkpoint_every == 0:
             adapter.save(step, reason="periodic")
-        if guard is not None and guard.step(step):
+        drained = guard is not None and guard.step(step)
+        if guard is not None and guard.last_resize is not seen_resize:
+            seen_resize = resize = guard.last_resize
+            if not drained and resize.old_world_size > resize.new_world_size and guard.last_drain is not None:
+                record = guard.last_drain  # a shrink: this rank agreed and checkpointed too
+                events.write("agreed", t=record.hooks_started_at, step=record.step + 1, notice_id=record.notice.id,
+                             kind=record.notice.kind.value, detected_at_unix=record.notice.detected_at.timestamp())
+                events.write("durable", t=record.hooks_started_at + record.checkpoint_seconds,
+                             step=record.saved_step + 1, seconds=round(record.checkpoint_seconds, 4),
+                             snapshot=record.used_snapshot)
+            if not drained:
+                rank, world_size = guard.rank, guard.world_size
+                model, optimizer = adapter.model, adapter.optimizer
+                batching = Batching(args, world_size, base_world)
+                set_lr(optimizer, batching.lr)
+                events.write("resized", step=resize.step + 1, path=resize.outcome.value, reason=resize.reason,
+                             from_world=resize.old_world_size, to_world=resize.new_world_size,
+                             new_rank=resize.new_rank, pause=round(resize.pause_seconds, 4),
+                             phases={k: round(v, 4) for k, v in resize.phases.items()}, pid=os.getpid())
+                events.common.update(rank=rank, world_size=world_size)
+        if drained:
             record = guard.last_drain
             notice = record.notice
             events.write("agreed", t=record.hooks_started_at, step=record.step + 1, notice_id=notice.id,
@@ -220,13 +290,15 @@ def main(argv: list[str] | None = None) -> int:
                 events.write("durable", t=record.hooks_started_at + record.checkpoint_seconds,
                              step=record.saved_step + 1, seconds=round(record.checkpoint_seconds, 4),
                              snapshot=record.used_snapshot,
-                             digest=None if record.used_snapshot else digest_of(model, optimizer))
+                             digest=None if record.used_snapshot or args.framework == "fsdp2"
+                         else digest_of(model, optimizer))
             events.write("drained", step=record.step + 1, exit_code=record.exit_code)
             events.close()
             guard.close()
             _shutdown()
             _leave(record.exit_code)
-    events.write("finished", step=args.steps if step + 1 >= args.steps else step + 1)
+    events.write("finished", step=args.steps if step + 1 >= args.steps else step + 1, max_step_gap=round(max_gap, 4),
+                 pid=os.getpid())
     events.close()
     if guard is not None:
         guard.close()
