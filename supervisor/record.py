@@ -55,6 +55,7 @@ class Record:
     checkpoint_deadline: datetime | None = None
     generation: int = 0  # membership generation last pushed
     members: tuple[str, ...] = ()  # membership hosts last pushed
+    store: str = ""  # in-place jobs: the rendezvous store last pushed with them
     reclaims_survived: int = 0
     decided_by: str = ""
     capacity: str = ""  # "" (as created) or "on-demand" (fallen back)
@@ -129,6 +130,7 @@ def parse_record(text: str | None) -> Record:
             handled=tuple(handled),
             generation=int(obj.get("generation", 0)),
             members=tuple(members),
+            store=str(obj.get("store", "")),
             reclaims_survived=int(obj.get("reclaims_survived", 0)),
             decided_by=str(obj.get("decided_by", "")),
             capacity=str(obj.get("capacity", "")),
