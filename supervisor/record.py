@@ -12,6 +12,8 @@ action. Contract:
   pod role, restored on return), `move_to` a move under way, `lacking_since` / `spot_free_since`
   the clocks of `fallback-after` / `return-after`, `drain` the id of the drain notice sent
   through the membership for the return.
+- `generation` / `members` / `store`: the membership last pushed (`store` only for in-place
+  jobs, in_place.py); a change of the hosts or the store raises the generation.
 - `cost` keeps the cost totals (cost.py) and `steps_lost` / `counted_exits` the steps lost
   reported by drained pods, so both survive a restart.
 - Reading never fails: a missing, malformed or newer-version record reads as a fresh record
