@@ -2,9 +2,9 @@
 `spotguard.io/in-place: "true"`, set in the Job's / PyTorchJob's pod template). Pure.
 
 Every regular container gets, unless it sets the variable itself:
-- `SPOTGUARD_IN_PLACE=1`; `SPOTGUARD_JOIN=auto` (the join rule, docs/protocols.md: the worker
-  joins a running group when the membership it reads names other hosts and a store but not its
-  own host; the supervisor pushes the membership to a new replica pod as soon as it exists);
+- `SPOTGUARD_IN_PLACE=1`. No `SPOTGUARD_JOIN`: whether a worker joins follows the join rule
+  (docs/protocols.md: it joins when the membership it reads names a store and hosts but not its
+  own; the supervisor pushes the membership to a new replica pod as soon as it exists);
 - `SPOTGUARD_RDZV_PORT`: the pod's port (the first container's literal value, else
   `names.RDZV_PORT`; the supervisor reads the same value for the membership's `store`);
   `SPOTGUARD_RDZV_HOST` = `status.podIP` and `SPOTGUARD_NODE` = `spec.nodeName` (downward API);
@@ -23,7 +23,6 @@ from spotguard.wire import names
 READY_VOLUME = "spotguard-ready"
 READY_DIR = "/var/run/spotguard-ready"
 READY_FILE = f"{READY_DIR}/ready"
-JOIN_AUTO = "auto"
 
 
 def wants_in_place(pod: dict[str, Any]) -> bool:
@@ -53,7 +52,6 @@ def container_env(pod: dict[str, Any], container: dict[str, Any]) -> list[dict[s
     """The in-place variables `container` does not set itself."""
     wanted: list[dict[str, Any]] = [
         {"name": names.ENV_IN_PLACE, "value": "1"},
-        {"name": names.ENV_JOIN, "value": JOIN_AUTO},
         {"name": names.ENV_RDZV_PORT, "value": pod_rdzv_port(pod)},
         {"name": names.ENV_RDZV_HOST, "valueFrom": _field("status.podIP")},
         {"name": names.ENV_NODE, "valueFrom": _field("spec.nodeName")},

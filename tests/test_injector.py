@@ -192,7 +192,7 @@ async def test_in_place_pod_gets_rendezvous_env_ready_file_and_readiness_probe(w
     out = applied(original, answer)
     trainer, helper = out["spec"]["containers"]
     env = {e["name"]: e for e in trainer["env"]}
-    assert env["SPOTGUARD_IN_PLACE"]["value"] == "1" and env["SPOTGUARD_JOIN"]["value"] == "auto"
+    assert env["SPOTGUARD_IN_PLACE"]["value"] == "1" and "SPOTGUARD_JOIN" not in env  # the join rule decides
     assert [e["value"] for e in trainer["env"] if e["name"] == "SPOTGUARD_RDZV_PORT"] == ["31000"]
     assert {e["name"]: e.get("value") for e in helper["env"]}["SPOTGUARD_RDZV_PORT"] == "31000"  # one pod port
     assert env["SPOTGUARD_RDZV_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
