@@ -15,6 +15,8 @@ A pod labelled `spotguard.io/inject: "true"` gets:
   limits.* refuse containers without them);
 - `terminationGracePeriodSeconds` raised to cover the save (annotation
   `spotguard.io/grace-seconds`, default 120), never lowered;
+- with annotation `spotguard.io/in-place: "true"` (jobs that change membership in place): the
+  in-place environment, a writable ready-file volume and a readiness probe on it (in_place.py);
 - annotation `spotguard.io/injected: "true"`.
 A pod without the label, or already injected, gets an empty patch.
 """
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from spotguard.injector import in_place
 from spotguard.wire import names
 
 SIDECAR_NAME = "spotguard-sidecar"
@@ -219,6 +222,10 @@ def build_patch(pod: dict[str, Any], cfg: InjectorConfig) -> list[dict[str, Any]
     if not isinstance(spec, dict) or not isinstance(spec.get("containers"), list) or not spec["containers"]:
         raise PodSpecError("spec.containers: a pod needs at least one container")
     grace = grace_for(pod, cfg)
+    try:
+        in_place_pod = in_place.wants_in_place(pod)
+    except ValueError as exc:
+        raise PodSpecError(str(exc)) from None
     sidecar = sidecar_container(cfg, *hostfile_wiring(pod), local_world_size=local_world_size(pod),
                                 identity=app_identity(pod))
     ops: list[dict[str, Any]] = []
@@ -228,10 +235,11 @@ def build_patch(pod: dict[str, Any], cfg: InjectorConfig) -> list[dict[str, Any]
     else:
         ops.append({"op": "add", "path": "/spec/initContainers", "value": [sidecar]})
 
+    new_volumes = volumes() + ([in_place.ready_volume()] if in_place_pod else [])
     if spec.get("volumes"):
-        ops += [{"op": "add", "path": "/spec/volumes/-", "value": v} for v in volumes()]
+        ops += [{"op": "add", "path": "/spec/volumes/-", "value": v} for v in new_volumes]
     else:
-        ops.append({"op": "add", "path": "/spec/volumes", "value": volumes()})
+        ops.append({"op": "add", "path": "/spec/volumes", "value": new_volumes})
 
     prestop = {"exec": {"command": ["spotguard", "sidecar", "prestop",
                                     f"--url=http://127.0.0.1:{cfg.sidecar_port}", f"--timeout={grace}"]}}
@@ -239,16 +247,19 @@ def build_patch(pod: dict[str, Any], cfg: InjectorConfig) -> list[dict[str, Any]
         if not isinstance(container, dict):
             raise PodSpecError(f"spec.containers[{i}]: expected an object")
         base = f"/spec/containers/{i}"
-        env = guard_env(cfg, grace)
+        env = guard_env(cfg, grace) + (in_place.container_env(pod, container) if in_place_pod else [])
         if container.get("env"):
             ops += [{"op": "add", "path": f"{base}/env/-", "value": e} for e in env]
         else:
             ops.append({"op": "add", "path": f"{base}/env", "value": env})
-        mount = {"name": SHARED_VOLUME, "mountPath": SHARED_DIR, "readOnly": True}
+        mounts = [{"name": SHARED_VOLUME, "mountPath": SHARED_DIR, "readOnly": True},
+                  *([in_place.ready_mount()] if in_place_pod else [])]
         if container.get("volumeMounts"):
-            ops.append({"op": "add", "path": f"{base}/volumeMounts/-", "value": mount})
+            ops += [{"op": "add", "path": f"{base}/volumeMounts/-", "value": m} for m in mounts]
         else:
-            ops.append({"op": "add", "path": f"{base}/volumeMounts", "value": [mount]})
+            ops.append({"op": "add", "path": f"{base}/volumeMounts", "value": mounts})
+        if in_place_pod and not container.get("readinessProbe"):
+            ops.append({"op": "add", "path": f"{base}/readinessProbe", "value": in_place.readiness_probe()})
         lifecycle = container.get("lifecycle")
         if not lifecycle:
             ops.append({"op": "add", "path": f"{base}/lifecycle", "value": {"preStop": prestop}})

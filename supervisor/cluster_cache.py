@@ -212,13 +212,16 @@ class ClusterCache:
         """The job's active replica pods."""
         return [p for p in self.pods_of(key) if capacity.pod_active(p) and adapter.is_replica_pod(p)]
 
+    def on_healthy_node(self, pod: Mapping[str, Any]) -> bool:
+        """The pod is bound to a known node without a notice."""
+        node = self.nodes.get((pod.get("spec") or {}).get("nodeName") or "")
+        return node is not None and not capacity.has_notice(node)
+
     def members(self, key: JobKey, adapter: JobAdapter,
                 hosts_mode: str) -> tuple[list[dict], tuple[str, ...], list[dict]]:
         """(active replica pods, member hosts, member pods): members run on nodes without a notice."""
         pods = self.replica_pods(key, adapter)
-        members = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"
-                   and (p.get("spec") or {}).get("nodeName") in self.nodes
-                   and not capacity.has_notice(self.nodes[(p.get("spec") or {})["nodeName"]])]
+        members = [p for p in pods if (p.get("status") or {}).get("phase") == "Running" and self.on_healthy_node(p)]
         return pods, membership.hosts_of(members, hosts_mode), members
 
     def notice_seen_at(self, key: JobKey) -> float | None:

@@ -22,6 +22,7 @@ from spotguard.supervisor import conditions, membership, progress
 from spotguard.wire import names
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, annotations_of, meta
 from spotguard.supervisor.events import event_body
+from spotguard.supervisor.in_place import in_place_members
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.metrics import SupervisorMetrics
 from spotguard.supervisor.policy import PolicyError, decision_key
@@ -146,29 +147,43 @@ class JobEffects:
                             **{names.ANN_STEPS_LOST: str(total)})
         return await self.write_job(key, adapter, body)
 
-    async def ensure_membership(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record) -> None:
+    async def ensure_membership(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record,
+                                in_place: bool = False) -> None:
         """Elastic jobs the supervisor has acted on: pushes the hosts of the running replicas on
-        nodes without a notice (new generation when they change) to every active replica pod."""
+        nodes without a notice (new generation when they or the store change) to every active
+        replica pod. `in_place`: members, their stable order and the store follow in_place.py."""
         if record.decided_at is None or record.phase != RUNNING or adapter.suspended(obj):
             return
-        pods, hosts, members = self.cache.members(key, adapter, self.membership_hosts)
+        if in_place:
+            pods = self.cache.replica_pods(key, adapter)
+            hosts, store = in_place_members(pods, record.members, self.membership_hosts,
+                                                     self.cache.on_healthy_node)
+            if hosts and not store:
+                return  # the first host's pod has no IP yet: its update requeues the job
+            replicas = len(hosts)
+        else:
+            pods, hosts, members = self.cache.members(key, adapter, self.membership_hosts)
+            store = ""
+            replicas = len(hosts) if self.membership_hosts == "node" else len(members)
         if not hosts:
             return
-        if hosts != record.members:
-            record = record.with_(generation=record.generation + 1, members=hosts)
+        if hosts != record.members or store != record.store:
+            record = record.with_(generation=record.generation + 1, members=hosts, store=store)
             if await self.write_job(key, adapter, record_patch(obj, record)) is None:
                 return
-        replicas = len(hosts) if self.membership_hosts == "node" else len(members)
         world = replicas * membership.processes_per_replica(adapter.pod_spec(obj))
-        await self._push_membership(pods, membership.membership_json(record.generation, hosts, world))
+        await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store))
 
     async def ensure_drain(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record) -> None:
         """A return to spot under way: the drain request rides the membership annotation to every
         active replica pod (sidecar -> Guard: a `drain` notice, checkpoint, exit 83)."""
         pods, hosts, members = self.cache.members(key, adapter, self.membership_hosts)
-        world = len(members) * membership.processes_per_replica(adapter.pod_spec(obj))
+        count = len(members)
+        if record.store:  # in place: the group's own hosts and store, so only the drain is new
+            hosts, count = record.members, len(record.members)
+        world = count * membership.processes_per_replica(adapter.pod_spec(obj))
         await self._push_membership(pods, membership.membership_json(record.generation, hosts, world,
-                                                                     drain=record.drain))
+                                                                     drain=record.drain, store=record.store))
 
     async def _push_membership(self, pods: list[dict], value: str) -> None:
         for pod in membership.pods_to_update(pods, value):

@@ -8,6 +8,8 @@ downward-API file).
 - world_size: processes across those replicas: each replica counts its `nvidia.com/gpu`
   request (at least 1).
 - generation: strictly increasing per job; the last pushed one is kept in the decision record.
+- store (in-place jobs only, in_place.py): the first host's rendezvous store, and the hosts keep
+  a stable order instead of the completion-index order.
 - drain (optional): an id; the sidecar turns it into a `drain` notice for its ranks, so the job
   checkpoints and exits 83 (the supervisor's return to spot, fallback.py).
 """
@@ -24,7 +26,8 @@ HOST_MODES = ("node", "pod-ip", "pod-name")
 INDEX_KEYS = ("batch.kubernetes.io/job-completion-index", "training.kubeflow.org/replica-index")
 
 
-def _index(pod: Mapping[str, Any]) -> tuple[int, str]:
+def index_of(pod: Mapping[str, Any]) -> tuple[int, str]:
+    """Sort key: the pod's completion (or replica) index, then its name; unindexed pods last."""
     meta = pod.get("metadata") or {}
     for source in (meta.get("annotations") or {}, meta.get("labels") or {}):
         for key in INDEX_KEYS:
@@ -45,7 +48,7 @@ def host_of(pod: Mapping[str, Any], mode: str = "node") -> str:
 def hosts_of(pods: Iterable[Mapping[str, Any]], mode: str = "node") -> tuple[str, ...]:
     """Distinct hosts of `pods` (already filtered to the members) in completion-index order."""
     seen: list[str] = []
-    for pod in sorted(pods, key=_index):
+    for pod in sorted(pods, key=index_of):
         host = host_of(pod, mode)
         if host and host not in seen:
             seen.append(host)
@@ -56,9 +59,10 @@ def processes_per_replica(pod_spec: Mapping[str, Any] | None) -> int:
     return max(1, int(pod_requests(pod_spec).get("nvidia.com/gpu", 0)))
 
 
-def membership_json(generation: int, hosts: Iterable[str], world_size: int, drain: str = "") -> str:
-    """The wire form; `drain` (an id) asks every member to checkpoint and drain (a `drain` notice)."""
-    return Membership(generation, tuple(hosts), world_size, drain).to_json()
+def membership_json(generation: int, hosts: Iterable[str], world_size: int, drain: str = "", store: str = "") -> str:
+    """The wire form; `drain` (an id) asks every member to checkpoint and drain (a `drain` notice);
+    `store` ("host:port") is where an in-place job's ranks re-form (in_place.py)."""
+    return Membership(generation, tuple(hosts), world_size, drain, store).to_json()
 
 
 def pods_to_update(pods: Iterable[Mapping[str, Any]], value: str) -> list[Mapping[str, Any]]:

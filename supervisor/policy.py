@@ -16,6 +16,8 @@ Policies (annotation `spotguard.io/policy`, default `fixed`):
   capacity for all replicas exists.
 - a suspended job that cannot get its minimum within `max-wait` seconds stops waiting
   (phase GaveUp): it stays suspended and the supervisor no longer resumes it.
+- elastic + `spotguard.io/in-place: "true"`: a notice only records itself (the noticed node's
+  pod leaves by itself, its replacement joins; in_place.py), below min it suspends as elastic.
 - `spotguard.io/fallback: on-demand`: moves between spot and on-demand capacity (fallback.py,
   consulted first).
 """
@@ -29,6 +31,7 @@ from collections.abc import Callable, Mapping
 
 from spotguard.config import ConfigError
 from spotguard.supervisor import fallback as fallback_rules
+from spotguard.supervisor.in_place import wants_in_place
 from spotguard.supervisor.record import CHECKPOINTING, GAVE_UP, RUNNING, SUSPENDED, Record
 from spotguard.wire import names
 
@@ -58,6 +61,7 @@ class Policy:
     max_replicas: int
     max_wait: float | None = None
     fallback: fallback_rules.Fallback | None = None
+    in_place: bool = False  # spotguard.io/in-place: membership changes in place (elastic only)
 
 
 def _int_annotation(annotations: Mapping[str, str], name: str) -> int | None:
@@ -99,7 +103,13 @@ def parse_policy(annotations: Mapping[str, str] | None, default_max: int, defaul
         fallback = fallback_rules.parse_fallback(annotations)
     except ConfigError as exc:
         raise PolicyError(exc.field, exc.message) from None
-    return Policy(mode, min_replicas, max_replicas, max_wait, fallback)
+    try:
+        in_place = wants_in_place(annotations)
+    except ValueError as exc:
+        raise PolicyError(names.ANN_IN_PLACE, str(exc)) from None
+    if in_place and mode != ELASTIC:
+        raise PolicyError(names.ANN_IN_PLACE, f"needs {names.ANN_POLICY}: {ELASTIC} (got {mode!r})")
+    return Policy(mode, min_replicas, max_replicas, max_wait, fallback, in_place)
 
 
 @dataclass(frozen=True)
@@ -204,7 +214,7 @@ class _Context:
 
     @property
     def strategy(self) -> Strategy:
-        return STRATEGIES[self.policy.mode]
+        return IN_PLACE if self.policy.in_place else STRATEGIES[self.policy.mode]
 
     @cached_property
     def previous(self) -> str:
@@ -308,7 +318,28 @@ class FixedStrategy(Strategy):
                      checkpoint_deadline=deadline, replicas=c.state.replicas, lacking_since=rec.lacking_since or now)
 
 
+class InPlaceStrategy(ElasticStrategy):
+    """Elastic, membership changed in place: a notice changes no replica count. The ranks on the
+    noticed node hand over and exit 83 by themselves, the survivors re-form without waiting,
+    and the Job controller (podFailurePolicy Ignore on 83) or the training operator replaces
+    the pod, which joins once Ready (effects.ensure_membership). Below min: suspend, as elastic."""
+
+    def on_notices(self, c: _Context, new: list[NoticeHit]) -> Decision:
+        rec, policy, state = c.rec, c.policy, c.state
+        survivors = min(state.healthy_replicas, policy.max_replicas)
+        if survivors < policy.min_replicas:
+            return super().on_notices(c, new)
+        ids, nodes, handled = _notice_facts(rec, new)
+        return c.act(RECORD, event=names.EVENT_LEAVING_IN_PLACE, key=decision_key("in-place", *ids),
+                     message=(f"notice {', '.join(ids)} on {nodes}: the replicas there leave in place, the "
+                              f"{survivors} on unaffected nodes keep training (min {policy.min_replicas}); "
+                              f"replacements join when capacity allows"),
+                     phase=RUNNING, reason="NoticeLeavingInPlace", handled=handled,
+                     reclaims_survived=rec.reclaims_survived + 1)
+
+
 STRATEGIES: dict[str, Strategy] = {ELASTIC: ElasticStrategy(), FIXED: FixedStrategy()}
+IN_PLACE = InPlaceStrategy()
 
 
 def _notice_facts(rec: Record, new: list[NoticeHit]) -> tuple[tuple[str, ...], str, tuple[str, ...]]:

@@ -30,7 +30,7 @@ from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.jobs.base import merge
 from spotguard.supervisor.metrics import SupervisorMetrics
 from spotguard.supervisor.policy import (ELASTIC, MOVE, RESUME, SCALE, SUSPEND, Decision, JobState, NoticeHit,
-                                         PolicyError, Settings, decide, needs_capacity, parse_policy)
+                                         Policy, PolicyError, Settings, decide, needs_capacity, parse_policy)
 from spotguard.supervisor.record import CHECKPOINTING, Record, RecordError, parse_record
 
 log = logging.getLogger(__name__)
@@ -83,27 +83,27 @@ class Reconciler:
             obj, record = applied, decision.record
         if decision.recheck_at is not None:
             self.requeue(key, max(0.05, (decision.recheck_at - now()).total_seconds() + 0.01))
-        await self._effects(key, obj, adapter, policy.mode, record)
+        await self._effects(key, obj, adapter, policy, record)
         return decision
 
-    def _decide(self, key: JobKey, obj: dict, adapter: JobAdapter, policy, record: Record) -> Decision:
+    def _decide(self, key: JobKey, obj: dict, adapter: JobAdapter, policy: Policy, record: Record) -> Decision:
         decision = decide(self.job_state(key, obj, adapter, policy, record), now(), self.settings, self.identity)
         if decision.acts and key in self.ledger.jobs:  # the cost totals travel with every decision
             decision = replace(decision, record=decision.record.with_(cost=self.ledger.jobs[key].totals()))
-        if decision.action == SCALE:  # the new membership travels with the decision: one write less
+        if decision.action == SCALE and not policy.in_place:  # the new membership travels with it: one write less
             hosts = self.cache.members(key, adapter, self.membership_hosts)[1]
             if hosts and hosts != decision.record.members:
                 decision = replace(decision, record=decision.record.with_(
                     generation=decision.record.generation + 1, members=hosts))
         return decision
 
-    async def _effects(self, key: JobKey, obj: dict, adapter: JobAdapter, mode: str, record: Record) -> None:
+    async def _effects(self, key: JobKey, obj: dict, adapter: JobAdapter, policy: Policy, record: Record) -> None:
         await self.effects.ensure_event(obj, record)
         current = await self.effects.ensure_conditions(key, obj, adapter, record)
         if current is not None:
             current = await self.effects.ensure_steps_lost(key, current, adapter)
-        if current is not None and mode == ELASTIC:
-            await self.effects.ensure_membership(key, current, adapter, record)
+        if current is not None and policy.mode == ELASTIC:
+            await self.effects.ensure_membership(key, current, adapter, record, in_place=policy.in_place)
         if current is not None and record.drain and record.phase == CHECKPOINTING:
             await self.effects.ensure_drain(key, current, adapter, record)
 

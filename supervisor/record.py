@@ -12,6 +12,8 @@ action. Contract:
   pod role, restored on return), `move_to` a move under way, `lacking_since` / `spot_free_since`
   the clocks of `fallback-after` / `return-after`, `drain` the id of the drain notice sent
   through the membership for the return.
+- `generation` / `members` / `store`: the membership last pushed (`store` only for in-place
+  jobs, in_place.py); a change of the hosts or the store raises the generation.
 - `cost` keeps the cost totals (cost.py) and `steps_lost` / `counted_exits` the steps lost
   reported by drained pods, so both survive a restart.
 - Reading never fails: a missing, malformed or newer-version record reads as a fresh record
@@ -55,6 +57,7 @@ class Record:
     checkpoint_deadline: datetime | None = None
     generation: int = 0  # membership generation last pushed
     members: tuple[str, ...] = ()  # membership hosts last pushed
+    store: str = ""  # in-place jobs: the rendezvous store last pushed with them
     reclaims_survived: int = 0
     decided_by: str = ""
     capacity: str = ""  # "" (as created) or "on-demand" (fallen back)
@@ -129,6 +132,7 @@ def parse_record(text: str | None) -> Record:
             handled=tuple(handled),
             generation=int(obj.get("generation", 0)),
             members=tuple(members),
+            store=str(obj.get("store", "")),
             reclaims_survived=int(obj.get("reclaims_survived", 0)),
             decided_by=str(obj.get("decided_by", "")),
             capacity=str(obj.get("capacity", "")),

@@ -60,14 +60,21 @@ def set_container_exit(plane, namespace: str, pod: str, exit_code: int, containe
     core.patch_namespaced_pod_status(pod, namespace, {"status": {"phase": phase, "containerStatuses": [status]}})
 
 
-def set_pod_running(plane, namespace: str, pod: str) -> None:
-    """Write `phase: Running` with a running container through `pods/status`, as a kubelet would."""
+def set_pod_running(plane, namespace: str, pod: str, pod_ip: str | None = None, ready: bool | None = None) -> None:
+    """Write `phase: Running` with a running container through `pods/status`, as a kubelet would;
+    with `pod_ip` the pod's IP, with `ready` its Ready condition (and the containers' readiness,
+    as a readiness probe sets them)."""
     core = kubernetes.client.CoreV1Api(plane.api_client())
     current = core.read_namespaced_pod(pod, namespace)
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    statuses = [{"name": c.name, "image": c.image, "imageID": "", "ready": True, "restartCount": 0,
+    statuses = [{"name": c.name, "image": c.image, "imageID": "", "ready": ready is not False, "restartCount": 0,
                  "state": {"running": {"startedAt": now}}} for c in current.spec.containers]
-    core.patch_namespaced_pod_status(pod, namespace, {"status": {"phase": "Running", "containerStatuses": statuses}})
+    status: dict = {"phase": "Running", "containerStatuses": statuses}
+    if pod_ip is not None:
+        status.update(podIP=pod_ip, podIPs=[{"ip": pod_ip}])
+    if ready is not None:
+        status["conditions"] = [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": now}]
+    core.patch_namespaced_pod_status(pod, namespace, {"status": status})
 
 
 def wait_service_account(plane, namespace: str, name: str = "default", timeout: float = 30) -> None:

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from spotguard.injector.certs import make_certificate
-from spotguard.injector.patch import InjectorConfig, SIDECAR_NAME, build_patch
+from spotguard.injector.patch import InjectorConfig, PodSpecError, SIDECAR_NAME, build_patch
 from spotguard.injector.server import make_app, tls_context
 
 CFG = InjectorConfig(image="spotguard:test", grace_seconds=90)
@@ -178,3 +178,40 @@ def test_sidecar_runs_as_the_apps_user_and_never_as_root(pod_ctx, container_ctx,
     original["spec"]["containers"][0]["securityContext"] = container_ctx
     ctx = build_patch(original, CFG)[0]["value"][0]["securityContext"]
     assert (ctx["runAsUser"], ctx.get("runAsGroup"), ctx["runAsNonRoot"]) == (*expected, True)
+
+
+async def test_in_place_pod_gets_rendezvous_env_ready_file_and_readiness_probe(webhook):
+    """A pod of an in-place job (annotation spotguard.io/in-place): the in-place environment on
+    the trainer (the container's own values win), a writable ready-file volume of its own (the
+    sidecar's stays read-only) and a readiness probe on that file; a plain pod gets none of it."""
+    original = pod(labels={"spotguard.io/inject": "true"}, annotations={"spotguard.io/in-place": "true"})
+    original["spec"]["containers"][0]["env"].append({"name": "SPOTGUARD_RDZV_PORT", "value": "31000"})
+    original["spec"]["containers"].append({"name": "helper", "image": "h",
+                                           "readinessProbe": {"httpGet": {"path": "/", "port": 8080}}})
+    _, answer = await webhook(review(original))
+    out = applied(original, answer)
+    trainer, helper = out["spec"]["containers"]
+    env = {e["name"]: e for e in trainer["env"]}
+    assert env["SPOTGUARD_IN_PLACE"]["value"] == "1" and "SPOTGUARD_JOIN" not in env  # the join rule decides
+    assert [e["value"] for e in trainer["env"] if e["name"] == "SPOTGUARD_RDZV_PORT"] == ["31000"]
+    assert {e["name"]: e.get("value") for e in helper["env"]}["SPOTGUARD_RDZV_PORT"] == "31000"  # one pod port
+    assert env["SPOTGUARD_RDZV_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["SPOTGUARD_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    ready_file = env["SPOTGUARD_READY_FILE"]["value"]
+    assert trainer["readinessProbe"]["exec"]["command"] == ["test", "-f", ready_file]
+    assert helper["readinessProbe"] == {"httpGet": {"path": "/", "port": 8080}}  # its own probe is kept
+    mounts = {m["mountPath"]: m for m in trainer["volumeMounts"]}
+    ready_mount = next(m for path, m in mounts.items() if ready_file.startswith(path + "/"))
+    assert not ready_mount.get("readOnly") and mounts["/var/run/spotguard"]["readOnly"] is True
+    (volume,) = [v for v in out["spec"]["volumes"] if v["name"] == ready_mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+
+    plain = pod(labels={"spotguard.io/inject": "true"}, annotations={"spotguard.io/in-place": "false"})
+    _, answer = await webhook(review(plain))
+    trainer = applied(plain, answer)["spec"]["containers"][0]
+    assert "readinessProbe" not in trainer and "SPOTGUARD_IN_PLACE" not in {e["name"] for e in trainer["env"]}
+
+
+def test_a_bad_in_place_annotation_names_it():
+    with pytest.raises(PodSpecError, match=r"spotguard\.io/in-place"):
+        build_patch(pod(labels={"spotguard.io/inject": "true"}, annotations={"spotguard.io/in-place": "yes"}), CFG)

@@ -1,6 +1,7 @@
 """Injection never makes an admissible pod inadmissible, checked by the real API server: pods
 that a namespace enforcing Pod Security `restricted`, a ResourceQuota on limits.cpu/memory, or
-both admit are still admitted once the injector's JSON patch is applied to them."""
+both admit are still admitted once the injector's JSON patch is applied to them (also a pod of an
+in-place job: its ready-file volume and readiness probe)."""
 from __future__ import annotations
 
 import copy
@@ -42,9 +43,13 @@ PODS = {
         initContainers=[{"name": "fetch", "image": "fetch:1", "resources": RESOURCES,
                          "securityContext": RESTRICTED_CONTAINER}],
         volumes=[{"name": "data", "emptyDir": {}}]),
+    "in-place": {**_pod("in-place", {"runAsNonRoot": True, "runAsUser": 1000,
+                                     "seccompProfile": {"type": "RuntimeDefault"}}, RESTRICTED_CONTAINER),
+                 "metadata": {"name": "in-place", "labels": {"spotguard.io/inject": "true"},
+                              "annotations": {"spotguard.io/in-place": "true"}}},
 }
 EXPECTED_USER = {"pod-level-user": (1000, 1000), "container-level-only": (1001, 1002), "image-user": (65532, None),
-                 "existing-init-and-volumes": (2000, None)}
+                 "existing-init-and-volumes": (2000, None), "in-place": (1000, None)}
 
 
 def _core(plane):
@@ -109,3 +114,5 @@ def test_injected_pods_stay_admissible(control_plane, k8s_namespace, kind):
         assert (ctx.run_as_non_root, ctx.run_as_user, ctx.run_as_group) == (True, user, group), (name, ctx)
         assert set(sidecar.resources.limits) >= {"cpu", "memory"}, sidecar.resources
         assert set(sidecar.resources.requests) >= {"cpu", "memory"}, sidecar.resources
+    probe = created["in-place"].spec.containers[0].readiness_probe
+    assert probe is not None and probe._exec.command[:2] == ["test", "-f"]

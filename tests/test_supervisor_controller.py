@@ -253,6 +253,36 @@ async def test_pytorchjob_elastic_scales_worker_replicas():
             await controller.stop()
 
 
+async def test_pytorchjob_in_place_keeps_its_workers_and_tells_the_survivors_the_store():
+    """An in-place PyTorchJob: a notice scales no Worker replicas and suspends nothing; the
+    survivors get the membership without the noticed host, with the first survivor's store."""
+    async with running_cluster() as cluster:
+        cluster.emulator.resources["kubeflow.org/v1/pytorchjobs"] = cluster.emulator.ResourceInfo(
+            kind="PyTorchJob", namespaced=True, verbs=["get", "list", "watch", "patch", "create"])
+        for node in NODES:
+            await cluster.add_node(node)
+        await cluster.add_job_with_pods("pt", NODES, {names.ANN_POLICY: "elastic", names.ANN_IN_PLACE: "true"},
+                                        kind="PyTorchJob")
+        controller = cluster.controller()
+        await controller.start()
+        try:
+            await cluster.notice("n0")
+
+            async def told():
+                values = [json.loads((await cluster.pod(f"pt-{i}"))["metadata"]["annotations"][names.ANN_MEMBERSHIP])
+                          for i in (1, 2, 3)]
+                return all(v == values[0] for v in values) and values[0]
+            membership = await eventually(told, what="the survivors told the membership")
+            assert membership["hosts"] == ["n1", "n2", "n3"] and membership["store"] == f"10.0.0.2:{names.RDZV_PORT}"
+            assert await cluster.events("pt", names.EVENT_LEAVING_IN_PLACE)
+            job = await cluster.job("pt", kind="PyTorchJob")
+            assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 4
+            assert job["spec"]["runPolicy"]["suspend"] is False
+            assert not await cluster.events("pt", names.EVENT_SCALED)
+        finally:
+            await controller.stop()
+
+
 async def test_a_drain_before_the_notice_is_not_its_checkpoint():
     """restartPolicy OnFailure keeps an earlier drain's exit 83 in lastState: a new notice must
     still wait for a drain of its own (finishedAt at/after the notice) before suspending."""

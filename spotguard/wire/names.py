@@ -53,6 +53,7 @@ EVENT_NOTED = "SpotguardNoticeNoted"
 EVENT_FELL_BACK = "SpotguardFellBackToOnDemand"
 EVENT_RETURNING = "SpotguardReturningToSpot"
 EVENT_RETURNED = "SpotguardReturnedToSpot"
+EVENT_LEAVING_IN_PLACE = "SpotguardLeavingInPlace"  # in-place job: the noticed node's replicas leave alone
 COMPONENT = "spotguard-supervisor"
 COMPONENT_AGENT = "spotguard-agent"
 

@@ -1,0 +1,98 @@
+"""Pure parts of the in-place membership (supervisor/in_place.py) and its policy: the stable host
+order, who is a member (survivors stay, joiners only once Ready), the store of the first host,
+and the decision on a notice (no scaling, the notice recorded). The cluster side runs against a
+real kube-apiserver in tests/test_k8s_in_place.py."""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, UTC
+
+import pytest
+
+from spotguard.supervisor.in_place import in_place_members, member_pods, stable_hosts, store_of
+from spotguard.supervisor.policy import RECORD, SUSPEND, JobState, NoticeHit, Policy, PolicyError, decide, parse_policy
+from spotguard.supervisor.record import Record, parse_record
+from spotguard.wire import names
+
+T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+IN_PLACE = Policy("elastic", 2, 4, None, in_place=True)
+HIT = (NoticeHit("aws.spot:1", "n0", "reclaim", T0 + timedelta(seconds=120)),)
+
+
+def pod(index: int, node: str, *, ready: bool = False, phase: str = "Running", ip: str = "",
+        port: str | None = None) -> dict:
+    env = [{"name": names.ENV_RDZV_PORT, "value": port}] if port is not None else []
+    return {"metadata": {"name": f"train-{index}", "annotations": {"batch.kubernetes.io/job-completion-index":
+                                                                   str(index)}},
+            "spec": {"nodeName": node, "containers": [{"name": "trainer", "env": env}]},
+            "status": {"phase": phase, "podIP": ip or f"10.0.0.{index + 1}",
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def healthy_except(*noticed: str):
+    return lambda p: p["spec"]["nodeName"] not in noticed
+
+
+@pytest.mark.parametrize("previous,current,expected", [
+    ((), ("a", "b", "c"), ("a", "b", "c")),  # the first push: completion-index order
+    (("c", "a", "b"), ("a", "b", "c"), ("c", "a", "b")),  # survivors keep their order
+    (("c", "a", "b"), ("a", "b"), ("a", "b")),  # a leaver drops out, rank 0 moves to the next survivor
+    (("c", "a"), ("a", "b", "c", "d"), ("c", "a", "b", "d")),  # joiners appended, never reordered before
+    (("a", "b"), ("b", "b", "a"), ("a", "b")),  # repeats dropped
+])
+def test_stable_hosts_keep_the_survivors_order_and_append_joiners(previous, current, expected):
+    assert stable_hosts(previous, current) == expected
+
+
+def test_a_joiner_is_a_member_only_once_ready_and_a_survivor_without_readiness_stays():
+    pods = [pod(0, "n0"), pod(1, "n1"), pod(2, "n2"), pod(3, "n3")]
+    # The first push lists the launcher's group: readiness is not asked of it.
+    assert [p["spec"]["nodeName"] for p in member_pods(pods, (), "node", healthy_except("n0"))] == ["n1", "n2", "n3"]
+    # n0 left (notice); its replacement for index 0 runs on n4 but is not Ready: not a member yet.
+    survivors = ("n2", "n1", "n3")
+    pods[0] = pod(0, "n4")
+    hosts, store = in_place_members(pods, survivors, "node", healthy_except())
+    assert hosts == survivors and store == "10.0.0.3:29411"  # n2 (index 2) is rank 0: its pod's store
+    # Once Ready it is appended, although its completion index is the lowest.
+    pods[0] = pod(0, "n4", ready=True)
+    hosts, _ = in_place_members(pods, survivors, "node", healthy_except())
+    assert hosts == ("n2", "n1", "n3", "n4")
+    # A pod that is not Running, or on a noticed node, is never a member, Ready or not.
+    pods[1] = pod(1, "n1", ready=True, phase="Failed")
+    hosts, store = in_place_members(pods, survivors, "node", healthy_except("n2"))
+    assert hosts == ("n3", "n4") and store == "10.0.0.4:29411"
+
+
+def test_the_store_takes_the_trainer_port_and_brackets_ipv6():
+    assert store_of(pod(0, "n0", ip="10.1.2.3", port="31000")) == "10.1.2.3:31000"
+    assert store_of(pod(0, "n0", ip="fd00::5")) == f"[fd00::5]:{names.RDZV_PORT}"
+    assert store_of(pod(0, "n0", ip="10.1.2.3", port="bogus")) == f"10.1.2.3:{names.RDZV_PORT}"
+    no_ip = pod(0, "n0")
+    no_ip["status"]["podIP"] = None
+    assert store_of(no_ip) == ""
+
+
+def test_parse_in_place_policy():
+    annotations = {names.ANN_POLICY: "elastic", names.ANN_MIN_REPLICAS: "2", names.ANN_IN_PLACE: "true"}
+    assert parse_policy(annotations, 4) == IN_PLACE
+    assert not parse_policy({**annotations, names.ANN_IN_PLACE: "false"}, 4).in_place
+    for bad in ({names.ANN_IN_PLACE: "true"}, {**annotations, names.ANN_IN_PLACE: "yes"}):
+        with pytest.raises(PolicyError) as err:
+            parse_policy(bad, 4)  # fixed + in-place, or a value other than true/false
+        assert err.value.field == names.ANN_IN_PLACE
+
+
+def test_an_in_place_notice_records_itself_and_scales_nothing():
+    st = JobState(IN_PLACE, 4, False, Record(), HIT, healthy_replicas=3)
+    decision = decide(st, T0)
+    assert decision.action == RECORD and decision.replicas is None
+    assert decision.reason == names.EVENT_LEAVING_IN_PLACE and decision.record.handled == ("aws.spot:1",)
+    assert decision.record.phase == "Running" and decision.record.reclaims_survived == 1
+    handled = decide(JobState(IN_PLACE, 4, False, decision.record, HIT, healthy_replicas=3), T0)
+    assert not handled.acts
+    below_min = decide(JobState(IN_PLACE, 4, False, Record(), HIT, healthy_replicas=1), T0)
+    assert below_min.action == SUSPEND  # as elastic: too few survivors to go on
+
+
+def test_the_record_keeps_the_store():
+    record = Record(generation=3, members=("n1", "n2"), store="10.0.0.2:29411")
+    assert parse_record(record.to_json()) == record
