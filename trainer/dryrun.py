@@ -216,7 +216,13 @@ class DryRun:
 
     async def _follow_in_place(self, gen: Generation) -> None:
         """Departures (a rank left with 83 while others train on), ready joiners, and scale-outs."""
-        gone = [n for n in self.world if n in gen.running and gen.running[n].process.returncode is not None]
+        ended = {n: gen.running[n].process.returncode for n in self.world if n in gen.running}
+        if any(code == 0 for code in ended.values()):  # training finished: joiners have nothing to join
+            for node in list(self._joining):
+                gen.signal_node(node, signal.SIGTERM)
+            self._joining.clear()
+            return
+        gone = [n for n, code in ended.items() if code is not None]
         if gone and len(gone) < len(self.world):
             for node in gone:
                 self.world.remove(node)

@@ -73,8 +73,8 @@ def build_report(scenario: dict, injected: list[InjectedEvent], generations: lis
                                                                 "capacity"):
             gev = per_gen.get(gen.index, [])
             agreed = [e for e in gev if e["event"] == "agreed" and e["t"] >= (inj.served_at or 0) - 1]
-            durable = [e for e in gev if e["event"] == "durable"]
-            drained = [e for e in gev if e["event"] == "drained"]
+            durable = [e for e in gev if e["event"] == "durable" and e["t"] >= (inj.served_at or 0) - 1]
+            drained = [e for e in gev if e["event"] == "drained" and e["t"] >= (inj.served_at or 0) - 1]
             if agreed:
                 steps = {e["step"] for e in agreed}
                 entry["agreed_step"] = min(steps)
@@ -131,6 +131,14 @@ def build_report(scenario: dict, injected: list[InjectedEvent], generations: lis
                         problems.append(f"{inj.kind} on {inj.node}: resumed state differs from the saved state")
         timeline.append(entry)
 
+    changes = in_place_changes(events, started_at)
+    for entry in timeline:
+        change = next((c for c in changes if c["t"] >= entry["served"] - 0.5), None)
+        if change is not None and entry["kind"] in ("reclaim", "gpu-fault", "maintenance", "capacity") \
+                and "relaunched" not in entry:
+            entry["path"] = change["path"]
+            entry["pause_s"] = change["pause_s"]
+            entry["world"] = f"{change['from_world']} -> {change['to_world']}"
     final_steps = [e["step"] for e in events if e["event"] == "finished"]
     completed = max(final_steps) if final_steps else max((e["step"] for e in events if "step" in e), default=0)
     if completed < total_steps:
@@ -150,7 +158,41 @@ def build_report(scenario: dict, injected: list[InjectedEvent], generations: lis
                          "ended": None if g.ended_at is None else _rel(g.ended_at, started_at)}
                         for g in generations],
         "throughput": throughput,
+        "membership_changes": changes,
+        "survivors": survivors(events),
     }
+
+
+def in_place_changes(events: list[dict], started_at: float) -> list[dict]:
+    """Each in-place change as the survivors logged it (`resized`): when, the sizes, which path,
+    and the survivors' pause (the slowest rank's)."""
+    grouped: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        if e["event"] == "resized":
+            grouped[(e.get("generation", 0), e["step"], e.get("to_world"))].append(e)
+    changes = []
+    for (_gen, step, to_world), group in sorted(grouped.items(), key=lambda kv: min(e["t"] for e in kv[1])):
+        changes.append({"t": _rel(min(e["t"] for e in group), started_at), "step": step,
+                        "from_world": group[0].get("from_world"), "to_world": to_world,
+                        "path": group[0].get("path"), "reason": group[0].get("reason"),
+                        "pause_s": round(max(e.get("pause", 0.0) for e in group), 4),
+                        "nodes": sorted({e.get("node") for e in group})})
+    return changes
+
+
+def survivors(events: list[dict]) -> dict[str, dict]:
+    """Per node that finished: whether its process id stayed the one that started training there,
+    and the longest gap between two of its completed steps (pauses included)."""
+    out: dict[str, dict] = {}
+    for e in events:
+        if e["event"] != "finished" or not e.get("node"):
+            continue
+        starts = [s for s in events if s["event"] == "start" and s.get("node") == e["node"]
+                  and s.get("generation") == e.get("generation")]
+        first = min(starts, key=lambda s: s["t"]) if starts else None
+        out[e["node"]] = {"pid_kept": first is not None and first.get("pid") == e.get("pid"),
+                          "max_step_gap_s": e.get("max_step_gap"), "joined": any(s.get("joined") for s in starts)}
+    return out
 
 
 def _rel(t: float, origin: float) -> float:
@@ -190,11 +232,18 @@ def render_text(report: dict) -> str:
             facts.append(f"deadline margin {e['margin_s']:.2f}s")
         if "steps_lost" in e:
             facts.append(f"steps lost {e['steps_lost']}")
+        if "path" in e:
+            facts.append(f"{e['path']}: world {e['world']}, survivors paused {e['pause_s']:.3f}s")
         if e.get("saved_digest") and e.get("resumed_digest"):
             facts.append("resumed state == saved state" if e["saved_digest"] == e["resumed_digest"]
                          else "resumed state != saved state")
         if facts:
             out.append("    " + ", ".join(facts))
+    for node, facts in sorted(report.get("survivors", {}).items()):
+        kept = "same process throughout" if facts["pid_kept"] else "process replaced"
+        out.append(f"  {node}: {'rejoined in place (a new process after its reclaim)' if facts.get('joined') else kept}"
+                   f", longest gap between steps "
+                   f"{facts['max_step_gap_s']}s")
     for d in report.get("supervisor_decisions", []):
         out.append(f"  supervisor t={d['t']:5.1f}s {d['action']}: {d['message']}")
     for e in report.get("not_reached", []):

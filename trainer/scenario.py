@@ -51,11 +51,11 @@ workers: 2
 framework: ddp
 policy: elastic
 min_workers: 1
-steps: 240
+steps: 360
 step_seconds: 0.05
 events:
   - {at: 4, kind: reclaim, node: node-1, lead: 15}
-  - {at: 14, kind: capacity, node: node-1}
+  - {at: 9, kind: capacity, node: node-1}
 """
 
 
