@@ -263,7 +263,7 @@ class Guard:
 
     def _receive_state(self, process) -> int:
         """The joiner's half of a grow (the survivors are in `Reformer.run`'s transfer)."""
-        adapter = self.adapter
+        adapter: Any = self.adapter  # resizable: TorchDCPAdapter(build=...)
         if adapter is None or not getattr(adapter, "resizable", False):
             raise RuntimeError("a joiner needs an adapter made with build= before resume()")
         held, source = share(self.collectives, None)

@@ -230,7 +230,7 @@ class DryRun:
                          gen.running[node].process.returncode, len(self.world))
             self.generations[-1].world_size = len(self.world)
             await self._push_membership(self.world)
-        for node, started in list(self._joining.items()):
+        for node in list(self._joining):
             joiner = gen.running.get(node)
             if joiner is not None and joiner.process.returncode is not None:
                 log.warning("the joiner on %s ended (exit %s) before joining", node, joiner.process.returncode)

@@ -18,6 +18,11 @@ Contract:
   (`SPOTGUARD_SIDECAR_URL`), or from `memberships`, a callable polled for one (tests). It forms
   the group that membership names (prefix `m<generation>/`, rank by the host's place in the list)
   and remembers it: the Guard made next receives the state from a live peer in `resume()`.
+- Without `SPOTGUARD_JOIN` (neither "1" nor "0") a worker that has a sidecar looks at the
+  membership its pod already has (the sidecar sends it on connect; waited for at most 1.5 s):
+  one with a `store` that lists other hosts but not this one means the job runs without it, and
+  it joins (a pod the Job controller re-created after a reclaim). Every worker creates the ready
+  file once its group is formed too, so a pod's readiness probe passes in both cases.
 - Raises `ReformError` when the group cannot be formed, `TimeoutError` when no membership lists
   this host in time.
 """
@@ -75,12 +80,19 @@ def init_process_group(backend: str = "gloo", *, memberships: Callable[[], dict 
         raise ValueError("in-place membership changes run on gloo here (backend='gloo')")
     rendezvous = Rendezvous.from_env()
     env = os.environ
+    if env.get(names.ENV_JOIN, "") not in ("0", "1") and env.get(names.ENV_SIDECAR_URL) and memberships is None:
+        found = first_membership(env[names.ENV_SIDECAR_URL], 1.5)
+        node = MembershipView.from_env().node
+        if found is not None and found.store and found.hosts and node not in found.hosts:
+            log.warning("membership %d runs without %s: joining it", found.generation, node)
+            env[names.ENV_JOIN] = "1"
     if env.get(names.ENV_JOIN, "") != "1":
         rank = positive_int("RANK", env.get("RANK") or 0, allow_zero=True)
         world = positive_int("WORLD_SIZE", env.get("WORLD_SIZE") or 1)
         master = f"{env.get('MASTER_ADDR') or '127.0.0.1'}:{env.get('MASTER_PORT') or rendezvous.port}"
         rendezvous.form(master, "m0/", rank, world)
         _process = ElasticProcess(rendezvous)
+        announce(env.get(names.ENV_READY_FILE))
         return
     view = MembershipView.from_env()
     warm_up()
@@ -126,6 +138,28 @@ def _listing(data: dict | None, node: str) -> Membership | None:
     except (MembershipFormatError, AttributeError):
         return None
     return membership if node in membership.hosts and membership.store else None
+
+
+def first_membership(url: str, timeout: float) -> Membership | None:
+    """The membership the sidecar at `url` sends on connect, or None within `timeout`."""
+    from spotguard.hooks.notice_listener import NoticeListener
+
+    got = threading.Event()
+    box: list[Membership] = []
+
+    def on_membership(data: dict[str, Any]) -> None:
+        try:
+            box.append(Membership.from_wire({k: v for k, v in data.items() if k != "departing"}))
+        except (MembershipFormatError, AttributeError):
+            return
+        got.set()
+
+    listener = NoticeListener(url, lambda _notice: None, on_membership=on_membership)
+    listener.start()
+    try:
+        return box[0] if got.wait(timeout) else None
+    finally:
+        listener.stop()
 
 
 def wait_for_membership(node: str, memberships: Callable[[], dict | None] | None, timeout: float) -> Membership:
