@@ -18,7 +18,8 @@ STORE = "127.0.0.1:29400"
 
 def notice(kind: Kind, node: str, source: str = "aws.spot", seconds: float | None = 120) -> Notice:
     now = now_utc()
-    return Notice(f"{source}:{node}", kind, source, node, now, None if seconds is None else now + timedelta(seconds=seconds))
+    deadline = None if seconds is None else now + timedelta(seconds=seconds)
+    return Notice(f"{source}:{node}", kind, source, node, now, deadline)
 
 
 # ---- ReformPlan ---------------------------------------------------------------------------------
