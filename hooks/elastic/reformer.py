@@ -13,7 +13,8 @@
    own group, agreement and host list (`seam.bind_group()`), in the order a joiner makes them.
 5. `transferred`: when anybody joins, the held state is broadcast from the lowest survivor
    (`transfer.share`) and every rank loads it; with nobody joining each survivor loads its own.
-6. `committed`: one `all_ok` over the new group. Returns `Outcome.CONTINUE`.
+6. `committed`: one `all_ok` over the new group (a rank whose load or `transferred` hook failed
+   votes no there). Returns `Outcome.CONTINUE`.
 A shrink writes the durable checkpoint of the agreed step BEFORE step 1 (the Guard's drain
 sequence, as without in-place), so the notice path is never less safe. Any exception in steps
 2-6 (a timeout re-forming, a peer dying during the transfer) takes the fallback: when this step
@@ -127,8 +128,14 @@ class Reformer:
             self._mark(record, "rebuilt")
             if record.joiners:
                 held, _source = share(seam.collectives, held)
-            adapter.load_full_state(held.state)
-            self._mark(record, "transferred")
+            try:
+                adapter.load_full_state(held.state)
+                self._mark(record, "transferred")
+            except Exception:
+                # The others wait in the commit vote (on a group without a short timeout): vote no,
+                # so that every survivor takes the fallback now, together.
+                seam.collectives.all_ok(False)
+                raise
             if not seam.collectives.all_ok(True):
                 raise RuntimeError("a rank of the new group failed the change")
         except Exception as exc:  # any failure in place: today's path

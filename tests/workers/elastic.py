@@ -7,9 +7,10 @@ test harness pushes memberships by writing `<out>/membership.json` (what a sidec
 Files written into --out (the tests read them):
 - progress-<node>: the last finished step;
 - pid-<node>: this process's id;
-- state-<tag>.pt (by rank 0): the full training state as full tensors at `resize-<n>` (right
-  after the n-th in-place change), `joined` (a joiner, right after receiving the state),
-  `resume` (right after loading a checkpoint), `save` (the agreed step) and `final`;
+- state-<tag>.pt (by rank 0; `joined` by the joiner): the full training state as full tensors at
+  `resize-<n>` (right after the n-th in-place change), `joined` (a joiner, right after receiving
+  the state), `handover` (the state the old group holds as a change begins), `resume` (right
+  after loading a checkpoint), `save` (the agreed step) and `final`;
 - resize-<node>.jsonl: one line per change (outcome, ranks, pause, phases);
 - exit-<node>: the exit status.
 Fault injection (tests only): FAIL_AT=<phase>, FAIL_NODE=<node>, FAIL_HOW=raise|exit.
@@ -44,7 +45,9 @@ def parse(argv=None):
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--signal-at", type=int, default=-1, help="the node --signal-node sends itself SIGTERM at this step")
     p.add_argument("--signal-node", default="")
-    p.add_argument("--stop-after", type=int, default=0, help="finish once this many changes happened")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="finish once this many changes happened (a joiner: once it joined), after --tail steps")
+    p.add_argument("--tail", type=int, default=0, help="steps trained in the group --stop-after ends in")
     return p.parse_args(argv)
 
 
@@ -77,12 +80,17 @@ def batch(step: int, rank: int, world: int):
 
 
 def full_state(adapter) -> dict[str, torch.Tensor]:
+    """The full state as flat full tensors, on every rank (collective under FSDP2)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model_state, optim_state = get_state_dict(adapter.model, adapter.optimizer,
-                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
-        return {}
+                                              options=StateDictOptions(full_state_dict=True))
+    return flatten(model_state, optim_state)
+
+
+def flatten(model_state: dict, optim_state: dict) -> dict[str, torch.Tensor]:
+    """A full model and optimizer state dict (`get_state_dict`'s layout, as DCP saves it too) as
+    the flat tensors the dumps hold: `param/<fqn>` and `<moment>/<fqn>`."""
     out = {f"param/{k}": v.detach().clone() for k, v in model_state.items()}
     for name, state in optim_state["state"].items():
         for key, value in state.items():
@@ -124,11 +132,13 @@ def main(argv=None) -> int:
 
     def dump(tag: str) -> None:
         state = full_state(adapter)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 or tag == "joined":
             torch.save(state, out / f"state-{tag}.pt")
 
     @guard.on_resize_phase
     def phase(name, record):
+        if name == "handover":  # still the old group: every rank of it is here
+            dump("handover")
         maybe_fail(name)
 
     @guard.on_reclaim
@@ -150,8 +160,25 @@ def main(argv=None) -> int:
     dump("joined" if joining else ("resume" if start else "start"))
     changes = 0
     code = 0
+    noted = None
+
+    def note_change() -> bool:
+        """Appends the Guard's newest change to resize-<node>.jsonl; whether there was a new one."""
+        nonlocal noted
+        record = guard.last_resize
+        if record is None or record is noted:
+            return False
+        noted = record
+        with open(out / f"resize-{NODE}.jsonl", "a") as f:
+            f.write(json.dumps({"step": record.step, "outcome": record.outcome.value, "old_rank": record.old_rank,
+                                "new_rank": record.new_rank, "world": record.new_world_size,
+                                "pause": record.pause_seconds, "phases": record.phases, "error": record.error,
+                                "durable": record.durable, "pid": os.getpid()}) + "\n")
+        return True
+
+    step, end = start, (start + args.tail if joining and args.stop_after else args.steps)
     try:
-        for step in range(start, args.steps):
+        while step < end:
             x, y = batch(step, guard.rank, guard.world_size)
             adapter.optimizer.zero_grad()
             torch.nn.functional.mse_loss(adapter.model(x), y).backward()
@@ -160,21 +187,16 @@ def main(argv=None) -> int:
             if step == args.signal_at and NODE == args.signal_node:
                 os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(args.step_sleep)
-            seen = guard.last_resize
             guard.step(step)
-            record = guard.last_resize
-            if record is not seen and record is not None:
+            if note_change():
                 changes += 1
-                with open(out / f"resize-{NODE}.jsonl", "a") as f:
-                    f.write(json.dumps({"step": record.step, "outcome": record.outcome.value,
-                                        "old_rank": record.old_rank, "new_rank": record.new_rank,
-                                        "world": record.new_world_size, "pause": record.pause_seconds,
-                                        "phases": record.phases, "pid": os.getpid()}) + "\n")
                 dump(f"resize-{changes}")
-                if args.stop_after and changes >= args.stop_after:
-                    break
+                if args.stop_after and changes == args.stop_after:
+                    end = min(end, step + 1 + args.tail)
+            step += 1
         dump("final")
     except SystemExit as exc:
+        note_change()
         code = exc.code if isinstance(exc.code, int) else 1
     (out / f"exit-{NODE}").write_text(str(code))
     guard.close()

@@ -60,20 +60,25 @@ class Run:
                          for r, p in enumerate(self.logs) if p.exists())
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_all(self.procs)
 
     def __enter__(self) -> Run:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def kill_all(procs) -> None:
+    """Kills every process of `procs` still running, by PID, and reaps it (10 s at most each)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def run_ranks(world: int, args: list[str], log_dir: Path, timeout: float = 120, **kwargs) -> tuple[list[int], str]:

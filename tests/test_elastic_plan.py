@@ -1,0 +1,153 @@
+"""The pure parts of in-place membership changes (no processes): the re-form plan, the rank's
+membership view (which pushed memberships become pending, which agreed notice changes the group),
+and the agreement arithmetic with a membership pseudo-notice."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from spotguard.hooks.agreement.base import contribution, outcome
+from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, MembershipView
+from spotguard.hooks.elastic.plan import ReformPlan
+from spotguard.wire import names
+from spotguard.wire.notice import Kind, Notice, now_utc
+
+STORE = "127.0.0.1:29400"
+
+
+def notice(kind: Kind, node: str, source: str = "aws.spot", seconds: float | None = 120) -> Notice:
+    now = now_utc()
+    deadline = None if seconds is None else now + timedelta(seconds=seconds)
+    return Notice(f"{source}:{node}", kind, source, node, now, deadline)
+
+
+# ---- ReformPlan ---------------------------------------------------------------------------------
+def test_shrink_plan_drops_the_leaving_host_and_renumbers_the_rest():
+    plan = ReformPlan.make(["a", "b", "c"], ["b", "c"])
+    assert (plan.old_world_size, plan.new_world_size, plan.leaving_hosts, plan.joining_hosts) == (3, 2, ("a",), ())
+    assert [plan.new_rank(r) for r in range(3)] == [None, 0, 1] and plan.leaves(0) and not plan.leaves(1)
+    assert plan.survivors == (1, 2) and plan.leader_old_rank == 1 and plan.first_survivor_old_rank == 1
+    assert [plan.survivor_rank(r) for r in (1, 2)] == [0, 1] and plan.changes
+
+
+def test_grow_plan_places_joiners_and_a_joining_leader_has_no_old_rank():
+    grow = ReformPlan.make(["b", "c"], ["b", "c", "d"])
+    assert grow.joining_hosts == ("d",) and grow.joiner_rank("d", 0) == 2 and grow.leader_old_rank == 0
+    led_by_joiner = ReformPlan.make(["b"], ["d", "b"])
+    assert led_by_joiner.leader_old_rank is None and led_by_joiner.new_rank(0) == 1
+    assert led_by_joiner.survivor_rank(0) == 0  # the fallback group is the survivors alone
+    with pytest.raises(ValueError):
+        grow.joiner_rank("e", 0)
+
+
+def test_plan_with_several_processes_per_host():
+    plan = ReformPlan.make(["a", "b"], ["b", "c"], procs_per_host=2)
+    assert [plan.new_rank(r) for r in range(4)] == [None, None, 0, 1]
+    assert plan.joiner_rank("c", 1) == 3 and plan.leader_old_rank == 2 and plan.survivors == (2, 3)
+
+
+def test_same_hosts_in_another_order_is_no_change():
+    assert not ReformPlan.make(["a", "b"], ["b", "a"]).changes
+
+
+@pytest.mark.parametrize("old, target, procs", [(["a"], [], 1), (["a", "a"], ["a"], 1), (["a"], ["b", "b"], 1),
+                                                (["a"], ["b"], 0)])
+def test_plan_rejects_impossible_groups(old, target, procs):
+    with pytest.raises(ValueError):
+        ReformPlan.make(old, target, procs)
+
+
+# ---- MembershipView -----------------------------------------------------------------------------
+def view_of(hosts=("a", "b", "c"), node="b", min_world_size=1) -> MembershipView:
+    view = MembershipView(node, min_world_size=min_world_size)
+    view.hosts = tuple(hosts)
+    return view
+
+
+def membership(generation: int, hosts, store: str = STORE) -> dict:
+    data = {"v": 1, "generation": generation, "hosts": list(hosts), "world_size": len(hosts)}
+    if store:
+        data["store"] = store
+    return data
+
+
+def test_a_newer_membership_with_other_hosts_becomes_a_membership_notice():
+    view = view_of()
+    view.offer(membership(2, ["b", "c", "d"]))
+    pending = view.pending_notice()
+    assert pending is not None and pending.source == MEMBERSHIP_SOURCE and pending.kind is Kind.DRAIN
+    assert pending.node == "b" and pending.deadline is None
+    change = view.plan_for(pending, step=7)
+    assert change is not None and change.plan.target_hosts == ("b", "c", "d")
+    assert (change.prefix, change.store, change.generation, change.reason) == ("m2/", STORE, 2, "membership")
+    view.adopt(2)  # the Guard after the change: nothing stays pending
+    assert view.pending_notice() is None
+
+
+def test_older_equal_storeless_and_malformed_memberships_leave_nothing_pending():
+    view = view_of()
+    view.offer(membership(3, ["c", "b", "a"]))  # the group's own hosts: the supervisor confirming
+    assert view.pending_notice() is None and view.generation == 3
+    view.offer(membership(2, ["b", "c", "d"]))  # older than what was seen
+    assert view.pending_notice() is None and view.generation == 3
+    view.offer(membership(4, ["b", "c", "d"], store=""))  # not an in-place membership
+    assert view.pending_notice() is None
+    for junk in ({"v": 1, "generation": "x", "hosts": ["b"], "world_size": 1}, {"v": 9}, "not a dict"):
+        view.offer(junk)  # type: ignore[arg-type]
+    assert view.pending_notice() is None
+    view.offer(membership(5, ["b", "d"]))
+    assert view.pending_notice() is not None  # still listening after the junk
+
+
+def test_a_notice_naming_a_host_of_the_group_shrinks_it_by_that_host():
+    change = view_of().plan_for(notice(Kind.RECLAIM, "a"), step=4)
+    assert change is not None and change.plan.target_hosts == ("b", "c")
+    assert (change.store, change.generation, change.reason) == ("", -1, "reclaim")
+    assert change.prefix.startswith("s") and change.prefix.endswith("-4/")
+
+
+@pytest.mark.parametrize("agreed", [
+    notice(Kind.DRAIN, "a", source=names.SUPERVISOR_DRAIN_SOURCE, seconds=None),  # the whole job drains
+    notice(Kind.RECLAIM, "z"),  # a host that is not in the group
+])
+def test_notices_that_drain_everyone(agreed):
+    assert view_of().plan_for(agreed, step=4) is None
+
+
+def test_a_shrink_below_min_world_size_drains_everyone():
+    assert view_of(min_world_size=3).plan_for(notice(Kind.RECLAIM, "a"), step=4) is None
+    assert view_of(min_world_size=2).plan_for(notice(Kind.RECLAIM, "a"), step=4) is not None
+
+
+def test_without_known_hosts_nothing_changes_in_place():
+    assert MembershipView("b").plan_for(notice(Kind.RECLAIM, "a"), step=1) is None
+
+
+# ---- the agreement with a membership pseudo-notice ----------------------------------------------
+def combine(contributions):
+    return [max(column) for column in zip(*contributions)]
+
+
+def test_a_real_notice_at_a_higher_rank_wins_over_a_membership_at_rank_0():
+    world = 4
+    pending = {0: _membership_notice(), 2: notice(Kind.RECLAIM, "c", seconds=60)}
+    combined = combine([contribution(pending.get(rank), rank, world) for rank in range(world)])
+    deadline, source = outcome(combined, world)
+    assert source == 2 and deadline == pending[2].deadline.timestamp()
+
+
+def test_a_membership_alone_is_agreed_from_the_lowest_rank_holding_it():
+    world = 3
+    member = _membership_notice()
+    combined = combine([contribution(member if rank else None, rank, world) for rank in range(world)])
+    assert outcome(combined, world) == (float("inf"), 1)
+    assert outcome(combine([contribution(None, r, world) for r in range(world)]), world) is None
+
+
+def _membership_notice() -> Notice:
+    view = view_of()
+    view.offer(membership(1, ["b", "c", "d"]))
+    pending = view.pending_notice()
+    assert pending is not None
+    return pending

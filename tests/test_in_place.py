@@ -1,0 +1,140 @@
+"""Membership changes in place across real gloo processes, one per host (tests/workers/elastic.py).
+
+- Shrink: host "a" (rank 0, whose store the job started on) gets SIGTERM; it checkpoints the
+  agreed step with the others and exits 83 while "b" and "c" re-form a group of 2 on b's store
+  in the same processes. Their state right after the change equals what today's relaunch would
+  load from that checkpoint.
+- Grow: joiner "d" starts (with the others, to keep the test short) and says it is ready; once
+  b and c trained on after the shrink, the membership b, c, d is pushed; at the next agreed step
+  the three form a group and d receives the state from a live peer (no checkpoint is written or
+  read for that step).
+- Fallback: a failure during a change (a survivor raising after forming or after the transfer,
+  the joiner dying after it formed the group, a listed host that never comes) ends every survivor with 83 and leaves the
+  agreed step durable: a relaunch resumes at that step + 1 with the state the survivors held
+  (read here from the newest checkpoint; the shrink test relaunches real ranks from one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import pytest
+import torch
+
+from tests.workers.hosts import Hosts, checkpoint_steps, newest_checkpoint, restart
+from tests.workers.launch import assert_same_state
+
+pytestmark = pytest.mark.slow
+
+LONG = ("--steps", "100000")  # the runs end on the change (--stop-after) or on a failure, never by steps
+FAST_FALLBACK = {"SPOTGUARD_REFORM_TIMEOUT": "3"}
+
+
+@dataclass
+class ShrinkThenGrow:
+    hosts: Hosts
+    codes: dict[str, int]
+    pids: dict[str, int]  # host -> the process id it started with
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+def shrink_then_grow(request, tmp_path_factory) -> ShrinkThenGrow:
+    """a, b, c; a (rank 0, the store's host) leaves at step 5; then d joins; 3 steps in b, c, d."""
+    root = tmp_path_factory.mktemp(f"in-place-{request.param}")
+    args = (*LONG, "--signal-at", "5", "--signal-node", "a", "--stop-after", "2", "--tail", "3")
+    with Hosts(root / "run", request.param, root / "ckpt", args, env={"SPOTGUARD_REFORM_TIMEOUT": "20"}) as hosts:
+        hosts.start(["a", "b", "c"])
+        hosts.join("d")
+        pids = {host: proc.pid for host, proc in hosts.procs.items()}
+        assert hosts.wait(["a"], timeout=90) == {"a": 83}, hosts.tail()
+        hosts.wait_for("state-resize-1.pt")
+        hosts.wait_for("ready-d", timeout=60)
+        hosts.push(1, ["b", "c", "d"])
+        codes = hosts.wait(["b", "c", "d"], timeout=60)
+    return ShrinkThenGrow(hosts, {"a": 83, **codes}, pids)
+
+
+def test_shrink_in_place_when_the_store_host_leaves(shrink_then_grow, tmp_path):
+    run = shrink_then_grow
+    hosts = run.hosts
+    assert run.codes == {"a": 83, "b": 0, "c": 0, "d": 0}, hosts.tail()
+    assert [c["outcome"] for c in hosts.changes("a")] == ["leave"]
+    step = hosts.changes("a")[0]["step"]
+    for host in ("b", "c"):
+        shrink = hosts.changes(host)[0]
+        assert (shrink["outcome"], shrink["step"], shrink["world"]) == ("in-place", step, 2), shrink
+        assert hosts.pid(host) == shrink["pid"] == run.pids[host]  # the same process trained on
+    assert [hosts.changes(h)[0]["new_rank"] for h in ("b", "c")] == [0, 1]
+    assert checkpoint_steps(hosts.ckpt) == [step]  # the notice path still wrote the agreed step
+    relaunched = restart(hosts.mode, hosts.ckpt, tmp_path / "restart", world=2, steps=step + 1)
+    assert_same_state(hosts.state("resize-1"), relaunched)
+
+
+def test_grow_in_place_from_a_live_peer(shrink_then_grow):
+    run = shrink_then_grow
+    hosts = run.hosts
+    assert run.codes == {"a": 83, "b": 0, "c": 0, "d": 0}, hosts.tail()
+    shrink_step = hosts.changes("b")[0]["step"]
+    grow = [hosts.changes(h)[1] for h in ("b", "c")]
+    step = grow[0]["step"]
+    assert [(g["outcome"], g["step"], g["world"], g["new_rank"]) for g in grow] == \
+        [("in-place", step, 3, 0), ("in-place", step, 3, 1)], grow
+    assert [g["pid"] for g in grow] == [run.pids["b"], run.pids["c"]]
+    assert hosts.pid("d") == run.pids["d"]
+    # Nothing was written for the join, and what d holds is the live state, not the checkpoint's.
+    assert checkpoint_steps(hosts.ckpt) == [shrink_step] and shrink_step < step
+    joined = hosts.state("joined")
+    assert_same_state(joined, hosts.state("resize-2"))
+    assert any(not torch.equal(joined[k], v) for k, v in hosts.state("resize-1").items())
+    # The group of three trained its 3 steps together.
+    assert [hosts.progress(h) for h in ("b", "c", "d")] == [step + 3] * 3
+
+
+def assert_durable(hosts: Hosts, step: int, held: dict) -> None:
+    """The newest complete checkpoint is `step` (a relaunch resumes at step + 1) and holds `held`."""
+    saved_step, saved = newest_checkpoint(hosts.ckpt)
+    assert saved_step == step
+    assert_same_state(held, saved)
+
+
+def test_shrink_falls_back_when_a_survivor_fails_after_forming(tmp_path):
+    """The leaving store host is gone, c raises once the group of b and c formed: both exit 83."""
+    args = (*LONG, "--signal-at", "3", "--signal-node", "a")
+    env = {**FAST_FALLBACK, "FAIL_AT": "formed", "FAIL_NODE": "c"}
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", args, env=env) as hosts:
+        hosts.start(["a", "b", "c"])
+        codes = hosts.wait(["a", "b", "c"], timeout=90)
+    assert codes == {"a": 83, "b": 83, "c": 83}, hosts.tail()
+    step = hosts.changes("a")[0]["step"]
+    assert [(c["outcome"], c["step"], c["durable"]) for h in ("b", "c") for c in hosts.changes(h)] == \
+        [("fallback", step, True)] * 2
+    assert "injected failure at formed" in hosts.changes("c")[0]["error"]
+    assert_durable(hosts, step, hosts.state("handover"))
+    assert_same_state(hosts.state("save"), hosts.state("handover"))
+
+
+GROW_FAULTS = {
+    "joiner-dies-after-forming": ({"FAIL_AT": "formed-joiner", "FAIL_NODE": "d", "FAIL_HOW": "exit"}, True),
+    "store-host-raises-at-transferred": ({"FAIL_AT": "transferred", "FAIL_NODE": "b"}, True),
+    "listed-host-never-starts": ({}, False),
+}
+
+
+@pytest.mark.parametrize("fault", GROW_FAULTS)
+def test_grow_falls_back_and_loses_nothing(fault, tmp_path):
+    """b and c train; the membership b, c, d comes; the change fails: b and c save and exit 83."""
+    env, joiner_starts = GROW_FAULTS[fault]
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", LONG, env={**FAST_FALLBACK, **env}) as hosts:
+        hosts.start(["b", "c"])
+        if joiner_starts:
+            hosts.join("d")
+            hosts.wait_for("ready-d", timeout=60)
+        hosts.wait_step("b", 2)
+        hosts.push(1, ["b", "c", "d"])
+        codes = hosts.wait(["b", "c"], timeout=60)
+        assert codes == {"b": 83, "c": 83}, hosts.tail()
+        if joiner_starts:
+            assert hosts.wait(["d"], timeout=30)["d"] not in (0, 83), hosts.tail()
+    changes = [c for h in ("b", "c") for c in hosts.changes(h)]
+    step = changes[0]["step"]
+    assert [(c["outcome"], c["step"], c["durable"]) for c in changes] == [("fallback", step, True)] * 2, changes
+    assert checkpoint_steps(hosts.ckpt) == [step]  # the fallback's save: nothing was durable before
+    assert_durable(hosts, step, hosts.state("handover"))
