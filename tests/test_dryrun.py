@@ -61,8 +61,30 @@ def assert_consistent_save(entry: dict, world_size: int) -> None:
     assert entry["saved_digest"] and entry["saved_digest"] == entry["resumed_digest"], entry
 
 
-def test_default_dry_run_survives_a_reclaim_and_scales_back(tmp_path):
-    code, report, output = dry_run(tmp_path, SHORT_DEFAULT)
+def test_default_dry_run_changes_membership_in_place(tmp_path):
+    """The default path: the survivor never restarts, the returning node joins from a live peer."""
+    scenario = SHORT_DEFAULT.replace("steps: 300", "steps: 450").replace("at: 8, kind: capacity", "at: 5, kind: capacity")
+    code, report, output = dry_run(tmp_path, scenario)
+    assert report is not None, output[-3000:]
+    assert code == 0 and report["ok"], (report["problems"], output[-3000:])
+    reclaim, capacity = report["timeline"]
+    assert reclaim["ranks_agreed"] == [0, 1], reclaim
+    assert reclaim["checkpoint_step"] == reclaim["agreed_step"], reclaim
+    assert reclaim["margin_s"] > 0
+    assert (reclaim["path"], reclaim["world"]) == ("in-place", "2 -> 1"), reclaim
+    assert (capacity["path"], capacity["world"]) == ("in-place", "1 -> 2"), capacity
+    assert "relaunched" not in reclaim and "relaunched" not in capacity
+    assert [(c["from_world"], c["to_world"], c["path"]) for c in report["membership_changes"]] == \
+        [(2, 1, "in-place"), (1, 2, "in-place")]
+    assert len(report["generations"]) == 1  # nobody was relaunched
+    assert report["survivors"]["node-0"]["pid_kept"] is True, report["survivors"]
+    assert report["survivors"]["node-1"]["joined"] is True, report["survivors"]
+    assert report["steps_completed"] == 450 and report["steps_lost"] == 0
+    assert "in-place: world 2 -> 1" in output and "node-0: same process throughout" in output
+
+
+def test_restart_path_dry_run_survives_a_reclaim_and_scales_back(tmp_path):
+    code, report, output = dry_run(tmp_path, SHORT_DEFAULT, "--membership", "restart")
     assert report is not None, output[-3000:]
     assert code == 0 and report["ok"], (report["problems"], output[-3000:])
     reclaim, capacity = report["timeline"]

@@ -72,8 +72,8 @@ class PeriodicDryRun(DryRun):
         if checkpoint_every <= 0:
             raise ValueError("checkpoint_every must be > 0 for the periodic baseline")
         # Today's practice relaunches on every change: torchrun, no Guard, nothing in place.
-        super().__init__(dataclasses.replace(scenario, checkpoint_every=checkpoint_every, membership="restart"), run_dir,
-                         ["--no-guard", *(train_argv_extra or [])], **kwargs)
+        baseline = dataclasses.replace(scenario, checkpoint_every=checkpoint_every, membership="restart")
+        super().__init__(baseline, run_dir, ["--no-guard", *(train_argv_extra or [])], **kwargs)
         self.survivor_grace = survivor_grace
         self.evictions: list[Eviction] = []
         self._drained_ids: set[str] = set()

@@ -3,9 +3,10 @@
 Contract: every rank calls the same methods in the same order. `max(values)` is the element-wise
 maximum over the ranks; `all_ok(ok)` is True on every rank when every rank passed True;
 `broadcast_bytes(payload, src)` returns `src`'s payload on every rank; `gather_strings(value)`
-is every rank's string by rank; `leave()` is a last
-agreement and then the destruction of the process groups, so no rank tears a connection down
-while a peer's gloo thread still uses it. The base class `Collectives` (a process alone) answers with its own input.
+is every rank's string by rank; `leave()` is a last agreement and then the destruction of the
+process groups, so no rank tears a connection down while a peer's gloo thread still uses it;
+`abandon()` destroys them without that agreement (a rank whose part failed, so that it never
+votes yes). The base class `Collectives` (a process alone) answers with its own input.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class Collectives:
 
     def leave(self) -> None:
         pass
+
+    def abandon(self) -> None:
+        """Destroys the groups without the last agreement (this rank failed: it must not vote)."""
 
 
 
@@ -83,6 +87,15 @@ class GroupCollectives(Collectives):
         gathered: list = [None] * self.world_size
         self.dist.all_gather_object(gathered, value, group=self.group)
         return [str(v) for v in gathered]
+
+    def abandon(self) -> None:
+        if self._left:
+            return
+        self._left = True
+        try:
+            self.dist.destroy_process_group()
+        except Exception as exc:  # peers may be gone already
+            log.warning("process groups not destroyed cleanly: %s", exc)
 
     def leave(self) -> None:
         if self._left:

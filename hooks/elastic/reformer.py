@@ -147,6 +147,7 @@ class Reformer:
                    exc: Exception) -> ResizeRecord:
         record.error = f"{type(exc).__name__}: {exc}"
         record.outcome = Outcome.FALLBACK
+        seam.collectives.abandon()  # never a yes vote from here on: peers waiting in a collective fail too
         log.error("in-place change at step %d failed (%s): falling back to checkpoint, exit, relaunch",
                   record.step, record.error)
         if record.new_rank is None:

@@ -15,7 +15,8 @@ Contract:
 - `form(store_address, prefix, rank, world_size)` destroys whatever default group exists and
   initialises a new gloo default group of `world_size` at `prefix` on the store at
   `store_address` (served by this process when `rank` is 0). It raises `ReformError` when the
-  group is not complete within the timeout; the caller falls back.
+  group is not complete within the timeout; the caller falls back. Once formed, the group's
+  collectives get torch's default timeout back (the re-form timeout bounds only the forming).
 """
 from __future__ import annotations
 
@@ -101,6 +102,9 @@ class Rendezvous:
         try:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=self.timeout))
+            set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+            if set_timeout is not None:  # training's collectives keep torch's default timeout
+                set_timeout(dist.distributed_c10d.default_pg_timeout)
         except Exception as exc:
             destroy_groups()
             raise ReformError(f"forming {prefix} (rank {rank} of {world_size}) on {store_address} failed: {exc}") \
