@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 from spotguard.hooks.elastic import init_process_group
 from spotguard.hooks.guard import Guard
+from spotguard.trainer.elastic_job import batch, build_for, membership_reader, watch_memberships
 
 NODE = os.environ.get("SPOTGUARD_NODE", "?")
 
@@ -49,34 +49,6 @@ def parse(argv=None):
                    help="finish once this many changes happened (a joiner: once it joined), after --tail steps")
     p.add_argument("--tail", type=int, default=0, help="steps trained in the group --stop-after ends in")
     return p.parse_args(argv)
-
-
-def build_for(mode: str):
-    def build():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-        world = dist.get_world_size()
-        if mode == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (world,))
-            for layer in model:
-                if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return build
-
-
-def batch(step: int, rank: int, world: int):
-    """Step `step`'s global batch (16 samples), this rank's contiguous share."""
-    g = torch.Generator().manual_seed(100_003 * step)
-    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
-    per = 16 // world
-    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
 
 
 def full_state(adapter) -> dict[str, torch.Tensor]:
@@ -98,23 +70,12 @@ def flatten(model_state: dict, optim_state: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def membership_reader(out: Path):
-    path = out / "membership.json"
-
-    def read() -> dict | None:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-    return read
-
-
 def main(argv=None) -> int:
     args = parse(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"pid-{NODE}").write_text(str(os.getpid()))
-    read_membership = membership_reader(out)
+    read_membership = membership_reader(out / "membership.json")
     fail_at, fail_node, fail_how = os.environ.get("FAIL_AT"), os.environ.get("FAIL_NODE"), os.environ.get("FAIL_HOW")
 
     def maybe_fail(phase: str) -> None:
@@ -145,16 +106,7 @@ def main(argv=None) -> int:
     def saved(step, notice):
         dump("save")
 
-    def watch() -> None:
-        seen = None
-        while True:
-            data = read_membership()
-            if data is not None and data != seen:
-                seen = data
-                guard.view.offer(data)
-            time.sleep(0.05)
-
-    threading.Thread(target=watch, daemon=True).start()
+    watch_memberships(read_membership, guard.view)
     joining = os.environ.get("SPOTGUARD_JOIN") == "1"
     start = guard.resume()
     dump("joined" if joining else ("resume" if start else "start"))

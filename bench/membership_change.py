@@ -1,0 +1,359 @@
+"""Survivors' pause on a membership change, 4 -> 3 -> 4 ranks: in place vs. the restart path.
+
+    .venv/bin/python bench/membership_change.py                          # DDP and FSDP2, both paths
+    .venv/bin/python bench/membership_change.py --frameworks ddp,fsdp2,deepspeed --json out.json
+
+One rank per host, hosts a-d (gloo on 127.0.0.1, `bench/_membership_worker.py`, a synthetic
+`--step-sleep` per step), started directly with the environment `spotguard launch` gives a worker
+(`hooks.launch.worker_env`; the restart path without the in-place variables, i.e. torchrun's).
+Per framework, in one run:
+- in place: SIGTERM to host a (a signal-borne drain notice naming a: a leaves; it hosted the
+  store) -> the survivors b, c, d re-form at 3 in their processes; then host e starts as a
+  joiner and, once ready, a membership [b, c, d, e] with b's store is pushed -> 4 in place;
+- restart (today's path): the same notice makes every rank checkpoint the agreed step and exit
+  83; then new processes (interpreter, torch import, group init, load from the checkpoint) start
+  at 3; a second notice -> every rank exits 83 -> new processes at 4 with e.
+DeepSpeed ZeRO-1 runs the restart path only (it is not resized in place).
+Survivors' pause = over the survivors b, c, d, the longest time from their last step completed
+before the change to their first step completed after it, from the workers' own per-step
+timestamps; it contains one ordinary step (the median step is printed). For the in-place path the
+Guard's own record is printed beside it (agreement -> committed, without the shrink's durable
+checkpoint, which is printed as "save"). The restart figure is a lower bound of a real restart:
+no torchrun agent or elastic rendezvous, no CUDA/NCCL start, a checkpoint on local disk.
+Goals (issue 11): in-place step gap <= 0.5 s and <= 1/5 of the restart path's.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from spotguard.hooks.launch import LaunchConfig, worker_env
+from spotguard.processes import die_with_parent, free_port
+from spotguard.wire import names
+
+WORKER = Path(__file__).resolve().with_name("_membership_worker.py")
+FRAMEWORKS = ("ddp", "fsdp2", "deepspeed")
+IN_PLACE_FRAMEWORKS = ("ddp", "fsdp2")
+START_HOSTS = ("a", "b", "c", "d")
+LEAVER, JOINER = "a", "e"
+SURVIVORS = ("b", "c", "d")
+PAUSE_GOAL_S = 0.5
+RATIO_GOAL = 5.0
+EXIT_PREEMPTED = names.EXIT_PREEMPTED
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--frameworks", default="ddp,fsdp2",
+                   help=f"comma-separated, of {', '.join(FRAMEWORKS)} (default ddp,fsdp2; deepspeed: restart only)")
+    p.add_argument("--step-sleep", type=float, default=0.05, help="synthetic compute per step, seconds")
+    p.add_argument("--steps-between", type=int, default=15, help="steps every rank trains between two changes")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds any one wait may take")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this file")
+    p.add_argument("--keep", type=Path, default=None, help="run in this folder and keep it (logs, step files)")
+    args = p.parse_args(argv)
+    args.frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    unknown = [f for f in args.frameworks if f not in FRAMEWORKS]
+    if unknown or not args.frameworks:
+        p.error(f"--frameworks: {', '.join(unknown) or 'none given'}; choose from {', '.join(FRAMEWORKS)}")
+    if args.step_sleep < 0 or args.steps_between < 1 or args.timeout <= 0:
+        p.error("--step-sleep must be >= 0, --steps-between >= 1, --timeout > 0")
+    return args
+
+
+# ---- one job's processes -------------------------------------------------------------------------
+class Job:
+    """The worker processes of one path of one framework, in their own folder; only processes
+    started here are ever signalled or killed, by their process object."""
+
+    def __init__(self, folder: Path, framework: str, args: argparse.Namespace):
+        self.out = folder
+        self.out.mkdir(parents=True)
+        self.framework = framework
+        self.args = args
+        self.procs: dict[str, list[subprocess.Popen]] = {}
+        self.base_env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+        self.base_env["PYTHONUNBUFFERED"] = "1"
+
+    def start(self, node: str, env: dict[str, str]) -> None:
+        command = [sys.executable, str(WORKER), "--framework", self.framework, "--ckpt", str(self.out / "ckpt"),
+                   "--out", str(self.out), "--step-sleep", str(self.args.step_sleep)]
+        with open(self.out / f"log-{node}", "a") as log:
+            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    preexec_fn=die_with_parent(signal.SIGKILL))
+        self.procs.setdefault(node, []).append(proc)
+
+    def env(self, node: str, rank: int, world: int, master_port: int, rdzv_port: int, *, in_place: bool,
+            join: bool = False) -> dict[str, str]:
+        config = LaunchConfig(nnodes=world, node_rank=rank, nproc_per_node=1, master_addr="127.0.0.1",
+                              master_port=master_port, node_name=node, rdzv_host="127.0.0.1", rdzv_port=rdzv_port,
+                              join=join, ready_file=str(self.out / f"ready-{node}") if join else None,
+                              reform_timeout=30.0, min_world_size=None, shutdown_timeout=30.0, command=())
+        env = worker_env(config, 0, self.base_env)
+        if not in_place:
+            for name in (names.ENV_IN_PLACE, names.ENV_RDZV_HOST, names.ENV_RDZV_PORT):
+                env.pop(name, None)
+        return env
+
+    def launch(self, hosts: tuple[str, ...]) -> None:
+        """A fresh set of processes, one per host, on a new store: the restart path's relaunch."""
+        port = free_port()
+        for rank, node in enumerate(hosts):
+            self.start(node, self.env(node, rank, len(hosts), port, port, in_place=False))
+
+    def current(self, node: str) -> subprocess.Popen:
+        return self.procs[node][-1]
+
+    def steps(self, node: str) -> list[dict]:
+        try:
+            text = (self.out / f"steps-{node}.jsonl").read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+    def resizes(self, node: str) -> list[dict]:
+        try:
+            return [json.loads(line) for line in (self.out / f"resize-{node}.jsonl").read_text().splitlines()]
+        except FileNotFoundError:
+            return []
+
+    def last_step(self, node: str) -> int:
+        lines = self.steps(node)
+        return lines[-1]["step"] if lines else -1
+
+    def wait(self, ready, what: str) -> None:
+        """Polls `ready()` until true; a worker that exited unexpectedly or the timeout fails it."""
+        deadline = time.monotonic() + self.args.timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.out.name}: timed out waiting for {what}\n{self.tails()}")
+            time.sleep(0.1)
+
+    def wait_steps(self, hosts, step: int) -> None:
+        self.wait(lambda: all(self.last_step(n) >= step for n in hosts), f"step {step} on {', '.join(hosts)}")
+
+    def wait_exits(self, hosts, code: int) -> None:
+        deadline = time.monotonic() + self.args.timeout
+        for node in hosts:
+            proc = self.current(node)
+            try:
+                got = proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{self.out.name}: host {node} did not exit\n{self.tails()}") from None
+            if got != code:
+                raise RuntimeError(f"{self.out.name}: host {node} exited {got}, expected {code}\n{self.tails()}")
+
+    def finish(self, hosts) -> None:
+        """Ends the job cleanly: every rank stops after a step far enough ahead of all of them."""
+        stop = max(self.last_step(n) for n in hosts) + 10
+        tmp = self.out / "stop-at.tmp"
+        tmp.write_text(str(stop))
+        tmp.rename(self.out / "stop-at")
+        self.wait_exits(hosts, 0)
+
+    def tails(self) -> str:
+        parts = []
+        for log in sorted(self.out.glob("log-*")):
+            lines = log.read_text(errors="replace").splitlines()[-8:]
+            parts.append(f"--- {log.name}\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    def kill(self) -> None:
+        for procs in self.procs.values():
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(10)
+
+
+# ---- the two paths ---------------------------------------------------------------------------------
+def run_in_place(job: Job) -> tuple[int, int]:
+    """4 -> 3 (host a leaves on SIGTERM) -> 4 (joiner e); the two agreed steps."""
+    ports = {n: free_port() for n in (*START_HOSTS, JOINER)}
+    for rank, node in enumerate(START_HOSTS):
+        job.start(node, job.env(node, rank, len(START_HOSTS), ports[START_HOSTS[0]], ports[node], in_place=True))
+    between = job.args.steps_between
+    job.wait_steps(START_HOSTS, between)
+    job.current(LEAVER).send_signal(signal.SIGTERM)
+    job.wait_exits((LEAVER,), EXIT_PREEMPTED)
+    job.wait(lambda: all(len(job.resizes(n)) >= 1 for n in SURVIVORS), "the shrink on every survivor")
+    shrink = job.resizes(SURVIVORS[0])[0]["step"]
+    job.wait_steps(SURVIVORS, shrink + between)
+    job.start(JOINER, job.env(JOINER, len(SURVIVORS), len(SURVIVORS) + 1, ports[SURVIVORS[0]], ports[JOINER],
+                              in_place=True, join=True))
+    job.wait(lambda: (job.out / f"ready-{JOINER}").exists(), f"the joiner {JOINER} to be ready")
+    membership = {"v": 1, "generation": 1, "hosts": [*SURVIVORS, JOINER], "world_size": len(SURVIVORS) + 1,
+                  "store": f"127.0.0.1:{ports[SURVIVORS[0]]}"}
+    (job.out / "membership.json.tmp").write_text(json.dumps(membership))
+    (job.out / "membership.json.tmp").rename(job.out / "membership.json")
+    job.wait(lambda: all(len(job.resizes(n)) >= 2 for n in SURVIVORS), "the grow on every survivor")
+    grow = job.resizes(SURVIVORS[0])[1]["step"]
+    job.wait_steps((*SURVIVORS, JOINER), grow + between)
+    job.finish((*SURVIVORS, JOINER))
+    return shrink, grow
+
+
+def run_restart(job: Job) -> tuple[tuple[int, float], tuple[int, float]]:
+    """4 -> 3 -> 4 by checkpoint, exit 83 on every rank and relaunch; per change, the agreed step
+    and the moment (time.monotonic()) every rank had exited, when the relaunch starts."""
+    between = job.args.steps_between
+    job.launch(START_HOSTS)
+    job.wait_steps(START_HOSTS, between)
+    job.current(LEAVER).send_signal(signal.SIGTERM)
+    job.wait_exits(START_HOSTS, EXIT_PREEMPTED)
+    shrink = (job.last_step(SURVIVORS[0]), time.monotonic())
+    job.launch(SURVIVORS)
+    job.wait_steps(SURVIVORS, shrink[0] + between)
+    job.current(SURVIVORS[0]).send_signal(signal.SIGTERM)  # today a returning host is a drain of all
+    job.wait_exits(SURVIVORS, EXIT_PREEMPTED)
+    grow = (job.last_step(SURVIVORS[0]), time.monotonic())
+    job.launch((*SURVIVORS, JOINER))
+    job.wait_steps((*SURVIVORS, JOINER), grow[0] + between)
+    job.finish((*SURVIVORS, JOINER))
+    return shrink, grow
+
+
+# ---- figures -----------------------------------------------------------------------------------------
+def around(job: Job, step: int) -> list[tuple[float, float]]:
+    """Per survivor: when step `step` and step `step + 1` were complete."""
+    pairs = []
+    for node in SURVIVORS:
+        times: dict[int, float] = {}
+        for line in job.steps(node):
+            times.setdefault(line["step"], line["t"])
+        if step not in times or step + 1 not in times:
+            raise RuntimeError(f"{job.out.name}: host {node} has no steps {step} and {step + 1}")
+        pairs.append((times[step], times[step + 1]))
+    return pairs
+
+
+def step_gap(job: Job, step: int) -> float:
+    """The longest survivor's time from step `step` complete to step `step + 1` complete."""
+    return max(after - before for before, after in around(job, step))
+
+
+def median_step(job: Job) -> float:
+    """The median time between consecutive steps of one process (ordinary steps)."""
+    diffs = []
+    for node in SURVIVORS:
+        lines = job.steps(node)
+        diffs += [b["t"] - a["t"] for a, b in itertools.pairwise(lines) if b["step"] == a["step"] + 1
+                  and b["pid"] == a["pid"] and b["world"] == a["world"]]
+    return statistics.median(diffs)
+
+
+@dataclass
+class Row:
+    framework: str
+    change: str
+    step_s: float
+    in_place_gap_s: float | None
+    guard_pause_s: float | None
+    save_s: float | None
+    restart_gap_s: float
+    restart_exit_s: float  # last step before -> every rank exited
+    restart_start_s: float  # every rank exited -> the slowest survivor's first step after
+
+    @property
+    def ratio(self) -> float | None:
+        return self.restart_gap_s / self.in_place_gap_s if self.in_place_gap_s else None
+
+    @property
+    def pause_met(self) -> bool | None:
+        return None if self.in_place_gap_s is None else self.in_place_gap_s <= PAUSE_GOAL_S
+
+    @property
+    def ratio_met(self) -> bool | None:
+        return None if self.ratio is None else self.ratio >= RATIO_GOAL
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio, "pause_goal_met": self.pause_met, "ratio_goal_met": self.ratio_met}
+
+
+def measure(framework: str, root: Path, args: argparse.Namespace) -> list[Row]:
+    restart = Job(root / f"{framework}-restart", framework, args)
+    try:
+        restart_steps = run_restart(restart)
+    finally:
+        restart.kill()
+    in_place = None
+    if framework in IN_PLACE_FRAMEWORKS:
+        in_place = Job(root / f"{framework}-in-place", framework, args)
+        try:
+            in_place_steps = run_in_place(in_place)
+        finally:
+            in_place.kill()
+    rows = []
+    for i, change in enumerate(("4 -> 3", "3 -> 4")):
+        step, exited = restart_steps[i]
+        before_after = around(restart, step)
+        exit_s = exited - max(before for before, _ in before_after)
+        start_s = max(after for _, after in before_after) - exited
+        gap = pause = save = None
+        if in_place is not None:
+            gap = step_gap(in_place, in_place_steps[i])
+            records = [in_place.resizes(n)[i] for n in SURVIVORS]
+            pause = max(r["pause"] for r in records)
+            save = max(r["save"] for r in records)
+        rows.append(Row(framework, change, median_step(in_place or restart), gap, pause, save,
+                        step_gap(restart, step), exit_s, start_s))
+    return rows
+
+
+def render(rows: list[Row]) -> str:
+    def s(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    def met(value: bool | None) -> str:
+        return "-" if value is None else ("met" if value else "MISSED")
+
+    head = (f"{'framework':<10} {'change':<7} {'step':>6} {'in-place gap':>12} {'Guard pause':>11} {'save':>6} "
+            f"{'restart gap':>11} {'(exit + start)':>15} {'restart/in-place':>16}  {'<= 0.5 s':<8} {'<= 1/5':<6}")
+    out = [head, "-" * len(head)]
+    for r in rows:
+        ratio = "-" if r.ratio is None else f"{r.ratio:.1f}x"
+        out.append(f"{r.framework:<10} {r.change:<7} {s(r.step_s):>6} {s(r.in_place_gap_s):>12} "
+                   f"{s(r.guard_pause_s):>11} {s(r.save_s):>6} {s(r.restart_gap_s):>11} "
+                   f"{r.restart_exit_s:>6.2f} + {r.restart_start_s:>6.2f} {ratio:>16}  "
+                   f"{met(r.pause_met):<8} {met(r.ratio_met):<6}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    root = args.keep.resolve() if args.keep else Path(tempfile.mkdtemp(prefix="spotguard-membership-"))
+    started = time.monotonic()
+    rows: list[Row] = []
+    try:
+        for framework in args.frameworks:
+            rows += measure(framework, root, args)
+            print(f"{framework}: done at {time.monotonic() - started:.0f} s", file=sys.stderr)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"survivors' pause (s), 4 ranks on 127.0.0.1, gloo, step sleep {args.step_sleep:g} s, "
+          f"{args.steps_between} steps between changes")
+    print(render(rows))
+    print("gap: last step before -> first step after the change (includes one ordinary step, 'step' = median); "
+          "Guard pause: its record, agreement -> committed; save: the shrink's durable checkpoint, inside the gap; "
+          "restart exit: last step -> every rank exited 83, start: -> first step of the new processes")
+    if args.json:
+        args.json.write_text(json.dumps({"config": {"frameworks": args.frameworks, "step_sleep": args.step_sleep,
+                                                    "steps_between": args.steps_between},
+                                         "rows": [r.as_dict() for r in rows]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
