@@ -63,7 +63,8 @@ def assert_consistent_save(entry: dict, world_size: int) -> None:
 
 def test_default_dry_run_changes_membership_in_place(tmp_path):
     """The default path: the survivor never restarts, the returning node joins from a live peer."""
-    scenario = SHORT_DEFAULT.replace("steps: 300", "steps: 450").replace("at: 8, kind: capacity", "at: 5, kind: capacity")
+    scenario = SHORT_DEFAULT.replace("steps: 300", "steps: 450") \
+        .replace("at: 8, kind: capacity", "at: 5, kind: capacity")
     code, report, output = dry_run(tmp_path, scenario)
     assert report is not None, output[-3000:]
     assert code == 0 and report["ok"], (report["problems"], output[-3000:])
