@@ -1,4 +1,4 @@
-"""The goodput benchmark's library: its accounting, and the three modes on a small trace replay."""
+"""The goodput benchmark's library: its accounting, and every mode on a small trace replay."""
 from __future__ import annotations
 
 import json
@@ -45,8 +45,8 @@ def test_goals_compare_against_ideal_and_baseline():
         return ModeResult(mode, "finished", 100, 100, wall, 3200, reclaims_hit=1, leads_s=[10.0],
                           lost_on_reclaims=[lost])
     comparison = Comparison({"ideal": result("ideal", 10.0, 0), "periodic": result("periodic", 20.0, 30),
-                             "spotguard": result("spotguard", 10.5, 0)})
-    assert comparison.goodput("spotguard") == pytest.approx(10.0 / 10.5)
+                             "spotguard": result("spotguard", 10.2, 0)})
+    assert comparison.goodput("spotguard") == pytest.approx(10.0 / 10.2)
     assert [met for _, met, _ in comparison.goals()] == [True, True, True]
     comparison.results["spotguard"] = result("spotguard", 25.0, 2)
     assert [met for _, met, _ in comparison.goals()] == [False, False, False]
@@ -55,7 +55,7 @@ def test_goals_compare_against_ideal_and_baseline():
 
 
 @pytest.mark.timeout(300)
-async def test_three_modes_replay_a_trace_window(tmp_path):
+async def test_every_mode_replays_a_trace_window(tmp_path):
     scenario = scenario_from_trace(TRACE.read_text(), origin=str(TRACE), workers=2, time_scale=300.0,
                                    start=15270.0, window=930.0, lead=5.0, steps=STEPS, step_seconds=0.05)
     assert [(e.kind, e.node) for e in scenario.events] == [("reclaim", "node-1")]
@@ -75,10 +75,18 @@ async def test_three_modes_replay_a_trace_window(tmp_path):
     resumed = [e["step"] for e in events if e["event"] == "start" and e["generation"] == 1]
     assert resumed and all(s % CHECKPOINT_EVERY == 0 for s in resumed)  # back to a periodic checkpoint
 
-    guarded = results["spotguard"]
-    assert guarded.reclaims_hit == 1 and guarded.leads_s == [5.0]
-    assert guarded.lost_on_reclaims == [0]
-    events = list(read_events(tmp_path / "spotguard" / "events"))
+    relaunched = results["spotguard-restart"]
+    assert relaunched.reclaims_hit == 1 and relaunched.leads_s == [5.0]
+    assert relaunched.lost_on_reclaims == [0] and relaunched.restarts == 1 and relaunched.in_place == 0
+    events = list(read_events(tmp_path / "spotguard-restart" / "events"))
     durable = [e for e in events if e["event"] == "durable" and e["generation"] == 0]
     assert durable and {e["step"] for e in durable} == {
         min(e["step"] for e in events if e["event"] == "start" and e["generation"] == 1)}
+
+    guarded = results["spotguard"]  # in place: the survivor never restarts
+    assert guarded.reclaims_hit == 1 and guarded.leads_s == [5.0]
+    assert guarded.lost_on_reclaims == [0] and guarded.restarts == 0 and guarded.in_place == 1
+    events = list(read_events(tmp_path / "spotguard" / "events"))
+    durable = [e for e in events if e["event"] == "durable"]
+    resized = [e for e in events if e["event"] == "resized"]
+    assert resized and {e["step"] for e in resized} == {e["step"] for e in durable}

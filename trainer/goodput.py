@@ -127,6 +127,8 @@ class ModeResult:
     lost_on_rescales: int = 0
     restarts: int = 0
     restart_gap_s: float = 0.0  # time between a generation's last step and the next one's start
+    in_place: int = 0  # membership changes made in place (no relaunch)
+    in_place_pause_s: float = 0.0  # the survivors' pauses of those changes, summed
     run_dir: str = ""
 
     @property
@@ -189,7 +191,14 @@ def summarize(mode: str, events: Iterable[dict], generations: list[GenerationRec
                                  if r.deadline is not None])
     for here, nxt in zip(started, [*started[1:], None]):
         kept_end = start_step[nxt.index] if nxt is not None else reached[here.index]
-        result.useful_samples += max(0, min(kept_end, reached[here.index]) - start_step[here.index]) * batch[here.index]
+        changes = in_place_changes(by_gen[here.index])
+        result.useful_samples += segment_samples(start_step[here.index], min(kept_end, reached[here.index]),
+                                                 batch[here.index], changes)
+        for change in changes:
+            result.in_place += 1
+            result.in_place_pause_s += change["pause"]
+            if change.get("reason") != "membership":  # a reclaim answered in place: the survivors lost nothing
+                result.lost_on_reclaims.append(0)
         if nxt is None:
             continue
         lost = max(0, reached[here.index] - kept_end)
@@ -200,7 +209,33 @@ def summarize(mode: str, events: Iterable[dict], generations: list[GenerationRec
         else:
             result.lost_on_rescales += lost
     result.restart_gap_s = round(result.restart_gap_s, 3)
+    result.in_place_pause_s = round(result.in_place_pause_s, 3)
     return result
+
+
+def in_place_changes(events: list[dict]) -> list[dict]:
+    """One generation's in-place changes (`resized` events), one per change: the slowest rank's
+    pause, in step order."""
+    by_step: dict[int, dict] = {}
+    for e in events:
+        if e["event"] == "resized" and e.get("path") == "in-place":
+            seen = by_step.setdefault(e["step"], dict(e))
+            seen["pause"] = max(seen.get("pause", 0.0), e.get("pause", 0.0))
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def segment_samples(first: int, last: int, batch: int, changes: list[dict]) -> int:
+    """Samples of steps first..last of one generation whose global batch started at `batch` and
+    follows the world size at each in-place change (in-place jobs are elastic: `scale-lr` keeps
+    each rank's batch)."""
+    total, step, size = 0, first, batch
+    for change in changes:
+        at = min(max(change["step"], step), last)
+        total += (at - step) * size
+        if change.get("from_world"):
+            size = size * change["to_world"] // change["from_world"]
+        step = at
+    return total + max(0, last - step) * size
 
 
 async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_every: int = 100,
@@ -269,13 +304,13 @@ class Comparison:
 def render(comparison: Comparison) -> str:
     """The comparison as a table and goal lines a person reads."""
     head = (f"{'mode':<17} {'done':>9} {'reclaims':>8} {'lost/recl':>9} {'lost recl':>9} {'lost resc':>9} "
-            f"{'restarts':>8} {'gaps s':>7} {'wall s':>7} {'steps/s':>7} {'goodput':>7} {'samples':>7}")
+            f"{'restarts':>8} {'gaps s':>7} {'in place':>8} {'pause s':>7} {'wall s':>7} {'steps/s':>7} {'goodput':>7} {'samples':>7}")
     lines = [head, "-" * len(head)]
     for mode, r in comparison.results.items():
         g, gs = comparison.goodput(mode), comparison.goodput(mode, "samples")
         lines.append(f"{mode:<17} {r.steps_completed:>4}/{r.total_steps:<4} {r.reclaims_hit:>8} "
                      f"{r.lost_per_reclaim:>9.1f} {r.steps_lost_reclaims:>9} {r.lost_on_rescales:>9} "
-                     f"{r.restarts:>8} {r.restart_gap_s:>7.1f} {r.wall_s:>7.1f} {r.steps_per_s:>7.2f} "
+                     f"{r.restarts:>8} {r.restart_gap_s:>7.1f} {r.in_place:>8} {r.in_place_pause_s:>7.2f} {r.wall_s:>7.1f} {r.steps_per_s:>7.2f} "
                      f"{'-' if g is None else f'{g:.3f}':>7} {'-' if gs is None else f'{gs:.3f}':>7}")
     lines.append("")
     for goal, met, figure in comparison.goals():
