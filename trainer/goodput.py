@@ -304,13 +304,15 @@ class Comparison:
 def render(comparison: Comparison) -> str:
     """The comparison as a table and goal lines a person reads."""
     head = (f"{'mode':<17} {'done':>9} {'reclaims':>8} {'lost/recl':>9} {'lost recl':>9} {'lost resc':>9} "
-            f"{'restarts':>8} {'gaps s':>7} {'in place':>8} {'pause s':>7} {'wall s':>7} {'steps/s':>7} {'goodput':>7} {'samples':>7}")
+            f"{'restarts':>8} {'gaps s':>7} {'in place':>8} {'pause s':>7} {'wall s':>7} {'steps/s':>7} "
+            f"{'goodput':>7} {'samples':>7}")
     lines = [head, "-" * len(head)]
     for mode, r in comparison.results.items():
         g, gs = comparison.goodput(mode), comparison.goodput(mode, "samples")
         lines.append(f"{mode:<17} {r.steps_completed:>4}/{r.total_steps:<4} {r.reclaims_hit:>8} "
                      f"{r.lost_per_reclaim:>9.1f} {r.steps_lost_reclaims:>9} {r.lost_on_rescales:>9} "
-                     f"{r.restarts:>8} {r.restart_gap_s:>7.1f} {r.in_place:>8} {r.in_place_pause_s:>7.2f} {r.wall_s:>7.1f} {r.steps_per_s:>7.2f} "
+                     f"{r.restarts:>8} {r.restart_gap_s:>7.1f} {r.in_place:>8} {r.in_place_pause_s:>7.2f} "
+                     f"{r.wall_s:>7.1f} {r.steps_per_s:>7.2f} "
                      f"{'-' if g is None else f'{g:.3f}':>7} {'-' if gs is None else f'{gs:.3f}':>7}")
     lines.append("")
     for goal, met, figure in comparison.goals():
