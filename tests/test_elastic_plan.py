@@ -104,7 +104,7 @@ def test_a_notice_naming_a_host_of_the_group_shrinks_it_by_that_host():
     change = view_of().plan_for(notice(Kind.RECLAIM, "a"), step=4)
     assert change is not None and change.plan.target_hosts == ("b", "c")
     assert (change.store, change.generation, change.reason) == ("", -1, "reclaim")
-    assert change.prefix.startswith("s") and change.prefix.endswith("-4/")
+    assert change.prefix == "s4-2/"  # the step and the new size: the same on every rank
 
 
 @pytest.mark.parametrize("agreed", [
@@ -151,3 +151,13 @@ def _membership_notice() -> Notice:
     pending = view.pending_notice()
     assert pending is not None
     return pending
+
+
+def test_every_rank_computes_the_same_shrink_prefix_whatever_its_history():
+    """A joiner has formed fewer groups than the ranks that were there from the start; the
+    group a shrink forms must still meet under one prefix (a 4-worker replay timed out on it)."""
+    veteran, joiner = view_of(node="a"), view_of(node="c")
+    veteran.formations, joiner.formations = 3, 1
+    reclaim = notice(Kind.RECLAIM, "b")
+    assert veteran.plan_for(reclaim, step=224).prefix == joiner.plan_for(reclaim, step=224).prefix
+    assert veteran.plan_for(reclaim, step=224).prefix != veteran.plan_for(reclaim, step=225).prefix

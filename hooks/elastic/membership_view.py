@@ -125,7 +125,9 @@ class MembershipView:
         if not target or len(target) * self.procs_per_host < self.min_world_size:
             return None
         plan = ReformPlan.make(self.hosts, target, self.procs_per_host)
-        return Change(plan, f"s{self.formations}-{step}/", "", -1, notice.kind.value)
+        # Every rank of the group computes the same prefix (a joiner's formation count differs
+        # from the others'): one agreement per step, and steps only grow in a process's life.
+        return Change(plan, f"s{step}-{len(target)}/", "", -1, notice.kind.value)
 
 
 def membership_summary(change: Change) -> str:
