@@ -65,10 +65,7 @@ class Generation:
         logs.mkdir(parents=True, exist_ok=True)
         self.launched_at = time.time()
         for rank, launch in enumerate(self.nodes):
-            env = {**os.environ, **self.extra_env, **launch.env,
-                   "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DS_ACCELERATOR": "cpu",
-                   "PYTHONUNBUFFERED": "1", "SPOTGUARD_GENERATION": str(self.index), "SPOTGUARD_NODE": launch.node,
-                   "TORCHELASTIC_SHUTDOWN_TIMEOUT": "60"}
+            env = self._env(launch)
             if self.rdzv_ports is None:
                 cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.world_size}",
                        f"--node-rank={rank}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
@@ -102,9 +99,14 @@ class Generation:
     async def add_joiner(self, launch: NodeLaunch, ready_file: Path) -> None:
         """Starts a worker on `launch.node` that joins the running job in place once a membership
         lists it (it creates `ready_file` when it is ready to)."""
-        env = {**os.environ, **self.extra_env, **launch.env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-               "PYTHONUNBUFFERED": "1", "SPOTGUARD_GENERATION": str(self.index), "SPOTGUARD_NODE": launch.node}
-        await self._spawn(launch.node, self._in_place_command(launch.node, 0, 1, ready_file), env)
+        await self._spawn(launch.node, self._in_place_command(launch.node, 0, 1, ready_file), self._env(launch))
+
+    def _env(self, launch: NodeLaunch) -> dict[str, str]:
+        """A node's environment: the pod's (its sidecar, token, event log) over this process's."""
+        return {**os.environ, **self.extra_env, **launch.env,
+                "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DS_ACCELERATOR": "cpu",
+                "PYTHONUNBUFFERED": "1", "SPOTGUARD_GENERATION": str(self.index), "SPOTGUARD_NODE": launch.node,
+                "TORCHELASTIC_SHUTDOWN_TIMEOUT": "60"}
 
     async def wait(self) -> dict[str, int]:
         """Waits for every node's torchrun; returns node -> exit code."""

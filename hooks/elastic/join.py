@@ -130,29 +130,31 @@ def announce(ready_file: str | None) -> None:
     path.write_text(f"{os.getpid()}\n")
 
 
-def _listing(data: dict | None, node: str) -> Membership | None:
-    if not data:
-        return None
+def _membership(data: dict | None) -> Membership | None:
+    """A membership event's data as a Membership; None when absent or malformed."""
     try:
-        membership = Membership.from_wire({k: v for k, v in data.items() if k != "departing"})
-    except (MembershipFormatError, AttributeError):
+        return Membership.from_wire(data) if data else None
+    except MembershipFormatError:
         return None
-    return membership if node in membership.hosts and membership.store else None
 
 
-def first_membership(url: str, timeout: float) -> Membership | None:
-    """The membership the sidecar at `url` sends on connect, or None within `timeout`."""
+def _lists(node: str) -> Callable[[Membership], bool]:
+    return lambda membership: node in membership.hosts and bool(membership.store)
+
+
+def sidecar_membership(url: str, timeout: float, wanted: Callable[[Membership], bool]) -> Membership | None:
+    """The first membership from the sidecar's stream at `url` that is `wanted`, or None within
+    `timeout` (the sidecar sends the pod's current one on connect)."""
     from spotguard.hooks.notice_listener import NoticeListener
 
     got = threading.Event()
     box: list[Membership] = []
 
     def on_membership(data: dict[str, Any]) -> None:
-        try:
-            box.append(Membership.from_wire({k: v for k, v in data.items() if k != "departing"}))
-        except (MembershipFormatError, AttributeError):
-            return
-        got.set()
+        membership = _membership(data)
+        if membership is not None and wanted(membership) and not box:
+            box.append(membership)
+            got.set()
 
     listener = NoticeListener(url, lambda _notice: None, on_membership=on_membership)
     listener.start()
@@ -162,35 +164,26 @@ def first_membership(url: str, timeout: float) -> Membership | None:
         listener.stop()
 
 
+def first_membership(url: str, timeout: float) -> Membership | None:
+    """The membership the sidecar at `url` sends on connect, or None within `timeout`."""
+    return sidecar_membership(url, timeout, lambda _membership: True)
+
+
 def wait_for_membership(node: str, memberships: Callable[[], dict | None] | None, timeout: float) -> Membership:
     """The first membership listing `node` with a store, from `memberships` or the sidecar stream."""
-    deadline = time.monotonic() + timeout
+    listed = _lists(node)
     if memberships is not None:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = _listing(memberships(), node)
-            if found is not None:
+            found = _membership(memberships())
+            if found is not None and listed(found):
                 return found
             time.sleep(0.05)
         raise TimeoutError(f"no membership listed {node} within {timeout:.0f}s")
     url = os.environ.get(names.ENV_SIDECAR_URL)
     if not url:
         raise TimeoutError(f"a joiner needs {names.ENV_SIDECAR_URL} (or memberships=) to learn its membership")
-    from spotguard.hooks.notice_listener import NoticeListener
-
-    found_event = threading.Event()
-    box: list[Membership] = []
-
-    def on_membership(data: dict[str, Any]) -> None:
-        found = _listing(data, node)
-        if found is not None and not box:
-            box.append(found)
-            found_event.set()
-
-    listener = NoticeListener(url, lambda _notice: None, on_membership=on_membership)
-    listener.start()
-    try:
-        if not found_event.wait(max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(f"no membership listed {node} within {timeout:.0f}s")
-        return box[0]
-    finally:
-        listener.stop()
+    found = sidecar_membership(url, timeout, listed)
+    if found is None:
+        raise TimeoutError(f"no membership listed {node} within {timeout:.0f}s")
+    return found

@@ -38,6 +38,10 @@ MEMBERSHIP_SOURCE = names.MEMBERSHIP_SOURCE
 ONE_HOST_KINDS = frozenset({Kind.RECLAIM, Kind.MAINTENANCE, Kind.GPU_FAULT, Kind.DRAIN})
 
 
+def _generation_of(notice: Notice) -> int:
+    return int(notice.detail["generation"])
+
+
 @dataclass(frozen=True)
 class Change:
     """What an agreed notice asks of the group: re-form to `plan.target_hosts` at `prefix`."""
@@ -58,7 +62,7 @@ class MembershipView:
         self.hosts: tuple[str, ...] = ()
         self.generation = -1
         self.formations = 0
-        self._pending: Membership | None = None
+        self._pending: Notice | None = None  # the pending membership, as the notice the agreement carries
         self._lock = threading.Lock()
 
     @classmethod
@@ -78,14 +82,14 @@ class MembershipView:
     def adopt(self, generation: int) -> None:
         with self._lock:
             self.generation = max(self.generation, generation)
-            if self._pending is not None and self._pending.generation <= self.generation:
+            if self._pending is not None and _generation_of(self._pending) <= self.generation:
                 self._pending = None
 
     # ---- memberships in (listener thread) ---------------------------------------------------------
     def offer(self, data: dict) -> None:
         try:
-            membership = Membership.from_wire({k: v for k, v in data.items() if k != "departing"})
-        except (MembershipFormatError, AttributeError) as exc:
+            membership = Membership.from_wire(data)
+        except MembershipFormatError as exc:
             log.warning("ignored a malformed membership event: %s", exc)
             return
         with self._lock:
@@ -95,17 +99,15 @@ class MembershipView:
                 self.generation = membership.generation
                 self._pending = None
                 return
-            self._pending = membership
+            self._pending = Notice(f"membership-{membership.generation}", Kind.DRAIN, MEMBERSHIP_SOURCE, self.node,
+                                   now_utc(), None, {"membership": membership.to_json(),
+                                                     "generation": membership.generation})
         log.warning("membership %d (%s) pending: the group re-forms at the next agreed step",
                     membership.generation, ", ".join(membership.hosts))
 
     def pending_notice(self) -> Notice | None:
-        with self._lock:
-            membership = self._pending
-        if membership is None:
-            return None
-        return Notice(f"membership-{membership.generation}", Kind.DRAIN, MEMBERSHIP_SOURCE, self.node, now_utc(),
-                      None, {"membership": membership.to_json()})
+        """The pending membership's notice (made once, when it was offered: read every step)."""
+        return self._pending
 
     # ---- the agreed notice --------------------------------------------------------------------
     def plan_for(self, notice: Notice, step: int) -> Change | None:

@@ -3,10 +3,10 @@ packed once and broadcast over the new group to the ranks that hold nothing (joi
 
 Contract: every rank of the new group calls `share(collectives, state)` once, in the same place
 of the re-form; `state` is this rank's `HeldState` when it holds the state (a survivor), None
-when it does not (a joiner). The source is the lowest new rank holding it (one all_reduce);
-it packs with `torch.save` (tensors as raw storage, no pickled tensor data copies beyond one)
-and broadcasts the bytes; every rank returns the source's `HeldState`. Survivors pay the
-broadcast too (every rank joins a collective); with no joiner the caller skips `share`.
+when it does not (a joiner). The source is the lowest new rank holding it (one all_reduce); it
+packs with `torch.save` and broadcasts the bytes; every rank returns the source's `HeldState`.
+Survivors pay the broadcast too (every rank joins a collective); with no joiner the caller
+skips `share`.
 Raises `TransferError` when no rank holds the state.
 """
 from __future__ import annotations

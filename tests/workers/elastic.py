@@ -32,6 +32,7 @@ from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 from spotguard.hooks.elastic import init_process_group
 from spotguard.hooks.guard import Guard
 from spotguard.trainer.elastic_job import batch, build_for, membership_reader, watch_memberships
+from state_dump import flatten  # a sibling: the workers run as scripts
 
 NODE = os.environ.get("SPOTGUARD_NODE", "?")
 
@@ -58,16 +59,6 @@ def full_state(adapter) -> dict[str, torch.Tensor]:
     model_state, optim_state = get_state_dict(adapter.model, adapter.optimizer,
                                               options=StateDictOptions(full_state_dict=True))
     return flatten(model_state, optim_state)
-
-
-def flatten(model_state: dict, optim_state: dict) -> dict[str, torch.Tensor]:
-    """A full model and optimizer state dict (`get_state_dict`'s layout, as DCP saves it too) as
-    the flat tensors the dumps hold: `param/<fqn>` and `<moment>/<fqn>`."""
-    out = {f"param/{k}": v.detach().clone() for k, v in model_state.items()}
-    for name, state in optim_state["state"].items():
-        for key, value in state.items():
-            out[f"{key}/{name}"] = torch.as_tensor(value).detach().clone()
-    return out
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,7 @@ import torch
 
 from spotguard.hooks.adapters.store import CheckpointStore
 from spotguard.processes import free_port
-from tests.workers.elastic import flatten
+from tests.workers.state_dump import flatten
 from tests.workers.launch import ROOT, base_env, kill_all, load_state
 
 ELASTIC = Path(__file__).resolve().parent / "elastic.py"

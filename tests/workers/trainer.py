@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from spotguard.hooks.guard import Guard
+from state_dump import flatten  # a sibling: the workers run as scripts
 
 
 def parse(argv=None):
@@ -127,12 +128,7 @@ class Job:
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         if self.rank != 0:
             return {}
-        for name, value in model_state.items():
-            out[f"param/{name}"] = value.detach().clone()
-        for name, state in optim_state["state"].items():
-            for key, value in state.items():
-                out[f"{key}/{name}"] = torch.as_tensor(value).detach().clone()
-        return out
+        return flatten(model_state, optim_state)
 
 
 def main(argv=None) -> int:
