@@ -248,7 +248,8 @@ async def test_pytorchjob_elastic_scales_worker_replicas():
                 return job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3 and job
             job = await eventually(scaled, what="PyTorchJob workers 4 -> 3")
             assert job["spec"]["runPolicy"]["suspend"] is False
-            assert await cluster.events("pt", names.EVENT_SCALED)
+            # The Event follows the patch (the decision's effects): wait for it, do not race it.
+            await eventually(lambda: cluster.events("pt", names.EVENT_SCALED), what="the Event of the scale")
         finally:
             await controller.stop()
 
@@ -274,7 +275,7 @@ async def test_pytorchjob_in_place_keeps_its_workers_and_tells_the_survivors_the
                 return all(v == values[0] for v in values) and values[0]
             membership = await eventually(told, what="the survivors told the membership")
             assert membership["hosts"] == ["n1", "n2", "n3"] and membership["store"] == f"10.0.0.2:{names.RDZV_PORT}"
-            assert await cluster.events("pt", names.EVENT_LEAVING_IN_PLACE)
+            await eventually(lambda: cluster.events("pt", names.EVENT_LEAVING_IN_PLACE), what="the Event of the notice")
             job = await cluster.job("pt", kind="PyTorchJob")
             assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 4
             assert job["spec"]["runPolicy"]["suspend"] is False
