@@ -148,10 +148,14 @@ class Controller:
 
     # ---- informer events (event loop) -> cache -> queue ------------------------------------
     def _on_node_event(self, kind: str, payload: Any) -> None:
-        self._enqueue(self.cache.apply_node(kind, payload))
+        keys = self.cache.apply_node(kind, payload)
+        self.costs.observe(keys)  # a node's capacity type moved: count up to now at the old one
+        self._enqueue(keys)
 
     def _on_pod_event(self, kind: str, payload: Any) -> None:
-        self._enqueue(self.cache.apply_pod(kind, payload))
+        keys = self.cache.apply_pod(kind, payload)
+        self.costs.observe(keys)  # the job's nodes may have moved: count up to now on the old ones
+        self._enqueue(keys)
 
     def _job_handler(self, adapter: JobAdapter):
         def handle(kind: str, payload: Any) -> None:
