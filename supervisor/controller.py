@@ -51,6 +51,7 @@ class ControllerConfig:
     membership_hosts: str = "node"
     cost_interval: float = 15.0
     cost_save_interval: float = 300.0  # how often the cost totals are saved into the decision record
+    join_settle: float = 10.0  # in place: how long Ready joiners wait for replacements still starting
 
 
 class Controller:
@@ -69,7 +70,8 @@ class Controller:
         self.cache = ClusterCache(self.adapters)
         self.queue: WorkQueue[JobKey] = WorkQueue(self.reconcile, on_error=self.metrics.errors.inc)
         self.effects = JobEffects(kube, self.cache, identity=cfg.identity, membership_hosts=cfg.membership_hosts,
-                                  metrics=self.metrics, is_leader=self.is_leader, requeue=self.queue.add)
+                                  metrics=self.metrics, is_leader=self.is_leader, requeue=self.queue.add,
+                                  join_settle=cfg.join_settle)
         self.reconciler = Reconciler(self.cache, self.effects, self.adapters, settings=cfg.settings,
                                      identity=cfg.identity, membership_hosts=cfg.membership_hosts, ledger=self.ledger,
                                      metrics=self.metrics, is_leader=self.is_leader, requeue=self.queue.add)

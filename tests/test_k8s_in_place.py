@@ -68,7 +68,7 @@ async def test_in_place_job_survives_a_notice_without_suspend_and_a_ready_replac
         assert first["world_size"] == 3
         record = await asyncio.to_thread(world.record)
         assert record["phase"] == "Running" and record["members"] == survivors and record["reclaims_survived"] == 1
-        assert await asyncio.to_thread(world.events, names.EVENT_LEAVING_IN_PLACE)
+        await asyncio.to_thread(wait_until, lambda: world.events(names.EVENT_LEAVING_IN_PLACE), 30, "the Event")
 
         # The ranks on the noticed node hand over and exit 83; the Job controller replaces the
         # pod (podFailurePolicy Ignore), off the tainted node, once there is room.
