@@ -194,7 +194,7 @@ class JobEffects:
         """The in-place group of the last membership is gone (in_place.py `group_gone`): nothing
         stale is pushed; once every replica pod of the relaunched job runs, its own group is, as
         a new generation (hosts in completion-index order, the lowest index's store)."""
-        fresh = fresh_members(pods, adapter.replicas(obj), self.membership_hosts, self.cache.on_healthy_node)
+        fresh = fresh_members(pods, adapter.replicas(obj), self.membership_hosts)
         if fresh is None:
             return  # the relaunched pods' updates requeue the job
         hosts, store, incarnations = fresh

@@ -18,7 +18,7 @@ Contract (docs/protocols.md, "In-place membership"):
   runs as the incarnation it was pushed for (`incarnation`: pod uid and restarts; every member
   exited after a fallback or a crash, and the Job controller re-created the pods or restarted
   their containers). Its membership is then stale, and the next one is the relaunched job's
-  own group (`fresh_members`): pushed only once every replica pod runs on a healthy node, hosts
+  own group (`fresh_members`): pushed only once every replica pod runs, hosts
   in completion-index order (the ranks of the launcher's first group), the store of the lowest
   index's pod (its rank 0).
 """
@@ -117,14 +117,15 @@ def group_gone(pods: Iterable[Mapping[str, Any]], incarnations: Collection[str])
     return bool(incarnations) and not any(runs_as(p, incarnations) for p in pods)
 
 
-def fresh_members(pods: Iterable[Mapping[str, Any]], replicas: int, hosts_mode: str,
-                  on_healthy_node: Callable[[Mapping[str, Any]], bool]
+def fresh_members(pods: Iterable[Mapping[str, Any]], replicas: int, hosts_mode: str
                   ) -> tuple[tuple[str, ...], str, tuple[str, ...]] | None:
     """(hosts, store, member incarnations) of the relaunched job's group once all `replicas`
-    active replica pods run on healthy nodes (module docstring); None until then."""
+    active replica pods run (module docstring); None until then. A pod on a noticed node is
+    listed too (restartPolicy OnFailure restarts it there): the launcher's first group needs
+    every worker, and that host then leaves it in place like any noticed host."""
     ordered = sorted(pods, key=membership.index_of)
     if not ordered or len(ordered) < replicas or not all(
-            (p.get("status") or {}).get("phase") == "Running" and on_healthy_node(p) for p in ordered):
+            (p.get("status") or {}).get("phase") == "Running" for p in ordered):
         return None
     hosts, store = membership.hosts_of(ordered, hosts_mode), store_of(ordered[0])
     if not hosts or not store:

@@ -125,12 +125,11 @@ def test_the_group_is_gone_only_when_no_member_pod_runs_as_it_was_pushed():
 
 def test_the_relaunched_group_is_pushed_whole_in_completion_index_order_with_index_0s_store():
     relaunched = [incarnated(2, "n7", uid="c"), incarnated(0, "n5", uid="a"), incarnated(1, "n6", uid="b")]
-    hosts, store, pods = fresh_members(relaunched, 3, "node", healthy_except())
+    hosts, store, pods = fresh_members(relaunched, 3, "node")
     assert hosts == ("n5", "n6", "n7") and store == "10.0.0.1:29411" and pods == ("a/0", "b/0", "c/0")
-    assert fresh_members(relaunched[:2], 3, "node", healthy_except()) is None  # one is not re-created yet
+    assert fresh_members(relaunched[:2], 3, "node") is None  # one is not re-created yet
     pending = [*relaunched[:2], incarnated(1, "n6", uid="b", phase="Pending")]
-    assert fresh_members(pending, 3, "node", healthy_except()) is None
-    assert fresh_members(relaunched, 3, "node", healthy_except("n6")) is None
+    assert fresh_members(pending, 3, "node") is None
 
 
 def test_ready_joiners_wait_for_replacements_still_starting_for_at_most_the_settle_window():
