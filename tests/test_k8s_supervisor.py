@@ -133,12 +133,12 @@ async def test_fixed_policy_suspends_after_the_checkpoint_and_resumes_on_capacit
                                 names.EXIT_PREEMPTED)
         await asyncio.to_thread(wait_until, lambda: world.job_is(4, True, "Suspended"), 30, "job suspended")
         await asyncio.to_thread(wait_until, lambda: not world.pods(), 30, "the Job controller removed the pods")
-        await asyncio.to_thread(wait_until, lambda: world.events(names.EVENT_SUSPENDED), 30, "the Event EVENT_SUSPENDED")
+        await asyncio.to_thread(wait_until, lambda: world.events(names.EVENT_SUSPENDED), 30, "the Event")
 
         await asyncio.to_thread(world.add_node)  # capacity returns: 4 nodes without a notice
         await asyncio.to_thread(wait_until, lambda: world.job_is(4, False, "Running"), 30, "job resumed")
         await asyncio.to_thread(world.running_on, 4, noticed)  # the scheduler keeps off the tainted node
-        await asyncio.to_thread(wait_until, lambda: world.events(names.EVENT_RESUMED), 30, "the Event EVENT_RESUMED")
+        await asyncio.to_thread(wait_until, lambda: world.events(names.EVENT_RESUMED), 30, "the Event")
     finally:
         await controller.stop()
         await asyncio.to_thread(world.cleanup)
