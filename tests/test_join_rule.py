@@ -28,7 +28,8 @@ import pytest
 
 from spotguard.processes import free_port
 from spotguard.wire.sse import encode
-from tests.workers.launch import ROOT, base_env, kill_all
+from tests.workers.hosts import Hosts
+from tests.workers.launch import ROOT, base_env
 from tests.workers.sidecar_stub import SidecarStub
 
 pytestmark = pytest.mark.slow
@@ -58,18 +59,15 @@ class MembershipSidecar(SidecarStub):
         return response
 
 
-class Workers:
-    """Worker processes by host name, on 127.0.0.1, each serving its own rendezvous port."""
+class Workers(Hosts):
+    """Worker processes (this module) by host name, on 127.0.0.1, each serving its own rendezvous
+    port; the ports, waits, logs and kills of tests/workers/hosts.py."""
 
     def __init__(self, out: Path, sidecar_url: str):
-        self.out, self.sidecar_url = out, sidecar_url
-        self.ports: dict[str, int] = {}
-        self.procs: dict[str, subprocess.Popen] = {}
+        super().__init__(out, "ddp", out / "ckpt")
+        self.sidecar_url = sidecar_url
 
-    def port(self, host: str) -> int:
-        return self.ports.setdefault(host, free_port())
-
-    def start(self, host: str, rank: int, world: int, master: str, **extra: str) -> None:
+    def start_worker(self, host: str, rank: int, world: int, master: str, **extra: str) -> None:
         env = base_env()
         env.update(SPOTGUARD_IN_PLACE="1", SPOTGUARD_NODE=host, SPOTGUARD_RDZV_HOST="127.0.0.1",
                    SPOTGUARD_RDZV_PORT=str(self.port(host)), SPOTGUARD_SIDECAR_URL=self.sidecar_url,
@@ -81,28 +79,12 @@ class Workers:
                                                  str(self.out / f"result-{host}.json")],
                                                 env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
-    def wait(self, hosts: list[str], timeout: float) -> dict[str, int]:
-        deadline = time.monotonic() + timeout
-        codes = {}
-        for host in hosts:
-            try:
-                codes[host] = self.procs[host].wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"{host} still runs after {timeout}s:\n{self.tail()}") from None
-        return codes
-
     def result(self, host: str) -> dict:
         return json.loads((self.out / f"result-{host}.json").read_text())
 
     def log(self, host: str) -> str:
         path = self.out / f"log-{host}"
         return path.read_text(errors="replace") if path.exists() else ""
-
-    def tail(self) -> str:
-        return "\n".join(f"--- {host}\n" + "\n".join(self.log(host).splitlines()[-15:]) for host in self.procs)
-
-    def close(self) -> None:
-        kill_all(self.procs.values())
 
 
 def wait_for(predicate, timeout: float, what: str, workers: Workers) -> None:
@@ -129,8 +111,8 @@ def test_a_relaunched_worker_starts_the_job_on_a_stale_membership(store, tmp_pat
         workers = Workers(tmp_path, sidecar.url)
         sidecar.membership = stale(["a", "c"], f"127.0.0.1:{port or workers.port('a')}")
         try:
-            workers.start("a", 0, 2, "a")
-            workers.start("b", 1, 2, "a", JOIN_TEST_JOIN_TIMEOUT="60")
+            workers.start_worker("a", 0, 2, "a")
+            workers.start_worker("b", 1, 2, "a", JOIN_TEST_JOIN_TIMEOUT="60")
             codes = workers.wait(["a", "b"], timeout=120)
             assert codes == {"a": 0, "b": 0}, workers.tail()
             for rank, host in enumerate(["a", "b"]):
@@ -151,11 +133,11 @@ def test_a_worker_still_joins_a_group_live_at_the_store(tmp_path):
         store = f"127.0.0.1:{workers.port('a')}"
         sidecar.membership = stale(["a"], store)
         try:
-            workers.start("a", 0, 1, "a", **{HOLD_FILE: str(tmp_path / "release")})
+            workers.start_worker("a", 0, 1, "a", **{HOLD_FILE: str(tmp_path / "release")})
             wait_for(lambda: (tmp_path / "result-a.json").exists(), 90, "a's group formed", workers)
             assert live_group(store, 5.0) == "m0/"
             assert live_group(f"127.0.0.1:{free_port()}", 0.5) is None
-            workers.start("b", 1, 2, "a")
+            workers.start_worker("b", 1, 2, "a")
             wait_for(lambda: "joining it" in workers.log("b") and (tmp_path / "ready-b").exists(), 90,
                      "b joining a's live group", workers)
             assert workers.procs["b"].poll() is None  # waiting for a membership that lists it

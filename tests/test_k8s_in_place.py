@@ -41,17 +41,24 @@ def _membership(world: World, name: str) -> dict | None:
     return json.loads(text) if text else None
 
 
-async def test_in_place_job_survives_a_notice_without_suspend_and_a_ready_replacement_joins(
-        control_plane, k8s_namespace, caplog):
-    caplog.set_level(logging.INFO)
-    plane, ns = control_plane, k8s_namespace
+async def _running_in_place_job(plane, ns: str) -> tuple[World, dict]:
+    """4 nodes and the in-place Job's 4 pods Running with IPs (the launcher's group, never asked
+    to be Ready), by completion index."""
     world = World(plane, ns)
     for _ in range(4):
         await asyncio.to_thread(world.add_node)
     await asyncio.to_thread(world.batch.create_namespaced_job, ns, _in_place_job(ns))
     by_index = {_index(p): p for p in await asyncio.to_thread(world.running_on, 4)}
-    for i, pod in by_index.items():  # the launcher's group: Running, never asked to be Ready
+    for i, pod in by_index.items():
         await asyncio.to_thread(set_pod_running, plane, ns, pod.metadata.name, f"10.244.0.{i + 1}")
+    return world, by_index
+
+
+async def test_in_place_job_survives_a_notice_without_suspend_and_a_ready_replacement_joins(
+        control_plane, k8s_namespace, caplog):
+    caplog.set_level(logging.INFO)
+    plane, ns = control_plane, k8s_namespace
+    world, by_index = await _running_in_place_job(plane, ns)
     controller = _controller(plane, ns)
     await controller.start()
     try:
@@ -124,13 +131,7 @@ async def test_after_a_fallback_the_recreated_pods_get_their_own_membership_not_
     0's store, so every worker starts (the join rule: its host is listed)."""
     caplog.set_level(logging.INFO)
     plane, ns = control_plane, k8s_namespace
-    world = World(plane, ns)
-    for _ in range(4):
-        await asyncio.to_thread(world.add_node)
-    await asyncio.to_thread(world.batch.create_namespaced_job, ns, _in_place_job(ns))
-    old = {_index(p): p for p in await asyncio.to_thread(world.running_on, 4)}
-    for i, pod in old.items():
-        await asyncio.to_thread(set_pod_running, plane, ns, pod.metadata.name, f"10.244.0.{i + 1}")
+    world, old = await _running_in_place_job(plane, ns)
     controller = _controller(plane, ns)
     await controller.start()
     try:
