@@ -51,6 +51,7 @@ class ControllerConfig:
     membership_hosts: str = "node"
     cost_interval: float = 15.0
     cost_save_interval: float = 300.0  # how often the cost totals are saved into the decision record
+    join_settle: float = 10.0  # in place: how long Ready joiners wait for replacements still starting
 
 
 class Controller:
@@ -69,7 +70,8 @@ class Controller:
         self.cache = ClusterCache(self.adapters)
         self.queue: WorkQueue[JobKey] = WorkQueue(self.reconcile, on_error=self.metrics.errors.inc)
         self.effects = JobEffects(kube, self.cache, identity=cfg.identity, membership_hosts=cfg.membership_hosts,
-                                  metrics=self.metrics, is_leader=self.is_leader, requeue=self.queue.add)
+                                  metrics=self.metrics, is_leader=self.is_leader, requeue=self.queue.add,
+                                  join_settle=cfg.join_settle)
         self.reconciler = Reconciler(self.cache, self.effects, self.adapters, settings=cfg.settings,
                                      identity=cfg.identity, membership_hosts=cfg.membership_hosts, ledger=self.ledger,
                                      metrics=self.metrics, is_leader=self.is_leader, requeue=self.queue.add)
@@ -148,10 +150,14 @@ class Controller:
 
     # ---- informer events (event loop) -> cache -> queue ------------------------------------
     def _on_node_event(self, kind: str, payload: Any) -> None:
-        self._enqueue(self.cache.apply_node(kind, payload))
+        keys = self.cache.apply_node(kind, payload)
+        self.costs.observe(keys)  # a node's capacity type moved: count up to now at the old one
+        self._enqueue(keys)
 
     def _on_pod_event(self, kind: str, payload: Any) -> None:
-        self._enqueue(self.cache.apply_pod(kind, payload))
+        keys = self.cache.apply_pod(kind, payload)
+        self.costs.observe(keys)  # the job's nodes may have moved: count up to now on the old ones
+        self._enqueue(keys)
 
     def _job_handler(self, adapter: JobAdapter):
         def handle(kind: str, payload: Any) -> None:

@@ -2,16 +2,19 @@
 decision record, and exported as metrics.
 
 Contract: `restore(key, obj)` seeds a job's totals from its record once (a restarted supervisor
-continues them); `observe()` integrates every job's node-hours up to now; `save()` writes the
-totals into a record whose saved totals differ (leader only, through `JobEffects.write_job`);
-`collect()` refreshes the metric families before a scrape.
+continues them); `observe(keys)` integrates the node-hours of those jobs (default: every job) up
+to now, and the controller calls it for a job at each change of its pods or nodes, so a stint
+on a capacity type is counted however short; `save()` writes the totals into a record whose
+saved totals differ (leader only, through `JobEffects.write_job`), never into a job whose policy
+annotations are invalid (the supervisor does not write to such a job at all); `collect()`
+refreshes the metric families before a scrape.
 """
 from __future__ import annotations
 
 import logging
 import time
 from typing import Any
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from spotguard.kube.api import ApiError
 from spotguard.wire import names
@@ -20,9 +23,19 @@ from spotguard.supervisor.cost import CostLedger
 from spotguard.supervisor.effects import JobEffects, record_patch
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.metrics import SupervisorMetrics
+from spotguard.supervisor.policy import PolicyError, parse_policy
 from spotguard.supervisor.record import RecordError, parse_record
 
 log = logging.getLogger(__name__)
+
+
+def valid_policy(obj: Mapping[str, Any], adapter: JobAdapter) -> bool:
+    """Whether the job's policy annotations parse (the reconciler's own test)."""
+    try:
+        parse_policy(annotations_of(obj), adapter.default_max(obj), adapter.default_min(obj))
+    except PolicyError:
+        return False
+    return True
 
 
 class CostKeeper:
@@ -49,9 +62,9 @@ class CostKeeper:
     def forget(self, key: JobKey) -> None:
         self.ledger.forget(key)
 
-    def observe(self) -> None:
+    def observe(self, keys: Iterable[JobKey] | None = None) -> None:
         now = time.monotonic()
-        for key in list(self.cache.jobs):
+        for key in list(self.cache.jobs) if keys is None else [k for k in keys if k in self.cache.jobs]:
             adapter = self.adapters.get(key[0])
             if adapter is not None:
                 self.ledger.observe(key, self.cache.running_nodes(key, adapter), now)
@@ -60,7 +73,7 @@ class CostKeeper:
         """Writes each job's cost totals into its decision record when they changed (leader only)."""
         for key, obj in list(self.cache.jobs.items()):
             entry, adapter = self.ledger.jobs.get(key), self.adapters.get(key[0])
-            if entry is None or adapter is None or not self.is_leader():
+            if entry is None or adapter is None or not self.is_leader() or not valid_policy(obj, adapter):
                 continue
             try:
                 record = parse_record(annotations_of(obj).get(names.ANN_STATUS))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from datetime import datetime, UTC
 from typing import Any
 from collections.abc import Callable, Mapping
@@ -22,7 +23,8 @@ from spotguard.supervisor import conditions, membership, progress
 from spotguard.wire import names
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, annotations_of, meta
 from spotguard.supervisor.events import event_body
-from spotguard.supervisor.in_place import in_place_members
+from spotguard.supervisor.in_place import (fresh_members, group_gone, in_place_group, joiners_settled,
+                                           ready_joiners, starting_joiners)
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.metrics import SupervisorMetrics
 from spotguard.supervisor.policy import PolicyError, decision_key
@@ -54,7 +56,8 @@ class JobEffects:
     """See the module docstring."""
 
     def __init__(self, kube: Kube, cache: ClusterCache, *, identity: str, membership_hosts: str,
-                 metrics: SupervisorMetrics, is_leader: Callable[[], bool], requeue: Callable[[JobKey], None]):
+                 metrics: SupervisorMetrics, is_leader: Callable[[], bool], requeue: Callable[..., None],
+                 join_settle: float = 10.0):
         self.kube = kube
         self.cache = cache
         self.identity = identity
@@ -62,6 +65,8 @@ class JobEffects:
         self.metrics = metrics
         self.is_leader = is_leader
         self.requeue = requeue
+        self.join_settle = join_settle  # how long Ready joiners wait for replacements still starting
+        self._ready_seen: dict[JobKey, dict[str, float]] = {}  # job -> Ready joiner pod uid -> first seen
         self._evented: set[str] = set()
         self._reported_invalid: dict[JobKey, str] = {}
 
@@ -154,10 +159,15 @@ class JobEffects:
         replica pod. `in_place`: members, their stable order and the store follow in_place.py."""
         if record.decided_at is None or record.phase != RUNNING or adapter.suspended(obj):
             return
+        incarnations: tuple[str, ...] = ()
         if in_place:
             pods = self.cache.replica_pods(key, adapter)
-            hosts, store = in_place_members(pods, record.members, self.membership_hosts,
-                                                     self.cache.on_healthy_node)
+            if group_gone(pods, record.member_pods):
+                await self._push_fresh_group(key, obj, adapter, record, pods)
+                return
+            admit = self._joiners_settled(key, pods, record.members)
+            hosts, store, incarnations = in_place_group(pods, record.members, self.membership_hosts,
+                                                        self.cache.on_healthy_node, admit)
             if hosts and not store:
                 return  # the first host's pod has no IP yet: its update requeues the job
             replicas = len(hosts)
@@ -168,11 +178,52 @@ class JobEffects:
         if not hosts:
             return
         if hosts != record.members or store != record.store:
-            record = record.with_(generation=record.generation + 1, members=hosts, store=store)
+            record = record.with_(generation=record.generation + 1, members=hosts, store=store,
+                                  member_pods=incarnations)
+            if await self.write_job(key, adapter, record_patch(obj, record)) is None:
+                return
+        elif incarnations and not record.member_pods:  # a record from before member_pods: learn them
+            record = record.with_(member_pods=incarnations)
             if await self.write_job(key, adapter, record_patch(obj, record)) is None:
                 return
         world = replicas * membership.processes_per_replica(adapter.pod_spec(obj))
         await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store))
+
+    async def _push_fresh_group(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record,
+                                pods: list[dict]) -> None:
+        """The in-place group of the last membership is gone (in_place.py `group_gone`): nothing
+        stale is pushed; once every replica pod of the relaunched job runs, its own group is, as
+        a new generation (hosts in completion-index order, the lowest index's store)."""
+        fresh = fresh_members(pods, adapter.replicas(obj), self.membership_hosts)
+        if fresh is None:
+            return  # the relaunched pods' updates requeue the job
+        hosts, store, incarnations = fresh
+        record = record.with_(generation=record.generation + 1, members=hosts, store=store, member_pods=incarnations)
+        log.info("job %s/%s: every member of the in-place group is gone; membership %d is the relaunched group "
+                 "(%s, store %s)", key[1], key[2], record.generation, ", ".join(hosts), store)
+        if await self.write_job(key, adapter, record_patch(obj, record)) is None:
+            return
+        world = len(hosts) * membership.processes_per_replica(adapter.pod_spec(obj))
+        await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store))
+
+    def _joiners_settled(self, key: JobKey, pods: list[dict], previous: tuple[str, ...]) -> bool:
+        """Whether the job's Ready joiners are admitted now (in_place.py `joiners_settled`: all
+        at once, unless another replacement is still starting and `join_settle` has not passed
+        since the first was seen Ready; then the job is requeued for that moment)."""
+        ready = ready_joiners(pods, previous, self.membership_hosts, self.cache.on_healthy_node)
+        now = time.monotonic()
+        earlier = self._ready_seen.get(key, {})
+        seen = {uid: earlier.get(uid, now) for uid in (meta(p).get("uid") or meta(p).get("name", "") for p in ready)}
+        if seen:
+            self._ready_seen[key] = seen
+        else:
+            self._ready_seen.pop(key, None)
+        ready_for = [now - t for t in seen.values()]
+        starting = starting_joiners(pods, previous, self.membership_hosts, self.cache.on_healthy_node)
+        if joiners_settled(ready_for, len(starting), self.join_settle):
+            return True
+        self.requeue(key, self.join_settle - max(ready_for) + 0.05)
+        return False
 
     async def ensure_drain(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record) -> None:
         """A return to spot under way: the drain request rides the membership annotation to every

@@ -160,9 +160,13 @@ def decide_move(state: JobState, now: datetime, settings: Settings, identity: st
         if not free:
             if rec.spot_free_since is None:
                 return None  # the policy handles notices and scaling as usual
-            return Decision(RECORD, rec.with_(spot_free_since=None))  # the settle clock starts over
+            return Decision(RECORD, rec.with_(spot_free_since=None), reason="SpotBusyAgain",
+                            message=(f"spot capacity for {state.replicas} replicas is gone again before "
+                                     f"return-after {fallback.return_after:g}s: the settle clock starts over"))
         if rec.spot_free_since is None:
-            return Decision(RECORD, rec.with_(spot_free_since=now),
+            return Decision(RECORD, rec.with_(spot_free_since=now), reason="SpotFree",
+                            message=(f"spot capacity for {state.replicas} replicas is free: returning to spot "
+                                     f"if it stays free for return-after {fallback.return_after:g}s"),
                             recheck_at=now + timedelta(seconds=fallback.return_after))
         due = rec.spot_free_since + timedelta(seconds=fallback.return_after)
         if now < due:

@@ -12,10 +12,19 @@ Contract (docs/protocols.md, "In-place membership"):
   survivors;
 - `store` is "<first host's pod IP>:<port>", the port being the trainer container's
   `SPOTGUARD_RDZV_PORT` value (default `names.RDZV_PORT`); "" while that pod has no IP yet.
+- joiners that become Ready together are admitted together: `joiners_settled` holds Ready
+  joiners back while another replacement is still starting, for at most a settle window;
+- the group is GONE (`group_gone`) when none of the member pods of the last membership still
+  runs as the incarnation it was pushed for (`incarnation`: pod uid and restarts; every member
+  exited after a fallback or a crash, and the Job controller re-created the pods or restarted
+  their containers). Its membership is then stale, and the next one is the relaunched job's
+  own group (`fresh_members`): pushed only once every replica pod runs, hosts
+  in completion-index order (the ranks of the launcher's first group), the store of the lowest
+  index's pod (its rank 0).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from spotguard.supervisor import membership
@@ -48,16 +57,80 @@ def stable_hosts(previous: Sequence[str], current: Iterable[str]) -> tuple[str, 
 
 
 def member_pods(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], hosts_mode: str,
-                on_healthy_node: Callable[[Mapping[str, Any]], bool]) -> list[Mapping[str, Any]]:
+                on_healthy_node: Callable[[Mapping[str, Any]], bool],
+                admit_joiners: bool = True) -> list[Mapping[str, Any]]:
     """The member pods among a job's active replica `pods` (rules in the module docstring);
-    `on_healthy_node(pod)` says whether the pod's node is known and has no notice."""
+    `on_healthy_node(pod)` says whether the pod's node is known and has no notice. Without
+    `admit_joiners`, Ready pods whose host is not in `previous` wait (`joiners_settled`)."""
     out = []
     for pod in pods:
         if (pod.get("status") or {}).get("phase") != "Running" or not on_healthy_node(pod):
             continue
-        if not previous or membership.host_of(pod, hosts_mode) in previous or pod_ready(pod):
+        if not previous or membership.host_of(pod, hosts_mode) in previous or (admit_joiners and pod_ready(pod)):
             out.append(pod)
     return out
+
+
+def ready_joiners(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], hosts_mode: str,
+                  on_healthy_node: Callable[[Mapping[str, Any]], bool]) -> list[Mapping[str, Any]]:
+    """Running, Ready pods on healthy nodes whose host is not in `previous` (a pushed membership)."""
+    if not previous:
+        return []
+    return [p for p in member_pods(pods, previous, hosts_mode, on_healthy_node)
+            if membership.host_of(p, hosts_mode) not in previous]
+
+
+def starting_joiners(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], hosts_mode: str,
+                     on_healthy_node: Callable[[Mapping[str, Any]], bool]) -> list[Mapping[str, Any]]:
+    """Replacements still on their way: not Ready, not a previous host, not bound to a noticed
+    node (unscheduled or on a healthy one)."""
+    if not previous:
+        return []
+    return [p for p in pods if not pod_ready(p) and membership.host_of(p, hosts_mode) not in previous
+            and (not (p.get("spec") or {}).get("nodeName") or on_healthy_node(p))]
+
+
+def joiners_settled(ready_for: Sequence[float], starting: int, settle: float) -> bool:
+    """Whether Ready joiners are admitted now: none is still `starting`, or the one Ready the
+    longest waited `settle` seconds (`ready_for`: how long each has been seen Ready)."""
+    return not starting or not ready_for or max(ready_for) >= settle
+
+
+def incarnation(pod: Mapping[str, Any]) -> str:
+    """"<pod uid>/<restarts of its containers>": changes when the pod is re-created or restarted."""
+    meta = pod.get("metadata") or {}
+    restarts = sum(int(s.get("restartCount") or 0) for s in (pod.get("status") or {}).get("containerStatuses") or [])
+    return f"{meta.get('uid') or meta.get('name', '')}/{restarts}"
+
+
+def runs_as(pod: Mapping[str, Any], incarnations: Collection[str]) -> bool:
+    """The pod is Running as one of `incarnations`, no container of it stopped."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Running" or incarnation(pod) not in incarnations:
+        return False
+    return all("running" in (s.get("state") or {"running": {}}) for s in status.get("containerStatuses") or [])
+
+
+def group_gone(pods: Iterable[Mapping[str, Any]], incarnations: Collection[str]) -> bool:
+    """The last membership's group is gone (module docstring): it names member incarnations and
+    none of the job's active replica `pods` runs as one of them."""
+    return bool(incarnations) and not any(runs_as(p, incarnations) for p in pods)
+
+
+def fresh_members(pods: Iterable[Mapping[str, Any]], replicas: int, hosts_mode: str
+                  ) -> tuple[tuple[str, ...], str, tuple[str, ...]] | None:
+    """(hosts, store, member incarnations) of the relaunched job's group once all `replicas`
+    active replica pods run (module docstring); None until then. A pod on a noticed node is
+    listed too (restartPolicy OnFailure restarts it there): the launcher's first group needs
+    every worker, and that host then leaves it in place like any noticed host."""
+    ordered = sorted(pods, key=membership.index_of)
+    if not ordered or len(ordered) < replicas or not all(
+            (p.get("status") or {}).get("phase") == "Running" for p in ordered):
+        return None
+    hosts, store = membership.hosts_of(ordered, hosts_mode), store_of(ordered[0])
+    if not hosts or not store:
+        return None
+    return hosts, store, tuple(incarnation(p) for p in ordered)
 
 
 def rdzv_port(pod: Mapping[str, Any]) -> int:
@@ -81,11 +154,20 @@ def store_of(pod: Mapping[str, Any]) -> str:
 
 
 def in_place_members(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], hosts_mode: str,
-                     on_healthy_node: Callable[[Mapping[str, Any]], bool]) -> tuple[tuple[str, ...], str]:
+                     on_healthy_node: Callable[[Mapping[str, Any]], bool],
+                     admit_joiners: bool = True) -> tuple[tuple[str, ...], str]:
     """(member hosts in stable order, the first host's store) for a job's active replica pods."""
-    members = member_pods(pods, previous, hosts_mode, on_healthy_node)
+    hosts, store, _ = in_place_group(pods, previous, hosts_mode, on_healthy_node, admit_joiners)
+    return hosts, store
+
+
+def in_place_group(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], hosts_mode: str,
+                   on_healthy_node: Callable[[Mapping[str, Any]], bool],
+                   admit_joiners: bool = True) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
+    """`in_place_members` and the member pods' incarnations (in completion-index order)."""
+    members = sorted(member_pods(pods, previous, hosts_mode, on_healthy_node, admit_joiners), key=membership.index_of)
     hosts = stable_hosts(previous, membership.hosts_of(members, hosts_mode))
     if not hosts:
-        return (), ""
-    first = next(p for p in sorted(members, key=membership.index_of) if membership.host_of(p, hosts_mode) == hosts[0])
-    return hosts, store_of(first)
+        return (), "", ()
+    first = next(p for p in members if membership.host_of(p, hosts_mode) == hosts[0])
+    return hosts, store_of(first), tuple(incarnation(p) for p in members)

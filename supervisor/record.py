@@ -13,7 +13,9 @@ action. Contract:
   the clocks of `fallback-after` / `return-after`, `drain` the id of the drain notice sent
   through the membership for the return.
 - `generation` / `members` / `store`: the membership last pushed (`store` only for in-place
-  jobs, in_place.py); a change of the hosts or the store raises the generation.
+  jobs, in_place.py); a change of the hosts or the store raises the generation. `member_pods`
+  (in place): the incarnations ("<pod uid>/<restarts>") of the member pods it was pushed for,
+  so that a group whose every member pod restarted or ended is known to be gone.
 - `cost` keeps the cost totals (cost.py) and `steps_lost` / `counted_exits` the steps lost
   reported by drained pods, so both survive a restart.
 - Reading never fails: a missing, malformed or newer-version record reads as a fresh record
@@ -58,6 +60,7 @@ class Record:
     generation: int = 0  # membership generation last pushed
     members: tuple[str, ...] = ()  # membership hosts last pushed
     store: str = ""  # in-place jobs: the rendezvous store last pushed with them
+    member_pods: tuple[str, ...] = ()  # in-place jobs: "<pod uid>/<restarts>" of the members pushed
     reclaims_survived: int = 0
     decided_by: str = ""
     capacity: str = ""  # "" (as created) or "on-demand" (fallen back)
@@ -85,6 +88,7 @@ class Record:
             obj[name] = None if value is None else format_time(value)
         obj["handled"] = list(self.handled)
         obj["members"] = list(self.members)
+        obj["member_pods"] = list(self.member_pods)
         obj["counted_exits"] = list(self.counted_exits)
         return json.dumps(obj, separators=(",", ":"), sort_keys=True)
 
@@ -117,8 +121,10 @@ def parse_record(text: str | None) -> Record:
         handled = obj.get("handled", [])
         members = obj.get("members", [])
         counted = obj.get("counted_exits", [])
-        if not all(isinstance(x, list) and all(isinstance(i, str) for i in x) for x in (handled, members, counted)):
-            raise RecordError("handled/members/counted_exits: expected lists of strings")
+        member_pods = obj.get("member_pods", [])
+        if not all(isinstance(x, list) and all(isinstance(i, str) for i in x)
+                   for x in (handled, members, counted, member_pods)):
+            raise RecordError("handled/members/counted_exits/member_pods: expected lists of strings")
         for name in ("spot_directives", "cost"):
             if obj.get(name) is not None and not isinstance(obj[name], dict):
                 raise RecordError(f"{name}: expected an object")
@@ -133,6 +139,7 @@ def parse_record(text: str | None) -> Record:
             generation=int(obj.get("generation", 0)),
             members=tuple(members),
             store=str(obj.get("store", "")),
+            member_pods=tuple(member_pods),
             reclaims_survived=int(obj.get("reclaims_survived", 0)),
             decided_by=str(obj.get("decided_by", "")),
             capacity=str(obj.get("capacity", "")),

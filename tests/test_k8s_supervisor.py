@@ -133,12 +133,12 @@ async def test_fixed_policy_suspends_after_the_checkpoint_and_resumes_on_capacit
                                 names.EXIT_PREEMPTED)
         await asyncio.to_thread(wait_until, lambda: world.job_is(4, True, "Suspended"), 30, "job suspended")
         await asyncio.to_thread(wait_until, lambda: not world.pods(), 30, "the Job controller removed the pods")
-        assert await asyncio.to_thread(world.events, names.EVENT_SUSPENDED)
+        await asyncio.to_thread(wait_until, lambda: world.events(names.EVENT_SUSPENDED), 30, "the Event")
 
         await asyncio.to_thread(world.add_node)  # capacity returns: 4 nodes without a notice
         await asyncio.to_thread(wait_until, lambda: world.job_is(4, False, "Running"), 30, "job resumed")
         await asyncio.to_thread(world.running_on, 4, noticed)  # the scheduler keeps off the tainted node
-        assert await asyncio.to_thread(world.events, names.EVENT_RESUMED)
+        await asyncio.to_thread(wait_until, lambda: world.events(names.EVENT_RESUMED), 30, "the Event")
     finally:
         await controller.stop()
         await asyncio.to_thread(world.cleanup)
@@ -155,15 +155,17 @@ async def test_elastic_policy_scales_in_on_a_notice_and_out_on_capacity(control_
         noticed = world.nodes[0]
         await _mark(control_plane, noticed)
         await asyncio.to_thread(wait_until, lambda: world.job_is(3, False, "Running"), 30, "scaled 4 -> 3")
-        assert await asyncio.to_thread(world.events, names.EVENT_SCALED)
+        # The Event follows the patch (the decision's effects): waited for, not raced.
+        await asyncio.to_thread(wait_until, lambda: world.events(names.EVENT_SCALED), 30, "the Event of the scale")
 
         def membership_pushed():
             values = [json.loads((p.metadata.annotations or {}).get(names.ANN_MEMBERSHIP, "null") or "null")
                       for p in world.pods() if p.spec.node_name != noticed and p.status.phase == "Running"]
             # The Job controller, not the supervisor, picks which pod goes on a scale-in (mostly the
             # noticed one here, not always): the members are whatever runs on unaffected nodes.
-            return values and all(v == values[0] and noticed not in v["hosts"] and v["world_size"] == len(v["hosts"])
-                                  >= 2 for v in values)
+            # A pod not told yet has none: not yet, rather than an error.
+            return values and all(v is not None and v == values[0] and noticed not in v["hosts"]
+                                  and v["world_size"] == len(v["hosts"]) >= 2 for v in values)
         await asyncio.to_thread(wait_until, membership_pushed, 30, "membership on the surviving pods")
 
         await asyncio.to_thread(world.add_node)

@@ -248,7 +248,8 @@ async def test_pytorchjob_elastic_scales_worker_replicas():
                 return job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3 and job
             job = await eventually(scaled, what="PyTorchJob workers 4 -> 3")
             assert job["spec"]["runPolicy"]["suspend"] is False
-            assert await cluster.events("pt", names.EVENT_SCALED)
+            # The Event follows the patch (the decision's effects): wait for it, do not race it.
+            await eventually(lambda: cluster.events("pt", names.EVENT_SCALED), what="the Event of the scale")
         finally:
             await controller.stop()
 
@@ -274,7 +275,7 @@ async def test_pytorchjob_in_place_keeps_its_workers_and_tells_the_survivors_the
                 return all(v == values[0] for v in values) and values[0]
             membership = await eventually(told, what="the survivors told the membership")
             assert membership["hosts"] == ["n1", "n2", "n3"] and membership["store"] == f"10.0.0.2:{names.RDZV_PORT}"
-            assert await cluster.events("pt", names.EVENT_LEAVING_IN_PLACE)
+            await eventually(lambda: cluster.events("pt", names.EVENT_LEAVING_IN_PLACE), what="the Event of the notice")
             job = await cluster.job("pt", kind="PyTorchJob")
             assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 4
             assert job["spec"]["runPolicy"]["suspend"] is False
@@ -318,5 +319,71 @@ async def test_a_drain_before_the_notice_is_not_its_checkpoint():
             rec = record_of(job)
             assert rec["reason"] == "Checkpointed", rec
             assert datetime.fromisoformat(rec["decided_at"].replace("Z", "+00:00")) >= drained_at
+        finally:
+            await controller.stop()
+
+
+async def test_a_short_on_demand_stint_is_counted_at_each_move():
+    """The cost totals move at each change of a job's pods, not only every `cost_interval`: a pod
+    that runs on an on-demand node for a moment between two spot stints is counted there."""
+    import time
+
+    async with running_cluster() as cluster:
+        spot = {"karpenter.sh/capacity-type": "spot"}
+        for node in NODES:
+            await cluster.add_node(node, labels=spot)
+        await cluster.add_node("od0")
+        await cluster.add_node("n4", labels=spot)
+        await cluster.add_job_with_pods("j1", NODES, {names.ANN_POLICY: "elastic"})
+        controller = cluster.controller()
+        controller.config.cost_interval = 3600.0  # the periodic count never runs in this test
+        await controller.start()
+        key = ("Job", NS, "j1")
+
+        async def seen(pod: str, phase: str):
+            return (controller.cache.pods.get((NS, pod)) or {}).get("status", {}).get("phase") == phase
+
+        try:
+            await cluster.exit_pod("j1", 0, 1)
+            await cluster.add_pod("j1", 4, "od0")  # index 0 again, on an on-demand node
+            await eventually(lambda: seen("j1-4", "Running"), what="the on-demand pod seen Running")
+            started = time.monotonic()
+            while time.monotonic() - started < 0.3:  # the stint's length, as the supervisor sees it
+                await asyncio.sleep(0.05)
+            await cluster.exit_pod("j1", 4, 1)
+            await cluster.add_pod("j1", 5, "n4")  # back on spot
+            await eventually(lambda: seen("j1-4", "Failed"), what="the on-demand pod seen gone")
+            await eventually(lambda: seen("j1-5", "Running"), what="the spot pod seen Running")
+            controller.costs.observe()
+            entry = controller.ledger.jobs[key]
+            assert entry.on_demand_hours * 3600 >= 0.3, entry
+            assert entry.spot_hours > 0
+        finally:
+            await controller.stop()
+
+
+async def test_no_cost_record_is_written_to_a_job_with_an_invalid_policy():
+    """supervisor/README.md: a job whose policy annotations are invalid is never written to,
+    the cost totals' save included (they are kept in memory and exported only)."""
+    async with running_cluster() as cluster:
+        for node in NODES:
+            await cluster.add_node(node)
+        await cluster.add_job_with_pods("bad", NODES, {names.ANN_POLICY: "elastik"})
+        await cluster.add_job_with_pods("good", NODES, {names.ANN_POLICY: "elastic"})
+        controller = cluster.controller()
+        controller.config.cost_interval = 3600.0
+        await controller.start()
+        try:
+            await eventually(lambda: cluster.events("bad", names.EVENT_INVALID_POLICY), what="the Warning Event")
+            before = cluster.job_versions("bad")
+            controller.costs.observe()
+            await asyncio.sleep(0.05)
+            controller.costs.observe()  # both jobs now have node-hours to save
+            assert controller.ledger.jobs[("Job", NS, "bad")].spot_hours + \
+                controller.ledger.jobs[("Job", NS, "bad")].on_demand_hours > 0
+            await controller.costs.save()
+            assert cluster.job_versions("bad") == before  # never written to
+            good = await cluster.job("good")
+            assert record_of(good)["cost"]["on_demand_hours"] > 0  # the save itself works
         finally:
             await controller.stop()

@@ -135,6 +135,15 @@ def test_return_waits_for_return_after_of_free_spot_capacity_then_drains():
     assert drain.record.drain and drain.record.generation == waiting.generation + 1
 
 
+def test_the_return_after_clock_steps_say_what_they_do():
+    """Each RECORD step of the return-after clock is logged with its message: none is empty."""
+    start = decide(_state(_on_demand(), directives=ON_DEMAND, alt_slots=2), T0, Settings())
+    assert "free" in start.message and "return-after 5s" in start.message and start.reason
+    busy = decide(_state(_on_demand(spot_free_since=T0), directives=ON_DEMAND, alt_slots=1), T0, Settings())
+    assert busy.action == RECORD and busy.record.spot_free_since is None
+    assert "starts over" in busy.message and busy.reason
+
+
 def test_return_never_while_a_notice_is_live():
     waiting = _on_demand(spot_free_since=T0)
     hit = (NoticeHit("gcp:1", "od-1", "maintenance", None),)

@@ -8,7 +8,8 @@ from datetime import datetime, timedelta, UTC
 
 import pytest
 
-from spotguard.supervisor.in_place import in_place_members, member_pods, stable_hosts, store_of
+from spotguard.supervisor.in_place import (fresh_members, group_gone, in_place_members, incarnation, joiners_settled,
+                                           member_pods, ready_joiners, stable_hosts, starting_joiners, store_of)
 from spotguard.supervisor.policy import RECORD, SUSPEND, JobState, NoticeHit, Policy, PolicyError, decide, parse_policy
 from spotguard.supervisor.record import Record, parse_record
 from spotguard.wire import names
@@ -94,5 +95,51 @@ def test_an_in_place_notice_records_itself_and_scales_nothing():
 
 
 def test_the_record_keeps_the_store():
-    record = Record(generation=3, members=("n1", "n2"), store="10.0.0.2:29411")
+    record = Record(generation=3, members=("n1", "n2"), store="10.0.0.2:29411", member_pods=("u1/0", "u2/1"))
     assert parse_record(record.to_json()) == record
+
+
+def incarnated(index: int, node: str, *, uid: str = "", restarts: int = 0, state: str = "running", **kw) -> dict:
+    p = pod(index, node, **kw)
+    p["metadata"]["uid"] = uid or f"uid-{index}"
+    p["status"]["containerStatuses"] = [{"name": "trainer", "restartCount": restarts, "state": {state: {}}}]
+    return p
+
+
+def test_the_group_is_gone_only_when_no_member_pod_runs_as_it_was_pushed():
+    members = [incarnated(i, f"n{i}") for i in range(3)]
+    pushed = tuple(incarnation(p) for p in members)
+    assert pushed == ("uid-0/0", "uid-1/0", "uid-2/0")
+    assert not group_gone(members, pushed)
+    assert not group_gone(members, ())  # a record from before member_pods: cannot tell, never gone
+    # One member still runs as pushed: the group lives (the others are replacements or restarts).
+    mixed = [incarnated(0, "n0", uid="new-0"), incarnated(1, "n1", restarts=1), members[2]]
+    assert not group_gone(mixed, pushed)
+    # restartPolicy Never after a fallback: new pods (new uids), even on the same nodes.
+    assert group_gone([incarnated(i, f"n{i}", uid=f"new-{i}") for i in range(3)], pushed)
+    # OnFailure: the same pods, every container restarted (or stopped, waiting to restart).
+    assert group_gone([incarnated(0, "n0", restarts=1), incarnated(1, "n1", state="waiting"),
+                       incarnated(2, "n2", state="terminated")], pushed)
+    assert group_gone([], pushed)
+
+
+def test_the_relaunched_group_is_pushed_whole_in_completion_index_order_with_index_0s_store():
+    relaunched = [incarnated(2, "n7", uid="c"), incarnated(0, "n5", uid="a"), incarnated(1, "n6", uid="b")]
+    hosts, store, pods = fresh_members(relaunched, 3, "node")
+    assert hosts == ("n5", "n6", "n7") and store == "10.0.0.1:29411" and pods == ("a/0", "b/0", "c/0")
+    assert fresh_members(relaunched[:2], 3, "node") is None  # one is not re-created yet
+    pending = [*relaunched[:2], incarnated(1, "n6", uid="b", phase="Pending")]
+    assert fresh_members(pending, 3, "node") is None
+
+
+def test_ready_joiners_wait_for_replacements_still_starting_for_at_most_the_settle_window():
+    survivors = ("n1", "n2")
+    pods = [pod(1, "n1"), pod(2, "n2"), pod(0, "n5", ready=True), pod(3, "n6")]
+    assert [p["spec"]["nodeName"] for p in ready_joiners(pods, survivors, "node", healthy_except())] == ["n5"]
+    assert [p["spec"]["nodeName"] for p in starting_joiners(pods, survivors, "node", healthy_except())] == ["n6"]
+    assert starting_joiners(pods, survivors, "node", healthy_except("n6")) == []  # a noticed node starts nothing
+    assert not joiners_settled([1.0], 1, 10.0) and joiners_settled([10.0], 1, 10.0) and joiners_settled([1.0], 0, 10.0)
+    held = in_place_members(pods, survivors, "node", healthy_except(), admit_joiners=False)
+    assert held[0] == survivors
+    pods[3] = pod(3, "n6", ready=True)  # both Ready: both in one membership
+    assert in_place_members(pods, survivors, "node", healthy_except())[0] == ("n1", "n2", "n5", "n6")

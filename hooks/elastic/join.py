@@ -19,10 +19,17 @@ Contract:
   the group that membership names (prefix `m<generation>/`, rank by the host's place in the list)
   and remembers it: the Guard made next receives the state from a live peer in `resume()`.
 - Without `SPOTGUARD_JOIN` (neither "1" nor "0") a worker that has a sidecar looks at the
-  membership its pod already has (the sidecar sends it on connect; waited for at most 1.5 s):
-  one with a `store` that lists other hosts but not this one means the job runs without it, and
-  it joins (a pod the Job controller re-created after a reclaim). Every worker creates the ready
-  file once its group is formed too, so a pod's readiness probe passes in both cases.
+  membership its pod already has (the sidecar sends it on connect; waited for at most 1.5 s).
+  It joins (a pod the Job controller re-created after a reclaim) only when all of these hold:
+  the membership has a `store` and lists other hosts but not this one, AND a group is live at
+  that store: the store answers within `LIVE_PROBE_SECONDS` (at most a third of the re-form
+  timeout) and holds the liveness key its group's leader sets once the group is formed and keeps
+  while it leads (rendezvous.py `live_group`; polled within the same bound). Otherwise the
+  membership is stale (every worker of the job was relaunched after a fallback or a crash: its
+  store is dead, or served by a relaunched leader whose first group cannot form without this
+  worker) and the worker starts the first group from the launcher's flags like the others.
+  Every worker creates the ready file once its group is formed too, so a pod's readiness probe
+  passes in both cases.
 - Raises `ReformError` when the group cannot be formed, `TimeoutError` when no membership lists
   this host in time.
 """
@@ -39,11 +46,13 @@ from collections.abc import Callable
 
 from spotguard.config import positive_int
 from spotguard.hooks.elastic.membership_view import MembershipView
-from spotguard.hooks.elastic.rendezvous import Rendezvous
+from spotguard.hooks.elastic.rendezvous import Rendezvous, live_group
 from spotguard.wire import names
 from spotguard.wire.membership import Membership, MembershipFormatError
 
 log = logging.getLogger("spotguard.hooks.elastic")
+
+LIVE_PROBE_SECONDS = 5.0  # how long a worker asks a membership's store whether its group lives
 
 
 @dataclass
@@ -84,8 +93,14 @@ def init_process_group(backend: str = "gloo", *, memberships: Callable[[], dict 
         found = first_membership(env[names.ENV_SIDECAR_URL], 1.5)
         node = MembershipView.from_env().node
         if found is not None and found.store and found.hosts and node not in found.hosts:
-            log.warning("membership %d runs without %s: joining it", found.generation, node)
-            env[names.ENV_JOIN] = "1"
+            live = live_group(found.store, min(LIVE_PROBE_SECONDS, rendezvous.timeout / 3))
+            if live is None:
+                log.warning("membership %d runs without %s, but no group is live at its store %s: it is stale, "
+                            "starting the job's group", found.generation, node, found.store)
+            else:
+                log.warning("membership %d runs without %s (group %s live at %s): joining it", found.generation,
+                            node, live, found.store)
+                env[names.ENV_JOIN] = "1"
     if env.get(names.ENV_JOIN, "") != "1":
         rank = positive_int("RANK", env.get("RANK") or 0, allow_zero=True)
         world = positive_int("WORLD_SIZE", env.get("WORLD_SIZE") or 1)

@@ -17,11 +17,18 @@ Contract:
   `store_address` (served by this process when `rank` is 0). It raises `ReformError` when the
   group is not complete within the timeout; the caller falls back. Once formed, the group's
   collectives get torch's default timeout back (the re-form timeout bounds only the forming).
+- Liveness: once a group is formed, its leader (rank 0, which serves the store) sets `LIVE_KEY`
+  (unprefixed) in its store to the group's prefix, and keeps it as long as it leads a group
+  there (it is removed when this process forms a group it does not lead). `live_group(address,
+  timeout)` reads it from another process: the prefix of the group live at that store, or None
+  when the store does not answer within `timeout` or no group was formed there (a store that a
+  freshly started leader serves while its first group is still forming has no key yet).
 """
 from __future__ import annotations
 
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +37,8 @@ from spotguard.hooks.elastic.caches import forget_mesh_caches
 from spotguard.wire import names
 
 log = logging.getLogger("spotguard.hooks.elastic")
+
+LIVE_KEY = "spotguard/live-group"
 
 
 class ReformError(RuntimeError):
@@ -109,6 +118,43 @@ class Rendezvous:
             destroy_groups()
             raise ReformError(f"forming {prefix} (rank {rank} of {world_size}) on {store_address} failed: {exc}") \
                 from exc
+        self._mark_live(prefix if rank == 0 else None)
+
+    def _mark_live(self, prefix: str | None) -> None:
+        """Sets (leader) or removes (not the leader) the liveness key in this process's own store."""
+        if self._server is None:
+            return
+        try:
+            if prefix is not None:
+                self._server.set(LIVE_KEY, prefix)
+            else:
+                self._server.delete_key(LIVE_KEY)
+        except Exception as exc:  # the store is this process's own: nothing should fail here
+            log.warning("liveness key of %s not updated: %s", self.address, exc)
+
+
+def live_group(address: str, timeout: float) -> str | None:
+    """The prefix of the group live at the store at `address` (module docstring), or None."""
+    from torch.distributed import TCPStore
+
+    try:
+        host, port = split_address(address)
+    except ValueError:
+        return None
+    deadline = time.monotonic() + timeout
+    try:
+        client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+    except Exception:  # refused, unreachable or too slow: nothing lives there
+        return None
+    while True:
+        try:
+            if client.check([LIVE_KEY]):
+                return client.get(LIVE_KEY).decode(errors="replace")
+        except Exception:  # the store went away while we asked
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
 
 
 def destroy_groups() -> None:
