@@ -60,6 +60,8 @@ Contract:
   `adapter.optimizer` again. Any failure falls back to the drain (exit 83 with a durable
   checkpoint). In-place jobs make the model, then the adapter, then the Guard (the order a
   joiner repeats), and call `hooks.elastic.init_process_group()` instead of torch's.
+- Under `spotguard launch` (`SPOTGUARD_LAUNCHER_PID`), a rank whose launcher died leaves within
+  `grace_seconds` even when blocked in a collective (`orphan_watch`).
 - Bad configuration raises `spotguard.config.ConfigError` naming the field.
 """
 from __future__ import annotations
@@ -77,12 +79,13 @@ from spotguard.hooks.agreement.collectives import GroupCollectives, join_collect
 from spotguard.hooks.drain import DrainRecord, DrainSequence, ExitProcess, ReturnToLoop, agreed_notice
 from spotguard.hooks.elastic.join import elastic_process, in_place_enabled
 from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, Change, MembershipView
-from spotguard.hooks.elastic.reformer import Outcome, Reformer, ResizeRecord
+from spotguard.hooks.elastic.bound import release_groups
+from spotguard.hooks.elastic.reformer import Outcome, Reformer, ResizeRecord, take_state
 from spotguard.hooks.elastic.rendezvous import Rendezvous
-from spotguard.hooks.elastic.transfer import share
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.notice_gate import ACT_ON, Action, NoticeGate
 from spotguard.hooks.notice_listener import NoticeListener
+from spotguard.hooks.orphan_watch import OrphanWatch
 from spotguard.hooks.signals import SignalTrap
 from spotguard.wire import names
 from spotguard.hooks.termination_message import write_termination_message
@@ -145,6 +148,9 @@ class Guard:
             process = elastic_process()
             if process is not None and process.joined is not None:
                 self.view.adopt(process.joined.generation)
+        process = elastic_process()
+        if process is None or process.joined is None or process.state_received:
+            release_groups()  # a starting rank's formation is complete (a joiner's: in resume())
         self.departure = ExitProcess(self.close, self.leave_group, hard_exit) if exit_on_drain else ReturnToLoop()
         self.reporter = (HookReporter(self.sidecar_url, token_file, self.rank, self.world_size)
                          if self.sidecar_url else None)
@@ -153,6 +159,9 @@ class Guard:
         if install_signals:
             self._trap = SignalTrap(self.grace_seconds, (signal_module.SIGTERM, *extra_signals))
             self._trap.install()
+        self._orphan_watch = OrphanWatch.from_env(self.grace_seconds)
+        if self._orphan_watch is not None:
+            self._orphan_watch.start()
         self.listener: NoticeListener | None = None
         if self.sidecar_url:
             self.listener = NoticeListener(self.sidecar_url, self.offer, self.withdraw,
@@ -266,13 +275,9 @@ class Guard:
         adapter: Any = self.adapter  # resizable: TorchDCPAdapter(build=...)
         if adapter is None or not getattr(adapter, "resizable", False):
             raise RuntimeError("a joiner needs an adapter made with build= before resume()")
-        held, source = share(self.collectives, None)
-        adapter.load_full_state(held.state)
-        adapter.extra = dict(held.extra)
-        if not self.collectives.all_ok(True):
-            raise RuntimeError("a rank of the new group failed the change")
+        held = take_state(self.collectives, adapter, None, share_first=True)
         process.state_received = True
-        log.warning("joined in place: state of step %d from rank %d, now rank %d of %d", held.step, source,
+        log.warning("joined in place: state of step %d from a live peer, now rank %d of %d", held.step,
                     self.rank, self.world_size)
         return held.step + 1
 
@@ -403,6 +408,8 @@ class Guard:
             self.listener.stop()
         if self._trap is not None:
             self._trap.uninstall()
+        if self._orphan_watch is not None:
+            self._orphan_watch.stop()
         if self.adapter is not None:
             self.adapter.close()
         self.departure.release()
