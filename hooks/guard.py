@@ -78,7 +78,7 @@ from spotguard.hooks.agreement.base import Verdict
 from spotguard.hooks.agreement.collectives import GroupCollectives, join_collectives
 from spotguard.hooks.drain import DrainRecord, DrainSequence, ExitProcess, ReturnToLoop, agreed_notice
 from spotguard.hooks.elastic.join import elastic_process, in_place_enabled
-from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, Change, MembershipView
+from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, Change, MembershipView, Settled
 from spotguard.hooks.elastic.bound import release_groups
 from spotguard.hooks.elastic.reformer import Outcome, Reformer, ResizeRecord, take_state
 from spotguard.hooks.elastic.rendezvous import Rendezvous
@@ -335,6 +335,11 @@ class Guard:
     def _drain(self, step: int, verdict: Verdict) -> bool:
         notice = agreed_notice(self.collectives, verdict)
         change = self._change_for(notice, step)
+        if isinstance(change, Settled):  # every rank: the same agreed notice, the same group
+            assert self.view is not None
+            self.view.adopt(change.generation)
+            log.warning("membership %d needs no change (%s): training goes on", change.generation, change.why)
+            return False
         if change is not None and not change.plan.leaving_hosts:
             return self._resize(step, notice, change, None)  # a grow: nobody leaves, nothing to save first
         leaving = change is None or change.plan.leaves(self.rank)
@@ -348,8 +353,8 @@ class Guard:
             return self.departure.after_drain(record)
         return self._resize(step, notice, change, record)
 
-    def _change_for(self, notice, step: int) -> Change | None:
-        """The in-place change the agreed notice asks for; None: every rank drains."""
+    def _change_for(self, notice, step: int) -> Change | Settled | None:
+        """The in-place change the agreed notice asks for; Settled: none is needed; None: every rank drains."""
         if self.view is None or self.adapter is None or not getattr(self.adapter, "resizable", False):
             return None
         try:
@@ -367,6 +372,7 @@ class Guard:
         if notice.source == MEMBERSHIP_SOURCE:
             self.view.adopt(change.generation)
         if record.outcome is Outcome.CONTINUE:
+            self.view.after_change(change.plan, record.started_at)
             log.warning("in place at step %d: world %d -> %d, rank %d -> %d, paused %.3fs", step,
                         record.old_world_size, record.new_world_size, record.old_rank, record.new_rank,
                         record.pause_seconds)

@@ -125,3 +125,44 @@ def test_no_worker_outlives_a_launcher_killed_while_it_is_blocked_in_a_change(tm
         killed = time.monotonic()
         wait_until(lambda: not alive(worker_b), "b's worker to leave after its launcher died", 30, hosts)
         assert time.monotonic() - killed < 30
+
+
+@pytest.mark.parametrize("pending", [["a", "b", "c", "d"], ["a", "b"]], ids=["names-the-leaver", "is-the-new-group"])
+def test_a_membership_pending_at_a_shrink_is_rechecked_against_the_new_group(pending, tmp_path):
+    """c gets SIGTERM at step 4, when a membership (generation 1) is pending on every rank; the
+    shrink goes first (a real notice wins). Afterwards the membership asks nothing: it named c,
+    which just left (it used to re-add c: a stall, then the fallback), or it is the new group
+    itself (it used to make every rank drain). a and b train on and finish."""
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", env={"SPOTGUARD_REFORM_TIMEOUT": "5"}) as hosts:
+        offer = json.dumps({"v": 1, "generation": 1, "hosts": pending, "world_size": len(pending),
+                            "store": f"127.0.0.1:{hosts.port('a')}"})
+        hosts.start(["a", "b", "c"], args=(*LONG, "--signal-at", "4", "--signal-node", "c", "--offer", f"4:{offer}",
+                                            "--stop-after", "1", "--tail", "4"))
+        codes = hosts.wait(["a", "b", "c"], timeout=90)
+    assert codes == {"a": 0, "b": 0, "c": 83}, hosts.tail()
+    assert [(c["outcome"], c["world"]) for h in ("a", "b") for c in hosts.changes(h)] == [("in-place", 2)] * 2
+    step = hosts.changes("a")[0]["step"]
+    assert [hosts.progress(h) for h in ("a", "b")] == [step + 4] * 2  # the 4 steps after the change
+
+
+def test_bad_memberships_are_refused_in_one_line_naming_the_field_and_training_goes_on(tmp_path):
+    """a and b (generation 5 confirmed) are offered a membership naming a host twice, one that
+    changes the hosts without a store, and one of generation 3: each is refused with one line
+    naming its field, on every rank, and the job trains all its steps as it was."""
+    def member(generation: int, hosts: list[str], store: bool = True) -> str:
+        data = {"v": 1, "generation": generation, "hosts": hosts, "world_size": len(hosts)}
+        return json.dumps({**data, "store": "127.0.0.1:1"} if store else data)
+
+    offers = [f"1:{member(5, ['a', 'b'])}", f"2:{member(6, ['a', 'b', 'b'])}", f"3:{member(6, ['a', 'c'], False)}",
+              f"4:{member(3, ['a', 'c'])}"]
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", ("--steps", "8", *(f"--offer={o}" for o in offers))) \
+            as hosts:
+        hosts.start(["a", "b"])
+        codes = hosts.wait(["a", "b"], timeout=90)
+    assert codes == {"a": 0, "b": 0}, hosts.tail()
+    for host in ("a", "b"):
+        assert hosts.progress(host) == 7 and hosts.changes(host) == []
+        refused = [line for line in (hosts.out / f"log-{host}").read_text().splitlines() if "refused" in line]
+        assert len(refused) == 3, refused
+        for line, field in zip(refused, ("hosts:", "store:", "generation:")):
+            assert field in line and "training goes on" in line, line
