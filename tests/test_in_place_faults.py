@@ -166,3 +166,13 @@ def test_bad_memberships_are_refused_in_one_line_naming_the_field_and_training_g
         assert len(refused) == 3, refused
         for line, field in zip(refused, ("hosts:", "store:", "generation:")):
             assert field in line and "training goes on" in line, line
+
+
+def test_a_joiner_waiting_for_its_membership_does_not_outlive_its_launcher(tmp_path):
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", LONG, launched=True) as hosts:
+        hosts.join("d")
+        hosts.wait_for("ready-d", timeout=90)  # it waits for a membership naming it (60 s at most)
+        worker = hosts.pid("d")
+        hosts.procs["d"].kill()
+        hosts.procs["d"].wait(10)
+        wait_until(lambda: not alive(worker), "the joiner to leave after its launcher died", 10, hosts)
