@@ -46,7 +46,7 @@ def shrink_then_grow(request, tmp_path_factory) -> ShrinkThenGrow:
         pids = {host: proc.pid for host, proc in hosts.procs.items()}
         assert hosts.wait(["a"], timeout=90) == {"a": 83}, hosts.tail()
         hosts.wait_for("state-resize-1.pt")
-        hosts.wait_for("ready-d", timeout=60)
+        hosts.wait_for("ready-d", timeout=120)
         hosts.push(1, ["b", "c", "d"])
         codes = hosts.wait(["b", "c", "d"], timeout=60)
     return ShrinkThenGrow(hosts, {"a": 83, **codes}, pids)
@@ -126,7 +126,7 @@ def test_grow_falls_back_and_loses_nothing(fault, tmp_path):
         hosts.start(["b", "c"])
         if joiner_starts:
             hosts.join("d")
-            hosts.wait_for("ready-d", timeout=60)
+            hosts.wait_for("ready-d", timeout=120)
         hosts.wait_step("b", 2)
         hosts.push(1, ["b", "c", "d"])
         codes = hosts.wait(["b", "c"], timeout=60)

@@ -90,7 +90,7 @@ class Hosts:
         os.replace(tmp, self.out / "membership.json")
 
     # ---- what the hosts left behind -------------------------------------------------------------
-    def wait_for(self, name: str, timeout: float = 60) -> Path:
+    def wait_for(self, name: str, timeout: float = 120) -> Path:
         """The file `name` under out, once it exists (AssertionError with the logs after `timeout`)."""
         path = self.out / name
         deadline = time.monotonic() + timeout
@@ -100,7 +100,7 @@ class Hosts:
             time.sleep(0.05)
         return path
 
-    def wait_step(self, host: str, step: int, timeout: float = 60) -> None:
+    def wait_step(self, host: str, step: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while self.progress(host) < step:
             if time.monotonic() > deadline or self.procs[host].poll() is not None:
