@@ -45,7 +45,7 @@ from spotguard.hooks.elastic.transfer import HeldState, share
 
 log = logging.getLogger("spotguard.hooks.elastic")
 
-PHASES = ("handover", "left", "formed", "rebuilt", "transferred", "committed")
+PHASES = ("handover", "left", "formed", "rebuilt", "transferred", "committed")  # "fallback" ends a failed one
 
 
 class Outcome(enum.Enum):
@@ -144,6 +144,7 @@ class Reformer:
                    exc: Exception) -> ResizeRecord:
         record.error = f"{type(exc).__name__}: {exc}"
         record.outcome = Outcome.FALLBACK
+        record.phases["fallback"] = time.time() - record.started_at  # the stall before the fallback
         seam.collectives.abandon()  # never a yes vote from here on: peers waiting in a collective fail too
         log.error("in-place change at step %d failed (%s): falling back to checkpoint, exit, relaunch",
                   record.step, record.error)
