@@ -59,7 +59,10 @@ Contract:
   `@on_resize` hooks run (`hook(record)`), and training code reads `adapter.model` /
   `adapter.optimizer` again. Any failure falls back to the drain (exit 83 with a durable
   checkpoint). In-place jobs make the model, then the adapter, then the Guard (the order a
-  joiner repeats), and call `hooks.elastic.init_process_group()` instead of torch's.
+  joiner repeats), and call `hooks.elastic.init_process_group()` instead of torch's. The
+  collectives of a change are the Guard's alone, in one order on both sides (`reformer.take_state`
+  ends the survivors' change and a joiner's `resume()`); training code makes none of its own
+  between `init_process_group` and a joiner's first step (the survivors are already training).
 - Under `spotguard launch` (`SPOTGUARD_LAUNCHER_PID`), a rank whose launcher died leaves within
   `grace_seconds` even when blocked in a collective (`orphan_watch`).
 - Bad configuration raises `spotguard.config.ConfigError` naming the field.
