@@ -72,12 +72,12 @@ def test_fsdp2_grow_with_the_reference_trainer_trains_on(tmp_path):
                                               "SPOTGUARD_REFORM_TIMEOUT": "20"}) as hosts:
         hosts.start(["a"], env={"SPOTGUARD_EVENT_LOG": str(out / "events-a.jsonl")})
         hosts.join("b", env={"SPOTGUARD_EVENT_LOG": str(out / "events-b.jsonl")})
-        hosts.wait_for("ready-b", timeout=90)
-        wait_until(lambda: steps_in_group_of(out, "a", 1) >= 3, "a training alone", 90, hosts)
+        hosts.wait_for("ready-b", timeout=240)
+        wait_until(lambda: steps_in_group_of(out, "a", 1) >= 3, "a training alone", 240, hosts)
         sidecar.push_membership({"v": 1, "generation": 1, "hosts": ["a", "b"], "world_size": 2,
                                  "store": f"127.0.0.1:{hosts.port('a')}"})
         wait_until(lambda: min(steps_in_group_of(out, h, 2) for h in ("a", "b")) >= 5,
-                   "a and b training as a group of two", 90, hosts)
+                   "a and b training as a group of two", 240, hosts)
         assert {h: p.poll() for h, p in hosts.procs.items()} == {"a": None, "b": None}, hosts.tail()
         resized = [e for e in events(out, "a") if e.get("event") == "resized"]
         assert [(r["path"], r["from_world"], r["to_world"]) for r in resized] == [("in-place", 1, 2)]
@@ -90,12 +90,12 @@ def test_a_joiner_dying_after_forming_costs_the_fsdp2_survivors_at_most_the_refo
     with Hosts(tmp_path / "run", "fsdp2", tmp_path / "ckpt", LONG, env=env) as hosts:
         hosts.start(["b", "c"])
         hosts.join("d")
-        hosts.wait_for("ready-d", timeout=90)
+        hosts.wait_for("ready-d", timeout=240)
         hosts.wait_step("b", 2)
         hosts.push(1, ["b", "c", "d"])
-        assert hosts.wait(["d"], timeout=60) == {"d": 1}
+        assert hosts.wait(["d"], timeout=240) == {"d": 1}
         died = time.monotonic()
-        codes = hosts.wait(["b", "c"], timeout=60)
+        codes = hosts.wait(["b", "c"], timeout=240)
         stalled = time.monotonic() - died
     assert codes == {"b": 83, "c": 83}, hosts.tail()
     changes = [c for h in ("b", "c") for c in hosts.changes(h)]
@@ -104,8 +104,8 @@ def test_a_joiner_dying_after_forming_costs_the_fsdp2_survivors_at_most_the_refo
     assert checkpoint_steps(hosts.ckpt) == [step]
     # The change's stall before the fallback: the re-form timeout (+ the phases before the wait
     # and a loaded machine's slack); then the fallback's own group and save before the exit.
-    assert all(c["phases"]["fallback"] < 4 + 3 for c in changes), changes
-    assert stalled < 4 + 25, stalled
+    assert all(c["phases"]["fallback"] < 4 + 5 for c in changes), changes
+    assert stalled < 4 + 60, stalled
 
 
 def test_no_worker_outlives_a_launcher_killed_while_it_is_blocked_in_a_change(tmp_path):
@@ -116,17 +116,17 @@ def test_no_worker_outlives_a_launcher_killed_while_it_is_blocked_in_a_change(tm
     with Hosts(tmp_path / "run", "fsdp2", tmp_path / "ckpt", LONG, env=env, launched=True) as hosts:
         hosts.start(["b", "c"])
         hosts.join("d")
-        hosts.wait_for("ready-d", timeout=90)
+        hosts.wait_for("ready-d", timeout=240)
         hosts.wait_step("b", 2)
         worker_b = hosts.pid("b")
         hosts.push(1, ["b", "c", "d"])
-        hosts.wait(["d"], timeout=60)  # d's worker died after the group formed: b and c are in the change
+        hosts.wait(["d"], timeout=240)  # d's worker died after the group formed: b and c are in the change
         assert hosts.procs["b"].poll() is None and alive(worker_b), hosts.tail()
         hosts.procs["b"].kill()
         hosts.procs["b"].wait(10)
         killed = time.monotonic()
-        wait_until(lambda: not alive(worker_b), "b's worker to leave after its launcher died", 30, hosts)
-        assert time.monotonic() - killed < 30
+        wait_until(lambda: not alive(worker_b), "b's worker to leave after its launcher died", 60, hosts)
+        assert time.monotonic() - killed < 60  # the re-form timeout is 120 s
 
 
 @pytest.mark.parametrize("pending", [["a", "b", "c", "d"], ["a", "b"]], ids=["names-the-leaver", "is-the-new-group"])
@@ -140,7 +140,7 @@ def test_a_membership_pending_at_a_shrink_is_rechecked_against_the_new_group(pen
                             "store": f"127.0.0.1:{hosts.port('a')}"})
         hosts.start(["a", "b", "c"], args=(*LONG, "--signal-at", "4", "--signal-node", "c", "--offer", f"4:{offer}",
                                             "--stop-after", "1", "--tail", "4"))
-        codes = hosts.wait(["a", "b", "c"], timeout=90)
+        codes = hosts.wait(["a", "b", "c"], timeout=240)
     assert codes == {"a": 0, "b": 0, "c": 83}, hosts.tail()
     assert [(c["outcome"], c["world"]) for h in ("a", "b") for c in hosts.changes(h)] == [("in-place", 2)] * 2
     step = hosts.changes("a")[0]["step"]
@@ -160,7 +160,7 @@ def test_bad_memberships_are_refused_in_one_line_naming_the_field_and_training_g
     with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", ("--steps", "8", *(f"--offer={o}" for o in offers))) \
             as hosts:
         hosts.start(["a", "b"])
-        codes = hosts.wait(["a", "b"], timeout=90)
+        codes = hosts.wait(["a", "b"], timeout=240)
     assert codes == {"a": 0, "b": 0}, hosts.tail()
     for host in ("a", "b"):
         assert hosts.progress(host) == 7 and hosts.changes(host) == []
@@ -173,7 +173,7 @@ def test_bad_memberships_are_refused_in_one_line_naming_the_field_and_training_g
 def test_a_joiner_waiting_for_its_membership_does_not_outlive_its_launcher(tmp_path):
     with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", LONG, launched=True) as hosts:
         hosts.join("d")
-        hosts.wait_for("ready-d", timeout=90)  # it waits for a membership naming it (60 s at most)
+        hosts.wait_for("ready-d", timeout=240)  # it waits for a membership naming it
         worker = hosts.pid("d")
         hosts.procs["d"].kill()
         hosts.procs["d"].wait(10)

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
                 os._exit(1)
             raise RuntimeError(f"injected failure at {phase}")
 
-    init_process_group(memberships=read_membership, join_timeout=60)
+    init_process_group(memberships=read_membership, join_timeout=240)
     maybe_fail("formed-joiner")
     build = build_for(args.mode)
     model, optimizer = build()
