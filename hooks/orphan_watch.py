@@ -7,8 +7,9 @@ signal handler until that call returns.
 
 Contract: `OrphanWatch.from_env(grace_seconds)` is None unless `SPOTGUARD_LAUNCHER_PID` is set
 (a worker started some other way, `nohup` included, is never watched). `start()` runs a daemon
-thread that checks every `poll` seconds whether this process's parent is still the launcher;
-once it is not, the worker has `grace_seconds` (the drain's own grace) to end by itself, then
+thread that checks every `poll` seconds whether the launcher still runs (this process's parent
+is still the one it started with, which is the launcher or what the launcher started, and the
+launcher's pid still exists); once it does not, the worker has `grace_seconds` (the drain's own grace) to end by itself, then
 the thread logs one line, flushes and ends the process with exit status 1. `stop()` ends the
 watch (the Guard closed: the process is leaving on its own).
 """
@@ -31,6 +32,7 @@ class OrphanWatch:
 
     def __init__(self, launcher_pid: int, grace_seconds: float, poll: float = 0.2):
         self.launcher_pid, self.grace_seconds, self.poll = launcher_pid, grace_seconds, poll
+        self._parent = os.getppid()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="spotguard-orphan-watch", daemon=True)
 
@@ -48,8 +50,19 @@ class OrphanWatch:
     def stop(self) -> None:
         self._stop.set()
 
+    def launcher_gone(self) -> bool:
+        if os.getppid() != self._parent:
+            return True
+        try:
+            os.kill(self.launcher_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # a process of another user: it exists
+            pass
+        return False
+
     def _watch(self) -> None:
-        while os.getppid() == self.launcher_pid:
+        while not self.launcher_gone():
             if self._stop.wait(self.poll):
                 return
         if self._stop.wait(self.grace_seconds):
