@@ -59,7 +59,12 @@ Contract:
   `@on_resize` hooks run (`hook(record)`), and training code reads `adapter.model` /
   `adapter.optimizer` again. Any failure falls back to the drain (exit 83 with a durable
   checkpoint). In-place jobs make the model, then the adapter, then the Guard (the order a
-  joiner repeats), and call `hooks.elastic.init_process_group()` instead of torch's.
+  joiner repeats), and call `hooks.elastic.init_process_group()` instead of torch's. The
+  collectives of a change are the Guard's alone, in one order on both sides (`reformer.take_state`
+  ends the survivors' change and a joiner's `resume()`); training code makes none of its own
+  between `init_process_group` and a joiner's first step (the survivors are already training).
+- Under `spotguard launch` (`SPOTGUARD_LAUNCHER_PID`), a rank whose launcher died leaves within
+  `grace_seconds` even when blocked in a collective (`orphan_watch`).
 - Bad configuration raises `spotguard.config.ConfigError` naming the field.
 """
 from __future__ import annotations
@@ -76,13 +81,14 @@ from spotguard.hooks.agreement.base import Verdict
 from spotguard.hooks.agreement.collectives import GroupCollectives, join_collectives
 from spotguard.hooks.drain import DrainRecord, DrainSequence, ExitProcess, ReturnToLoop, agreed_notice
 from spotguard.hooks.elastic.join import elastic_process, in_place_enabled
-from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, Change, MembershipView
-from spotguard.hooks.elastic.reformer import Outcome, Reformer, ResizeRecord
+from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, Change, MembershipView, Settled
+from spotguard.hooks.elastic.bound import release_groups
+from spotguard.hooks.elastic.reformer import Outcome, Reformer, ResizeRecord, take_state
 from spotguard.hooks.elastic.rendezvous import Rendezvous
-from spotguard.hooks.elastic.transfer import share
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.notice_gate import ACT_ON, Action, NoticeGate
 from spotguard.hooks.notice_listener import NoticeListener
+from spotguard.hooks.orphan_watch import OrphanWatch
 from spotguard.hooks.signals import SignalTrap
 from spotguard.wire import names
 from spotguard.hooks.termination_message import write_termination_message
@@ -145,6 +151,9 @@ class Guard:
             process = elastic_process()
             if process is not None and process.joined is not None:
                 self.view.adopt(process.joined.generation)
+        process = elastic_process()
+        if process is None or process.joined is None or process.state_received:
+            release_groups()  # a starting rank's formation is complete (a joiner's: in resume())
         self.departure = ExitProcess(self.close, self.leave_group, hard_exit) if exit_on_drain else ReturnToLoop()
         self.reporter = (HookReporter(self.sidecar_url, token_file, self.rank, self.world_size)
                          if self.sidecar_url else None)
@@ -153,6 +162,9 @@ class Guard:
         if install_signals:
             self._trap = SignalTrap(self.grace_seconds, (signal_module.SIGTERM, *extra_signals))
             self._trap.install()
+        self._orphan_watch = OrphanWatch.from_env(self.grace_seconds)
+        if self._orphan_watch is not None:
+            self._orphan_watch.start()
         self.listener: NoticeListener | None = None
         if self.sidecar_url:
             self.listener = NoticeListener(self.sidecar_url, self.offer, self.withdraw,
@@ -266,13 +278,9 @@ class Guard:
         adapter: Any = self.adapter  # resizable: TorchDCPAdapter(build=...)
         if adapter is None or not getattr(adapter, "resizable", False):
             raise RuntimeError("a joiner needs an adapter made with build= before resume()")
-        held, source = share(self.collectives, None)
-        adapter.load_full_state(held.state)
-        adapter.extra = dict(held.extra)
-        if not self.collectives.all_ok(True):
-            raise RuntimeError("a rank of the new group failed the change")
+        held = take_state(self.collectives, adapter, None, share_first=True)
         process.state_received = True
-        log.warning("joined in place: state of step %d from rank %d, now rank %d of %d", held.step, source,
+        log.warning("joined in place: state of step %d from a live peer, now rank %d of %d", held.step,
                     self.rank, self.world_size)
         return held.step + 1
 
@@ -330,6 +338,11 @@ class Guard:
     def _drain(self, step: int, verdict: Verdict) -> bool:
         notice = agreed_notice(self.collectives, verdict)
         change = self._change_for(notice, step)
+        if isinstance(change, Settled):  # every rank: the same agreed notice, the same group
+            assert self.view is not None
+            self.view.adopt(change.generation)
+            log.warning("membership %d needs no change (%s): training goes on", change.generation, change.why)
+            return False
         if change is not None and not change.plan.leaving_hosts:
             return self._resize(step, notice, change, None)  # a grow: nobody leaves, nothing to save first
         leaving = change is None or change.plan.leaves(self.rank)
@@ -343,8 +356,8 @@ class Guard:
             return self.departure.after_drain(record)
         return self._resize(step, notice, change, record)
 
-    def _change_for(self, notice, step: int) -> Change | None:
-        """The in-place change the agreed notice asks for; None: every rank drains."""
+    def _change_for(self, notice, step: int) -> Change | Settled | None:
+        """The in-place change the agreed notice asks for; Settled: none is needed; None: every rank drains."""
         if self.view is None or self.adapter is None or not getattr(self.adapter, "resizable", False):
             return None
         try:
@@ -362,6 +375,7 @@ class Guard:
         if notice.source == MEMBERSHIP_SOURCE:
             self.view.adopt(change.generation)
         if record.outcome is Outcome.CONTINUE:
+            self.view.after_change(change.plan, record.started_at)
             log.warning("in place at step %d: world %d -> %d, rank %d -> %d, paused %.3fs", step,
                         record.old_world_size, record.new_world_size, record.old_rank, record.new_rank,
                         record.pause_seconds)
@@ -403,6 +417,8 @@ class Guard:
             self.listener.stop()
         if self._trap is not None:
             self._trap.uninstall()
+        if self._orphan_watch is not None:
+            self._orphan_watch.stop()
         if self.adapter is not None:
             self.adapter.close()
         self.departure.release()

@@ -14,7 +14,8 @@ RANK=I*P+l, LOCAL_RANK=l, WORLD_SIZE=N*P, LOCAL_WORLD_SIZE=P, GROUP_RANK=I, GROU
 ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT=0,
 TORCHELASTIC_MAX_RESTARTS=0, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, OMP_NUM_THREADS=1 unless set;
 SPOTGUARD_IN_PLACE=1, SPOTGUARD_NODE, SPOTGUARD_RDZV_HOST, SPOTGUARD_RDZV_PORT (the same on every
-local worker: only one of them hosts a store), and SPOTGUARD_JOIN=1, SPOTGUARD_READY_FILE,
+local worker: only one of them hosts a store), SPOTGUARD_LAUNCHER_PID (this launcher: a worker
+whose launcher died leaves, `hooks/orphan_watch.py`), and SPOTGUARD_JOIN=1, SPOTGUARD_READY_FILE,
 SPOTGUARD_REFORM_TIMEOUT, SPOTGUARD_MIN_WORLD_SIZE when set.
 
 Settings: a flag, else (for spotguard's own settings) its SPOTGUARD_* variable, else the
@@ -215,6 +216,7 @@ def worker_env(config: LaunchConfig, local_rank: int, environ: Mapping[str, str]
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         names.ENV_IN_PLACE: "1", names.ENV_NODE: config.node_name,
         names.ENV_RDZV_HOST: config.rdzv_host, names.ENV_RDZV_PORT: str(config.rdzv_port),
+        names.ENV_LAUNCHER_PID: str(os.getpid()),
     })
     optional = {names.ENV_JOIN: "1" if config.join else None,
                 names.ENV_READY_FILE: config.ready_file,

@@ -3,7 +3,10 @@
 Contract of `LocalWorkers(workers, shutdown_timeout).run()` (in an event loop; returns the exit status):
 - starts one `Worker` after the other, each in its own session (so a terminal's Ctrl-C or a
   signal to the launcher's group reaches a worker once, through the launcher) with
-  PR_SET_PDEATHSIG = SIGTERM (a launcher that dies leaves no worker running unwarned);
+  PR_SET_PDEATHSIG = SIGTERM (a launcher that dies leaves no worker running unwarned; the Guard's
+  orphan watch ends a worker that does not leave within its grace);
+- on every way out of `run()` (all workers exited, an error, a cancellation) each worker's
+  process group gets SIGKILL: nothing a worker started outlives the launcher either;
 - SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 sent to the launcher are forwarded, by PID, to every
   worker still running; after SIGTERM or SIGINT no further worker is started;
 - a worker that exits is never restarted. One that exits 0, 83 or 84 (finished, or drained
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -47,6 +51,15 @@ class Worker:
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.returncode is None
+
+    def kill_group(self) -> None:
+        """SIGKILL to the worker's process group (its session: the worker and what it started)."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def send(self, sig: int) -> None:
         """Sends `sig` to this worker's PID if it has not been reaped yet."""
@@ -100,8 +113,8 @@ class LocalWorkers:
                 loop.remove_signal_handler(sig)
             if self._kill_timer is not None:
                 self._kill_timer.cancel()
-            for w in self.workers:  # only when cancelled: nothing outlives the launcher
-                w.send(signal.SIGKILL)
+            for w in self.workers:  # whatever is left of a worker's session: nothing outlives the launcher
+                w.kill_group()
 
     async def _start_all(self) -> list[Worker]:
         started = []

@@ -3,12 +3,14 @@ membership view (which pushed memberships become pending, which agreed notice ch
 and the agreement arithmetic with a membership pseudo-notice."""
 from __future__ import annotations
 
+import logging
+import time
 from datetime import timedelta
 
 import pytest
 
 from spotguard.hooks.agreement.base import contribution, outcome
-from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, MembershipView
+from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, Change, MembershipView, Settled
 from spotguard.hooks.elastic.plan import ReformPlan
 from spotguard.wire import names
 from spotguard.wire.notice import Kind, Notice, now_utc
@@ -161,3 +163,85 @@ def test_every_rank_computes_the_same_shrink_prefix_whatever_its_history():
     reclaim = notice(Kind.RECLAIM, "b")
     assert veteran.plan_for(reclaim, step=224).prefix == joiner.plan_for(reclaim, step=224).prefix
     assert veteran.plan_for(reclaim, step=224).prefix != veteran.plan_for(reclaim, step=225).prefix
+
+
+# ---- a pending membership after a change (issue 18, item 4) -------------------------------------
+def changed(view: MembershipView, old_hosts, new_hosts, started_at: float | None = None) -> None:
+    """What the Guard does after a change this rank continues from: the new group, then the re-check."""
+    view.hosts = tuple(new_hosts)
+    view.after_change(ReformPlan.make(old_hosts, new_hosts), time.time() if started_at is None else started_at)
+
+
+@pytest.mark.parametrize("pending_hosts, change_to, offered, kept, generation", [
+    # (a) all four listed, SIGTERM took d out: the stale membership would re-add d
+    (["a", "b", "c", "d"], ["a", "b", "c"], "before", False, 5),
+    # ... unless it came after the change began: then it is the supervisor's newer word
+    (["a", "b", "c", "d"], ["a", "b", "c"], "after", True, 4),
+    # (b) the pending membership is the group the change formed: only its generation
+    (["a", "b"], ["a", "b"], "before", False, 5),
+    (["b", "a"], ["a", "b"], "after", False, 5),
+    # a grow pending while another host left: still a change to make
+    (["a", "b", "e"], ["a", "b"], "before", True, 4),
+])
+def test_a_pending_membership_is_rechecked_after_a_change(pending_hosts, change_to, offered, kept, generation):
+    view = view_of(("a", "b", "c", "d"))
+    view.generation = 4
+    started = time.time()
+    if offered == "after":
+        started -= 60
+    else:
+        view.offer(membership(5, pending_hosts))
+    old = view.hosts
+    changed(view, old, change_to, started_at=started if offered == "after" else time.time() + 1)
+    if offered == "after":
+        view.offer(membership(5, pending_hosts))
+    assert (view.pending_notice() is not None, view.generation) == (kept, generation)
+
+
+def test_an_agreed_membership_equal_to_the_group_settles_instead_of_draining_everyone():
+    view = view_of(("a", "b", "c"))
+    view.offer(membership(5, ["a", "b", "c", "d"]))
+    pending = view.pending_notice()
+    assert pending is not None
+    view.hosts = ("a", "b", "c", "d")  # another rank's view formed it meanwhile: the agreed notice asks nothing
+    assert view.plan_for(pending, step=9) == Settled(5, "the group already has its hosts")
+
+
+def test_an_agreed_membership_written_before_its_host_left_settles():
+    view = view_of(("a", "b", "c", "d"))
+    view.offer(membership(5, ["a", "b", "c", "d", "e"]))
+    pending = view.pending_notice()
+    changed(view, ("a", "b", "c", "d"), ("a", "b", "c"), started_at=time.time() + 1)
+    assert view.pending_notice() is None
+    settled = view.plan_for(pending, step=9)  # a rank that still held it contributed it
+    assert isinstance(settled, Settled) and "before d left" in settled.why
+    again = view_of(("a", "b", "c"))
+    again.offer(membership(6, ["a", "b", "c", "d"]))  # a newer one naming d: d came back
+    assert isinstance(again.plan_for(again.pending_notice(), step=10), Change)
+
+
+# ---- bad input: refused with one line naming the field ------------------------------------------
+@pytest.mark.parametrize("data, field", [
+    ({"v": 1, "generation": 6, "hosts": ["b", "c", "c"], "world_size": 3, "store": STORE}, "hosts"),
+    (membership(6, ["b", "c", "d"], store=""), "store"),
+    (membership(3, ["b", "c", "d"]), "generation"),
+])
+def test_bad_memberships_are_refused_with_one_line_naming_the_field(data, field, caplog):
+    view = view_of()
+    view.generation = 4
+    with caplog.at_level(logging.WARNING, logger="spotguard.hooks.elastic"):
+        view.offer(data)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "refused" in lines[0] and f"{field}:" in lines[0], lines
+    assert view.pending_notice() is None and view.generation == 4
+    view.offer(membership(7, ["b", "c", "d"]))  # the next good one is taken
+    assert view.pending_notice() is not None
+
+
+def test_a_membership_sent_again_logs_nothing(caplog):
+    view = view_of()
+    view.offer(membership(5, ["b", "c", "d"]))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="spotguard.hooks.elastic"):
+        view.offer(membership(5, ["b", "c", "d"]))
+    assert caplog.records == [] and view.pending_notice() is not None

@@ -193,6 +193,29 @@ def test_workers_get_sigterm_when_the_launcher_dies(tmp_path):
         assert launch.signals(0) == launch.signals(1) == ["SIGTERM"]
 
 
+def test_nothing_a_worker_started_outlives_the_launcher(tmp_path):
+    """The worker exits 0 and leaves a child behind (in its session, ignoring SIGTERM): the
+    launcher's way out kills the worker's process group."""
+    with Launch(tmp_path, ["--nproc-per-node", "1"], ["--child", "--exit", "0=0"]) as launch:
+        try:
+            assert launch.wait() == 0, launch.log()
+            child = int(wait_for(lambda: (tmp_path / "rank0.child").exists() and (tmp_path / "rank0.child").read_text(),
+                                 "the child's pid"))
+            wait_for(lambda: not running(child), "the worker's child to be gone")
+        finally:
+            child_file = tmp_path / "rank0.child"
+            if child_file.exists() and running(int(child_file.read_text())):
+                os.kill(int(child_file.read_text()), signal.SIGKILL)
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting to be reaped does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("args, field", [
     (["--nproc-per-node", "0"], "--nproc-per-node"),
     (["--nproc_per_node", "two"], "--nproc-per-node"),

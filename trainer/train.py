@@ -93,18 +93,28 @@ def current_world() -> tuple[int, int]:
     return 0, 1
 
 
-def digest_of(model, optimizer, framework: str = "ddp") -> str:
-    """A digest of the whole state (FSDP2: gathered, a collective every rank makes)."""
-    if framework == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-        return state_digest(model_state, optim_state.get("state", {}))
+def digest_of(model, optimizer) -> str:
+    """A digest of this rank's state, made without communication: FSDP2 digests this rank's
+    shards. Never a collective: a joiner writes its `start` event where the survivors, already
+    training, make none, and a collective only one side makes breaks the group."""
     module = getattr(model, "module", model)
-    params = {k: v for k, v in module.state_dict().items()}
+    params = _local(module.state_dict())
     if optimizer is None:
         return state_digest(params)
-    return state_digest(params, optimizer.state_dict().get("state", {}))
+    return state_digest(params, _local(optimizer.state_dict().get("state", {})))
+
+
+def _local(obj):
+    """`obj` (nested dicts and lists) with every DTensor replaced by this rank's shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local(v) for v in obj)
+    return obj
 
 
 def torch_builder(args, base_world: int):
@@ -233,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         batching = Batching(args, world_size, base_world)
     if optimizer is not None:
         set_lr(optimizer, batching.lr)
-    events.write("start", step=start, digest=digest_of(model, optimizer, args.framework), resumed=start > 0,
+    events.write("start", step=start, digest=digest_of(model, optimizer), resumed=start > 0,
                  global_batch=batching.global_size, accumulation=batching.accumulation, lr=batching.lr,
                  joined=os.environ.get("SPOTGUARD_JOIN") == "1", pid=os.getpid())
 

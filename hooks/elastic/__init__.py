@@ -5,6 +5,7 @@
 - `membership_view`: the group's hosts, pushed memberships, and which agreed notice changes the group.
 - `transfer`: the state a survivor holds, broadcast to joiners.
 - `reformer`: the change at the agreed step, with its fallback to the drain.
+- `bound`: every group of a change waits at most the re-form timeout until the change commits.
 - `join`: `init_process_group()` for in-place jobs (start, or join a running job).
 The Guard (`hooks/guard.py`) drives them; `spotguard launch` starts the workers.
 """

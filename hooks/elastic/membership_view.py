@@ -5,14 +5,26 @@ Contract (all methods but `offer` run on the training thread):
 - `learn_hosts(collectives)` (collective, after every formation): the hosts of the group in rank
   order, from every rank's `SPOTGUARD_NODE`.
 - `offer(data)` (thread-safe; the sidecar's `membership` event): a membership newer than the last
-  one seen whose hosts differ from the group's as a set, with a `store`, becomes pending; an
-  older or equal generation, or one with the group's own hosts (the supervisor confirming what
-  the ranks already did), only advances the generation. Malformed data is logged and ignored.
+  one seen whose hosts differ from the group's as a set, with a `store`, becomes pending; one
+  with the group's own hosts (the supervisor confirming what the ranks already did) only
+  advances the generation; the same generation again (a re-sent one) changes nothing. Bad input
+  is refused with ONE log line naming the field, and training goes on: malformed data (a host
+  listed twice: `hosts`), an older generation than the last seen (`generation`), and one that
+  changes the hosts but names no rendezvous store (`store`).
+- `after_change(plan, started_at)` (after every change this rank continues from): the pending
+  membership is re-checked against the new group: one with the new group's hosts only gives its
+  generation; one offered before the change that names a host the change took out (it was
+  written before that host left) is dropped (its generation counts as seen). One offered after
+  the change began stays pending.
 - `pending_notice()`: the pending membership as an internal `drain` notice (source
   `MEMBERSHIP_SOURCE`, no deadline) the agreement carries like any other, at a lower priority:
   a real notice held by any rank at the same boundary is agreed first.
-- `plan_for(notice)`: the `Change` the agreed notice asks for, or None when every rank drains
-  (today's path): a membership notice changes to its hosts; a reclaim, maintenance, GPU fault
+- `plan_for(notice)`: the `Change` the agreed notice asks for, `Settled` when it is an agreed
+  membership that asks nothing (its hosts are the group's, or it was written before one of its
+  hosts left the group: the Guard adopts its generation and training goes on; a membership
+  never makes everyone drain for that), or None when every rank drains (today's path: a
+  membership with no host of the group, or fewer than `min_world_size` ranks); a membership
+  notice changes to its hosts; a reclaim, maintenance, GPU fault
   or a signal-borne drain names one host, which leaves while the others stay, when at least
   `min_world_size` ranks stay; a supervisor drain (the whole job) and notices naming no host of
   the group drain everyone.
@@ -53,6 +65,14 @@ class Change:
     reason: str  # "membership" or the notice kind
 
 
+@dataclass(frozen=True)
+class Settled:
+    """An agreed membership that asks nothing of the group: adopt `generation`, train on."""
+
+    generation: int
+    why: str
+
+
 class MembershipView:
     """See the module docstring."""
 
@@ -63,6 +83,7 @@ class MembershipView:
         self.generation = -1
         self.formations = 0
         self._pending: Notice | None = None  # the pending membership, as the notice the agreement carries
+        self._departed: dict[str, float] = {}  # host -> time.time() the change that took it out began
         self._lock = threading.Lock()
 
     @classmethod
@@ -89,34 +110,76 @@ class MembershipView:
     def offer(self, data: dict) -> None:
         try:
             membership = Membership.from_wire(data)
-        except MembershipFormatError as exc:
-            log.warning("ignored a malformed membership event: %s", exc)
+        except MembershipFormatError as exc:  # the message names the field
+            log.warning("membership refused: %s; training goes on", exc)
             return
         with self._lock:
-            if membership.generation <= self.generation:
-                return
-            if not membership.hosts or set(membership.hosts) == set(self.hosts) or not membership.store:
+            newest = max(self.generation, _generation_of(self._pending) if self._pending is not None else -1)
+            if membership.generation == newest:
+                return  # sent again
+            if membership.generation < newest:
+                refusal = f"generation: {membership.generation} goes back (generation {newest} was seen)"
+            elif not membership.hosts or set(membership.hosts) == set(self.hosts):
                 self.generation = membership.generation
                 self._pending = None
                 return
-            self._pending = Notice(f"membership-{membership.generation}", Kind.DRAIN, MEMBERSHIP_SOURCE, self.node,
-                                   now_utc(), None, {"membership": membership.to_json(),
-                                                     "generation": membership.generation})
+            elif not membership.store:
+                refusal = "store: it changes the hosts but names no rendezvous store"
+            else:
+                refusal = ""
+                self._pending = Notice(f"membership-{membership.generation}", Kind.DRAIN, MEMBERSHIP_SOURCE,
+                                       self.node, now_utc(), None, {"membership": membership.to_json(),
+                                                                    "generation": membership.generation})
+        if refusal:
+            log.warning("membership %d refused: %s; training goes on", membership.generation, refusal)
+            return
         log.warning("membership %d (%s) pending: the group re-forms at the next agreed step",
                     membership.generation, ", ".join(membership.hosts))
+
+    def after_change(self, plan: ReformPlan, started_at: float) -> None:
+        """See the module docstring (`started_at`: time.time() when the change began)."""
+        with self._lock:
+            for host in plan.leaving_hosts:
+                self._departed[host] = started_at
+            for host in plan.joining_hosts:
+                self._departed.pop(host, None)
+            pending = self._pending
+            if pending is None:
+                return
+            settled = self._settles(pending)
+            if settled is None:
+                return
+            self.generation = max(self.generation, settled.generation)
+            self._pending = None
+        log.warning("membership %d dropped: %s", settled.generation, settled.why)
+
+    def _settles(self, notice: Notice) -> Settled | None:
+        """Settled when the membership `notice` asks nothing of the group as it is now."""
+        membership = Membership.from_json(str(notice.detail.get("membership", "")))
+        if set(membership.hosts) == set(self.hosts):
+            return Settled(membership.generation, "the group already has its hosts")
+        offered = notice.detected_at.timestamp()
+        stale = sorted(h for h in membership.hosts if self._departed.get(h, float("-inf")) > offered)
+        if stale:
+            return Settled(membership.generation, f"it was written before {', '.join(stale)} left the group")
+        return None
 
     def pending_notice(self) -> Notice | None:
         """The pending membership's notice (made once, when it was offered: read every step)."""
         return self._pending
 
     # ---- the agreed notice --------------------------------------------------------------------
-    def plan_for(self, notice: Notice, step: int) -> Change | None:
+    def plan_for(self, notice: Notice, step: int) -> Change | Settled | None:
         if not self.hosts:
             return None
         if notice.source == MEMBERSHIP_SOURCE:
+            with self._lock:
+                settled = self._settles(notice)
+            if settled is not None:
+                return settled
             membership = Membership.from_json(str(notice.detail.get("membership", "")))
             plan = ReformPlan.make(self.hosts, membership.hosts, self.procs_per_host)
-            if not plan.changes or not plan.survivors or plan.new_world_size < self.min_world_size:
+            if not plan.survivors or plan.new_world_size < self.min_world_size:
                 return None
             return Change(plan, f"m{membership.generation}/", membership.store, membership.generation, "membership")
         if notice.kind not in ONE_HOST_KINDS or notice.source == names.SUPERVISOR_DRAIN_SOURCE or notice.advisory:

@@ -15,6 +15,11 @@
    (`transfer.share`) and every rank loads it; with nobody joining each survivor loads its own.
 6. `committed`: one `all_ok` over the new group (a rank whose load or `transferred` hook failed
    votes no there). Returns `Outcome.CONTINUE`.
+Steps 5 and 6 are `take_state`, the one function a joiner runs too (`Guard.resume`), so both
+sides of a change make the same collectives in the same order by construction.
+Every collective from step 1 to the commit, and every group made meanwhile, waits at most the
+re-form timeout (`bound`): a peer that dies at any point costs at most that long, then the
+fallback. The commit gives training torch's default timeout back.
 A shrink writes the durable checkpoint of the agreed step BEFORE step 1 (the Guard's drain
 sequence, as without in-place), so the notice path is never less safe. Any exception in steps
 2-6 (a timeout re-forming, a peer dying during the transfer) takes the fallback: when this step
@@ -33,13 +38,14 @@ from typing import Any, Protocol
 from collections.abc import Callable
 
 from spotguard.hooks.agreement.collectives import Collectives
+from spotguard.hooks.elastic.bound import bound_groups, release_groups
 from spotguard.hooks.elastic.membership_view import Change
 from spotguard.hooks.elastic.rendezvous import Rendezvous, destroy_groups
 from spotguard.hooks.elastic.transfer import HeldState, share
 
 log = logging.getLogger("spotguard.hooks.elastic")
 
-PHASES = ("handover", "left", "formed", "rebuilt", "transferred", "committed")
+PHASES = ("handover", "left", "formed", "rebuilt", "transferred", "committed")  # "fallback" ends a failed one
 
 
 class Outcome(enum.Enum):
@@ -101,6 +107,7 @@ class Reformer:
                               joiners=len(plan.joining_hosts) * plan.procs_per_host)
         adapter = seam.adapter
         survivor_store = ""
+        bound_groups(self.rendezvous.timeout)
         try:
             extra = adapter.extra_state() if getattr(adapter, "extra_state", None) else {}
             held = HeldState(step, adapter.full_state(), extra)
@@ -126,18 +133,8 @@ class Reformer:
             adapter.rebuild()
             seam.bind_group()
             self._mark(record, "rebuilt")
-            if record.joiners:
-                held, _source = share(seam.collectives, held)
-            try:
-                adapter.load_full_state(held.state)
-                self._mark(record, "transferred")
-            except Exception:
-                # The others wait in the commit vote (on a group without a short timeout): vote no,
-                # so that every survivor takes the fallback now, together.
-                seam.collectives.all_ok(False)
-                raise
-            if not seam.collectives.all_ok(True):
-                raise RuntimeError("a rank of the new group failed the change")
+            take_state(seam.collectives, adapter, held, share_first=record.joiners > 0,
+                       loaded=lambda: self._mark(record, "transferred"))
         except Exception as exc:  # any failure in place: today's path
             return self._fall_back(seam, record, change, survivor_store, held, exc)
         self._mark(record, "committed")
@@ -147,6 +144,7 @@ class Reformer:
                    exc: Exception) -> ResizeRecord:
         record.error = f"{type(exc).__name__}: {exc}"
         record.outcome = Outcome.FALLBACK
+        record.phases["fallback"] = time.time() - record.started_at  # the stall before the fallback
         seam.collectives.abandon()  # never a yes vote from here on: peers waiting in a collective fail too
         log.error("in-place change at step %d failed (%s): falling back to checkpoint, exit, relaunch",
                   record.step, record.error)
@@ -166,6 +164,7 @@ class Reformer:
             seam.adapter.rebuild()
             seam.bind_group()
             seam.adapter.load_full_state(held.state)
+            release_groups()  # a save runs with the timeout saves always have
             seam.adapter.save(held.step, reason="notice")
             log.warning("fallback: the survivors saved step %d durably", held.step)
             return True
@@ -173,3 +172,29 @@ class Reformer:
             log.exception("fallback save of step %d failed: the job resumes from its previous checkpoint", held.step)
             return False
 
+
+
+def take_state(collectives: Collectives, adapter: Any, held: HeldState | None, *, share_first: bool,
+               loaded: Callable[[], None] | None = None) -> HeldState:
+    """The end of a change on every rank of the new group, survivors and joiners alike: when
+    anybody joined, the held state from the lowest rank holding it (`share`; a joiner passes
+    None); this rank loads it (a joiner takes the source's extras too), `loaded()` runs, and the
+    commit vote. A failure here votes no, so every rank learns it in the vote; raises on every
+    rank when any rank failed. On success the groups get torch's default timeout back."""
+    joiner = held is None
+    if share_first or joiner:
+        held, _source = share(collectives, held)
+    assert held is not None
+    try:
+        adapter.load_full_state(held.state)
+        if joiner:
+            adapter.extra = dict(held.extra)
+        if loaded is not None:
+            loaded()
+    except Exception:
+        collectives.all_ok(False)
+        raise
+    if not collectives.all_ok(True):
+        raise RuntimeError("a rank of the new group failed the change")
+    release_groups()
+    return held

@@ -15,8 +15,10 @@ Contract:
 - `form(store_address, prefix, rank, world_size)` destroys whatever default group exists and
   initialises a new gloo default group of `world_size` at `prefix` on the store at
   `store_address` (served by this process when `rank` is 0). It raises `ReformError` when the
-  group is not complete within the timeout; the caller falls back. Once formed, the group's
-  collectives get torch's default timeout back (the re-form timeout bounds only the forming).
+  group is not complete within the timeout; the caller falls back. The group, and every group
+  made after it, keep the re-form timeout per operation until the change commits
+  (`bound.release_groups()`, done by the Guard), so a peer lost at any point of a change costs
+  at most that long.
 - Liveness: once a group is formed, its leader (rank 0, which serves the store) sets `LIVE_KEY`
   (unprefixed) in its store to the group's prefix, and keeps it as long as it leads a group
   there (it is removed when this process forms a group it does not lead). `live_group(address,
@@ -33,6 +35,7 @@ from datetime import timedelta
 from typing import Any
 
 from spotguard.config import ConfigError, positive_float, positive_int
+from spotguard.hooks.elastic.bound import bound_groups
 from spotguard.hooks.elastic.caches import forget_mesh_caches
 from spotguard.wire import names
 
@@ -109,11 +112,9 @@ class Rendezvous:
         forget_mesh_caches()
         store = dist.PrefixStore(prefix, self.store_at(store_address, leader=rank == 0))
         try:
+            bound_groups(self.timeout)  # until the change commits (`bound.release_groups`)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=self.timeout))
-            set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-            if set_timeout is not None:  # training's collectives keep torch's default timeout
-                set_timeout(dist.distributed_c10d.default_pg_timeout)
         except Exception as exc:
             destroy_groups()
             raise ReformError(f"forming {prefix} (rank {rank} of {world_size}) on {store_address} failed: {exc}") \

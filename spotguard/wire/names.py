@@ -84,6 +84,7 @@ ENV_JOIN = "SPOTGUARD_JOIN"  # "1": this worker joins a running job (state from 
 ENV_READY_FILE = "SPOTGUARD_READY_FILE"  # a joiner creates it once ready (readiness probe / dry-run)
 ENV_REFORM_TIMEOUT = "SPOTGUARD_REFORM_TIMEOUT"  # seconds a re-form may take before the fallback
 ENV_MIN_WORLD_SIZE = "SPOTGUARD_MIN_WORLD_SIZE"  # fewer survivors than this: everyone drains instead
+ENV_LAUNCHER_PID = "SPOTGUARD_LAUNCHER_PID"  # the launcher's pid: a worker it no longer parents leaves
 SUPERVISOR_DRAIN_SOURCE = "supervisor.drain"  # source of the drain notice a membership's `drain` becomes
 MEMBERSHIP_SOURCE = "spotguard.membership"  # source of the Guard's internal notice for a pushed membership
 ANN_IN_PLACE = PREFIX + "in-place"  # "true": the elastic policy changes membership in place

@@ -49,6 +49,8 @@ def parse(argv=None):
     p.add_argument("--stop-after", type=int, default=0,
                    help="finish once this many changes happened (a joiner: once it joined), after --tail steps")
     p.add_argument("--tail", type=int, default=0, help="steps trained in the group --stop-after ends in")
+    p.add_argument("--offer", action="append", default=[], metavar="STEP:JSON",
+                   help="every rank's Guard is offered this membership right before STEP's agreement (repeatable)")
     return p.parse_args(argv)
 
 
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
                 os._exit(1)
             raise RuntimeError(f"injected failure at {phase}")
 
-    init_process_group(memberships=read_membership, join_timeout=60)
+    init_process_group(memberships=read_membership, join_timeout=240)
     maybe_fail("formed-joiner")
     build = build_for(args.mode)
     model, optimizer = build()
@@ -119,6 +121,10 @@ def main(argv=None) -> int:
                                 "durable": record.durable, "pid": os.getpid()}) + "\n")
         return True
 
+    offers: dict[int, list[dict]] = {}
+    for item in args.offer:
+        at, _, data = item.partition(":")
+        offers.setdefault(int(at), []).append(json.loads(data))
     step, end = start, (start + args.tail if joining and args.stop_after else args.steps)
     try:
         while step < end:
@@ -129,6 +135,8 @@ def main(argv=None) -> int:
             (out / f"progress-{NODE}").write_text(str(step))
             if step == args.signal_at and NODE == args.signal_node:
                 os.kill(os.getpid(), signal.SIGTERM)
+            for data in offers.get(step, ()):
+                guard.view.offer(data)
             time.sleep(args.step_sleep)
             guard.step(step)
             if note_change():

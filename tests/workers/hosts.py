@@ -4,7 +4,9 @@
 them ranks 0.. of a job on host "a"'s store (in place: `SPOTGUARD_IN_PLACE=1`, each host serving
 its own rendezvous port), `join("d")` starts a joiner, `push(generation, hosts)` writes the
 membership the workers read (what a sidecar would relay; its store is the first host's port).
-Every process is killed by PID in `close()`; every wait has a timeout. `restart(...)` is the
+`launched=True` starts each host through `spotguard launch` (the procs are then the launchers; the
+workers' pids are in `pid-<host>`); `worker=` replaces the worker's argv (after the interpreter).
+Every process is killed by PID in `close()` (launched workers too); every wait has a timeout. `restart(...)` is the
 relaunch that today's path makes: a fresh job of plain `init_process_group` ranks resuming from a
 checkpoint directory; it returns the state it loaded.
 """
@@ -31,9 +33,11 @@ class Hosts:
     """See the module docstring."""
 
     def __init__(self, out: Path, mode: str, ckpt: Path, args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 in_place: bool = True):
+                 in_place: bool = True, launched: bool = False, worker: list[str] | None = None):
         self.out, self.mode, self.ckpt = out, mode, ckpt
         self.args = ["--mode", mode, "--ckpt", str(ckpt), "--out", str(out), *args]
+        self.worker = worker if worker is not None else [str(ELASTIC), *self.args]
+        self.launched = launched
         self.env = dict(env or {})
         self.in_place = in_place
         self.ports: dict[str, int] = {}
@@ -56,9 +60,14 @@ class Hosts:
         return env
 
     def _spawn(self, host: str, env: dict[str, str], args: tuple[str, ...]) -> None:
+        argv = [*self.worker, *args]
+        if self.launched:
+            argv = ["-m", "spotguard", "launch", "--nnodes", env.get("WORLD_SIZE", "1"),
+                    "--node-rank", env.get("RANK", "0"), "--master-port", env.get("MASTER_PORT", str(self.port(host))),
+                    *argv]
         with open(self.out / f"log-{host}", "wb") as log:
-            self.procs[host] = subprocess.Popen([sys.executable, str(ELASTIC), *self.args, *args], env=env, cwd=ROOT,
-                                                stdout=log, stderr=subprocess.STDOUT)
+            self.procs[host] = subprocess.Popen([sys.executable, *argv], env=env, cwd=ROOT, stdout=log,
+                                                stderr=subprocess.STDOUT)
 
     def start(self, hosts: list[str], args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         """`hosts` as ranks 0.. of a new job, on the first host's store."""
@@ -81,7 +90,7 @@ class Hosts:
         os.replace(tmp, self.out / "membership.json")
 
     # ---- what the hosts left behind -------------------------------------------------------------
-    def wait_for(self, name: str, timeout: float = 60) -> Path:
+    def wait_for(self, name: str, timeout: float = 120) -> Path:
         """The file `name` under out, once it exists (AssertionError with the logs after `timeout`)."""
         path = self.out / name
         deadline = time.monotonic() + timeout
@@ -91,7 +100,7 @@ class Hosts:
             time.sleep(0.05)
         return path
 
-    def wait_step(self, host: str, step: int, timeout: float = 60) -> None:
+    def wait_step(self, host: str, step: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while self.progress(host) < step:
             if time.monotonic() > deadline or self.procs[host].poll() is not None:
@@ -131,6 +140,12 @@ class Hosts:
 
     def close(self) -> None:
         kill_all(self.procs.values())
+        if self.launched:
+            for host in self.procs:
+                try:
+                    os.kill(self.pid(host), 9)
+                except (OSError, ValueError):
+                    pass
 
     def __enter__(self) -> Hosts:
         return self

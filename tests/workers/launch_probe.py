@@ -1,12 +1,13 @@
 """A worker for tests/test_launch.py: records what `spotguard launch` gave it, then acts as told.
 
-`launch_probe.py OUTDIR [--exit RANK=CODE|kill ...] [--ignore-term]`. Every rank writes to OUTDIR:
+`launch_probe.py OUTDIR [--exit RANK=CODE|kill ...] [--ignore-term] [--child]`. Every rank writes to OUTDIR:
 `rank{R}.env` (its environment, JSON), a line with its PID in `rank{R}.pids` (appended, so a
 restart would show), each signal it receives as a line in `rank{R}.signals`, and `rank{R}.ready`
 once its handlers are installed. A rank named by --exit waits until every local worker is ready,
 then exits with CODE (`kill`: SIGKILLs itself); the others wait for OUTDIR/release (60 s at
 most, then exit 3) and exit 0. SIGTERM and SIGINT make a rank exit 83, as a drained rank does,
-unless --ignore-term.
+unless --ignore-term. --child: first starts a child that ignores SIGTERM and sleeps 120 s (its
+PID in `rank{R}.child`), left behind when the rank exits.
 """
 import argparse
 import json
@@ -22,6 +23,7 @@ def main() -> int:
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--exit", action="append", default=[])
     parser.add_argument("--ignore-term", action="store_true")
+    parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     out = args.outdir
@@ -35,6 +37,12 @@ def main() -> int:
         if signum in (signal.SIGTERM, signal.SIGINT) and not args.ignore_term:
             os._exit(83)
 
+    if args.child:
+        import subprocess
+
+        child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+        (out / f"rank{rank}.child").write_text(str(child.pid))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, on_signal)
     (out / f"rank{rank}.ready").touch()

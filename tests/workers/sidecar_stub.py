@@ -1,7 +1,8 @@
 """A stand-in sidecar for Guard tests: a real aiohttp server on 127.0.0.1:0 in a background thread.
 
 Serves what docs/protocols.md says the sidecar serves to the Guard: `GET /v1/stream` (SSE:
-a snapshot on connect, then whatever the test pushes) and `POST /v1/hooks` (bearer token
+a snapshot on connect, and the pod's membership once `push_membership` set one, as the real
+sidecar sends it; then whatever the test pushes) and `POST /v1/hooks` (bearer token
 checked, bodies recorded). Tests push notices, withdrawals or raw (malformed) bytes.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ class SidecarStub:
         self.reports: list[dict[str, Any]] = []
         self.rejected: list[str] = []
         self.connections = 0
+        self.membership: dict | None = None
         self._queues: list[asyncio.Queue] = []
         self._seq = 0
         self._loop = asyncio.new_event_loop()
@@ -65,6 +67,9 @@ class SidecarStub:
         try:
             self._seq += 1
             await response.write(encode("snapshot", {"v": 1, "node": "n1", "notices": self.snapshot}, self._seq))
+            if self.membership is not None:
+                self._seq += 1
+                await response.write(encode("membership", json.dumps(self.membership), self._seq))
             while True:
                 frame = await queue.get()
                 if frame is None:
@@ -93,6 +98,11 @@ class SidecarStub:
     def push(self, event: str, data: Any) -> None:
         self._seq += 1
         self.push_raw(encode(event, data if isinstance(data, str) else json.dumps(data), self._seq))
+
+    def push_membership(self, data: dict) -> None:
+        """The pod's membership from now on: sent to every stream now and on every connect."""
+        self.membership = data
+        self.push("membership", data)
 
     def drop_connections(self) -> None:
         self.push_raw(None)  # type: ignore[arg-type] - None ends each stream handler
