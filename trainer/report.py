@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from collections.abc import Iterable
 
-from spotguard.trainer.changes import Change, job_changes, process_logs
+from spotguard.trainer.changes import Change, job_changes
 
 NOTICE_KINDS = ("reclaim", "gpu-fault", "maintenance", "rebalance")
 STEP_EVENTS = ("start", "step", "agreed", "durable", "resized", "drained", "finished")
@@ -116,6 +116,8 @@ def build_report(scenario: dict, injected: list[InjectedEvent], generations: lis
                 _notice_facts(entry, inj, change, started_at, problems)
         elif inj.effective and inj.kind == "capacity":
             change = _capacity_change(inj, changes, gens, memberships, started_at, entry)
+            if change is not None and change.path != "in-place":  # the drain it took: its checkpoint
+                _notice_facts(entry, inj, change, started_at, problems)
         if change is not None:
             _change_facts(entry, change, relaunches, generations, started_at, problems, inj)
         timeline.append(entry)
