@@ -1,6 +1,7 @@
 """Every bundled scenario, with every framework it lists, passes as a real dry-run: finished,
 nothing lost beyond what it allows, every deadline met, and in place where in place applies
-(the survivors of every reclaim keep their processes: one generation, no relaunch).
+(the survivors of every reclaim keep their processes: one generation, no relaunch); a job that
+relaunches resumes from the step its ranks agreed on and saved, with the state they saved.
 
 The whole matrix is the CI's check of the scenarios users run first; it runs them as shipped.
 """
@@ -43,3 +44,8 @@ async def test_bundled_scenario_passes(tmp_path, name, framework):
         assert all(c["path"] == "in-place" for c in report["membership_changes"]), report["membership_changes"]
     else:
         assert "in-place" not in paths, report["timeline"]
+    for row in report["timeline"]:
+        if row.get("path") in ("relaunch", "fallback") and "resumed_step" in row:
+            assert row["checkpoint_step"] == row["agreed_step"] == row["resumed_step"], row
+            if row.get("saved_digest") and row.get("resumed_digest"):
+                assert row["saved_digest"] == row["resumed_digest"], row

@@ -56,6 +56,7 @@ log = logging.getLogger("spotguard.dryrun")
 MAX_CRASH_RELAUNCHES = 3
 NOTICE_ID_WAIT = 30.0  # seconds the dry-run looks for an injected notice in its node's agent
 LEAVING_KINDS = ("reclaim", "gpu-fault", "drain", "maintenance")  # notices a rank may leave in place for
+FINISHED_GRACE = 15.0  # seconds a process may outlast the ranks that finished training
 ENDING_GRACE = 40.0  # seconds the ranks of a failing generation get to exit by themselves (re-form timeout 10 s)
 
 
@@ -120,6 +121,7 @@ class DryRun:
         self.marker = new_token()  # in the environment of every process this run starts
         self._trackers: list[asyncio.Task] = []
         self._scenario_injected = 0
+        self._finished_at: float | None = None  # in place: when the first rank finished training
         self._ending_since: float | None = None  # in place: a rank left without a notice; the generation ends
 
     # ---- the parts --------------------------------------------------------------------------
@@ -154,7 +156,7 @@ class DryRun:
             # Before any node starts: a node missing from the last membership would join it.
             await self._push_membership(world, "relaunch", launch=index)
         self._joins.clear()
-        self._ending_since = None
+        self._ending_since = self._finished_at = None
         self.generation = Generation(index, launches, self._train_argv(), self.run_dir, rdzv_ports=self.rdzv_ports,
                                      min_world_size=self.scenario.min_workers, extra_env={MARK_ENV: self.marker})
         await self.generation.start()
@@ -297,6 +299,12 @@ class DryRun:
         ended = {n: gen.running[n].process.returncode for n in self.world if n in gen.running}
         if any(code == 0 for code in ended.values()):  # training finished: joiners have nothing to join
             self._stop_joiners(gen, "training finished")
+            self._finished_at = self._finished_at or time.time()
+            if time.time() - self._finished_at > FINISHED_GRACE:
+                # e.g. a joiner admitted after the survivors' last step: it waits for a group that never forms
+                log.warning("processes of generation %d still running %.0fs after training finished: stopping them",
+                            gen.index, FINISHED_GRACE)
+                gen.signal_all(signal.SIGTERM)
             return
         gone = [n for n, code in ended.items() if code is not None]
         unexpected = [n for n in gone if not self._leaving(n)]
