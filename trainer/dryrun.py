@@ -123,6 +123,7 @@ class DryRun:
         self._scenario_injected = 0
         self._finished_at: float | None = None  # in place: when the first rank finished training
         self._ending_since: float | None = None  # in place: a rank left without a notice; the generation ends
+        self._noticed: set[str] = set()  # nodes whose rank got a notice it may leave for (until it has left)
 
     # ---- the parts --------------------------------------------------------------------------
     async def _start_nodes(self) -> None:
@@ -157,6 +158,7 @@ class DryRun:
             await self._push_membership(world, "relaunch", launch=index)
         self._joins.clear()
         self._ending_since = self._finished_at = None
+        self._noticed.clear()
         self.generation = Generation(index, launches, self._train_argv(), self.run_dir, rdzv_ports=self.rdzv_ports,
                                      min_world_size=self.scenario.min_workers, extra_env={MARK_ENV: self.marker})
         await self.generation.start()
@@ -226,6 +228,8 @@ class DryRun:
         known = {n.id for n in node.live_notices()}
         result = await node.inject(event.kind, event.lead)
         note = ""
+        if event.kind in LEAVING_KINDS:
+            self._noticed.add(event.node)
         if event.kind in ("reclaim", "gpu-fault"):
             if event.node in self.available:
                 self.available.remove(event.node)
@@ -314,6 +318,7 @@ class DryRun:
         if gone and len(gone) < len(self.world):
             for node in gone:
                 self.world.remove(node)
+                self._noticed.discard(node)
                 log.info("%s left in place (exit %s): %d workers train on", node,
                          gen.running[node].process.returncode, len(self.world))
             self.generations[-1].world_size = len(self.world)
@@ -347,10 +352,12 @@ class DryRun:
             await gen.stop(grace=5.0)
 
     def _leaving(self, node: str) -> bool:
-        """Whether a rank on `node` was expected to leave: its node was reclaimed or has a live
-        notice a rank leaves in place for."""
+        """Whether a rank on `node` was expected to leave: its node got a notice a rank leaves in
+        place for (the node may be back as a new instance before its old rank is gone), or it
+        was reclaimed, or it shows such a notice now."""
         live = self.nodes[node].live_notices() if node in self.nodes else []
-        return node not in self.available or any(n.kind.value in LEAVING_KINDS for n in live)
+        return node in self._noticed or node not in self.available or any(n.kind.value in LEAVING_KINDS
+                                                                          for n in live)
 
     def _taken_away(self, node: str) -> bool:
         """Whether `node` is gone or going: reclaimed, or with a live notice that takes it out."""
