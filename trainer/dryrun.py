@@ -123,6 +123,7 @@ class DryRun:
         self._scenario_injected = 0
         self._finished_at: float | None = None  # in place: when the first rank finished training
         self._ending_since: float | None = None  # in place: a rank left without a notice; the generation ends
+        self._left_unpushed = False  # ranks left in place; their membership waits for the others leaving
         self._noticed: set[str] = set()  # nodes whose rank got a notice it may leave for (until it has left)
 
     # ---- the parts --------------------------------------------------------------------------
@@ -159,6 +160,7 @@ class DryRun:
         self._joins.clear()
         self._ending_since = self._finished_at = None
         self._noticed.clear()
+        self._left_unpushed = False
         self.generation = Generation(index, launches, self._train_argv(), self.run_dir, rdzv_ports=self.rdzv_ports,
                                      min_world_size=self.scenario.min_workers, extra_env={MARK_ENV: self.marker})
         await self.generation.start()
@@ -322,6 +324,11 @@ class DryRun:
                 log.info("%s left in place (exit %s): %d workers train on", node,
                          gen.running[node].process.returncode, len(self.world))
             self.generations[-1].world_size = len(self.world)
+            self._left_unpushed = True
+        if self._left_unpushed and not any(self._leaving(n) for n in self.world):
+            # Once the departures settle: a membership pushed while another noticed rank is still
+            # leaving would list it, and reach the survivors after they dropped it themselves.
+            self._left_unpushed = False
             await self._push_membership(self.world, "left")
         await self._admit_joiners(gen)
         decision = self.supervisor.decide(self.world, self._hits(), self.available, drained=False)
