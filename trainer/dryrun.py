@@ -284,6 +284,7 @@ class DryRun:
     async def _push_membership(self, hosts: list[str], cause: str, launch: int | None = None) -> None:
         """A new membership generation for every node's pod (the annotation -> sidecar -> Guard path)."""
         assert self.rdzv_ports is not None
+        self._left_unpushed = False  # every push names the current world
         self.membership_generation += 1
         membership = Membership(self.membership_generation, tuple(hosts), len(hosts),
                                 store=f"127.0.0.1:{self.rdzv_ports[hosts[0]]}")
