@@ -101,18 +101,6 @@ def test_restart_path_dry_run_survives_a_reclaim_and_scales_back(tmp_path):
     assert "resumed state == saved state" in output
 
 
-def test_deepspeed_dry_run_resumes_at_a_smaller_world(tmp_path):
-    scenario = SHORT_DEFAULT.replace("name: short-default", "name: short-deepspeed") \
-        .replace("policy: elastic", "policy: elastic\nframework: deepspeed") \
-        .replace("  - {at: 8, kind: capacity, node: node-1}\n", "")
-    code, report, output = dry_run(tmp_path, scenario, timeout=360)
-    assert report is not None, output[-3000:]
-    assert code == 0 and report["ok"], (report["problems"], output[-3000:])
-    (reclaim,) = report["timeline"]
-    assert_consistent_save(reclaim, world_size=2)
-    assert reclaim["relaunch_world_size"] == 1
-
-
 def test_malformed_scenario_names_the_line_and_starts_nothing(tmp_path):
     bad = ("name: bad\nworkers: 2\nevents:\n"
            "  - {at: 1, kind: reclaim, node: node-0}\n  - {at: 2, kind: meteor, node: node-1}\n")

@@ -32,6 +32,8 @@ def test_every_bundled_scenario_loads():
     ("name: x\nworkers: 2\nevents:\n  - {at: 1, kind: reclaim, node: node-0, extra: 1}\n", ":4", "extra"),
     ("name: x\nworkerz: 2\n", ":2", "workerz"),
     ("name: x\ncloud: mars\n", ":2", "cloud"),
+    ("name: x\nframeworks: [ddp, tensorflow]\n", ":2", "frameworks"),
+    ("name: x\nframeworks: ddp\n", ":2", "frameworks"),
     ("name: x\nworkers: two\n", ":2", "workers"),
     ("name: x\nworkers: 2\nmin_workers: 3\n", "", "min_workers"),
     ("name: x\nevents: [\n", ":", "not valid YAML"),
@@ -122,3 +124,10 @@ def test_no_code_reads_traces_from_a_machine_path():
                  if p.resolve() != Path(__file__).resolve()
                  and ("shared/data" in p.read_text() or "spot-traces" in p.read_text())]
     assert offenders == []
+
+
+def test_frameworks_default_to_the_scenarios_framework():
+    assert parse_scenario("name: x\nframework: fsdp2\n").allowed_frameworks == ("fsdp2",)
+    assert parse_scenario("name: x\nframeworks: [ddp, fsdp2]\n").allowed_frameworks == ("ddp", "fsdp2")
+    with pytest.raises(ScenarioError, match="frameworks"):
+        parse_scenario("name: x\nmembership: in-place\nframeworks: [ddp, deepspeed]\n", "s.yaml")

@@ -10,11 +10,25 @@ dry-run tells the node's cloud (or GPU) what to announce. Notices travel the rea
 emulator -> agent source -> agent stream -> sidecar -> Guard in the rank -> agreed step ->
 checkpoint -> exit 83. A node that is reclaimed dies at its deadline: if its rank is still
 running then, the generation is killed and the report counts the steps lost.
+
+In place (elastic DDP/FSDP2) the local supervisor pushes a membership generation for every
+change it makes: when a rank left, when joiners are admitted (every joiner ready within a short
+window, in one membership: `trainer.join_batch`; never one whose node got a notice or was
+reclaimed during its start-up), and before every launch, naming the world it launches, so a
+relaunched node never reads a stale membership that leaves it out (and joins instead of
+starting). Each injected event is tied to what it caused by ids the report reads: the agent's
+notice id, the membership generation that admitted a returning node, the generation drained to
+scale out.
+
+Whatever way `run()` ends (finished, time limit, an exception, cancelled by Ctrl-C), every
+process it started is gone when it returns: launchers by their process group, and anything left
+(a worker that outlived its launcher) by the marker in its environment (`trainer.reaper`).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import signal
@@ -30,14 +44,20 @@ from spotguard.trainer.events import EventTail, read_events
 from spotguard.processes import free_port
 from spotguard.trainer.launcher import Generation, NodeLaunch
 from spotguard.wire.membership import Membership
+from spotguard.trainer.join_batch import DEFAULT_WINDOW, JoinBatch
 from spotguard.trainer.nodes import SimulatedNode, make_secret
-from spotguard.trainer.report import GenerationRecord, InjectedEvent, build_report
+from spotguard.trainer.reaper import MARK_ENV, new_token, reap
+from spotguard.trainer.report import GenerationRecord, InjectedEvent, MembershipRecord, build_report
 from spotguard.trainer.scenario import Scenario, ScenarioEvent
 from spotguard.wire import names
 from spotguard.wire.names import EXIT_PREEMPTED
 
 log = logging.getLogger("spotguard.dryrun")
 MAX_CRASH_RELAUNCHES = 3
+NOTICE_ID_WAIT = 30.0  # seconds the dry-run looks for an injected notice in its node's agent
+LEAVING_KINDS = ("reclaim", "gpu-fault", "drain", "maintenance")  # notices a rank may leave in place for
+FINISHED_GRACE = 15.0  # seconds a process may outlast the ranks that finished training
+ENDING_GRACE = 40.0  # seconds the ranks of a failing generation get to exit by themselves (re-form timeout 10 s)
 
 
 class LocalSupervisor:
@@ -73,7 +93,8 @@ class DryRun:
     """Runs one scenario end to end; `await run()` returns the report dict."""
 
     def __init__(self, scenario: Scenario, run_dir: Path, train_argv_extra: list[str] | None = None,
-                 on_update: Callable[[DryRun], None] | None = None, time_limit: float = 600.0):
+                 on_update: Callable[[DryRun], None] | None = None, time_limit: float = 600.0,
+                 join_window: float = DEFAULT_WINDOW):
         self.scenario = scenario
         self.run_dir = run_dir
         self.train_argv_extra = train_argv_extra or []
@@ -95,7 +116,15 @@ class DryRun:
         self.in_place = scenario.in_place
         self.rdzv_ports = {n: free_port() for n in scenario.nodes} if self.in_place else None
         self.membership_generation = 0
-        self._joining: dict[str, float] = {}  # node -> when its joiner was started (in place)
+        self.memberships: list[MembershipRecord] = []
+        self._joins = JoinBatch(join_window)  # joiners started and not yet admitted (in place)
+        self.marker = new_token()  # in the environment of every process this run starts
+        self._trackers: list[asyncio.Task] = []
+        self._scenario_injected = 0
+        self._finished_at: float | None = None  # in place: when the first rank finished training
+        self._ending_since: float | None = None  # in place: a rank left without a notice; the generation ends
+        self._left_unpushed = False  # ranks left in place; their membership waits for the others leaving
+        self._noticed: set[str] = set()  # nodes whose rank got a notice it may leave for (until it has left)
 
     # ---- the parts --------------------------------------------------------------------------
     async def _start_nodes(self) -> None:
@@ -109,7 +138,7 @@ class DryRun:
         s = self.scenario
         argv = ["-m", "spotguard.trainer.train", f"--framework={s.framework}", f"--steps={s.steps}",
                 f"--checkpoint-dir={self.run_dir / 'checkpoints'}", f"--step-seconds={s.step_seconds}",
-                "--snapshot-every=5", "--log-every=5",
+                "--snapshot-every=5", "--log-every=1",
                 f"--batch-policy={'keep-global' if s.policy == 'fixed' else 'scale-lr'}",
                 f"--base-world-size={s.workers}"]
         if s.checkpoint_every:
@@ -125,8 +154,15 @@ class DryRun:
     async def _launch(self, world: list[str]) -> None:
         index = len(self.generations)
         launches = [self._node_launch(index, n) for n in world]
+        if self.in_place:
+            # Before any node starts: a node missing from the last membership would join it.
+            await self._push_membership(world, "relaunch", launch=index)
+        self._joins.clear()
+        self._ending_since = self._finished_at = None
+        self._noticed.clear()
+        self._left_unpushed = False
         self.generation = Generation(index, launches, self._train_argv(), self.run_dir, rdzv_ports=self.rdzv_ports,
-                                     min_world_size=self.scenario.min_workers)
+                                     min_world_size=self.scenario.min_workers, extra_env={MARK_ENV: self.marker})
         await self.generation.start()
         self.world = list(world)
         self.generations.append(GenerationRecord(index, len(world), list(world), self.generation.launched_at))
@@ -144,39 +180,58 @@ class DryRun:
             await asyncio.sleep(0.05)
 
     async def _inject_events(self) -> None:
+        """Carries out the scenario's events at their times; events of one instant together (the
+        nodes that return at once are available at once, so one decision takes them all)."""
         self.started_at = await self._training_started()
-        for event in self.scenario.events:
-            delay = self.started_at + event.at - time.time()
+        for at, group in itertools.groupby(self.scenario.events, key=lambda e: e.at):
+            events = list(group)
+            delay = self.started_at + at - time.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            try:
-                await self._inject(event)
-            except Exception as exc:  # a failed injection is reported, the run goes on
-                log.exception("could not inject %s on %s", event.kind, event.node)
-                self.injected.append(
-                    InjectedEvent(event.kind, event.node, event.at, time.time(), note=f"failed: {exc}"))
+            await self.inject_now(*events)
+            self._scenario_injected += len(events)
 
-    async def _inject(self, event: ScenarioEvent) -> None:
+    async def inject_now(self, *events: ScenarioEvent) -> list[InjectedEvent]:
+        """Carries out `events` now, together (the scenario's events at their times; a test's
+        event at the moment it wants); returns them as injected."""
+        results = list(await asyncio.gather(*(self._inject_safely(e) for e in events)))
+        returned = [inj.node for inj in results if inj.kind == "capacity" and inj.effective]
+        for name in returned:
+            self._deaths.pop(name, None)
+            if name not in self.available:
+                self.available.append(name)
+        self.available.sort()
+        self.injected.extend(results)
+        return results
+
+    async def _inject_safely(self, event: ScenarioEvent) -> InjectedEvent:
+        try:
+            return await self._inject(event)
+        except Exception as exc:  # a failed injection is reported, the run goes on
+            log.exception("could not inject %s on %s", event.kind, event.node)
+            return InjectedEvent(event.kind, event.node, event.at, time.time(), note=f"failed: {exc}")
+
+    async def _inject(self, event: ScenarioEvent) -> InjectedEvent:
+        """Tells the node's cloud (or GPU) what to announce; a returning node is made a new
+        instance (its availability is recorded by the caller, with the others of its instant)."""
         node = self.nodes[event.node]
         now = time.time()
         if event.kind == "capacity":
             returned = event.node not in self.available
             if returned:
                 await node.replace_instance(self.secret)
-                self._deaths.pop(event.node, None)
-                self.available.append(event.node)
-                self.available.sort()
-            self.injected.append(InjectedEvent("capacity", event.node, event.at, now, served_at=now,
-                                               note="node available again" if returned else "already available",
-                                               effective=returned))
-            return
+            return InjectedEvent("capacity", event.node, event.at, now, served_at=time.time() if returned else now,
+                                 note="node available again" if returned else "already available",
+                                 effective=returned)
         if event.kind == "cancel":
             result = await node.cancel_maintenance()
-            self.injected.append(InjectedEvent("cancel", event.node, event.at, now, served_at=result.served_at or now,
-                                               emulator_id=result.emulator_id, note="maintenance canceled"))
-            return
+            return InjectedEvent("cancel", event.node, event.at, now, served_at=result.served_at or now,
+                                 emulator_id=result.emulator_id, note="maintenance canceled")
+        known = {n.id for n in node.live_notices()}
         result = await node.inject(event.kind, event.lead)
         note = ""
+        if event.kind in LEAVING_KINDS:
+            self._noticed.add(event.node)
         if event.kind in ("reclaim", "gpu-fault"):
             if event.node in self.available:
                 self.available.remove(event.node)
@@ -187,71 +242,164 @@ class DryRun:
                 note = "fatal Xid 79"
         # A GPU fault's notice is due at once, but nothing kills the node then: no deadline to meet.
         deadline = None if event.kind == "gpu-fault" else result.deadline
-        self.injected.append(InjectedEvent(event.kind, event.node, event.at, now, served_at=result.served_at,
-                                           deadline=deadline, emulator_id=result.emulator_id, note=note))
+        injected = InjectedEvent(event.kind, event.node, event.at, now, served_at=result.served_at,
+                                 deadline=deadline, emulator_id=result.emulator_id, note=note)
+        self._trackers.append(asyncio.create_task(self._learn_notice_id(injected, known)))
+        return injected
+
+    async def _learn_notice_id(self, injected: InjectedEvent, known: set[str]) -> None:
+        """Records the id the node's agent gave the injected notice: the id the ranks log when
+        they agree on it, which ties the report's row to what the ranks did."""
+        until = time.time() + NOTICE_ID_WAIT
+        while time.time() < until:
+            for notice in self.nodes[injected.node].live_notices():
+                if notice.id not in known and notice.kind.value == injected.kind:
+                    injected.notice_id = notice.id
+                    return
+            await asyncio.sleep(0.05)
+        log.warning("the agent of %s never showed the %s notice injected at t=%.1fs", injected.node, injected.kind,
+                    injected.at)
 
     def _kill_dead_nodes(self) -> None:
-        """A reclaimed node disappears at its deadline, whatever its rank was doing."""
+        """A reclaimed node disappears at its deadline, whatever its rank (or joiner) was doing."""
         now = time.time()
         for node, deadline in list(self._deaths.items()):
             if deadline is not None and now >= deadline:
                 del self._deaths[node]
-                if self.generation is not None and not self.generation.done and node in self.world:
+                gen = self.generation
+                if gen is None or gen.done:
+                    continue
+                if node in self._joins:
+                    log.warning("%s reached its deadline during its joiner's start-up: the joiner dies with it", node)
+                    self._joins.drop(node)
+                    gen.signal_node(node, signal.SIGKILL)
+                elif node in self.world:
                     log.warning("%s reached its deadline with its rank still running: the job loses it", node)
                     if self.in_place:
-                        self.generation.signal_node(node, signal.SIGKILL)
+                        gen.signal_node(node, signal.SIGKILL)
                     else:
-                        self.generation.signal_all(signal.SIGKILL)
+                        gen.signal_all(signal.SIGKILL)
 
     # ---- in place: the local supervisor pushes memberships, joiners are added -------------------
-    async def _push_membership(self, hosts: list[str]) -> None:
+    async def _push_membership(self, hosts: list[str], cause: str, launch: int | None = None) -> None:
         """A new membership generation for every node's pod (the annotation -> sidecar -> Guard path)."""
         assert self.rdzv_ports is not None
+        self._left_unpushed = False  # every push names the current world
         self.membership_generation += 1
         membership = Membership(self.membership_generation, tuple(hosts), len(hosts),
                                 store=f"127.0.0.1:{self.rdzv_ports[hosts[0]]}")
         for node in self.nodes.values():
             await asyncio.to_thread(node.push_membership, membership)
-        log.info("membership %d: %s", self.membership_generation, ", ".join(hosts))
+        self.memberships.append(MembershipRecord(
+            self.membership_generation, list(hosts), time.time(), cause,
+            launch if launch is not None else (self.generation.index if self.generation is not None else 0)))
+        log.info("membership %d (%s): %s", self.membership_generation, cause, ", ".join(hosts))
+
+    def _stop_joiners(self, gen: Generation, why: str) -> None:
+        """Stops every joiner not admitted yet (SIGTERM: it has joined nothing, it just exits)."""
+        for node in self._joins.clear():
+            log.info("stopping the joiner on %s: %s", node, why)
+            gen.signal_node(node, signal.SIGTERM)
 
     async def _follow_in_place(self, gen: Generation) -> None:
-        """Departures (a rank left with 83 while others train on), ready joiners, and scale-outs."""
+        """Departures (a rank left with 83 while others train on), joiners, and scale-outs."""
         ended = {n: gen.running[n].process.returncode for n in self.world if n in gen.running}
         if any(code == 0 for code in ended.values()):  # training finished: joiners have nothing to join
-            for node in list(self._joining):
-                gen.signal_node(node, signal.SIGTERM)
-            self._joining.clear()
+            self._stop_joiners(gen, "training finished")
+            self._finished_at = self._finished_at or time.time()
+            if time.time() - self._finished_at > FINISHED_GRACE:
+                # e.g. a joiner admitted after the survivors' last step: it waits for a group that never forms
+                log.warning("processes of generation %d still running %.0fs after training finished: stopping them",
+                            gen.index, FINISHED_GRACE)
+                gen.signal_all(signal.SIGTERM)
             return
         gone = [n for n, code in ended.items() if code is not None]
+        unexpected = [n for n in gone if not self._leaving(n)]
+        if unexpected or self._ending_since is not None:
+            await self._end_generation(gen, unexpected, ended)
+            return
         if gone and len(gone) < len(self.world):
             for node in gone:
                 self.world.remove(node)
+                self._noticed.discard(node)
                 log.info("%s left in place (exit %s): %d workers train on", node,
                          gen.running[node].process.returncode, len(self.world))
             self.generations[-1].world_size = len(self.world)
-            await self._push_membership(self.world)
-        for node in list(self._joining):
-            joiner = gen.running.get(node)
-            if joiner is not None and joiner.process.returncode is not None:
-                log.warning("the joiner on %s ended (exit %s) before joining", node, joiner.process.returncode)
-                del self._joining[node]
-            elif self.nodes[node].ready_file.exists():
-                del self._joining[node]
-                self.world.append(node)
-                self.generations[-1].nodes = list(self.world)
-                self.generations[-1].world_size = len(self.world)
-                await self._push_membership(self.world)
+            self._left_unpushed = True
+        if self._left_unpushed and not any(self._leaving(n) for n in self.world):
+            # Once the departures settle: a membership pushed while another noticed rank is still
+            # leaving would list it, and reach the survivors after they dropped it themselves.
+            self._left_unpushed = False
+            await self._push_membership(self.world, "left")
+        await self._admit_joiners(gen)
         decision = self.supervisor.decide(self.world, self._hits(), self.available, drained=False)
         if decision.action == policy_mod.SCALE and decision.replicas:
-            want = decision.replicas - len(self.world) - len(self._joining)
-            noticed = {h.node for n in self.available for h in self._hits_on(n)}
-            for node in [n for n in self.available if n not in self.world and n not in self._joining
-                         and n not in noticed][:max(0, want)]:
+            want = decision.replicas - len(self.world) - len(self._joins)
+            for node in [n for n in self.available if n not in self.world and n not in self._joins
+                         and not self._taken_away(n)][:max(0, want)]:
                 ready = self.nodes[node].ready_file
                 ready.unlink(missing_ok=True)
-                self._joining[node] = time.time()
+                self._joins.started(node, time.time())
                 await gen.add_joiner(self._node_launch(gen.index, node), ready)
                 log.info("scaling out in place: a joiner starts on %s", node)
+
+    async def _end_generation(self, gen: Generation, unexpected: list[str], ended: dict[str, int | None]) -> None:
+        """A rank left with no notice of its own: a change that fell back (its survivors save the
+        agreed step and exit 83) or a crash. Nobody is admitted and no membership is pushed; the
+        ranks get `ENDING_GRACE` seconds to exit by themselves, then they are stopped; the
+        relaunch that follows pushes the membership of its own world."""
+        now = time.time()
+        if self._ending_since is None:
+            self._ending_since = now
+            log.warning("%s ended without a notice (exit %s): the generation ends and the job relaunches",
+                        ", ".join(unexpected), ", ".join(str(ended[n]) for n in unexpected))
+            self._stop_joiners(gen, "the generation is ending")
+        elif now - self._ending_since > ENDING_GRACE:
+            log.warning("ranks of generation %d still running %.0fs after it failed: stopping them", gen.index,
+                        ENDING_GRACE)
+            await gen.stop(grace=5.0)
+
+    def _leaving(self, node: str) -> bool:
+        """Whether a rank on `node` was expected to leave: its node got a notice a rank leaves in
+        place for (the node may be back as a new instance before its old rank is gone), or it
+        was reclaimed, or it shows such a notice now."""
+        live = self.nodes[node].live_notices() if node in self.nodes else []
+        return node in self._noticed or node not in self.available or any(n.kind.value in LEAVING_KINDS
+                                                                          for n in live)
+
+    def _taken_away(self, node: str) -> bool:
+        """Whether `node` is gone or going: reclaimed, or with a live notice that takes it out."""
+        return node not in self.available or bool(self._hits_on(node))
+
+    async def _admit_joiners(self, gen: Generation) -> None:
+        """Admits the ready joiners in one membership (`JoinBatch`); a joiner whose node was
+        reclaimed (or got a notice) during its start-up is stopped, never admitted."""
+        now = time.time()
+        for node in list(self._joins.pending):
+            joiner = gen.running.get(node)
+            if joiner is None or joiner.process.returncode is not None:
+                log.warning("the joiner on %s ended (exit %s) before joining", node,
+                            None if joiner is None else joiner.process.returncode)
+                self._joins.drop(node)
+            elif self._taken_away(node):
+                log.warning("%s was reclaimed during its joiner's start-up: the joiner is stopped, not admitted", node)
+                self._joins.drop(node)
+                gen.signal_node(node, signal.SIGTERM)
+            elif self.nodes[node].ready_file.exists():
+                self._joins.ready(node, now)
+        due = self._joins.due(now)
+        if not due:
+            return
+        self._joins.admitted(due)
+        self.world.extend(due)
+        self.generations[-1].nodes = sorted(set(self.generations[-1].nodes) | set(due))
+        self.generations[-1].world_size = len(self.world)
+        await self._push_membership(self.world, "admitted")
+        for node in due:
+            returned = [i for i in self.injected if i.kind == "capacity" and i.node == node and i.effective
+                        and i.membership is None and i.rescaled is None]
+            if returned:
+                returned[-1].membership = self.membership_generation
 
     # ---- the supervisor's view --------------------------------------------------------------
     def _hits(self) -> list[NoticeHit]:
@@ -266,10 +414,17 @@ class DryRun:
                     hits.append(NoticeHit(notice.id, name, notice.kind.value, notice.deadline))
         return hits
 
+    def _current_events(self, gen: Generation) -> list[dict]:
+        """`gen`'s events from each node's current process (a node that left in place and joined
+        again has an earlier process whose events no longer describe it)."""
+        since = {n: r.started_at for n, r in gen.running.items()}
+        return [e for e in self._events() if e.get("generation") == gen.index
+                and e["t"] >= since.get(e.get("node"), 0.0) - 0.5]
+
     def _all_drained(self, gen: Generation) -> bool:
         """Whether every node still in `gen` logged `drained` with EXIT_PREEMPTED (checkpoint durable)."""
-        drained = {e.get("node") for e in self._events() if e["event"] == "drained"
-                   and e.get("generation") == gen.index and e.get("exit_code") == EXIT_PREEMPTED}
+        drained = {e.get("node") for e in self._current_events(gen) if e["event"] == "drained"
+                   and e.get("exit_code") == EXIT_PREEMPTED}
         members = self.world if self.in_place else [n.node for n in gen.nodes]
         return bool(members) and all(n in drained for n in members)
 
@@ -282,10 +437,9 @@ class DryRun:
         """Every trainer event so far (incrementally read; not sorted)."""
         return self._tail.poll()
 
-    def _generation_outcome(self) -> str:
-        """finished, drained or crashed, from the ended generation's event logs."""
-        index = self.generations[-1].index
-        mine = [e for e in self._events() if e.get("generation") == index]
+    def _generation_outcome(self, gen: Generation) -> str:
+        """finished, drained or crashed, from the ended generation's event logs (its last processes)."""
+        mine = self._current_events(gen)
         if any(e["event"] == "finished" for e in mine):
             return "finished"
         if any(e["event"] == "drained" and e.get("exit_code") == EXIT_PREEMPTED for e in mine):
@@ -318,6 +472,7 @@ class DryRun:
                     # Every rank's checkpoint is durable and it has left the training loop; torchrun's
                     # own teardown (seconds) need not hold up the next generation.
                     self._retiring.append(gen)
+                    self._stop_joiners(gen, "the job drained")
                     running = False
                 if running and self._rescale_requested:
                     continue
@@ -330,13 +485,17 @@ class DryRun:
                         log.info("scaling out to %d: draining the running generation", decision.replicas)
                         self._rescale_requested = True
                         gen.signal_all(signal.SIGTERM)  # the Guard turns it into a consistent checkpoint
+                        for inj in self.injected:
+                            if inj.kind == "capacity" and inj.effective and inj.rescaled is None \
+                                    and inj.membership is None:
+                                inj.rescaled = gen.index
                     continue
                 if gen is not None:  # the generation just ended
                     record = self.generations[-1]
                     if record.ended_at is None:
                         record.ended_at = time.time()
                         record.exit_codes = {n: r.exit_code for n, r in gen.running.items()}
-                        record.reason = self._generation_outcome()
+                        record.reason = self._generation_outcome(gen)
                         if record.reason == "finished":
                             self.status = "finished"
                             break
@@ -357,28 +516,50 @@ class DryRun:
             else:
                 self.status = "time limit reached"
         finally:
-            if injector is not None:
-                injector.cancel()
-                await asyncio.gather(injector, return_exceptions=True)
-            for old in [*self._retiring, self.generation]:
-                if old is not None and not old.done:
-                    await old.stop(grace=10.0)
-            for node in self.nodes.values():
-                await node.stop()
+            await self._stop_everything(injector)
         finished_at = time.time()
         report = build_report(dataclasses.asdict(self.scenario), self.injected, self.generations,
                               read_events(self.run_dir / "events"),
-                              self.started_at or finished_at, finished_at, self.scenario.steps)
+                              self.started_at or finished_at, finished_at, self.scenario.steps,
+                              memberships=self.memberships, in_place=self.in_place,
+                              min_workers=self.scenario.min_workers)
         report["supervisor_decisions"] = [{**d, "t": round(d["t"] - (self.started_at or d["t"]), 3)}
                                           for d in self.supervisor.decisions]
         report["status"] = self.status
-        injected = len(self.injected)
-        report["not_reached"] = [{"at": e.at, "kind": e.kind, "node": e.node} for e in self.scenario.events[injected:]]
+        report["not_reached"] = [{"at": e.at, "kind": e.kind, "node": e.node}
+                                 for e in self.scenario.events[self._scenario_injected:]]
         allowed = self.scenario.allow_steps_lost
         if allowed and report["steps_lost"] <= allowed:
             report["problems"] = [p for p in report["problems"] if "steps lost" not in p]
             report["ok"] = not report["problems"]
         return report
+
+    async def _stop_everything(self, injector: asyncio.Task | None) -> None:
+        """Ends every task and process this run started (also when cancelled: shielded, it
+        finishes even if the caller is cancelled again)."""
+        async def stop() -> None:
+            for task in [injector, *self._trackers]:
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(*(t for t in [injector, *self._trackers] if t is not None), return_exceptions=True)
+            for old in [*self._retiring, self.generation]:
+                if old is not None and not old.done:
+                    try:
+                        await old.stop(grace=10.0)
+                    except Exception:  # the reaper below still ends its processes
+                        log.exception("could not stop generation %d", old.index)
+            left = await asyncio.to_thread(reap, self.marker, 5.0)
+            if left:
+                log.warning("ended %d processes the run left behind: %s", len(left), left)
+            for node in self.nodes.values():
+                await node.stop()
+
+        task = asyncio.ensure_future(stop())
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await task
+            raise
 
     def _next_world(self) -> list[str]:
         """Who runs the next generation, by the supervisor's record (empty: stay suspended)."""

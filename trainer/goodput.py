@@ -36,6 +36,7 @@ from collections.abc import Iterable
 
 from spotguard.trainer.dryrun import DryRun
 from spotguard.trainer.events import read_events
+from spotguard.trainer.launcher import Generation
 from spotguard.trainer.report import GenerationRecord, InjectedEvent
 from spotguard.trainer.scenario import Scenario
 
@@ -102,10 +103,9 @@ class PeriodicDryRun(DryRun):
             log.info("termination handler: survivors of generation %d still running: stopping them", gen.index)
             gen.signal_all(signal.SIGTERM)
 
-    def _generation_outcome(self) -> str:
-        outcome = super()._generation_outcome()
-        index = self.generations[-1].index
-        if outcome == "crashed" and any(e.generation == index for e in self.evictions):
+    def _generation_outcome(self, gen: Generation) -> str:
+        outcome = super()._generation_outcome(gen)
+        if outcome == "crashed" and any(e.generation == gen.index for e in self.evictions):
             return "evicted"
         return outcome
 

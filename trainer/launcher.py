@@ -35,6 +35,7 @@ class RunningNode:
     exit_code: int | None = None
     ended_at: float | None = None
     killed: bool = False
+    started_at: float = 0.0
 
 
 class Generation:
@@ -94,7 +95,7 @@ class Generation:
                                                            stderr=asyncio.subprocess.STDOUT,
                                                            stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
                                                            preexec_fn=die_with_parent(signal.SIGTERM))
-        self.running[node] = RunningNode(node, process, log_path)
+        self.running[node] = RunningNode(node, process, log_path, started_at=time.time())
 
     async def add_joiner(self, launch: NodeLaunch, ready_file: Path) -> None:
         """Starts a worker on `launch.node` that joins the running job in place once a membership

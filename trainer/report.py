@@ -1,13 +1,20 @@
 """The dry-run report: a timeline per injected event, built from what each part recorded.
 
-Inputs: the scenario events as injected (with the emulator's `served_at` and the notice
-deadline), the generations the local supervisor launched, and the trainers' event logs
-(`trainer.events`). Output: a JSON-able dict, a text rendering, and a PNG plot.
+Inputs: the scenario events as injected (with the emulator's `served_at`, the notice deadline,
+and the ids the dry-run tied to each: the agent's notice id, the membership generation that
+admitted a returning node, the generation drained to scale out), the generations the local
+supervisor launched, the memberships it pushed, and the trainers' event logs (`trainer.events`).
+Output: a JSON-able dict, a text rendering, and a PNG plot.
+
+Attribution is by ids, never by time windows (`trainer.changes`): a notice's row takes the
+change whose ranks agreed on that notice id; a returning node's row takes the grow its joiner
+made (or the fallback of the membership that admitted it), or the drain that scaled the job out.
 
 Step convention: `step` counts completed optimizer steps. A checkpoint "at step S" holds the
-state after S steps; a run resumed from it logs `start` with step S. Steps lost by an event =
-the furthest step any rank completed in the interrupted generation minus the step the next
-generation resumed from.
+state after S steps; a run resumed from it logs `start` with step S. Steps lost, per relaunch:
+the highest step any rank of the ended generation completed minus the step the next generation
+resumed at; when training never resumed, minus the newest step it could resume at (its start or
+a durable checkpoint). A run that did not reach its last step says where it stopped.
 """
 from __future__ import annotations
 
@@ -15,6 +22,11 @@ import collections
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from collections.abc import Iterable
+
+from spotguard.trainer.changes import Change, job_changes
+
+NOTICE_KINDS = ("reclaim", "gpu-fault", "maintenance", "rebalance")
+STEP_EVENTS = ("start", "step", "agreed", "durable", "resized", "drained", "finished")
 
 
 @dataclass
@@ -30,6 +42,9 @@ class InjectedEvent:
     emulator_id: str | None = None
     note: str = ""
     effective: bool = True  # False: changed nothing (e.g. capacity for a node that was already there)
+    notice_id: str | None = None  # the id the node's agent gave the notice: what the ranks log when they agree
+    membership: int | None = None  # capacity, in place: the membership generation that admitted the node
+    rescaled: int | None = None  # capacity, relaunching: the generation drained to scale out to it
 
 
 @dataclass
@@ -43,106 +58,82 @@ class GenerationRecord:
     reason: str = ""  # why it ended: notice, rescale, finished, crash
 
 
-def _by_generation(events: list[dict]) -> dict[int, list[dict]]:
-    grouped: dict[int, list[dict]] = collections.defaultdict(list)
-    for e in events:
-        grouped[int(e.get("generation", 0))].append(e)
-    return grouped
+@dataclass
+class MembershipRecord:
+    """A membership the dry-run pushed to every node (what the supervisor's annotation would say)."""
+
+    generation: int
+    hosts: list[str]
+    t: float
+    cause: str  # "left" (a rank left in place), "admitted" (joiners), "relaunch" (the world of a new launch)
+    launch: int = 0  # the index of the generation (launch) it was pushed during
+
+
+@dataclass
+class _Generations:
+    """Per launched generation: its events, where it started and how far it got."""
+
+    events: dict[int, list[dict]]
+
+    def started(self, index: int) -> list[dict]:
+        return [e for e in self.events.get(index, []) if e["event"] == "start"]
+
+    def reached(self, index: int) -> int:
+        return max((e["step"] for e in self.events.get(index, []) if e["event"] in STEP_EVENTS and "step" in e),
+                   default=0)
+
+    def restore_point(self, index: int) -> int:
+        """The newest step generation `index` could be resumed at: its start or a durable checkpoint."""
+        mine = self.events.get(index, [])
+        return max([e["step"] for e in mine if e["event"] in ("start", "durable")], default=0)
 
 
 def build_report(scenario: dict, injected: list[InjectedEvent], generations: list[GenerationRecord],
                  trainer_events: Iterable[dict], started_at: float, finished_at: float,
-                 total_steps: int) -> dict[str, Any]:
+                 total_steps: int, memberships: list[MembershipRecord] | None = None,
+                 in_place: bool = False, min_workers: int = 1) -> dict[str, Any]:
     """Assembles the report; `problems` lists every reason the run counts as failed."""
-    events = list(trainer_events)
-    per_gen = _by_generation(events)
+    events = sorted(trainer_events, key=lambda e: e["t"])
+    memberships = memberships or []
+    gens = _Generations(collections.defaultdict(list))
+    for e in events:
+        gens.events[int(e.get("generation", 0))].append(e)
+    notice_nodes = {inj.notice_id: inj.node for inj in injected if inj.notice_id}
+    hosts_of = {m.generation: list(m.hosts) for m in memberships}
+    changes = job_changes(events, notice_nodes, hosts_of, in_place=in_place, min_workers=min_workers)
+    relaunches = _relaunches(generations, gens, changes)
     problems: list[str] = []
     timeline = []
-
-    def gen_of(t: float) -> GenerationRecord | None:
-        live = [g for g in generations if g.launched_at <= t and (g.ended_at is None or t <= g.ended_at)]
-        return live[-1] if live else None
-
     for inj in injected:
         entry: dict[str, Any] = {"kind": inj.kind, "node": inj.node, "at": inj.at, "note": inj.note,
                                  "served": _rel(inj.served_at or inj.injected_at, started_at)}
         if inj.deadline is not None:
             entry["deadline"] = _rel(inj.deadline, started_at)
-        gen = gen_of(inj.served_at or inj.injected_at)
-        if gen is not None and inj.effective and inj.kind in ("reclaim", "gpu-fault", "maintenance", "rebalance",
-                                                                "capacity"):
-            gev = per_gen.get(gen.index, [])
-            agreed = [e for e in gev if e["event"] == "agreed" and e["t"] >= (inj.served_at or 0) - 1]
-            durable = [e for e in gev if e["event"] == "durable" and e["t"] >= (inj.served_at or 0) - 1]
-            drained = [e for e in gev if e["event"] == "drained" and e["t"] >= (inj.served_at or 0) - 1]
-            if agreed:
-                steps = {e["step"] for e in agreed}
-                entry["agreed_step"] = min(steps)
-                entry["agreed"] = _rel(min(e["t"] for e in agreed), started_at)
-                entry["ranks_agreed"] = sorted({e["rank"] for e in agreed})
-                detected = [e.get("detected_at_unix") for e in agreed if e.get("detected_at_unix")]
-                if detected:
-                    entry["detected"] = _rel(min(detected), started_at)
-                if len(steps) > 1:
-                    problems.append(f"{inj.kind} on {inj.node}: ranks agreed on different steps {sorted(steps)}")
-                if len(entry["ranks_agreed"]) < gen.world_size:
-                    problems.append(f"{inj.kind} on {inj.node}: only ranks {entry['ranks_agreed']} of "
-                                    f"{gen.world_size} acted")
-            if durable:
-                saved = {e["step"] for e in durable}
-                entry["checkpoint_step"] = max(saved)
-                entry["durable"] = _rel(max(e["t"] for e in durable), started_at)
-                entry["snapshot_fallback"] = any(e.get("snapshot") for e in durable)
-                entry["saved_digest"] = next((e.get("digest") for e in durable if e.get("rank") == 0), None)
-                if len(saved) > 1:
-                    problems.append(f"{inj.kind} on {inj.node}: ranks saved different steps {sorted(saved)}")
-                if inj.deadline is not None:
-                    entry["margin_s"] = round(inj.deadline - max(e["t"] for e in durable), 3)
-                    if entry["margin_s"] < 0:
-                        problems.append(f"{inj.kind} on {inj.node}: checkpoint durable "
-                                        f"{-entry['margin_s']:.2f}s after the deadline")
-            elif agreed:
-                problems.append(f"{inj.kind} on {inj.node}: no durable checkpoint after agreeing")
-            if drained:
-                entry["drained"] = _rel(max(e["t"] for e in drained), started_at)
-                entry["exit_codes"] = sorted({e.get("exit_code") for e in drained})
-            # The next generation that actually started training (one killed while starting up,
-            # e.g. by a scale-out, never loaded anything and is skipped).
-            later = [g for g in generations if g.index > gen.index]
-            nxt = next((g for g in later if any(e["event"] == "start" for e in per_gen.get(g.index, []))),
-                       later[0] if later else None)
-            if nxt is not None and durable:
-                starts = [e for e in per_gen.get(nxt.index, []) if e["event"] == "start"]
-                entry["relaunched"] = _rel(nxt.launched_at, started_at)
-                entry["relaunch_world_size"] = nxt.world_size
-                if not starts:
-                    problems.append(f"{inj.kind} on {inj.node}: the job never resumed after its checkpoint")
-                if starts:
-                    entry["resumed_step"] = min(e["step"] for e in starts)
-                    entry["resumed"] = _rel(min(e["t"] for e in starts), started_at)
-                    entry["resumed_digest"] = next((e.get("digest") for e in starts if e.get("rank") == 0), None)
-                    reached = max((e["step"] for e in gev if e["event"] in ("step", "agreed", "durable")), default=0)
-                    entry["steps_lost"] = max(0, reached - entry["resumed_step"])
-                    if entry["steps_lost"]:
-                        problems.append(f"{inj.kind} on {inj.node}: {entry['steps_lost']} steps lost")
-                    if entry.get("saved_digest") and entry.get("resumed_digest") \
-                            and entry["resumed_step"] == entry.get("checkpoint_step") \
-                            and entry["saved_digest"] != entry["resumed_digest"]:
-                        problems.append(f"{inj.kind} on {inj.node}: resumed state differs from the saved state")
+        change = None
+        if inj.effective and inj.kind in NOTICE_KINDS and inj.notice_id:
+            change = next((c for c in changes if c.notice_id == inj.notice_id), None)
+            if change is not None:
+                _notice_facts(entry, inj, change, started_at, problems)
+        elif inj.effective and inj.kind == "capacity":
+            change = _capacity_change(inj, changes, gens, memberships, started_at, entry)
+            if change is not None and change.path != "in-place":  # the drain it took: its checkpoint
+                _notice_facts(entry, inj, change, started_at, problems)
+        if change is not None:
+            _change_facts(entry, change, relaunches, generations, started_at, problems, inj)
         timeline.append(entry)
 
-    changes = in_place_changes(events, started_at)
-    for entry in timeline:
-        change = next((c for c in changes if c["t"] >= entry["served"] - 0.5), None)
-        if change is not None and entry["kind"] in ("reclaim", "gpu-fault", "maintenance", "capacity") \
-                and "relaunched" not in entry:
-            entry["path"] = change["path"]
-            entry["pause_s"] = change["pause_s"]
-            entry["world"] = f"{change['from_world']} -> {change['to_world']}"
-    final_steps = [e["step"] for e in events if e["event"] == "finished"]
-    completed = max(final_steps) if final_steps else max((e["step"] for e in events if "step" in e), default=0)
+    finished = [e["step"] for e in events if e["event"] == "finished"]
+    trained = max((e["step"] for e in events if e["event"] in STEP_EVENTS and "step" in e), default=0)
+    completed = max(finished) if finished else trained
     if completed < total_steps:
         problems.append(f"training stopped at step {completed} of {total_steps}")
+    for r in relaunches:
+        if r["steps_lost"]:
+            resumed = "never resumed" if r["resumed_step"] is None else f"resumed at step {r['resumed_step']}"
+            problems.append(f"generation {r['generation']} ({r['reason']}): {r['steps_lost']} steps lost "
+                            f"(trained to step {r['trained_step']}, {resumed})")
+        elif r["resumed_step"] is None and completed < total_steps:
+            problems.append(f"generation {r['generation']} ({r['reason']}): the job never resumed")
     throughput = [{"t": _rel(e["t"], started_at), "step": e["step"], "world_size": e.get("world_size"),
                    "samples_per_s": e.get("samples_per_s"), "generation": e.get("generation", 0)}
                   for e in events if e["event"] == "step" and e.get("rank") == 0]
@@ -151,33 +142,155 @@ def build_report(scenario: dict, injected: list[InjectedEvent], generations: lis
         "ok": not problems,
         "problems": problems,
         "wall_s": round(finished_at - started_at, 3),
+        "total_steps": total_steps,
+        "finished": bool(finished) and completed >= total_steps,
         "steps_completed": completed,
-        "steps_lost": sum(t.get("steps_lost", 0) for t in timeline),
+        "steps_trained": trained,
+        "steps_lost": sum(r["steps_lost"] for r in relaunches),
         "timeline": timeline,
         "generations": [{**asdict(g), "launched": _rel(g.launched_at, started_at),
                          "ended": None if g.ended_at is None else _rel(g.ended_at, started_at)}
                         for g in generations],
+        "relaunches": relaunches,
+        "memberships": [{**asdict(m), "t": _rel(m.t, started_at)} for m in memberships],
         "throughput": throughput,
-        "membership_changes": changes,
+        "membership_changes": [_change_row(c, started_at) for c in changes],
         "survivors": survivors(events),
     }
 
 
-def in_place_changes(events: list[dict], started_at: float) -> list[dict]:
-    """Each in-place change as the survivors logged it (`resized`): when, the sizes, which path,
-    and the survivors' pause (the slowest rank's)."""
-    grouped: dict[tuple, list[dict]] = collections.defaultdict(list)
-    for e in events:
-        if e["event"] == "resized":
-            grouped[(e.get("generation", 0), e["step"], e.get("to_world"))].append(e)
-    changes = []
-    for (_gen, step, to_world), group in sorted(grouped.items(), key=lambda kv: min(e["t"] for e in kv[1])):
-        changes.append({"t": _rel(min(e["t"] for e in group), started_at), "step": step,
-                        "from_world": group[0].get("from_world"), "to_world": to_world,
-                        "path": group[0].get("path"), "reason": group[0].get("reason"),
-                        "pause_s": round(max(e.get("pause", 0.0) for e in group), 4),
-                        "nodes": sorted({e.get("node") for e in group})})
-    return changes
+def _notice_facts(entry: dict, inj: InjectedEvent, change: Change, started_at: float, problems: list[str]) -> None:
+    """What the ranks did with one notice: agreed, detected, durable, drained (its own actions only)."""
+    agreed = [a.agreed for a in change.actions if a.agreed is not None]
+    durable = [a.durable for a in change.actions if a.durable is not None]
+    drained = [a.drained for a in change.actions if a.drained is not None]
+    label = f"{inj.kind} on {inj.node}"
+    if agreed:
+        steps = {e["step"] for e in agreed}
+        entry["agreed_step"] = min(steps)
+        entry["agreed"] = _rel(min(e["t"] for e in agreed), started_at)
+        entry["ranks_agreed"] = sorted({e["rank"] for e in agreed})
+        detected = [e["detected_at_unix"] for e in agreed if e.get("detected_at_unix")]
+        if detected:
+            entry["detected"] = _rel(min(detected), started_at)
+        if len(steps) > 1:
+            problems.append(f"{label}: ranks agreed on different steps {sorted(steps)}")
+        world = max((e.get("world_size") or 0 for e in agreed), default=0)
+        if len(entry["ranks_agreed"]) < world:
+            problems.append(f"{label}: only ranks {entry['ranks_agreed']} of {world} acted")
+    if durable:
+        saved = {e["step"] for e in durable}
+        entry["checkpoint_step"] = max(saved)
+        entry["durable"] = _rel(max(e["t"] for e in durable), started_at)
+        entry["snapshot_fallback"] = any(e.get("snapshot") for e in durable)
+        entry["saved_digest"] = next((e.get("digest") for e in sorted(durable, key=lambda e: e.get("rank", 0))
+                                      if e.get("digest")), None)
+        if len(saved) > 1:
+            problems.append(f"{label}: ranks saved different steps {sorted(saved)}")
+        if inj.deadline is not None:
+            entry["margin_s"] = round(inj.deadline - max(e["t"] for e in durable), 3)
+            if entry["margin_s"] < 0:
+                problems.append(f"{label}: checkpoint durable {-entry['margin_s']:.2f}s after the deadline")
+    elif agreed:
+        problems.append(f"{label}: no durable checkpoint after agreeing")
+    if drained:
+        entry["drained"] = _rel(max(e["t"] for e in drained), started_at)
+        entry["exit_codes"] = sorted({e.get("exit_code") for e in drained})
+
+
+def _capacity_change(inj: InjectedEvent, changes: list[Change], gens: _Generations,
+                     memberships: list[MembershipRecord], started_at: float, entry: dict) -> Change | None:
+    """The change a returning node made: its joiner's grow, its membership's fallback, or the
+    drain that relaunched the job to take it in."""
+    if inj.rescaled is not None:
+        mine = [c for c in changes if c.generation == inj.rescaled and c.path == "relaunch"]
+        return mine[-1] if mine else None
+    if inj.membership is None:
+        return None
+    admitted = next((m for m in memberships if m.generation == inj.membership), None)
+    if admitted is None:
+        return None
+    entry["admitted"] = _rel(admitted.t, started_at)
+    joins = [e for e in gens.started(admitted.launch) if e.get("joined") and e.get("node") == inj.node
+             and e["t"] >= admitted.t]
+    if joins:
+        join = min(joins, key=lambda e: e["t"])
+        entry["joined"] = _rel(join["t"], started_at)
+        grow = next((c for c in changes if c.generation == admitted.launch and c.path == "in-place"
+                     and c.step == join["step"] and c.notice_id is None), None)
+        if grow is not None:
+            return grow
+    later = {m.generation for m in memberships if m.generation >= inj.membership and inj.node in m.hosts}
+    return next((c for c in changes if c.generation == admitted.launch and c.membership_generation in later), None)
+
+
+def _change_facts(entry: dict, change: Change, relaunches: list[dict], generations: list[GenerationRecord],
+                  started_at: float, problems: list[str], inj: InjectedEvent) -> None:
+    """The path a change took; for one that relaunched, how and where the job resumed."""
+    entry["path"] = change.path
+    entry["world"] = f"{change.from_world} -> {change.to_world if change.to_world is not None else '?'}"
+    if change.pause_s is not None:
+        entry["pause_s"] = change.pause_s
+    if change.path == "in-place":
+        return
+    relaunch = next((r for r in relaunches if r["generation"] == change.generation), None)
+    if relaunch is None:
+        return
+    entry["steps_lost"] = relaunch["steps_lost"]
+    nxt = next((g for g in generations if g.index == relaunch["next_generation"]), None)
+    if nxt is None:
+        problems.append(f"{inj.kind} on {inj.node}: the job never resumed after its checkpoint")
+        return
+    entry["relaunched"] = _rel(nxt.launched_at, started_at)
+    entry["relaunch_world_size"] = nxt.world_size
+    if relaunch["resumed_step"] is None:
+        problems.append(f"{inj.kind} on {inj.node}: the job never resumed after its checkpoint")
+        return
+    entry["resumed_step"] = relaunch["resumed_step"]
+    entry["resumed"] = _rel(relaunch["resumed"], started_at)
+    entry["resumed_digest"] = relaunch["resumed_digest"]
+    if entry.get("saved_digest") and entry.get("resumed_digest") \
+            and entry["resumed_step"] == entry.get("checkpoint_step") \
+            and entry["saved_digest"] != entry["resumed_digest"]:
+        problems.append(f"{inj.kind} on {inj.node}: resumed state differs from the saved state")
+
+
+def _relaunches(generations: list[GenerationRecord], gens: _Generations, changes: list[Change]) -> list[dict]:
+    """Per generation that trained and ended without finishing: what it trained, where the job
+    resumed (the next generation that started training) and the steps lost between them."""
+    trained = [g for g in generations if gens.started(g.index)]
+    out = []
+    for i, g in enumerate(trained):
+        mine = gens.events.get(g.index, [])
+        if any(e["event"] == "finished" for e in mine):
+            continue
+        later = [n for n in generations if n.index > g.index]
+        nxt = trained[i + 1] if i + 1 < len(trained) else None
+        reached = gens.reached(g.index)
+        ending = [c for c in changes if c.generation == g.index and c.path != "in-place"]
+        reason = f"{ending[-1].path} ({ending[-1].reason})" if ending else (g.reason or "ended")
+        row: dict[str, Any] = {"generation": g.index, "reason": reason, "trained_step": reached,
+                               "next_generation": later[0].index if later else None,
+                               "resumed_step": None, "resumed": None, "resumed_digest": None}
+        if nxt is not None:
+            starts = gens.started(nxt.index)
+            first = min(starts, key=lambda e: e["t"])
+            row.update(next_generation=nxt.index, resumed_step=min(e["step"] for e in starts), resumed=first["t"],
+                       resumed_digest=next((e.get("digest") for e in starts if e.get("rank") == 0), None))
+            row["steps_lost"] = max(0, reached - row["resumed_step"])
+        else:
+            row["steps_lost"] = max(0, reached - gens.restore_point(g.index))
+        out.append(row)
+    return out
+
+
+def _change_row(c: Change, started_at: float) -> dict:
+    row = {"t": _rel(c.t, started_at), "generation": c.generation, "step": c.step, "from_world": c.from_world,
+           "to_world": c.to_world, "path": c.path, "reason": c.reason, "pause_s": c.pause_s,
+           "nodes": c.survivors or sorted({a.node for a in c.actions})}
+    if c.notice_id:
+        row["notice_id"] = c.notice_id
+    return row
 
 
 def survivors(events: list[dict]) -> dict[str, dict]:
@@ -201,8 +314,14 @@ def _rel(t: float, origin: float) -> float:
 
 def render_text(report: dict) -> str:
     """The timeline as lines a person reads: one block per injected event."""
+    total = report.get("total_steps")
+    done = report["steps_completed"]
+    if total is None or done >= total:
+        progress = f"{done} steps"
+    else:
+        progress = f"stopped at step {done} of {total} (trained to {report.get('steps_trained', done)})"
     out = [f"scenario {report['scenario'].get('name')}: {'OK' if report['ok'] else 'FAILED'} in "
-           f"{report['wall_s']:.1f}s, {report['steps_completed']} steps, {report['steps_lost']} lost"]
+           f"{report['wall_s']:.1f}s, {progress}, {report['steps_lost']} lost"]
     for e in report["timeline"]:
         head = f"- t={e['at']:>5.1f}s {e['kind']} on {e['node']}"
         if e.get("note"):
@@ -210,8 +329,8 @@ def render_text(report: dict) -> str:
         out.append(head)
         chain = []
         for key, label in (("served", "served"), ("detected", "detected"), ("agreed", "agreed"),
-                           ("durable", "durable"), ("drained", "drained"), ("relaunched", "relaunched"),
-                           ("resumed", "resumed")):
+                           ("durable", "durable"), ("drained", "drained"), ("admitted", "admitted"),
+                           ("joined", "joined"), ("relaunched", "relaunched"), ("resumed", "resumed")):
             if key in e:
                 extra = ""
                 if key == "agreed":
@@ -232,8 +351,10 @@ def render_text(report: dict) -> str:
             facts.append(f"deadline margin {e['margin_s']:.2f}s")
         if "steps_lost" in e:
             facts.append(f"steps lost {e['steps_lost']}")
-        if "path" in e:
-            facts.append(f"{e['path']}: world {e['world']}, survivors paused {e['pause_s']:.3f}s")
+        if e.get("path") == "in-place":
+            facts.append(f"in-place: world {e['world']}, survivors paused {e.get('pause_s') or 0.0:.3f}s")
+        elif "path" in e:
+            facts.append(f"{e['path']}: world {e['world']}, relaunched")
         if e.get("saved_digest") and e.get("resumed_digest"):
             facts.append("resumed state == saved state" if e["saved_digest"] == e["resumed_digest"]
                          else "resumed state != saved state")
@@ -244,6 +365,10 @@ def render_text(report: dict) -> str:
         out.append(f"  {node}: {'rejoined in place (a new process after its reclaim)' if facts.get('joined') else kept}"
                    f", longest gap between steps "
                    f"{facts['max_step_gap_s']}s")
+    for r in report.get("relaunches", []):
+        resumed = "never resumed" if r["resumed_step"] is None else f"resumed at step {r['resumed_step']}"
+        out.append(f"  generation {r['generation']} ended ({r['reason']}): trained to step {r['trained_step']}, "
+                   f"{resumed}, {r['steps_lost']} steps lost")
     for d in report.get("supervisor_decisions", []):
         out.append(f"  supervisor t={d['t']:5.1f}s {d['action']}: {d['message']}")
     for e in report.get("not_reached", []):

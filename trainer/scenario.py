@@ -19,6 +19,8 @@ Event kinds: `reclaim` (spot reclaim notice with `lead` seconds of warning), `re
 `gpu-fault` (a fatal Xid through the fake NVML backend), `capacity` (the node comes back).
 `at` is seconds after training first starts. `allow_steps_lost: N` declares that the scenario
 expects up to N steps lost (a notice too short for a fresh save); any more fails the run.
+`frameworks: [ddp, fsdp2]` lists the frameworks the scenario is written to pass with (default:
+its `framework`); the bundled-scenario test runs every bundled scenario with each of them.
 
 A scenario can also be a spot trace (`t_seconds,event,node` with `add`/`preempt` rows; the
 bundled ones and their format are in trainer/traces/): see `scenario_from_trace`.
@@ -85,7 +87,13 @@ class Scenario:
     checkpoint_every: int = 0  # periodic checkpoints every K steps (0: only on notices)
     allow_steps_lost: int = 0  # steps the scenario expects to lose (a notice too short for a save)
     membership: str = ""  # in-place | restart; "" picks: in place for elastic DDP/FSDP2 jobs
+    frameworks: tuple[str, ...] = ()  # the frameworks it is written to pass with; () means `framework`
     events: tuple[ScenarioEvent, ...] = field(default_factory=tuple)
+
+    @property
+    def allowed_frameworks(self) -> tuple[str, ...]:
+        """The frameworks this scenario passes with (the bundled-scenario test runs each)."""
+        return self.frameworks or (self.framework,)
 
     @property
     def in_place(self) -> bool:
@@ -106,7 +114,7 @@ class Scenario:
         return updated
 
 
-_TOP_FIELDS = {"name", "cloud", "workers", "framework", "policy", "min_workers", "steps",
+_TOP_FIELDS = {"name", "cloud", "workers", "framework", "frameworks", "policy", "min_workers", "steps",
                "step_seconds", "checkpoint_every", "allow_steps_lost", "membership", "events"}
 _EVENT_FIELDS = {"at", "kind", "node", "lead"}
 
@@ -158,6 +166,13 @@ def parse_scenario(text: str, origin: str = "<scenario>") -> Scenario:
         if key in data:
             low = 0 if key in ("checkpoint_every", "allow_steps_lost") else 1
             fields[key] = int(_number(data[key], at(key), key, integer=True, low=low))
+    if "frameworks" in data:
+        listed = data["frameworks"]
+        if not isinstance(listed, list) or not listed or any(f not in FRAMEWORKS for f in listed) \
+                or len(set(listed)) != len(listed):
+            raise ScenarioError(f"{at('frameworks')}: frameworks: expected a list of distinct frameworks out of "
+                                f"{', '.join(FRAMEWORKS)}, got {listed!r}")
+        fields["frameworks"] = tuple(listed)
     if "step_seconds" in data:
         fields["step_seconds"] = float(_number(data["step_seconds"], at("step_seconds"), "step_seconds"))
 
@@ -198,6 +213,8 @@ def _check_semantics(s: Scenario, origin: str) -> None:
     if s.membership == "in-place" and (s.policy != "elastic" or s.framework == "deepspeed"):
         raise ScenarioError(f"{origin}: membership: in-place needs policy elastic and framework ddp or fsdp2 "
                             "(DeepSpeed relaunches: README, 'Membership changes in place')")
+    if s.membership == "in-place" and "deepspeed" in s.frameworks:
+        raise ScenarioError(f"{origin}: frameworks: deepspeed relaunches; membership in-place allows ddp, fsdp2")
     if s.min_workers > s.workers:
         raise ScenarioError(f"{origin}: min_workers: {s.min_workers} is more than workers ({s.workers})")
     nodes = set(s.nodes)

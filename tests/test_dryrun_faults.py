@@ -1,0 +1,269 @@
+"""The dry-run under faults (issue 18): real agents, sidecars, Guards and `spotguard launch`.
+
+Each test runs a `DryRun` in this process and steers it from its `on_update` hook (called every
+tick of its loop) at a moment it waits for, never after a sleep: a joiner is frozen once it is
+ready and killed once the survivors are blocked in the change, a reclaim lands while a joiner
+starts. After every run, no process it started is left.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from spotguard.trainer.dryrun import DryRun
+from spotguard.trainer.reaper import marked
+from spotguard.trainer.scenario import ScenarioEvent, parse_scenario
+
+pytestmark = pytest.mark.slow
+
+
+def scenario(text: str):
+    return parse_scenario(text, "<test>")
+
+
+async def nothing_left(marker: str, bound: float = 15.0) -> list[int]:
+    """PIDs of the run's processes still alive after waiting up to `bound` seconds for none."""
+    until = time.monotonic() + bound
+    while True:
+        alive = [p.pid for p in marked(marker)]
+        if not alive or time.monotonic() > until:
+            return alive
+        await asyncio.sleep(0.2)
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def last_step_at(dry: DryRun, node: str) -> float:
+    return max((e["t"] for e in dry._events() if e["event"] == "step" and e.get("node") == node), default=0.0)
+
+
+class FreezeJoinerThenKill:
+    """Freezes the joiner on `node` (SIGSTOP) once it is ready, so that it is admitted but never
+    forms the new group; once the survivor has made no step for 1.5 s (it waits in the change)
+    kills it (SIGKILL). The survivor's re-form then times out and falls back."""
+
+    def __init__(self, node: str):
+        self.node = node
+        self.frozen: list[psutil.Process] = []
+        self.killed_at: float | None = None
+
+    def __call__(self, dry: DryRun) -> None:
+        gen = dry.generation
+        if gen is None or self.killed_at is not None:
+            return
+        joiner = gen.running.get(self.node)
+        if not self.frozen:
+            if self.node in dry._joins and dry.nodes[self.node].ready_file.exists() and joiner is not None \
+                    and joiner.process.returncode is None:
+                self.frozen = tree(joiner.process.pid)
+                for proc in self.frozen:
+                    proc.send_signal(signal.SIGSTOP)
+            return
+        admitted = any(m.cause == "admitted" and self.node in m.hosts for m in dry.memberships)
+        if admitted and time.time() - last_step_at(dry, "node-0") > 1.5:
+            for proc in self.frozen:
+                try:
+                    proc.send_signal(signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
+            self.killed_at = time.time()
+
+
+FALLBACK = """\
+name: joiner-dies-in-the-change
+cloud: aws
+workers: 2
+policy: elastic
+min_workers: 1
+steps: 900
+step_seconds: 0.04
+events:
+  - {at: 1, kind: reclaim, node: node-1, lead: 8}
+  - {at: 2, kind: capacity, node: node-1}
+"""
+
+
+async def test_a_relaunch_after_a_fallback_starts_every_node_and_loses_nothing(tmp_path):
+    """Item 1: the joiner dies inside the grow; the survivor falls back (checkpoint, exit 83) and
+    every node is relaunched. The relaunch pushes the membership of its own world first, so
+    node-1 starts with node-0 instead of joining the stale membership that left it out."""
+    hold = FreezeJoinerThenKill("node-1")
+    dry = DryRun(scenario(FALLBACK), tmp_path / "run", on_update=hold, time_limit=300)
+    report = await dry.run()
+    assert await nothing_left(dry.marker) == []
+    assert hold.killed_at is not None, "the joiner was never admitted and frozen"
+    assert report["status"] == "finished", (report["status"], report["problems"])
+    assert report["ok"], report["problems"]
+    assert report["steps_lost"] == 0 and report["steps_completed"] == 900
+    relaunch = [m for m in report["memberships"] if m["cause"] == "relaunch" and m["launch"] >= 1]
+    assert relaunch and relaunch[0]["hosts"] == ["node-0", "node-1"], report["memberships"]
+    assert len(report["generations"]) == 2, report["generations"]
+    fallback = [c for c in report["membership_changes"] if c["path"] == "fallback"]
+    assert [(c["from_world"], c["to_world"]) for c in fallback] == [(1, 2)], report["membership_changes"]
+    capacity = report["timeline"][1]
+    assert capacity["kind"] == "capacity" and capacity["path"] == "fallback", capacity
+    assert capacity["resumed_step"] == capacity["checkpoint_step"], capacity
+    logs = (tmp_path / "run" / "logs" / "gen1-node-1.log").read_text()
+    assert "joining it" not in logs
+
+
+RECLAIM_DURING_START_UP = """\
+name: reclaim-during-start-up
+cloud: aws
+workers: 2
+policy: elastic
+min_workers: 1
+steps: 500
+step_seconds: 0.04
+events:
+  - {at: 1, kind: reclaim, node: node-1, lead: 6}
+  - {at: 2, kind: capacity, node: node-1}
+"""
+
+
+async def test_a_joiner_whose_node_is_reclaimed_during_its_start_up_is_not_admitted(tmp_path):
+    """Item 5: node-1 comes back, its joiner starts, and node-1 is reclaimed again before the
+    joiner is ready: the joiner is stopped, no membership ever lists node-1 again."""
+    injected: list = []
+
+    def reclaim_when_the_joiner_starts(dry: DryRun) -> None:
+        if not injected and "node-1" in dry._joins:
+            injected.append(asyncio.get_running_loop().create_task(
+                dry.inject_now(ScenarioEvent(at=0.0, kind="reclaim", node="node-1", lead=3.0))))
+
+    dry = DryRun(scenario(RECLAIM_DURING_START_UP), tmp_path / "run", on_update=reclaim_when_the_joiner_starts,
+                 time_limit=240)
+    report = await dry.run()
+    assert await nothing_left(dry.marker) == []
+    assert injected, "no joiner was started on node-1"
+    assert report["ok"] and report["status"] == "finished", report["problems"]
+    assert report["steps_lost"] == 0
+    admitted = [m for m in report["memberships"] if m["cause"] == "admitted"]
+    assert admitted == [], admitted
+    assert [(c["from_world"], c["to_world"]) for c in report["membership_changes"]] == [(2, 1)]
+
+
+THREE_RETURNS = """\
+name: three-return-at-once
+cloud: aws
+workers: 4
+policy: elastic
+min_workers: 1
+steps: 1000
+step_seconds: 0.03
+events:
+  - {at: 1, kind: reclaim, node: node-1, lead: 10}
+  - {at: 1, kind: reclaim, node: node-2, lead: 10}
+  - {at: 1, kind: reclaim, node: node-3, lead: 10}
+  - {at: 4, kind: capacity, node: node-1}
+  - {at: 4, kind: capacity, node: node-2}
+  - {at: 4, kind: capacity, node: node-3}
+"""
+
+
+async def test_three_returns_at_once_grow_in_one_change(tmp_path):
+    """Item 6: three nodes return together; their joiners are admitted in one membership, and
+    the job grows 1 -> 4 in one change (one pause), not one node at a time."""
+    dry = DryRun(scenario(THREE_RETURNS), tmp_path / "run", time_limit=300)
+    report = await dry.run()
+    assert await nothing_left(dry.marker) == []
+    assert report["ok"] and report["status"] == "finished", report["problems"]
+    grows = [(c["from_world"], c["to_world"], c["path"]) for c in report["membership_changes"]
+             if (c["to_world"] or 0) > (c["from_world"] or 0)]
+    assert grows == [(1, 4, "in-place")], report["membership_changes"]
+    admitted = [m["hosts"] for m in report["memberships"] if m["cause"] == "admitted"]
+    assert admitted == [["node-0", "node-1", "node-2", "node-3"]], report["memberships"]
+    rows = [e for e in report["timeline"] if e["kind"] == "capacity"]
+    assert [e["world"] for e in rows] == ["1 -> 4"] * 3, rows
+
+
+SHORT = """\
+name: short
+cloud: aws
+workers: 2
+policy: elastic
+min_workers: 1
+steps: 3000
+step_seconds: 0.05
+events:
+  - {at: 1, kind: reclaim, node: node-1, lead: 10}
+"""
+
+
+async def test_no_process_outlives_a_run_that_raised(tmp_path):
+    """The run's loop raises (here its update hook) while ranks train: run() re-raises, and
+    every launcher and worker it started is gone."""
+    def fail_once_training(dry: DryRun) -> None:
+        if any(e["event"] == "step" for e in dry._events()):
+            raise RuntimeError("the hook failed")
+
+    dry = DryRun(scenario(SHORT), tmp_path / "run", on_update=fail_once_training, time_limit=240)
+    with pytest.raises(RuntimeError, match="the hook failed"):
+        await dry.run()
+    assert await nothing_left(dry.marker) == []
+
+
+async def test_no_process_outlives_a_cancelled_run(tmp_path):
+    """Ctrl-C cancels run() (`spotguard dry-run` under run_daemon): nothing it started is left,
+    the workers of an in-place job included (their own sessions, SIGTERM trapped)."""
+    started = asyncio.Event()
+
+    def note_training(dry: DryRun) -> None:
+        if dry.in_place and any(e["event"] == "resized" for e in dry._events()):
+            started.set()
+
+    dry = DryRun(scenario(SHORT), tmp_path / "run", on_update=note_training, time_limit=240)
+    task = asyncio.create_task(dry.run())
+    waiter = asyncio.create_task(started.wait())
+    await asyncio.wait([task, waiter], timeout=180, return_when=asyncio.FIRST_COMPLETED)
+    assert started.is_set(), "the in-place change never happened"
+    pids = [p.pid for p in marked(dry.marker)]
+    assert len(pids) >= 2
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await nothing_left(dry.marker) == []
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_the_cli_interrupted_leaves_no_process(tmp_path):
+    """`spotguard dry-run` and SIGINT (a terminal's Ctrl-C): exit 130, every process gone."""
+    import subprocess
+    import sys
+    import uuid
+
+    path = tmp_path / "short.yaml"
+    path.write_text(SHORT)
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "SPOTGUARD_TEST_MARK": mark}
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "spotguard", "dry-run", "--no-live", "--scenario", str(path),
+                             "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        until = time.monotonic() + 180
+        while not any(Path(out / "events").glob("*.jsonl")) and time.monotonic() < until and proc.poll() is None:
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, output[-3000:]
+    until = time.monotonic() + 15
+    while marked(mark, "SPOTGUARD_TEST_MARK") and time.monotonic() < until:
+        time.sleep(0.2)
+    assert [p.pid for p in marked(mark, "SPOTGUARD_TEST_MARK")] == []

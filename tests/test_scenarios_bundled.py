@@ -1,0 +1,51 @@
+"""Every bundled scenario, with every framework it lists, passes as a real dry-run: finished,
+nothing lost beyond what it allows, every deadline met, and in place where in place applies
+(the survivors of every reclaim keep their processes: one generation, no relaunch); a job that
+relaunches resumes from the step its ranks agreed on and saved, with the state they saved.
+
+The whole matrix is the CI's check of the scenarios users run first; it runs them as shipped.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from spotguard.trainer.dryrun import DryRun
+from spotguard.trainer.reaper import marked
+from spotguard.trainer.scenario import bundled_scenarios, load_scenario
+
+pytestmark = pytest.mark.slow
+
+CASES = [(name, framework) for name in bundled_scenarios() for framework in load_scenario(name).allowed_frameworks]
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("name, framework", CASES, ids=[f"{n}-{f}" for n, f in CASES])
+async def test_bundled_scenario_passes(tmp_path, name, framework):
+    scenario = load_scenario(name).with_overrides(framework=framework)
+    dry = DryRun(scenario, tmp_path / "run", time_limit=300)
+    report = await dry.run()
+    until = time.monotonic() + 15
+    while marked(dry.marker) and time.monotonic() < until:
+        await asyncio.sleep(0.2)
+    assert marked(dry.marker) == []
+    assert report["ok"] and report["status"] == "finished", (report["status"], report["problems"])
+    assert report["steps_completed"] == scenario.steps
+    assert report["steps_lost"] <= scenario.allow_steps_lost
+    for row in report["timeline"]:
+        if "margin_s" in row:
+            assert row["margin_s"] > 0, row
+    paths = {row["path"] for row in report["timeline"] if "path" in row}
+    if scenario.in_place:
+        assert paths <= {"in-place"}, report["timeline"]
+        assert len(report["generations"]) == 1, report["generations"]
+        assert all(c["path"] == "in-place" for c in report["membership_changes"]), report["membership_changes"]
+    else:
+        assert "in-place" not in paths, report["timeline"]
+    for row in report["timeline"]:
+        if row.get("path") in ("relaunch", "fallback") and "resumed_step" in row:
+            assert row["checkpoint_step"] == row["agreed_step"] == row["resumed_step"], row
+            if row.get("saved_digest") and row.get("resumed_digest"):
+                assert row["saved_digest"] == row["resumed_digest"], row

@@ -1,0 +1,55 @@
+"""Every process a dry-run started, found and ended by a marker in its environment.
+
+The dry-run gives each process it starts (launchers, and through them every worker, joiner and
+helper they start) the variable `MARK_ENV=<this run's token>`. A worker that outlived its
+launcher (re-parented, in its own session) still carries it, so `reap(token)` finds it where a
+process tree or a process group no longer does. Only processes of this user whose environment
+carries this run's token are signalled, each by its PID.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+
+import psutil
+
+MARK_ENV = "SPOTGUARD_DRYRUN_RUN"
+
+
+def new_token() -> str:
+    return secrets.token_hex(8)
+
+
+def marked(token: str, env_name: str = MARK_ENV) -> list[psutil.Process]:
+    """Live (not zombie) processes other than this one whose environment has `env_name=token`."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.environ().get(env_name) == token and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return found
+
+
+def reap(token: str, grace: float = 5.0, env_name: str = MARK_ENV) -> list[int]:
+    """SIGTERM every marked process, SIGKILL those still alive after `grace` seconds; returns the
+    PIDs that were still running (blocking: call it in a thread from async code)."""
+    procs = marked(token, env_name)
+    for proc in procs:
+        _send(proc, signal.SIGTERM)
+    _gone, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive:
+        _send(proc, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=grace)
+    return [p.pid for p in procs]
+
+
+def _send(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
