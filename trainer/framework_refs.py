@@ -1,0 +1,122 @@
+"""What the framework reference scripts (train_hf, train_accelerate, train_lightning) share: a
+tiny model and data made in code (nothing downloaded), the command line, and the records the
+tests and the dry-run read from `--out`:
+- `progress-<rank>`: the last completed global step;
+- `saved-<rank>.json`: {"step", "notice"} written by an @on_reclaim hook at the agreed step;
+- `resumed-<rank>.json`: {"start", "optimizer_steps"} where the run resumed;
+- `ids-<rank>.jsonl`: one line per global step, {"step", "ids"}: the sample ids this rank trained on;
+- `params-final.pt` (rank 0): the final parameters.
+`--fail-save` makes rank 0's checkpoint write raise (the failing-save tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+SAMPLES = 64
+FEATURES = 8
+GLOBAL_BATCH = 8
+
+
+class TinyRegression(torch.nn.Module):
+    """A two-layer MLP whose forward takes a batch dict and returns {"loss": ...}; it records the
+    ids of the samples it trained on since the last `take_ids()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self._ids: list[int] = []
+
+    def forward(self, x, labels, idx=None):
+        if idx is not None and self.training:
+            self._ids.extend(int(i) for i in idx)
+        return {"loss": torch.nn.functional.mse_loss(self.net(x).squeeze(-1), labels)}
+
+    def take_ids(self) -> list[int]:
+        ids, self._ids = sorted(self._ids), []
+        return ids
+
+
+class Samples(torch.utils.data.Dataset):
+    """SAMPLES fixed samples, each a dict {x, labels, idx}."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(SAMPLES, FEATURES, generator=g)
+        self.y = self.x.sum(dim=1).sin()
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "labels": self.y[i], "idx": i}
+
+
+def parse_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--ckpt", required=True, help="checkpoint directory")
+    p.add_argument("--out", required=True, help="where the records go")
+    p.add_argument("--steps", type=int, default=24, help="total optimizer steps")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (a slower step)")
+    p.add_argument("--fail-save", action="store_true", help="rank 0's checkpoint write raises")
+    return p.parse_args(argv)
+
+
+def world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class Records:
+    """The files one rank writes under `--out` (see the module docstring)."""
+
+    def __init__(self, out: str, rank: int):
+        self.out, self.rank = Path(out), rank
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def _write(self, name: str, text: str) -> None:
+        tmp = self.out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.out / name)
+
+    def progress(self, step: int, ids: list[int]) -> None:
+        with open(self.out / f"ids-{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "ids": ids}) + "\n")
+        self._write(f"progress-{self.rank}", str(step))
+
+    def saved(self, step: int, notice) -> None:
+        self._write(f"saved-{self.rank}.json", json.dumps({"step": step, "notice": notice.id, "at": time.time()}))
+
+    def resumed(self, start: int, optimizer: torch.optim.Optimizer) -> None:
+        steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+        self._write(f"resumed-{self.rank}.json", json.dumps({"start": start, "optimizer_steps": sorted(set(steps))}))
+
+    def final(self, model: torch.nn.Module) -> None:
+        """Rank 0 writes the final parameters; then every rank leaves the process group together
+        (a process that exits with gloo groups alive can abort in torch's teardown)."""
+        if self.rank == 0:
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, self.out / "params-final.pt")
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def fail_rank0_saves(rank: int) -> None:
+    """`--fail-save`: rank 0's torch.save raises (every framework here writes through it)."""
+    if rank != 0:
+        return
+    real = torch.save
+
+    def failing(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)):
+            raise OSError(28, "No space left on device (spotguard test)")
+        return real(obj, f, *args, **kwargs)
+
+    torch.save = failing
