@@ -4,6 +4,8 @@ tests and the dry-run read from `--out`:
 - `progress-<rank>`: the last completed global step;
 - `saved-<rank>.json`: {"step", "notice"} written by an @on_reclaim hook at the agreed step;
 - `resumed-<rank>.json`: {"start", "optimizer_steps"} where the run resumed;
+- `optimizer-saved.pt` / `optimizer-resumed.pt` (rank 0): the optimizer state at the agreed step
+  and right after the resume (the tests compare them exactly);
 - `ids-<rank>.jsonl`: one line per global step, {"step", "ids"}: the sample ids this rank trained on;
 - `params-final.pt` (rank 0): the final parameters.
 `--fail-save` makes rank 0's checkpoint write raise (the failing-save tests).
@@ -72,12 +74,24 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def expected_ids(step: int) -> list[int]:
+    """The global batch of global step `step` (1-based): the data order is fixed in every script."""
+    start = ((step - 1) * GLOBAL_BATCH) % SAMPLES
+    return list(range(start, start + GLOBAL_BATCH))
+
+
 class Records:
-    """The files one rank writes under `--out` (see the module docstring)."""
+    """The files one rank writes under `--out` (see the module docstring). `optimizer`: set by the
+    script once it exists."""
 
     def __init__(self, out: str, rank: int):
         self.out, self.rank = Path(out), rank
         self.out.mkdir(parents=True, exist_ok=True)
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def _optimizer_state(self, name: str, optimizer) -> None:
+        if self.rank == 0 and optimizer is not None:
+            torch.save(optimizer.state_dict()["state"], self.out / name)
 
     def _write(self, name: str, text: str) -> None:
         tmp = self.out / f".{name}.tmp"
@@ -91,10 +105,12 @@ class Records:
 
     def saved(self, step: int, notice) -> None:
         self._write(f"saved-{self.rank}.json", json.dumps({"step": step, "notice": notice.id, "at": time.time()}))
+        self._optimizer_state("optimizer-saved.pt", self.optimizer)
 
     def resumed(self, start: int, optimizer: torch.optim.Optimizer) -> None:
         steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
         self._write(f"resumed-{self.rank}.json", json.dumps({"start": start, "optimizer_steps": sorted(set(steps))}))
+        self._optimizer_state("optimizer-resumed.pt", optimizer)
 
     def final(self, model: torch.nn.Module) -> None:
         """Rank 0 writes the final parameters; then every rank leaves the process group together
@@ -108,14 +124,16 @@ class Records:
             dist.destroy_process_group()
 
 
-def fail_rank0_saves(rank: int) -> None:
-    """`--fail-save`: rank 0's torch.save raises (every framework here writes through it)."""
+def fail_rank0_saves(rank: int, checkpoint_dir: str) -> None:
+    """`--fail-save`: rank 0's torch.save into `checkpoint_dir` raises (the optimizer state of the
+    Trainer's and Accelerate's checkpoints is written through it)."""
     if rank != 0:
         return
     real = torch.save
+    root = os.path.abspath(checkpoint_dir)
 
     def failing(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)):
+        if isinstance(f, (str, os.PathLike)) and os.path.abspath(f).startswith(root):
             raise OSError(28, "No space left on device (spotguard test)")
         return real(obj, f, *args, **kwargs)
 

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     guard = AccelerateGuard(accelerator, opts.ckpt, model=model)
     guard.guard.on_reclaim(records.saved)
     if opts.fail_save:
-        fail_rank0_saves(rank)
+        fail_rank0_saves(rank, opts.ckpt)
+    records.optimizer = optimizer.optimizer
     start = guard.resume()
     records.resumed(start, optimizer.optimizer)
     inner = accelerator.unwrap_model(model)

@@ -2,8 +2,8 @@
 
     torchrun --nproc-per-node=2 -m spotguard.trainer.train_hf --ckpt /ckpt --out /out --steps 24
 
-The global batch is the same at every world size (per-device batch = 8 / world size), so a resume
-at another world size continues the same sample order. Records: `trainer.framework_refs`.
+The global batch is the same at every world size (per-device batch = 8 / world size) and the
+sample order is fixed, so a resume at another world size continues the same sample order. Records: `trainer.framework_refs`.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class RecordSteps(TrainerCallback):
         self.records, self.model, self.step_sleep = records, model, step_sleep
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.records.optimizer = optimizer
         self.records.resumed(state.global_step, optimizer)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -40,13 +41,14 @@ def main(argv: list[str] | None = None) -> int:
                              max_steps=opts.steps, learning_rate=1e-2, lr_scheduler_type="linear",
                              save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
                              dataloader_num_workers=0, remove_unused_columns=False, seed=7,
+                             train_sampling_strategy="sequential",
                              ddp_backend="gloo" if size > 1 else None, disable_tqdm=True)
     model = TinyRegression()
     trainer = Trainer(model=model, args=args, train_dataset=Samples())
     callback = SpotguardCallback.attach(trainer)
     trainer.add_callback(RecordSteps(records, model, opts.step_sleep))
     if opts.fail_save:
-        fail_rank0_saves(rank)
+        fail_rank0_saves(rank, opts.ckpt)
     resume = get_last_checkpoint(opts.ckpt) is not None if os.path.isdir(opts.ckpt) else False
 
     trainer.add_callback(_OnReclaim(callback, records))

@@ -62,6 +62,7 @@ class Module(pl.LightningModule):
         self.records.progress(self.trainer.global_step, self.model.take_ids())
 
     def on_train_start(self):
+        self.records.optimizer = self.trainer.optimizers[0]
         self.records.resumed(self.trainer.global_step, self.trainer.optimizers[0])
 
     def configure_optimizers(self):
