@@ -24,6 +24,7 @@ Contract:
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,12 @@ class AcceleratorSave(StoreAdapter):
                               "checkpoint directories itself")
         self.accelerator = accelerator
         self.model = model
+        self.save_started_at: float | None = None  # time.time() when the last save began (the reaction bench)
         super().__init__(checkpoint_dir=checkpoint_dir, keep_last=keep_last)
+
+    def save(self, step: int, *, reason: str = "periodic", notice=None):
+        self.save_started_at = time.time()
+        return super().save(step, reason=reason, notice=notice)
 
     def _write(self, pending, step: int) -> None:
         failure = None

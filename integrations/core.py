@@ -60,6 +60,7 @@ class FrameworkSave:
         self.rank = self.collectives.rank
         self.save_seconds: deque[float] = deque(maxlen=5)
         self.last_saved_step: int | None = None
+        self.save_started_at: float | None = None  # time.time() when the last save began (the reaction bench)
 
     # ---- subclass hooks ---------------------------------------------------------------------
     def _write(self, step: int, notice: Notice | None) -> None:
@@ -76,6 +77,7 @@ class FrameworkSave:
 
     # ---- the CheckpointAdapter interface ----------------------------------------------------
     def save(self, step: int, *, reason: str = "notice", notice: Notice | None = None) -> None:
+        self.save_started_at = time.time()
         t0 = time.monotonic()
         ok = self._attempt(f"rank {self.rank}: the framework's save of step {step}", self._write, step, notice,
                            on_failure=self._rejoin_after_failure)

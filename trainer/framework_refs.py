@@ -88,6 +88,7 @@ class Records:
         self.out, self.rank = Path(out), rank
         self.out.mkdir(parents=True, exist_ok=True)
         self.optimizer: torch.optim.Optimizer | None = None
+        self.adapter = None  # the integration's adapter: when its save started (the reaction bench)
 
     def _optimizer_state(self, name: str, optimizer) -> None:
         if self.rank == 0 and optimizer is not None:
@@ -104,7 +105,8 @@ class Records:
         self._write(f"progress-{self.rank}", str(step))
 
     def saved(self, step: int, notice) -> None:
-        self._write(f"saved-{self.rank}.json", json.dumps({"step": step, "notice": notice.id, "at": time.time()}))
+        self._write(f"saved-{self.rank}.json", json.dumps({"step": step, "notice": notice.id, "at": time.time(),
+                                                          "started": getattr(self.adapter, "save_started_at", None)}))
         self._optimizer_state("optimizer-saved.pt", self.optimizer)
 
     def resumed(self, start: int, optimizer: torch.optim.Optimizer) -> None:

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     loader = torch.utils.data.DataLoader(Samples(), batch_size=GLOBAL_BATCH // size, shuffle=False)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     guard = AccelerateGuard(accelerator, opts.ckpt, model=model)
+    records.adapter = guard.adapter
     guard.guard.on_reclaim(records.saved)
     if opts.fail_save:
         fail_rank0_saves(rank, opts.ckpt)

@@ -65,6 +65,7 @@ class _OnReclaim(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.callback.guard is not None:
+            self.records.adapter = self.callback.adapter
             self.callback.guard.on_reclaim(self.records.saved)
 
 

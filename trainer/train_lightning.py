@@ -89,6 +89,7 @@ class RecordReclaims(pl.Callback):
         self.spotguard, self.records, self.fail_save = spotguard, records, fail_save
 
     def on_train_start(self, trainer, pl_module):
+        self.records.adapter = self.spotguard.adapter
         self.spotguard.guard.on_reclaim(self.records.saved)
         if self.fail_save:
             FailingSaves(self.spotguard).install(trainer)
