@@ -36,7 +36,8 @@ def test_missing_framework_names_the_extra(monkeypatch):
     def missing(name):
         raise metadata.PackageNotFoundError(name)
     monkeypatch.setattr(versions.metadata, "version", missing)
-    with pytest.raises(UnsupportedFramework, match=r"lightning>=2.4,<3, which is not installed.*spotguard\[lightning\]"):
+    needed = r"lightning>=2.4,<3, which is not installed.*spotguard\[lightning\]"
+    with pytest.raises(UnsupportedFramework, match=needed):
         versions.require("lightning", "spotguard.integrations.lightning")
 
 

@@ -2,11 +2,13 @@
 tiny model and data made in code (nothing downloaded), the command line, and the records the
 tests and the dry-run read from `--out`:
 - `progress-<rank>`: the last completed global step;
-- `saved-<rank>.json`: {"step", "notice"} written by an @on_reclaim hook at the agreed step;
+- `saved-<rank>.json`: {"step", "notice", "at", "started"} written by an @on_reclaim hook at the
+  agreed step (`started`: when the integration's save began);
 - `resumed-<rank>.json`: {"start", "optimizer_steps"} where the run resumed;
 - `optimizer-saved.pt` / `optimizer-resumed.pt` (rank 0): the optimizer state at the agreed step
   and right after the resume (the tests compare them exactly);
-- `ids-<rank>.jsonl`: one line per global step, {"step", "ids"}: the sample ids this rank trained on;
+- `ids-<rank>.jsonl`: one line per global step, {"step", "ids", "t"}: the sample ids this rank trained
+  on, and when the step ended;
 - `params-final.pt` (rank 0): the final parameters.
 `--fail-save` makes rank 0's checkpoint write raise (the failing-save tests).
 """
@@ -27,10 +29,12 @@ GLOBAL_BATCH = 8
 
 class TinyRegression(torch.nn.Module):
     """A two-layer MLP whose forward takes a batch dict and returns {"loss": ...}; it records the
-    ids of the samples it trained on since the last `take_ids()`."""
+    ids of the samples it trained on since the last `take_ids()`. `step_sleep`: seconds of
+    synthetic compute in each training forward (where a real model spends its step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_sleep: float = 0.0) -> None:
         super().__init__()
+        self.step_sleep = step_sleep
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self._ids: list[int] = []
@@ -38,6 +42,8 @@ class TinyRegression(torch.nn.Module):
     def forward(self, x, labels, idx=None):
         if idx is not None and self.training:
             self._ids.extend(int(i) for i in idx)
+            if self.step_sleep:
+                time.sleep(self.step_sleep)
         return {"loss": torch.nn.functional.mse_loss(self.net(x).squeeze(-1), labels)}
 
     def take_ids(self) -> list[int]:
@@ -101,7 +107,7 @@ class Records:
 
     def progress(self, step: int, ids: list[int]) -> None:
         with open(self.out / f"ids-{self.rank}.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "ids": ids}) + "\n")
+            f.write(json.dumps({"step": step, "ids": ids, "t": time.time()}) + "\n")
         self._write(f"progress-{self.rank}", str(step))
 
     def saved(self, step: int, notice) -> None:

@@ -8,7 +8,6 @@ order is fixed (no shuffle), so the data position is the step. Records: `trainer
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 from accelerate import Accelerator
@@ -26,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     # the schedule steps once per optimizer step at every world size (Accelerate's default steps it once per process)
     accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False,
                               kwargs_handlers=[DistributedDataParallelKwargs()])
-    model = TinyRegression()
+    model = TinyRegression(opts.step_sleep)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / opts.steps))
     loader = torch.utils.data.DataLoader(Samples(), batch_size=GLOBAL_BATCH // size, shuffle=False)
@@ -46,8 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        if opts.step_sleep:
-            time.sleep(opts.step_sleep)
         records.progress(step + 1, inner.take_ids())
         guard.step(step)
     guard.close()

@@ -3,13 +3,13 @@
     torchrun --nproc-per-node=2 -m spotguard.trainer.train_hf --ckpt /ckpt --out /out --steps 24
 
 The global batch is the same at every world size (per-device batch = 8 / world size) and the
-sample order is fixed, so a resume at another world size continues the same sample order. Records: `trainer.framework_refs`.
+sample order is fixed, so a resume at another world size continues the same sample order.
+Records: `trainer.framework_refs`.
 """
 from __future__ import annotations
 
 import os
 import sys
-import time
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
@@ -20,16 +20,14 @@ from spotguard.trainer.framework_refs import (GLOBAL_BATCH, Records, Samples, Ti
 
 
 class RecordSteps(TrainerCallback):
-    def __init__(self, records: Records, model: TinyRegression, step_sleep: float):
-        self.records, self.model, self.step_sleep = records, model, step_sleep
+    def __init__(self, records: Records, model: TinyRegression):
+        self.records, self.model = records, model
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         self.records.optimizer = optimizer
         self.records.resumed(state.global_step, optimizer)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.step_sleep:
-            time.sleep(self.step_sleep)
         self.records.progress(state.global_step, self.model.take_ids())
 
 
@@ -43,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
                              dataloader_num_workers=0, remove_unused_columns=False, seed=7,
                              train_sampling_strategy="sequential",
                              ddp_backend="gloo" if size > 1 else None, disable_tqdm=True)
-    model = TinyRegression()
+    model = TinyRegression(opts.step_sleep)
     trainer = Trainer(model=model, args=args, train_dataset=Samples())
     callback = SpotguardCallback.attach(trainer)
-    trainer.add_callback(RecordSteps(records, model, opts.step_sleep))
+    trainer.add_callback(RecordSteps(records, model))
     if opts.fail_save:
         fail_rank0_saves(rank, opts.ckpt)
     resume = get_last_checkpoint(opts.ckpt) is not None if os.path.isdir(opts.ckpt) else False

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -49,16 +48,14 @@ class ResumableBatches:
 
 
 class Module(pl.LightningModule):
-    def __init__(self, records: Records, steps: int, step_sleep: float):
+    def __init__(self, records: Records, steps: int, step_sleep: float):  # step_sleep: in the model's forward
         super().__init__()
-        self.model, self.records, self.steps, self.step_sleep = TinyRegression(), records, steps, step_sleep
+        self.model, self.records, self.steps = TinyRegression(step_sleep), records, steps
 
     def training_step(self, batch, batch_idx):
         return self.model(**batch)["loss"]
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        if self.step_sleep:
-            time.sleep(self.step_sleep)
         self.records.progress(self.trainer.global_step, self.model.take_ids())
 
     def on_train_start(self):
