@@ -67,13 +67,74 @@ class Samples(torch.utils.data.Dataset):
 
 
 def parse_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
+    """The scripts' command line; also takes the flags the dry-run gives `spotguard.trainer.train`
+    (`--checkpoint-dir`, `--step-seconds`, `--log-every`; the others are accepted and unused)."""
     p = argparse.ArgumentParser(prog=prog)
-    p.add_argument("--ckpt", required=True, help="checkpoint directory")
-    p.add_argument("--out", required=True, help="where the records go")
+    p.add_argument("--ckpt", "--checkpoint-dir", dest="ckpt", required=True, help="checkpoint directory")
+    p.add_argument("--out", default=None, help="where the records go (default: <ckpt>/../framework-records)")
     p.add_argument("--steps", type=int, default=24, help="total optimizer steps")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (a slower step)")
+    p.add_argument("--step-sleep", "--step-seconds", dest="step_sleep", type=float, default=0.0,
+                   help="seconds of synthetic compute per step")
     p.add_argument("--fail-save", action="store_true", help="rank 0's checkpoint write raises")
-    return p.parse_args(argv)
+    p.add_argument("--log-every", type=int, default=5, help="a `step` event every N steps (the dry-run's log)")
+    p.add_argument("--event-log", default=os.environ.get("SPOTGUARD_EVENT_LOG"))
+    for unused in ("--framework", "--snapshot-every", "--checkpoint-every", "--batch-policy", "--base-world-size"):
+        p.add_argument(unused, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(Path(args.ckpt).absolute().parent / "framework-records")
+    return args
+
+
+class DryRunEvents:
+    """The events the dry-run report reads (`trainer.events`), from a framework script: `start`,
+    `step` every `log_every` steps, `agreed` + `durable` (an @on_reclaim hook: the save succeeded),
+    `drained` (an @on_drain hook: exit 83 follows), `finished`. Steps are global steps done."""
+
+    def __init__(self, opts: argparse.Namespace, rank: int, size: int):
+        from spotguard.trainer.events import EventLog
+
+        path = opts.event_log
+        if path is not None and rank != 0:
+            path = path.replace(".jsonl", f"-rank{rank}.jsonl")
+        self.log = EventLog(path, rank=rank, world_size=size, generation=int(os.environ.get("SPOTGUARD_GENERATION", 0)),
+                            node=os.environ.get("SPOTGUARD_NODE"))
+        self.log_every, self.size = max(1, opts.log_every), size
+        self._tick: tuple[float, int] | None = None
+
+    def start(self, step: int) -> None:
+        self.log.write("start", step=step, resumed=step > 0, global_batch=GLOBAL_BATCH, pid=os.getpid())
+        self._tick = (time.monotonic(), step)
+
+    def step(self, done: int, loss: float | None = None) -> None:
+        if done % self.log_every or self._tick is None:
+            return
+        now, (then, first) = time.monotonic(), self._tick
+        rate = (done - first) * GLOBAL_BATCH / max(now - then, 1e-9)
+        self.log.write("step", step=done, loss=None if loss is None else round(float(loss), 6),
+                       samples_per_s=round(rate, 1))
+        self._tick = (now, done)
+
+    def attach(self, guard, adapter, offset: int = 0) -> None:
+        """Registers the hooks on the integration's Guard; `offset` turns its step into steps done."""
+        def reclaimed(step, notice):
+            seconds = round(adapter.save_seconds[-1], 4) if adapter.save_seconds else None
+            done = step + offset
+            self.log.write("agreed", step=done, notice_id=notice.id, kind=notice.kind.value,
+                           deadline=notice.deadline.timestamp() if notice.deadline else None,
+                           detected_at_unix=notice.detected_at.timestamp())
+            self.log.write("durable", step=done, seconds=seconds, snapshot=False)
+
+        def drained(step, notice):
+            self.log.write("drained", step=step + offset, exit_code=83)
+            self.log.close()
+
+        guard.on_reclaim(reclaimed)
+        guard.on_drain(drained)
+
+    def finished(self, step: int) -> None:
+        self.log.write("finished", step=step, pid=os.getpid())
+        self.log.close()
 
 
 def world() -> tuple[int, int]:

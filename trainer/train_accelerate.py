@@ -14,14 +14,15 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 
 from spotguard.integrations.accelerate import AccelerateGuard
-from spotguard.trainer.framework_refs import (GLOBAL_BATCH, Records, Samples, TinyRegression, fail_rank0_saves,
-                                              parse_args, world)
+from spotguard.trainer.framework_refs import (GLOBAL_BATCH, DryRunEvents, Records, Samples, TinyRegression,
+                                              fail_rank0_saves, parse_args, world)
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args("spotguard.trainer.train_accelerate", argv)
     rank, size = world()
     records = Records(opts.out, rank)
+    events = DryRunEvents(opts, rank, size)
     # the schedule steps once per optimizer step at every world size (Accelerate's default steps it once per process)
     accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False,
                               kwargs_handlers=[DistributedDataParallelKwargs()])
@@ -33,11 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     guard = AccelerateGuard(accelerator, opts.ckpt, model=model)
     records.adapter = guard.adapter
     guard.guard.on_reclaim(records.saved)
+    events.attach(guard.guard, guard.adapter, offset=1)
     if opts.fail_save:
         fail_rank0_saves(rank, opts.ckpt)
     records.optimizer = optimizer.optimizer
     start = guard.resume()
     records.resumed(start, optimizer.optimizer)
+    events.start(start)
     inner = accelerator.unwrap_model(model)
     for step, batch in guard.batches(loader, start, opts.steps):
         loss = model(**batch)["loss"]
@@ -46,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.step()
         optimizer.zero_grad()
         records.progress(step + 1, inner.take_ids())
+        events.step(step + 1, loss.item())
         guard.step(step)
     guard.close()
+    events.finished(opts.steps)
     records.final(inner)
     return 0
 

@@ -17,7 +17,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from spotguard.integrations.lightning import SpotguardCallback
-from spotguard.trainer.framework_refs import GLOBAL_BATCH, Records, Samples, TinyRegression, parse_args, world
+from spotguard.trainer.framework_refs import (GLOBAL_BATCH, DryRunEvents, Records, Samples, TinyRegression,
+                                              parse_args, world)
 
 
 class ResumableBatches:
@@ -48,19 +49,21 @@ class ResumableBatches:
 
 
 class Module(pl.LightningModule):
-    def __init__(self, records: Records, steps: int, step_sleep: float):  # step_sleep: in the model's forward
-        super().__init__()
-        self.model, self.records, self.steps = TinyRegression(step_sleep), records, steps
+    def __init__(self, records: Records, events: DryRunEvents, steps: int, step_sleep: float):
+        super().__init__()  # step_sleep: in the model's forward
+        self.model, self.records, self.events, self.steps = TinyRegression(step_sleep), records, events, steps
 
     def training_step(self, batch, batch_idx):
         return self.model(**batch)["loss"]
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.records.progress(self.trainer.global_step, self.model.take_ids())
+        self.events.step(self.trainer.global_step)
 
     def on_train_start(self):
         self.records.optimizer = self.trainer.optimizers[0]
         self.records.resumed(self.trainer.global_step, self.trainer.optimizers[0])
+        self.events.start(self.trainer.global_step)
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -82,12 +85,13 @@ class FailingSaves:
 
 
 class RecordReclaims(pl.Callback):
-    def __init__(self, spotguard: SpotguardCallback, records: Records, fail_save: bool):
-        self.spotguard, self.records, self.fail_save = spotguard, records, fail_save
+    def __init__(self, spotguard: SpotguardCallback, records: Records, events: DryRunEvents, fail_save: bool):
+        self.spotguard, self.records, self.events, self.fail_save = spotguard, records, events, fail_save
 
     def on_train_start(self, trainer, pl_module):
         self.records.adapter = self.spotguard.adapter
         self.spotguard.guard.on_reclaim(self.records.saved)
+        self.events.attach(self.spotguard.guard, self.spotguard.adapter)
         if self.fail_save:
             FailingSaves(self.spotguard).install(trainer)
 
@@ -96,15 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args("spotguard.trainer.train_lightning", argv)
     rank, size = world()
     records = Records(opts.out, rank)
+    events = DryRunEvents(opts, rank, size)
     spotguard = SpotguardCallback()
     trainer = pl.Trainer(accelerator="cpu", devices=size, num_nodes=1, strategy="ddp" if size > 1 else "auto",
                          max_steps=opts.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, num_sanity_val_steps=0,
                          callbacks=[ModelCheckpoint(dirpath=opts.ckpt, save_last=True, save_top_k=0), spotguard,
-                                    RecordReclaims(spotguard, records, opts.fail_save)])
-    module = Module(records, opts.steps, opts.step_sleep)
+                                    RecordReclaims(spotguard, records, events, opts.fail_save)])
+    module = Module(records, events, opts.steps, opts.step_sleep)
     resume = "last" if (Path(opts.ckpt) / "last.ckpt").exists() else None
     trainer.fit(module, ResumableBatches(rank, size), ckpt_path=resume)
+    events.finished(trainer.global_step)
     records.final(module.model)
     return 0
 
