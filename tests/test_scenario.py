@@ -122,3 +122,13 @@ def test_no_code_reads_traces_from_a_machine_path():
                  if p.resolve() != Path(__file__).resolve()
                  and ("shared/data" in p.read_text() or "spot-traces" in p.read_text())]
     assert offenders == []
+
+
+def test_framework_integrations_take_the_restart_path():
+    from spotguard.trainer.scenario import load_scenario
+
+    default = load_scenario(None)
+    for framework in ("hf", "lightning"):
+        assert not default.with_overrides(framework=framework, policy="elastic").in_place
+    with pytest.raises(ScenarioError, match="in-place needs policy elastic and framework ddp or fsdp2"):
+        default.with_overrides(framework="hf", policy="elastic", membership="in-place")

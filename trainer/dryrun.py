@@ -37,6 +37,9 @@ from spotguard.wire import names
 from spotguard.wire.names import EXIT_PREEMPTED
 
 log = logging.getLogger("spotguard.dryrun")
+
+# The reference script of each framework the dry-run trains with (the others: spotguard.trainer.train).
+FRAMEWORK_SCRIPTS = {"hf": "spotguard.trainer.train_hf", "lightning": "spotguard.trainer.train_lightning"}
 MAX_CRASH_RELAUNCHES = 3
 
 
@@ -107,7 +110,8 @@ class DryRun:
 
     def _train_argv(self) -> list[str]:
         s = self.scenario
-        argv = ["-m", "spotguard.trainer.train", f"--framework={s.framework}", f"--steps={s.steps}",
+        module = FRAMEWORK_SCRIPTS.get(s.framework, "spotguard.trainer.train")
+        argv = ["-m", module, f"--framework={s.framework}", f"--steps={s.steps}",
                 f"--checkpoint-dir={self.run_dir / 'checkpoints'}", f"--step-seconds={s.step_seconds}",
                 "--snapshot-every=5", "--log-every=5",
                 f"--batch-policy={'keep-global' if s.policy == 'fixed' else 'scale-lr'}",
