@@ -1,6 +1,8 @@
 """Runs of the framework reference scripts (trainer/train_{hf,accelerate,lightning}.py) for the
 integration tests: DDP on gloo, each rank a plain subprocess, one notice delivered to one rank
-(SIGTERM to that rank's process, or the stand-in sidecar that only that rank connects to)."""
+(SIGTERM to that rank's process, or the stand-in sidecar that only that rank connects to).
+The bounds are generous: one process imports a framework in 3-5 s on a quiet machine, and in
+over a minute on this 2-core machine when other jobs load it."""
 from __future__ import annotations
 
 import json
@@ -28,7 +30,7 @@ def args(ckpt: Path, out: Path, *extra: str) -> list[str]:
 
 
 def complete_run(framework: str, world: int, ckpt: Path, out: Path, *extra: str) -> None:
-    codes, tail = run_ranks(world, args(ckpt, out, *extra), out / "logs", timeout=240, module=MODULES[framework])
+    codes, tail = run_ranks(world, args(ckpt, out, *extra), out / "logs", timeout=600, module=MODULES[framework])
     assert codes == [0] * world, tail
 
 
@@ -51,7 +53,7 @@ def interrupted_run(framework: str, tmp_path: Path, ckpt: Path, out: Path, deliv
     try:
         with Run(2, args(ckpt, out, "--step-sleep", "0.05", *extra), out / "logs", rank_env=rank_env,
                  module=MODULES[framework]) as run:
-            wait_for_progress(out, 0, after_step, timeout=120, procs=run.procs)
+            wait_for_progress(out, 0, after_step, timeout=600, procs=run.procs)
             if stub is None:
                 run.procs[1].send_signal(signal.SIGTERM)
             else:
@@ -59,7 +61,7 @@ def interrupted_run(framework: str, tmp_path: Path, ckpt: Path, out: Path, deliv
                 while stub.connections < 1 and time.monotonic() < deadline:
                     time.sleep(0.02)
                 stub.push("notice", notice(f"aws.spot:{framework}"))
-            return run.wait(180), stub, run.tail()
+            return run.wait(300), stub, run.tail()
     finally:
         if stub is not None:
             stub.__exit__(None, None, None)

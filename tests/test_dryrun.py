@@ -126,6 +126,7 @@ def test_malformed_scenario_names_the_line_and_starts_nothing(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("framework", ["hf", "lightning"])
 def test_framework_integration_dry_run_takes_the_restart_path(tmp_path, framework):
     """`--framework hf|lightning`: the reference script with its integration; a reclaim -> every

@@ -43,6 +43,7 @@ def staged_leftovers(ckpt) -> list[str]:
             or p.name.startswith(".pending-")]
 
 
+@pytest.mark.timeout(1800)  # three runs; minutes only on a loaded machine (imports)
 @pytest.mark.parametrize("framework", ["hf", "accelerate", "lightning"])
 def test_notice_to_one_rank_same_step_failed_save_84_resume_on_one_rank(framework, tmp_path):
     ckpt, first, failing, last = tmp_path / "ckpt", tmp_path / "first", tmp_path / "failing", tmp_path / "last"
