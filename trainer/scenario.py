@@ -198,7 +198,8 @@ def parse_scenario(text: str, origin: str = "<scenario>") -> Scenario:
 def _check_semantics(s: Scenario, origin: str) -> None:
     if s.membership == "in-place" and (s.policy != "elastic" or s.framework not in IN_PLACE_FRAMEWORKS):
         raise ScenarioError(f"{origin}: membership: in-place needs policy elastic and framework ddp or fsdp2 "
-                            "(DeepSpeed and the Trainer / Lightning integrations relaunch: README, 'Membership changes in place')")
+                            "(DeepSpeed and the Trainer / Lightning integrations relaunch: README, "
+                            "'Membership changes in place')")
     if s.min_workers > s.workers:
         raise ScenarioError(f"{origin}: min_workers: {s.min_workers} is more than workers ({s.workers})")
     nodes = set(s.nodes)
