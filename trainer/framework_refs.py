@@ -101,9 +101,21 @@ class DryRunEvents:
                             node=os.environ.get("SPOTGUARD_NODE"))
         self.log_every, self.size = max(1, opts.log_every), size
         self._tick: tuple[float, int] | None = None
+        self.model: torch.nn.Module | None = None  # set by the script: the state the digests cover
+        self.optimizer = None
 
-    def start(self, step: int) -> None:
-        self.log.write("start", step=step, resumed=step > 0, global_batch=GLOBAL_BATCH, pid=os.getpid())
+    def _digest(self) -> str | None:
+        """A digest of the parameters and optimizer state (the report compares saved and resumed)."""
+        if self.model is None or self.optimizer is None:
+            return None
+        from spotguard.trainer.model import state_digest
+
+        return state_digest(self.model.state_dict(), self.optimizer.state_dict()["state"])
+
+    def start(self, step: int, model: torch.nn.Module | None = None, optimizer=None) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.log.write("start", step=step, resumed=step > 0, global_batch=GLOBAL_BATCH, pid=os.getpid(),
+                       digest=self._digest())
         self._tick = (time.monotonic(), step)
 
     def step(self, done: int, loss: float | None = None) -> None:
@@ -123,7 +135,7 @@ class DryRunEvents:
             self.log.write("agreed", step=done, notice_id=notice.id, kind=notice.kind.value,
                            deadline=notice.deadline.timestamp() if notice.deadline else None,
                            detected_at_unix=notice.detected_at.timestamp())
-            self.log.write("durable", step=done, seconds=seconds, snapshot=False)
+            self.log.write("durable", step=done, seconds=seconds, snapshot=False, digest=self._digest())
 
         def drained(step, notice):
             self.log.write("drained", step=step + offset, exit_code=83)

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     records.optimizer = optimizer.optimizer
     start = guard.resume()
     records.resumed(start, optimizer.optimizer)
-    events.start(start)
+    events.start(start, accelerator.unwrap_model(model), optimizer.optimizer)
     inner = accelerator.unwrap_model(model)
     for step, batch in guard.batches(loader, start, opts.steps):
         loss = model(**batch)["loss"]

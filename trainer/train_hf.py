@@ -26,7 +26,7 @@ class RecordSteps(TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         self.records.optimizer = optimizer
         self.records.resumed(state.global_step, optimizer)
-        self.events.start(state.global_step)
+        self.events.start(state.global_step, self.model, optimizer)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.records.progress(state.global_step, self.model.take_ids())

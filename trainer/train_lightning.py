@@ -63,7 +63,7 @@ class Module(pl.LightningModule):
     def on_train_start(self):
         self.records.optimizer = self.trainer.optimizers[0]
         self.records.resumed(self.trainer.global_step, self.trainer.optimizers[0])
-        self.events.start(self.trainer.global_step)
+        self.events.start(self.trainer.global_step, self.model, self.trainer.optimizers[0])
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
