@@ -6,7 +6,8 @@ the folder -> package mapping must list nested packages, which pyproject cannot 
 Which parts go in is a build setting, the environment variable SPOTGUARD_PARTS:
 - `all` (the default: `make install`, the training image): every part;
 - `product` (daemonset/Dockerfile, the agent/sidecar/supervisor/injector image): `spotguard`
-  and the product parts only, without the test doubles and the dry-run (`emulator/`, `trainer/`).
+  and the product parts only, without the test doubles and the dry-run (`emulator/`, `trainer/`)
+  and without the framework integrations (`integrations/`).
 Build a product wheel from a clean tree (no stale `build/` folder from a full build).
 """
 import os
@@ -15,7 +16,8 @@ from setuptools import find_packages, setup
 
 PRODUCT_PARTS = ("agent", "hooks", "supervisor", "injector")
 TEST_AND_DRY_RUN_PARTS = ("trainer", "emulator")
-PART_SETS = {"all": PRODUCT_PARTS + TEST_AND_DRY_RUN_PARTS, "product": PRODUCT_PARTS}
+FRAMEWORK_PARTS = ("integrations",)  # the Trainer / Accelerate / Lightning integrations (extras hf, lightning)
+PART_SETS = {"all": PRODUCT_PARTS + FRAMEWORK_PARTS + TEST_AND_DRY_RUN_PARTS, "product": PRODUCT_PARTS}
 
 parts_setting = os.environ.get("SPOTGUARD_PARTS", "").strip() or "all"
 if parts_setting not in PART_SETS:

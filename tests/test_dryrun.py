@@ -112,3 +112,18 @@ def test_malformed_scenario_names_the_line_and_starts_nothing(tmp_path):
     assert proc.returncode == 2
     assert f"{path}:5" in proc.stderr and "kind" in proc.stderr and "meteor" in proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("framework", ["hf", "lightning"])
+def test_framework_integration_dry_run_takes_the_restart_path(tmp_path, framework):
+    """`--framework hf|lightning`: the reference script with its integration; a reclaim -> every
+    rank saves the same step through the framework, exit 83, relaunch on the survivor resumes it."""
+    scenario = SHORT_DEFAULT.replace("name: short-default", f"name: short-{framework}") \
+        .replace("steps: 300", "steps: 200").replace("  - {at: 8, kind: capacity, node: node-1}\n", "")
+    code, report, output = dry_run(tmp_path, scenario, "--framework", framework, timeout=420)
+    assert report is not None, output[-3000:]
+    assert code == 0 and report["ok"], (report["problems"], output[-3000:])
+    (reclaim,) = report["timeline"]
+    assert_consistent_save(reclaim, world_size=2)
+    assert reclaim["relaunch_world_size"] == 1

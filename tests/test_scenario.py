@@ -131,3 +131,13 @@ def test_frameworks_default_to_the_scenarios_framework():
     assert parse_scenario("name: x\nframeworks: [ddp, fsdp2]\n").allowed_frameworks == ("ddp", "fsdp2")
     with pytest.raises(ScenarioError, match="frameworks"):
         parse_scenario("name: x\nmembership: in-place\nframeworks: [ddp, deepspeed]\n", "s.yaml")
+
+
+def test_framework_integrations_take_the_restart_path():
+    from spotguard.trainer.scenario import load_scenario
+
+    default = load_scenario(None)
+    for framework in ("hf", "lightning"):
+        assert not default.with_overrides(framework=framework, policy="elastic").in_place
+    with pytest.raises(ScenarioError, match="in-place needs policy elastic and framework ddp or fsdp2"):
+        default.with_overrides(framework="hf", policy="elastic", membership="in-place")

@@ -53,6 +53,9 @@ from spotguard.wire import names
 from spotguard.wire.names import EXIT_PREEMPTED
 
 log = logging.getLogger("spotguard.dryrun")
+
+# The reference script of each framework the dry-run trains with (the others: spotguard.trainer.train).
+FRAMEWORK_SCRIPTS = {"hf": "spotguard.trainer.train_hf", "lightning": "spotguard.trainer.train_lightning"}
 MAX_CRASH_RELAUNCHES = 3
 NOTICE_ID_WAIT = 30.0  # seconds the dry-run looks for an injected notice in its node's agent
 LEAVING_KINDS = ("reclaim", "gpu-fault", "drain", "maintenance")  # notices a rank may leave in place for
@@ -136,7 +139,8 @@ class DryRun:
 
     def _train_argv(self) -> list[str]:
         s = self.scenario
-        argv = ["-m", "spotguard.trainer.train", f"--framework={s.framework}", f"--steps={s.steps}",
+        module = FRAMEWORK_SCRIPTS.get(s.framework, "spotguard.trainer.train")
+        argv = ["-m", module, f"--framework={s.framework}", f"--steps={s.steps}",
                 f"--checkpoint-dir={self.run_dir / 'checkpoints'}", f"--step-seconds={s.step_seconds}",
                 "--snapshot-every=5", "--log-every=1",
                 f"--batch-policy={'keep-global' if s.policy == 'fixed' else 'scale-lr'}",

@@ -22,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cloud", choices=("aws", "gcp", "azure", "alibaba"), default=None)
     p.add_argument("--scenario", default=None, help="scenario YAML or spot-trace CSV (default: the embedded one)")
     p.add_argument("--workers", default=None, help="simulated nodes, one rank each")
-    p.add_argument("--framework", choices=("ddp", "fsdp2", "deepspeed"), default=None)
+    p.add_argument("--framework", choices=("ddp", "fsdp2", "deepspeed", "hf", "lightning"), default=None,
+                   help="hf / lightning: the Trainer / Lightning reference script with its integration (restart path)")
     p.add_argument("--membership", choices=("in-place", "restart"), default=None,
                    help="how membership changes happen (default: in place for elastic DDP/FSDP2 jobs)")
     p.add_argument("--policy", choices=("elastic", "fixed"), default=None)

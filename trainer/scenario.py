@@ -5,7 +5,7 @@ A scenario is a YAML file (or the embedded default) like:
     name: default
     cloud: aws                 # aws | gcp | azure | alibaba
     workers: 2                 # simulated nodes, one training rank each
-    framework: ddp             # ddp | deepspeed
+    framework: ddp             # ddp | fsdp2 | deepspeed | hf | lightning
     policy: elastic            # elastic | fixed
     min_workers: 1
     steps: 300                 # total training steps
@@ -40,7 +40,8 @@ from typing import Any
 import yaml
 
 CLOUDS = ("aws", "gcp", "azure", "alibaba")
-FRAMEWORKS = ("ddp", "fsdp2", "deepspeed")
+FRAMEWORKS = ("ddp", "fsdp2", "deepspeed", "hf", "lightning")
+IN_PLACE_FRAMEWORKS = ("ddp", "fsdp2")  # the others relaunch (DeepSpeed; the Trainer and Lightning integrations)
 MEMBERSHIP_PATHS = ("in-place", "restart")
 POLICIES = ("elastic", "fixed")
 EVENT_KINDS = ("reclaim", "rebalance", "maintenance", "cancel", "gpu-fault", "capacity")
@@ -100,7 +101,7 @@ class Scenario:
         """Whether membership changes happen in place (survivors keep running) or by relaunch."""
         if self.membership:
             return self.membership == "in-place"
-        return self.policy == "elastic" and self.framework != "deepspeed"
+        return self.policy == "elastic" and self.framework in IN_PLACE_FRAMEWORKS
 
     @property
     def nodes(self) -> list[str]:
@@ -210,11 +211,14 @@ def parse_scenario(text: str, origin: str = "<scenario>") -> Scenario:
 
 
 def _check_semantics(s: Scenario, origin: str) -> None:
-    if s.membership == "in-place" and (s.policy != "elastic" or s.framework == "deepspeed"):
+    if s.membership == "in-place" and (s.policy != "elastic" or s.framework not in IN_PLACE_FRAMEWORKS):
         raise ScenarioError(f"{origin}: membership: in-place needs policy elastic and framework ddp or fsdp2 "
-                            "(DeepSpeed relaunches: README, 'Membership changes in place')")
-    if s.membership == "in-place" and "deepspeed" in s.frameworks:
-        raise ScenarioError(f"{origin}: frameworks: deepspeed relaunches; membership in-place allows ddp, fsdp2")
+                            "(DeepSpeed and the Trainer / Lightning integrations relaunch: README, "
+                            "'Membership changes in place')")
+    relaunching = [f for f in s.frameworks if f not in IN_PLACE_FRAMEWORKS]
+    if s.membership == "in-place" and relaunching:
+        raise ScenarioError(f"{origin}: frameworks: {', '.join(relaunching)} relaunch; membership in-place allows "
+                            f"{', '.join(IN_PLACE_FRAMEWORKS)}")
     if s.min_workers > s.workers:
         raise ScenarioError(f"{origin}: min_workers: {s.min_workers} is more than workers ({s.workers})")
     nodes = set(s.nodes)

@@ -28,21 +28,23 @@ def base_env() -> dict[str, str]:
 
 
 class Run:
-    """`world` ranks of tests/workers/trainer.py as plain subprocesses (one exit code each)."""
+    """`world` ranks of tests/workers/trainer.py (or of `-m module`) as plain subprocesses (one exit code each)."""
 
-    def __init__(self, world: int, args: list[str], log_dir: Path, rank_env: dict[int, dict[str, str]] | None = None):
+    def __init__(self, world: int, args: list[str], log_dir: Path, rank_env: dict[int, dict[str, str]] | None = None,
+                 module: str | None = None):
         self.world = world
         self.procs: list[subprocess.Popen] = []
         self.logs = [log_dir / f"rank{r}.log" for r in range(world)]
         log_dir.mkdir(parents=True, exist_ok=True)
         port = str(free_port())
+        program = ["-m", module] if module else [str(TRAINER)]
         for rank in range(world):
             env = base_env()
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                        MASTER_PORT=port)
             env.update((rank_env or {}).get(rank, {}))
             with open(self.logs[rank], "wb") as log:
-                self.procs.append(subprocess.Popen([sys.executable, str(TRAINER), *args], env=env, cwd=ROOT,
+                self.procs.append(subprocess.Popen([sys.executable, *program, *args], env=env, cwd=ROOT,
                                                    stdout=log, stderr=subprocess.STDOUT))
 
     def wait(self, timeout: float = 120) -> list[int]:

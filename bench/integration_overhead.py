@@ -1,0 +1,260 @@
+"""Per-step cost of the framework integrations with no notice: the Trainer, Accelerate and
+Lightning loops with and without spotguard, in one run.
+
+    .venv/bin/python bench/integration_overhead.py                  # 2 ranks, 50 ms steps, all three
+    .venv/bin/python bench/integration_overhead.py --frameworks hf --steps 240
+
+For each framework, 2 DDP ranks on gloo train the reference scripts' tiny model (its forward
+sleeps `--step-ms`, the synthetic compute); the arm without spotguard and the arm with it
+alternate in blocks inside the same processes (so drift hits both). The arm with spotguard is
+the one line users add (`SpotguardCallback.attach(trainer)`, `AccelerateGuard(...)` +
+`guard.step(step)`, `SpotguardCallback()`), with the agreement piggybacked on DDP's gradient
+all_reduce. Printed per framework: mean step time of each arm (time between step ends), the
+overhead ratio (goal <= 1% of a 50 ms step), and the time spent inside the integration's step hook.
+(bench/guard_overhead.py measures the Guard itself in a hand-written loop the same way.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FRAMEWORKS = ("hf", "accelerate", "lightning")
+# A worker's rank and world size, read once: Lightning's teardown deletes WORLD_SIZE from the environment.
+RANK, SIZE = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=120, help="steps per arm")
+    p.add_argument("--blocks", type=int, default=4, help="alternating blocks per arm")
+    p.add_argument("--step-ms", type=float, default=50.0)
+    p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+class Timing:
+    """Step-end times of one block, and the seconds spent inside the integration's hook."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+        self.inside = 0.0
+        self.hooked = 0
+        self.agreement = ""  # how the ranks agree: PiggybackAgreement (inside DDP's all_reduce) or the Guard's own
+
+    def end(self) -> None:
+        self.ends.append(time.perf_counter())
+
+    def timed(self, fn, owner):
+        """`fn` timed; `owner.guard` is the integration's Guard (its agreement is recorded)."""
+        def wrapper(*args, **kwargs):
+            if owner.guard is not None:
+                self.agreement = type(owner.guard.agreement).__name__
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.inside += time.perf_counter() - t0
+                self.hooked += 1
+        return wrapper
+
+    def intervals(self) -> list[float]:
+        return [b - a for a, b in zip(self.ends, self.ends[1:])]
+
+
+def sleepy_model(step_seconds: float):
+    from spotguard.trainer.framework_refs import TinyRegression
+
+    class Sleepy(TinyRegression):
+        def forward(self, x, labels, idx=None):
+            time.sleep(step_seconds)
+            return super().forward(x, labels)
+    return Sleepy()
+
+
+def endless(rank: int, size: int):
+    """Batches of this rank's share, forever (a bench needs no epochs)."""
+    import torch
+
+    from spotguard.trainer.framework_refs import GLOBAL_BATCH, Samples
+
+    data, per_rank = Samples(), GLOBAL_BATCH // size
+    while True:
+        yield torch.utils.data.default_collate([data[i] for i in range(rank * per_rank, (rank + 1) * per_rank)])
+
+
+def hf_block(with_guard: bool, steps: int, args, tmp: str) -> Timing:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from spotguard.integrations.hf import SpotguardCallback
+    from spotguard.trainer.framework_refs import GLOBAL_BATCH, Samples
+
+    timing, size = Timing(), SIZE
+
+    class End(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            timing.end()
+
+    training = TrainingArguments(output_dir=tmp, per_device_train_batch_size=GLOBAL_BATCH // size, max_steps=steps,
+                                 save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
+                                 remove_unused_columns=False, ddp_backend="gloo", disable_tqdm=True)
+    trainer = Trainer(model=sleepy_model(args.step_ms / 1000), args=training, train_dataset=Samples())
+    if with_guard:
+        callback = SpotguardCallback.attach(trainer)
+        callback.on_step_end = timing.timed(callback.on_step_end, callback)
+    trainer.add_callback(End())
+    trainer.train()
+    return timing
+
+
+def lightning_block(with_guard: bool, steps: int, args, tmp: str) -> Timing:
+    import lightning.pytorch as pl
+    import torch
+
+    from spotguard.integrations.lightning import SpotguardCallback
+
+    timing, rank, size = Timing(), RANK, SIZE
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = sleepy_model(args.step_ms / 1000)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch)["loss"]
+
+        def on_train_batch_end(self, *a):
+            timing.end()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    callbacks = []
+    if with_guard:
+        callback = SpotguardCallback(dirpath=tmp)
+        callback.on_train_batch_end = timing.timed(callback.on_train_batch_end, callback)
+        callbacks.append(callback)
+    trainer = pl.Trainer(accelerator="cpu", devices=size, strategy="ddp", max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=callbacks)
+    trainer.fit(Module(), endless(rank, size))
+    return timing
+
+
+class AccelerateArms:
+    """Two prepared DDP models in one Accelerator; the second one's steps go through the helper."""
+
+    def __init__(self, args, tmp: str):
+        import torch
+        from accelerate import Accelerator
+
+        from spotguard.integrations.accelerate import AccelerateGuard
+
+        self.accelerator = Accelerator(cpu=True)
+        self.arms = {}
+        for with_guard in (False, True):
+            model = sleepy_model(args.step_ms / 1000)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model, optimizer = self.accelerator.prepare(model, optimizer)
+            guard = AccelerateGuard(self.accelerator, tmp, model=model) if with_guard else None
+            self.arms[with_guard] = (model, optimizer, guard)
+        self.batches = endless(RANK, SIZE)
+        self.step = 0
+
+    def block(self, with_guard: bool, steps: int) -> Timing:
+        model, optimizer, guard = self.arms[with_guard]
+        timing = Timing()
+        step_hook = timing.timed(guard.step, guard) if guard is not None else None
+        timing.end()
+        for _ in range(steps):
+            loss = model(**next(self.batches))["loss"]
+            self.accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if step_hook is not None:
+                step_hook(self.step)
+            self.step += 1
+            timing.end()
+        return timing
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    tmp = tempfile.mkdtemp(prefix=f"spotguard-bench-{args.worker}-")
+    per_block = max(2, args.steps // args.blocks)
+    intervals: dict[str, list[float]] = {"without": [], "with": []}
+    inside, hooked, agreement = 0.0, 0, ""
+    accelerate = AccelerateArms(args, tmp) if args.worker == "accelerate" else None
+    run = {"hf": lambda g, n: hf_block(g, n, args, tmp), "lightning": lambda g, n: lightning_block(g, n, args, tmp),
+           "accelerate": lambda g, n: accelerate.block(g, n)}[args.worker]
+    run(False, 3), run(True, 3)  # warm-up of both paths
+    for block in range(2 * args.blocks):
+        with_guard = block % 2 == 1
+        timing = run(with_guard, per_block + 1)
+        intervals["with" if with_guard else "without"] += timing.intervals()[1:]  # the first follows set-up
+        inside, hooked = inside + timing.inside, hooked + timing.hooked
+        agreement = timing.agreement or agreement
+    if RANK == 0:
+        mean = {arm: sum(v) / len(v) for arm, v in intervals.items()}
+        Path(args.result).write_text(json.dumps({"mean": mean, "steps": {a: len(v) for a, v in intervals.items()},
+                                                 "inside": inside / max(1, hooked), "agreement": agreement}))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_framework(framework: str, args) -> dict:
+    from spotguard.processes import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        port, procs = str(free_port()), []
+        try:
+            for rank in range(args.ranks):
+                env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+                env.update(RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
+                           LOCAL_WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                           OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+                procs.append(subprocess.Popen([sys.executable, __file__, "--worker", framework, "--result", str(result),
+                                               "--steps", str(args.steps), "--blocks", str(args.blocks),
+                                               "--step-ms", str(args.step_ms)], env=env,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            codes = [p.wait(600) for p in procs]
+            if any(codes):
+                raise SystemExit(f"{framework}: workers failed {codes}: {procs[0].stderr.read().decode()[-2000:]}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+        return json.loads(result.read_text())
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    print(f"integration_overhead: {args.ranks} ranks, gloo, {args.step_ms:.0f} ms step, ~{args.steps} steps per arm "
+          f"(arms interleaved in {args.blocks} blocks each)")
+    for framework in args.frameworks:
+        r = run_framework(framework, args)
+        base, guarded = r["mean"]["without"], r["mean"]["with"]
+        print(f"  {framework:<10} step without {base * 1000:7.2f} ms | with spotguard {guarded * 1000:7.2f} ms | "
+              f"overhead {100 * (guarded - base) / base:+6.2f}% | inside the hook {r['inside'] * 1000:6.3f} ms "
+              f"({100 * r['inside'] / (args.step_ms / 1000):.2f}% of a {args.step_ms:.0f} ms step; {r['agreement']})",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

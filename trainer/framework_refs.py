@@ -1,0 +1,221 @@
+"""What the framework reference scripts (train_hf, train_accelerate, train_lightning) share: a
+tiny model and data made in code (nothing downloaded), the command line, and the records the
+tests and the dry-run read from `--out`:
+- `progress-<rank>`: the last completed global step;
+- `saved-<rank>.json`: {"step", "notice", "at", "started"} written by an @on_reclaim hook at the
+  agreed step (`started`: when the integration's save began);
+- `resumed-<rank>.json`: {"start", "optimizer_steps"} where the run resumed;
+- `optimizer-saved.pt` / `optimizer-resumed.pt` (rank 0): the optimizer state at the agreed step
+  and right after the resume (the tests compare them exactly);
+- `ids-<rank>.jsonl`: one line per global step, {"step", "ids", "t"}: the sample ids this rank trained
+  on, and when the step ended;
+- `params-final.pt` (rank 0): the final parameters.
+`--fail-save` makes rank 0's checkpoint write raise (the failing-save tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+SAMPLES = 64
+FEATURES = 8
+GLOBAL_BATCH = 8
+
+
+class TinyRegression(torch.nn.Module):
+    """A two-layer MLP whose forward takes a batch dict and returns {"loss": ...}; it records the
+    ids of the samples it trained on since the last `take_ids()`. `step_sleep`: seconds of
+    synthetic compute in each training forward (where a real model spends its step)."""
+
+    def __init__(self, step_sleep: float = 0.0) -> None:
+        super().__init__()
+        self.step_sleep = step_sleep
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self._ids: list[int] = []
+
+    def forward(self, x, labels, idx=None):
+        if idx is not None and self.training:
+            self._ids.extend(int(i) for i in idx)
+            if self.step_sleep:
+                time.sleep(self.step_sleep)
+        return {"loss": torch.nn.functional.mse_loss(self.net(x).squeeze(-1), labels)}
+
+    def take_ids(self) -> list[int]:
+        ids, self._ids = sorted(self._ids), []
+        return ids
+
+
+class Samples(torch.utils.data.Dataset):
+    """SAMPLES fixed samples, each a dict {x, labels, idx}."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(SAMPLES, FEATURES, generator=g)
+        self.y = self.x.sum(dim=1).sin()
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "labels": self.y[i], "idx": i}
+
+
+def parse_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
+    """The scripts' command line; also takes the flags the dry-run gives `spotguard.trainer.train`
+    (`--checkpoint-dir`, `--step-seconds`, `--log-every`; the others are accepted and unused)."""
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--ckpt", "--checkpoint-dir", dest="ckpt", required=True, help="checkpoint directory")
+    p.add_argument("--out", default=None, help="where the records go (default: <ckpt>/../framework-records)")
+    p.add_argument("--steps", type=int, default=24, help="total optimizer steps")
+    p.add_argument("--step-sleep", "--step-seconds", dest="step_sleep", type=float, default=0.0,
+                   help="seconds of synthetic compute per step")
+    p.add_argument("--fail-save", action="store_true", help="rank 0's checkpoint write raises")
+    p.add_argument("--log-every", type=int, default=5, help="a `step` event every N steps (the dry-run's log)")
+    p.add_argument("--event-log", default=os.environ.get("SPOTGUARD_EVENT_LOG"))
+    for unused in ("--framework", "--snapshot-every", "--checkpoint-every", "--batch-policy", "--base-world-size"):
+        p.add_argument(unused, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(Path(args.ckpt).absolute().parent / "framework-records")
+    return args
+
+
+class DryRunEvents:
+    """The events the dry-run report reads (`trainer.events`), from a framework script: `start`,
+    `step` every `log_every` steps, `agreed` + `durable` (an @on_reclaim hook: the save succeeded),
+    `drained` (an @on_drain hook: exit 83 follows), `finished`. Steps are global steps done."""
+
+    def __init__(self, opts: argparse.Namespace, rank: int, size: int):
+        from spotguard.trainer.events import EventLog
+
+        path = opts.event_log
+        if path is not None and rank != 0:
+            path = path.replace(".jsonl", f"-rank{rank}.jsonl")
+        self.log = EventLog(path, rank=rank, world_size=size, generation=int(os.environ.get("SPOTGUARD_GENERATION", 0)),
+                            node=os.environ.get("SPOTGUARD_NODE"))
+        self.log_every, self.size = max(1, opts.log_every), size
+        self._tick: tuple[float, int] | None = None
+        self.model: torch.nn.Module | None = None  # set by the script: the state the digests cover
+        self.optimizer = None
+
+    def _digest(self) -> str | None:
+        """A digest of the parameters and optimizer state (the report compares saved and resumed)."""
+        if self.model is None or self.optimizer is None:
+            return None
+        from spotguard.trainer.model import state_digest
+
+        return state_digest(self.model.state_dict(), self.optimizer.state_dict()["state"])
+
+    def start(self, step: int, model: torch.nn.Module | None = None, optimizer=None) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.log.write("start", step=step, resumed=step > 0, global_batch=GLOBAL_BATCH, pid=os.getpid(),
+                       digest=self._digest())
+        self._tick = (time.monotonic(), step)
+
+    def step(self, done: int, loss: float | None = None) -> None:
+        if done % self.log_every or self._tick is None:
+            return
+        now, (then, first) = time.monotonic(), self._tick
+        rate = (done - first) * GLOBAL_BATCH / max(now - then, 1e-9)
+        self.log.write("step", step=done, loss=None if loss is None else round(float(loss), 6),
+                       samples_per_s=round(rate, 1))
+        self._tick = (now, done)
+
+    def attach(self, guard, adapter, offset: int = 0) -> None:
+        """Registers the hooks on the integration's Guard; `offset` turns its step into steps done."""
+        def reclaimed(step, notice):
+            seconds = round(adapter.save_seconds[-1], 4) if adapter.save_seconds else None
+            done = step + offset
+            self.log.write("agreed", step=done, notice_id=notice.id, kind=notice.kind.value,
+                           deadline=notice.deadline.timestamp() if notice.deadline else None,
+                           detected_at_unix=notice.detected_at.timestamp())
+            self.log.write("durable", step=done, seconds=seconds, snapshot=False, digest=self._digest())
+
+        def drained(step, notice):
+            self.log.write("drained", step=step + offset, exit_code=83)
+            self.log.close()
+
+        guard.on_reclaim(reclaimed)
+        guard.on_drain(drained)
+
+    def finished(self, step: int) -> None:
+        self.log.write("finished", step=step, pid=os.getpid())
+        self.log.close()
+
+
+def world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def expected_ids(step: int) -> list[int]:
+    """The global batch of global step `step` (1-based): the data order is fixed in every script."""
+    start = ((step - 1) * GLOBAL_BATCH) % SAMPLES
+    return list(range(start, start + GLOBAL_BATCH))
+
+
+class Records:
+    """The files one rank writes under `--out` (see the module docstring). `optimizer`: set by the
+    script once it exists."""
+
+    def __init__(self, out: str, rank: int):
+        self.out, self.rank = Path(out), rank
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.adapter = None  # the integration's adapter: when its save started (the reaction bench)
+
+    def _optimizer_state(self, name: str, optimizer) -> None:
+        if self.rank == 0 and optimizer is not None:
+            torch.save(optimizer.state_dict()["state"], self.out / name)
+
+    def _write(self, name: str, text: str) -> None:
+        tmp = self.out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.out / name)
+
+    def progress(self, step: int, ids: list[int]) -> None:
+        with open(self.out / f"ids-{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "ids": ids, "t": time.time()}) + "\n")
+        self._write(f"progress-{self.rank}", str(step))
+
+    def saved(self, step: int, notice) -> None:
+        self._write(f"saved-{self.rank}.json", json.dumps({"step": step, "notice": notice.id, "at": time.time(),
+                                                          "started": getattr(self.adapter, "save_started_at", None)}))
+        self._optimizer_state("optimizer-saved.pt", self.optimizer)
+
+    def resumed(self, start: int, optimizer: torch.optim.Optimizer) -> None:
+        steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+        self._write(f"resumed-{self.rank}.json", json.dumps({"start": start, "optimizer_steps": sorted(set(steps))}))
+        self._optimizer_state("optimizer-resumed.pt", optimizer)
+
+    def final(self, model: torch.nn.Module) -> None:
+        """Rank 0 writes the final parameters; then every rank leaves the process group together
+        (a process that exits with gloo groups alive can abort in torch's teardown)."""
+        if self.rank == 0:
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, self.out / "params-final.pt")
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def fail_rank0_saves(rank: int, checkpoint_dir: str) -> None:
+    """`--fail-save`: rank 0's torch.save into `checkpoint_dir` raises (the optimizer state of the
+    Trainer's and Accelerate's checkpoints is written through it)."""
+    if rank != 0:
+        return
+    real = torch.save
+    root = os.path.abspath(checkpoint_dir)
+
+    def failing(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and os.path.abspath(f).startswith(root):
+            raise OSError(28, "No space left on device (spotguard test)")
+        return real(obj, f, *args, **kwargs)
+
+    torch.save = failing

@@ -1,0 +1,61 @@
+"""The reference Accelerate script with spotguard (one line: `AccelerateGuard(...)`).
+
+    torchrun --nproc-per-node=2 -m spotguard.trainer.train_accelerate --ckpt /ckpt --out /out --steps 24
+
+The global batch is the same at every world size (per-device batch = 8 / world size); the data
+order is fixed (no shuffle), so the data position is the step. Records: `trainer.framework_refs`.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs
+
+from spotguard.integrations.accelerate import AccelerateGuard
+from spotguard.trainer.framework_refs import (GLOBAL_BATCH, DryRunEvents, Records, Samples, TinyRegression,
+                                              fail_rank0_saves, parse_args, world)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args("spotguard.trainer.train_accelerate", argv)
+    rank, size = world()
+    records = Records(opts.out, rank)
+    events = DryRunEvents(opts, rank, size)
+    # the schedule steps once per optimizer step at every world size (Accelerate's default steps it once per process)
+    accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False,
+                              kwargs_handlers=[DistributedDataParallelKwargs()])
+    model = TinyRegression(opts.step_sleep)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / opts.steps))
+    loader = torch.utils.data.DataLoader(Samples(), batch_size=GLOBAL_BATCH // size, shuffle=False)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    guard = AccelerateGuard(accelerator, opts.ckpt, model=model)
+    records.adapter = guard.adapter
+    guard.guard.on_reclaim(records.saved)
+    events.attach(guard.guard, guard.adapter, offset=1)
+    if opts.fail_save:
+        fail_rank0_saves(rank, opts.ckpt)
+    records.optimizer = optimizer.optimizer
+    start = guard.resume()
+    records.resumed(start, optimizer.optimizer)
+    events.start(start, accelerator.unwrap_model(model), optimizer.optimizer)
+    inner = accelerator.unwrap_model(model)
+    for step, batch in guard.batches(loader, start, opts.steps):
+        loss = model(**batch)["loss"]
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        records.progress(step + 1, inner.take_ids())
+        events.step(step + 1, loss.item())
+        guard.step(step)
+    guard.close()
+    events.finished(opts.steps)
+    records.final(inner)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

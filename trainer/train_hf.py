@@ -1,0 +1,76 @@
+"""The reference Hugging Face Trainer script with spotguard (one line: `SpotguardCallback.attach`).
+
+    torchrun --nproc-per-node=2 -m spotguard.trainer.train_hf --ckpt /ckpt --out /out --steps 24
+
+The global batch is the same at every world size (per-device batch = 8 / world size) and the
+sample order is fixed, so a resume at another world size continues the same sample order.
+Records: `trainer.framework_refs`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from spotguard.integrations.hf import SpotguardCallback
+from spotguard.trainer.framework_refs import (GLOBAL_BATCH, DryRunEvents, Records, Samples, TinyRegression,
+                                              fail_rank0_saves, parse_args, world)
+
+
+class RecordSteps(TrainerCallback):
+    def __init__(self, records: Records, model: TinyRegression, events: DryRunEvents):
+        self.records, self.model, self.events = records, model, events
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.records.optimizer = optimizer
+        self.records.resumed(state.global_step, optimizer)
+        self.events.start(state.global_step, self.model, optimizer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.records.progress(state.global_step, self.model.take_ids())
+        self.events.step(state.global_step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args("spotguard.trainer.train_hf", argv)
+    rank, size = world()
+    records = Records(opts.out, rank)
+    events = DryRunEvents(opts, rank, size)
+    args = TrainingArguments(output_dir=opts.ckpt, per_device_train_batch_size=GLOBAL_BATCH // size,
+                             max_steps=opts.steps, learning_rate=1e-2, lr_scheduler_type="linear",
+                             save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
+                             dataloader_num_workers=0, remove_unused_columns=False, seed=7,
+                             train_sampling_strategy="sequential",
+                             ddp_backend="gloo" if size > 1 else None, disable_tqdm=True)
+    model = TinyRegression(opts.step_sleep)
+    trainer = Trainer(model=model, args=args, train_dataset=Samples())
+    callback = SpotguardCallback.attach(trainer)
+    trainer.add_callback(RecordSteps(records, model, events))
+    if opts.fail_save:
+        fail_rank0_saves(rank, opts.ckpt)
+    resume = get_last_checkpoint(opts.ckpt) is not None if os.path.isdir(opts.ckpt) else False
+
+    trainer.add_callback(_OnReclaim(callback, records, events))
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    events.finished(trainer.state.global_step)
+    records.final(model)
+    return 0
+
+
+class _OnReclaim(TrainerCallback):
+    """Registers the records' @on_reclaim hook once the Guard exists (on_train_begin)."""
+
+    def __init__(self, callback: SpotguardCallback, records: Records, events: DryRunEvents):
+        self.callback, self.records, self.events = callback, records, events
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.callback.guard is not None:
+            self.records.adapter = self.callback.adapter
+            self.callback.guard.on_reclaim(self.records.saved)
+            self.events.attach(self.callback.guard, self.callback.adapter)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
