@@ -9,9 +9,9 @@ Contract: `OrphanWatch.from_env(grace_seconds)` is None unless `SPOTGUARD_LAUNCH
 (a worker started some other way, `nohup` included, is never watched). `start()` runs a daemon
 thread that checks every `poll` seconds whether the launcher still runs (this process's parent
 is still the one it started with, which is the launcher or what the launcher started, and the
-launcher's pid still exists); once it does not, the worker has `grace_seconds` (the drain's own grace) to end by itself, then
-the thread logs one line, flushes and ends the process with exit status 1. `stop()` ends the
-watch (the Guard closed: the process is leaving on its own).
+launcher's pid still exists); once it does not, the worker has `grace_seconds` (the drain's own
+grace) to end by itself, then the thread logs one line, flushes and ends the process with exit
+status 1. `stop()` ends the watch (the Guard closed: the process is leaving on its own).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
-from spotguard.hooks.elastic import init_process_group
+from spotguard.hooks.elastic import elastic_process, init_process_group
 from spotguard.hooks.guard import Guard
 from spotguard.trainer.elastic_job import batch, build_for, membership_reader, watch_memberships
 from state_dump import flatten  # a sibling: the workers run as scripts
@@ -77,7 +77,14 @@ def main(argv=None) -> int:
                 os._exit(1)
             raise RuntimeError(f"injected failure at {phase}")
 
+    # The start is not a change: processes of a loaded machine start seconds apart, so the first
+    # group gets a long bound; the changes get the test's SPOTGUARD_REFORM_TIMEOUT.
+    change_timeout = os.environ.get("SPOTGUARD_REFORM_TIMEOUT")
+    if change_timeout and os.environ.get("SPOTGUARD_JOIN") != "1":
+        os.environ["SPOTGUARD_REFORM_TIMEOUT"] = "240"
     init_process_group(memberships=read_membership, join_timeout=240)
+    if change_timeout:
+        elastic_process().rendezvous.timeout = float(change_timeout)
     maybe_fail("formed-joiner")
     build = build_for(args.mode)
     model, optimizer = build()

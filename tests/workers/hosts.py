@@ -179,6 +179,6 @@ def restart(mode: str, ckpt: Path, out: Path, world: int, steps: int) -> dict[st
     with Hosts(out, mode, ckpt, ("--steps", str(steps)), in_place=False) as fresh:
         hosts = [f"r{rank}" for rank in range(world)]
         fresh.start(hosts)
-        codes = fresh.wait(hosts, timeout=60)
+        codes = fresh.wait(hosts, timeout=240)
         assert set(codes.values()) == {0}, fresh.tail()
         return fresh.state("resume")
