@@ -51,8 +51,9 @@ Contract:
   to start from (0 without a checkpoint).
 - In place (`in_place=True`, default from `SPOTGUARD_IN_PLACE=1` as `spotguard launch` sets, and
   an adapter made with `build=`; `hooks/elastic`): a notice naming one host of the group, or a
-  membership the supervisor pushes, changes the group instead of ending it. At the agreed step a
-  shrink still writes the durable checkpoint, then the leaving ranks hand over and exit 83 and the
+  membership the supervisor pushes, changes the group instead of ending it. At the agreed step
+  every change first writes the durable checkpoint of that step (a shrink through the drain
+  sequence, a grow with the survivors' own save), then the leaving ranks hand over and exit 83 and the
   survivors re-form the group and continue from the next step in the same processes; a grow
   re-forms with the joiners, who receive the state from a live peer. `step()` then returns False,
   `rank`/`world_size` are the new group's, `last_resize` says what happened (with the pause), the
@@ -72,6 +73,7 @@ from __future__ import annotations
 import logging
 import os
 import signal as signal_module
+import time
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterable
 
@@ -344,7 +346,7 @@ class Guard:
             log.warning("membership %d needs no change (%s): training goes on", change.generation, change.why)
             return False
         if change is not None and not change.plan.leaving_hosts:
-            return self._resize(step, notice, change, None)  # a grow: nobody leaves, nothing to save first
+            return self._resize(step, notice, change, self._save_before_grow(step, notice))
         leaving = change is None or change.plan.leaves(self.rank)
         sequence = DrainSequence(self.collectives, self.adapter, reclaim_hooks=self._reclaim_hooks,
                                  drain_hooks=self._drain_hooks, reporter=self.reporter,
@@ -365,6 +367,20 @@ class Guard:
         except ValueError as exc:  # a membership that cannot be a group: drain as before
             log.error("membership change not possible in place (%s): draining", exc)
             return None
+
+    def _save_before_grow(self, step: int, notice: Notice) -> DrainRecord:
+        """The old group (every rank survives a grow) saves the agreed step, so a failure at any
+        point of the change, a survivor's death included, falls back to it without another group."""
+        assert self.adapter is not None
+        started, t0, ok = time.time(), time.monotonic(), True
+        try:
+            self.adapter.save(step, reason="membership", notice=notice)
+        except Exception:
+            log.exception("save of step %d before the grow failed on rank %d", step, self.rank)
+            ok = False
+        ok = self.collectives.all_ok(ok)
+        return DrainRecord(step, step, notice, False, ok, EXIT_PREEMPTED if ok else EXIT_CHECKPOINT_FAILED,
+                           time.monotonic() - t0, 0.0, started)
 
     def _resize(self, step: int, notice, change: Change, drained: DrainRecord | None) -> bool:
         """Runs the change; the survivors continue (False), the others leave through the departure."""

@@ -6,14 +6,17 @@
   load from that checkpoint.
 - Grow: joiner "d" starts (with the others, to keep the test short) and says it is ready; once
   b and c trained on after the shrink, the membership b, c, d is pushed; at the next agreed step
-  the three form a group and d receives the state from a live peer (no checkpoint is written or
-  read for that step).
+  the three form a group and d receives the state from a live peer (the survivors save that step
+  first, for a fallback; nothing is read for the join).
 - Fallback: a failure during a change (a survivor raising after forming or after the transfer,
-  the joiner dying after it formed the group, a listed host that never comes) ends every survivor with 83 and leaves the
+  a survivor or the joiner dying after it formed the group, a listed host that never comes) ends every survivor with 83 and leaves the
   agreed step durable: a relaunch resumes at that step + 1 with the state the survivors held
   (read here from the newest checkpoint; the shrink test relaunches real ranks from one).
 """
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 from dataclasses import dataclass
 import pytest
@@ -33,6 +36,7 @@ class ShrinkThenGrow:
     hosts: Hosts
     codes: dict[str, int]
     pids: dict[str, int]  # host -> the process id it started with
+    shrink_ckpt: Path  # the checkpoints as they were after the shrink, before the grow saved its step
 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp2"])
@@ -46,10 +50,11 @@ def shrink_then_grow(request, tmp_path_factory) -> ShrinkThenGrow:
         pids = {host: proc.pid for host, proc in hosts.procs.items()}
         assert hosts.wait(["a"], timeout=240) == {"a": 83}, hosts.tail()
         hosts.wait_for("state-resize-1.pt")
+        shutil.copytree(root / "ckpt", root / "ckpt-after-shrink")
         hosts.wait_for("ready-d", timeout=240)
         hosts.push(1, ["b", "c", "d"])
         codes = hosts.wait(["b", "c", "d"], timeout=240)
-    return ShrinkThenGrow(hosts, {"a": 83, **codes}, pids)
+    return ShrinkThenGrow(hosts, {"a": 83, **codes}, pids, root / "ckpt-after-shrink")
 
 
 def test_shrink_in_place_when_the_store_host_leaves(shrink_then_grow, tmp_path):
@@ -63,8 +68,8 @@ def test_shrink_in_place_when_the_store_host_leaves(shrink_then_grow, tmp_path):
         assert (shrink["outcome"], shrink["step"], shrink["world"]) == ("in-place", step, 2), shrink
         assert hosts.pid(host) == shrink["pid"] == run.pids[host]  # the same process trained on
     assert [hosts.changes(h)[0]["new_rank"] for h in ("b", "c")] == [0, 1]
-    assert checkpoint_steps(hosts.ckpt) == [step]  # the notice path still wrote the agreed step
-    relaunched = restart(hosts.mode, hosts.ckpt, tmp_path / "restart", world=2, steps=step + 1)
+    assert checkpoint_steps(run.shrink_ckpt) == [step]  # the notice path still wrote the agreed step
+    relaunched = restart(hosts.mode, run.shrink_ckpt, tmp_path / "restart", world=2, steps=step + 1)
     assert_same_state(hosts.state("resize-1"), relaunched)
 
 
@@ -79,8 +84,9 @@ def test_grow_in_place_from_a_live_peer(shrink_then_grow):
         [("in-place", step, 3, 0), ("in-place", step, 3, 1)], grow
     assert [g["pid"] for g in grow] == [run.pids["b"], run.pids["c"]]
     assert hosts.pid("d") == run.pids["d"]
-    # Nothing was written for the join, and what d holds is the live state, not the checkpoint's.
-    assert checkpoint_steps(hosts.ckpt) == [shrink_step] and shrink_step < step
+    # Nothing was read for the join: what d holds is the live state, not a checkpoint's. The
+    # survivors made the agreed step durable before the change (a fallback's checkpoint).
+    assert checkpoint_steps(hosts.ckpt) == [shrink_step, step] and shrink_step < step
     joined = hosts.state("joined")
     assert_same_state(joined, hosts.state("resize-2"))
     assert any(not torch.equal(joined[k], v) for k, v in hosts.state("resize-1").items())
@@ -136,5 +142,23 @@ def test_grow_falls_back_and_loses_nothing(fault, tmp_path):
     changes = [c for h in ("b", "c") for c in hosts.changes(h)]
     step = changes[0]["step"]
     assert [(c["outcome"], c["step"], c["durable"]) for c in changes] == [("fallback", step, True)] * 2, changes
-    assert checkpoint_steps(hosts.ckpt) == [step]  # the fallback's save: nothing was durable before
+    assert checkpoint_steps(hosts.ckpt) == [step]  # saved before the change: the fallback needs no save
     assert_durable(hosts, step, hosts.state("handover"))
+
+
+def test_grow_loses_nothing_when_a_survivor_dies_after_forming(tmp_path):
+    """b and c train; the membership b, c, d comes; c dies once the new group formed: b exits 83
+    with the agreed step durable (saved before the change: no group of survivors is needed)."""
+    env = {**FAST_FALLBACK, "FAIL_AT": "formed", "FAIL_NODE": "c", "FAIL_HOW": "exit"}
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", LONG, env=env) as hosts:
+        hosts.start(["b", "c"])
+        hosts.join("d")
+        hosts.wait_for("ready-d", timeout=240)
+        hosts.wait_step("b", 2)
+        hosts.push(1, ["b", "c", "d"])
+        codes = hosts.wait(["b", "c", "d"], timeout=240)
+    assert codes["b"] == 83 and codes["c"] == 1 and codes["d"] not in (0, 83), hosts.tail()
+    [change] = hosts.changes("b")
+    assert (change["outcome"], change["durable"]) == ("fallback", True), change
+    assert checkpoint_steps(hosts.ckpt) == [change["step"]]
+    assert_durable(hosts, change["step"], hosts.state("handover"))

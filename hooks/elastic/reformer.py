@@ -20,13 +20,14 @@ sides of a change make the same collectives in the same order by construction.
 Every collective from step 1 to the commit, and every group made meanwhile, waits at most the
 re-form timeout (`bound`): a peer that dies at any point costs at most that long, then the
 fallback. The commit gives training torch's default timeout back.
-A shrink writes the durable checkpoint of the agreed step BEFORE step 1 (the Guard's drain
-sequence, as without in-place), so the notice path is never less safe. Any exception in steps
-2-6 (a timeout re-forming, a peer dying during the transfer) takes the fallback: when this step
-is not durable yet (a grow), the survivors form a group of their own at `<prefix>fallback/` and
-save it; then every survivor returns `Outcome.FALLBACK` and exits 83 like a drained rank, so the
-launcher or the supervisor relaunches from the durable checkpoint. If the fallback save fails
-too the exit is 84 and the job resumes from the previous checkpoint.
+Every change writes the durable checkpoint of the agreed step BEFORE step 1 (`checkpointed`:
+a shrink through the Guard's drain sequence, as without in-place, a grow with the survivors' own
+save), so the notice path is never less safe and a fallback needs no group of its own: after a
+survivor's death no group of the survivors could form, and once shards move peer to peer no
+survivor holds what a dead one held. Any exception in steps 1-6 (a timeout re-forming, a peer,
+survivor or joiner, dying at any point) takes the fallback: every survivor returns
+`Outcome.FALLBACK` and exits 83 like a drained rank, so the launcher or the supervisor relaunches
+from that checkpoint (84 when it was not durable: the job resumes from the previous one).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from collections.abc import Callable
 from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.elastic.bound import bound_groups, release_groups
 from spotguard.hooks.elastic.membership_view import Change
-from spotguard.hooks.elastic.rendezvous import Rendezvous, destroy_groups
+from spotguard.hooks.elastic.rendezvous import Rendezvous
 from spotguard.hooks.elastic.transfer import HeldState, share
 
 log = logging.getLogger("spotguard.hooks.elastic")
@@ -106,13 +107,12 @@ class Reformer:
                               plan.new_rank(old_rank), started_at=time.time(), durable=checkpointed,
                               joiners=len(plan.joining_hosts) * plan.procs_per_host)
         adapter = seam.adapter
-        survivor_store = ""
         bound_groups(self.rendezvous.timeout)
         try:
             extra = adapter.extra_state() if getattr(adapter, "extra_state", None) else {}
             held = HeldState(step, adapter.full_state(), extra)
-            # The first survivor (in target order) serves the store of a fallback, and of the new
-            # group too unless its leader is a joiner (whose store the membership names).
+            # The first survivor (in target order) serves the new group's store unless its leader
+            # is a joiner (whose store the membership names).
             first = plan.first_survivor_old_rank
             mine = self.rendezvous.address.encode() if old_rank == first else b""
             survivor_store = seam.collectives.broadcast_bytes(mine, first).decode()
@@ -123,7 +123,7 @@ class Reformer:
             seam.leave_group()
             self._mark(record, "left")
         except Exception as exc:  # the old group broke: nobody continues in place
-            return self._fall_back(seam, record, change, survivor_store, None, exc)
+            return self._fall_back(seam, record, exc)
         if record.new_rank is None:
             record.outcome = Outcome.LEAVE
             return record
@@ -136,42 +136,19 @@ class Reformer:
             take_state(seam.collectives, adapter, held, share_first=record.joiners > 0,
                        loaded=lambda: self._mark(record, "transferred"))
         except Exception as exc:  # any failure in place: today's path
-            return self._fall_back(seam, record, change, survivor_store, held, exc)
+            return self._fall_back(seam, record, exc)
         self._mark(record, "committed")
         return record
 
-    def _fall_back(self, seam: Seam, record: ResizeRecord, change: Change, store: str, held: HeldState | None,
-                   exc: Exception) -> ResizeRecord:
+    def _fall_back(self, seam: Seam, record: ResizeRecord, exc: Exception) -> ResizeRecord:
         record.error = f"{type(exc).__name__}: {exc}"
-        record.outcome = Outcome.FALLBACK
+        record.outcome = Outcome.FALLBACK if record.new_rank is not None else Outcome.LEAVE
         record.phases["fallback"] = time.time() - record.started_at  # the stall before the fallback
         seam.collectives.abandon()  # never a yes vote from here on: peers waiting in a collective fail too
-        log.error("in-place change at step %d failed (%s): falling back to checkpoint, exit, relaunch",
-                  record.step, record.error)
-        if record.new_rank is None:
-            record.outcome = Outcome.LEAVE
-        elif not record.durable and held is not None and store:
-            record.durable = self._fallback_save(seam, change, store, held, record.old_rank)
+        release_groups()
+        log.error("in-place change at step %d failed (%s): exit with the checkpoint of step %d %s, relaunch",
+                  record.step, record.error, record.step, "durable" if record.durable else "NOT durable")
         return record
-
-    def _fallback_save(self, seam: Seam, change: Change, store: str, held: HeldState, old_rank: int) -> bool:
-        """The survivors alone, at `<prefix>fallback/`: rebuild, load, save the agreed step."""
-        plan = change.plan
-        try:
-            destroy_groups()
-            rank = plan.survivor_rank(old_rank)
-            self.rendezvous.form(store, change.prefix + "fallback/", rank, len(plan.survivors))
-            seam.adapter.rebuild()
-            seam.bind_group()
-            seam.adapter.load_full_state(held.state)
-            release_groups()  # a save runs with the timeout saves always have
-            seam.adapter.save(held.step, reason="notice")
-            log.warning("fallback: the survivors saved step %d durably", held.step)
-            return True
-        except Exception:
-            log.exception("fallback save of step %d failed: the job resumes from its previous checkpoint", held.step)
-            return False
-
 
 
 def take_state(collectives: Collectives, adapter: Any, held: HeldState | None, *, share_first: bool,
