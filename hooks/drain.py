@@ -28,8 +28,6 @@ from __future__ import annotations
 import atexit
 import logging
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, UTC
@@ -41,6 +39,7 @@ from spotguard.hooks.agreement.base import Verdict
 from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.termination_message import write_termination_message
+from spotguard.processes import flush_and_exit
 from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
 from spotguard.wire.notice import Notice
 
@@ -208,10 +207,4 @@ class ExitProcess:
     def _exit_after_drain(self) -> None:
         if self._code is None:
             return
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(self._code)
+        flush_and_exit(self._code)

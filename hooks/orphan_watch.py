@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 
+from spotguard.processes import flush_and_exit
 from spotguard.wire import names
 
 log = logging.getLogger("spotguard.hooks.orphan_watch")
@@ -69,10 +69,4 @@ class OrphanWatch:
             return
         log.error("launcher %d is gone and this worker did not leave within %gs: exiting", self.launcher_pid,
                   self.grace_seconds)
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(EXIT_ORPHANED)
+        flush_and_exit(EXIT_ORPHANED)

@@ -1,11 +1,16 @@
 """Helpers for the local processes a command or a test starts: a child that dies with its
-parent, and a free loopback port for one to listen on. Imports no part of spotguard.
+parent, a free loopback port for one to listen on, and an exit that skips interpreter teardown.
+Imports no part of spotguard.
 """
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import socket
+import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
@@ -31,3 +36,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def flush_and_exit(code: int) -> NoReturn:
+    """Ends this process with `code` at once: logging and stdio are flushed first, then
+    `os._exit` skips the interpreter's teardown (torch's C++ teardown can abort in gloo, and a
+    thread blocked in a collective would hold a normal exit)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
