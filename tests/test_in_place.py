@@ -10,8 +10,8 @@
   first, for a fallback; nothing is read for the join).
 - Fallback: a failure during a change (a survivor raising after forming or after the transfer,
   a survivor or the joiner dying after it formed the group, a listed host that never comes)
-  ends every survivor with 83 and leaves the agreed step durable: a relaunch resumes at that step + 1 with the state the survivors held
-  (read here from the newest checkpoint; the shrink test relaunches real ranks from one).
+  ends every survivor with 83 and leaves the agreed step durable: a relaunch resumes at that
+  step + 1 with the state the survivors held (read here from the newest checkpoint; the shrink test relaunches real ranks from one).
 """
 from __future__ import annotations
 
