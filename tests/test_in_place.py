@@ -11,7 +11,8 @@
 - Fallback: a failure during a change (a survivor raising after forming or after the transfer,
   a survivor or the joiner dying after it formed the group, a listed host that never comes)
   ends every survivor with 83 and leaves the agreed step durable: a relaunch resumes at that
-  step + 1 with the state the survivors held (read here from the newest checkpoint; the shrink test relaunches real ranks from one).
+  step + 1 with the state the survivors held (read here from the newest checkpoint; the shrink
+  test relaunches real ranks from one).
 """
 from __future__ import annotations
 
