@@ -76,6 +76,8 @@ def parse_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-sleep", "--step-seconds", dest="step_sleep", type=float, default=0.0,
                    help="seconds of synthetic compute per step")
     p.add_argument("--fail-save", action="store_true", help="rank 0's checkpoint write raises")
+    p.add_argument("--deepspeed-stage", type=int, default=0,
+                   help="train_hf only: run through the Trainer's DeepSpeed integration at this ZeRO stage")
     p.add_argument("--log-every", type=int, default=5, help="a `step` event every N steps (the dry-run's log)")
     p.add_argument("--event-log", default=os.environ.get("SPOTGUARD_EVENT_LOG"))
     for unused in ("--framework", "--snapshot-every", "--checkpoint-every", "--batch-policy", "--base-world-size"):
