@@ -103,6 +103,8 @@ class DryRunEvents:
                             node=os.environ.get("SPOTGUARD_NODE"))
         self.log_every, self.size = max(1, opts.log_every), size
         self._tick: tuple[float, int] | None = None
+        self._last_step_at: float | None = None
+        self.max_step_gap = 0.0  # the longest gap between two completed steps (the report's survivors line)
         self.model: torch.nn.Module | None = None  # set by the script: the state the digests cover
         self.optimizer = None
 
@@ -121,9 +123,13 @@ class DryRunEvents:
         self._tick = (time.monotonic(), step)
 
     def step(self, done: int, loss: float | None = None) -> None:
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self.max_step_gap = max(self.max_step_gap, now - self._last_step_at)
+        self._last_step_at = now
         if done % self.log_every or self._tick is None:
             return
-        now, (then, first) = time.monotonic(), self._tick
+        then, first = self._tick
         rate = (done - first) * GLOBAL_BATCH / max(now - then, 1e-9)
         self.log.write("step", step=done, loss=None if loss is None else round(float(loss), 6),
                        samples_per_s=round(rate, 1))
@@ -147,7 +153,7 @@ class DryRunEvents:
         guard.on_drain(drained)
 
     def finished(self, step: int) -> None:
-        self.log.write("finished", step=step, pid=os.getpid())
+        self.log.write("finished", step=step, pid=os.getpid(), max_step_gap=round(self.max_step_gap, 4))
         self.log.close()
 
 
