@@ -157,6 +157,14 @@ class DryRunEvents:
         self.log.close()
 
 
+def base_optimizer(optimizer):
+    """The torch optimizer under the Trainer's wrappers (Accelerate's, DeepSpeed's ZeRO optimizer):
+    under DeepSpeed it holds this rank's partition, in the same layout at the save and the resume."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 

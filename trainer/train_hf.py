@@ -17,15 +17,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from spotguard.integrations.hf import SpotguardCallback
 from spotguard.trainer.framework_refs import (GLOBAL_BATCH, DryRunEvents, Records, Samples, TinyRegression,
-                                              fail_rank0_saves, parse_args, world)
-
-
-def base_optimizer(optimizer):
-    """The torch optimizer under the Trainer's wrappers (Accelerate's, DeepSpeed's ZeRO optimizer):
-    under DeepSpeed it holds this rank's partition, in the same layout at the save and the resume."""
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
+                                              base_optimizer, fail_rank0_saves, parse_args, world)
 
 
 def deepspeed_config(stage: int) -> dict:
