@@ -73,3 +73,56 @@ def test_notice_to_one_rank_same_step_failed_save_84_resume_on_one_rank(framewor
     assert sorted(got) == list(range(start + 1, TOTAL + 1))
     assert all(got[s] == expected_ids(s) for s in got), "the data position did not continue"
     assert ids_by_step(first, 2)[1] == expected_ids(1)
+
+
+@pytest.mark.timeout(1200)  # two runs; minutes only on a loaded machine (imports)
+def test_hf_trainer_deepspeed_zero2_notice_to_one_rank_same_step_resume(tmp_path):
+    """The Trainer's own DeepSpeed plugin (ZeRO-2, gloo on CPU) on the restart path: a notice to rank 1
+    alone makes both ranks save the same step through `engine.save_checkpoint` (inside the Trainer's
+    checkpoint), exit 83; `train(resume_from_checkpoint=True)` on 2 ranks continues from that step with
+    rank 0's optimizer partition equal bit for bit and the data position continuing. (A resume at another
+    world size needs DeepSpeed's universal checkpoint: not covered here.)"""
+    ckpt, first, last = tmp_path / "ckpt", tmp_path / "first", tmp_path / "last"
+    deepspeed = ("--deepspeed-stage", "2")
+
+    codes, stub, tail = interrupted_run("hf", tmp_path, ckpt, first, "sidecar", *deepspeed)
+    assert codes == [83, 83], tail
+    steps = saved_steps(first, 2)
+    step = steps[0]
+    assert steps == [step, step] and step < TOTAL - 3, steps
+    assert newest_step("hf", ckpt) == step and staged_leftovers(ckpt) == []
+    assert (ckpt / f"checkpoint-{step}" / f"global_step{step}").is_dir()  # DeepSpeed's own layout inside
+    assert [(r["phase"], r["rank"], r["step"]) for r in stub.reports] == [
+        ("checkpoint-durable", 1, step), ("drained", 1, step)]
+
+    complete_run("hf", 2, ckpt, last, *deepspeed)
+    assert resumed(last) == {"start": step, "optimizer_steps": [step]}  # 0 steps lost
+    assert_same_optimizer_state(optimizer_state(first, "saved"), optimizer_state(last, "resumed"))
+    got = ids_by_step(last, 2)
+    assert sorted(got) == list(range(step + 1, TOTAL + 1))
+    assert all(got[s] == expected_ids(s) for s in got), "the data position did not continue"
+
+
+@pytest.mark.timeout(1200)  # two runs; minutes only on a loaded machine (imports)
+def test_accelerate_deepspeed_zero2_notice_to_one_rank_same_step_resume(tmp_path):
+    """Accelerate's DeepSpeed plugin (ZeRO-2, gloo on CPU) on the restart path: SIGTERM to rank 1 alone
+    makes both ranks `save_state` the same step (DeepSpeed's own checkpoint inside the store's commit),
+    exit 83; `guard.resume()` on 2 ranks continues from that step with rank 0's optimizer partition
+    equal bit for bit and the data position continuing."""
+    ckpt, first, last = tmp_path / "ckpt", tmp_path / "first", tmp_path / "last"
+    deepspeed = ("--deepspeed-stage", "2")
+
+    codes, _stub, tail = interrupted_run("accelerate", tmp_path, ckpt, first, "sigterm", *deepspeed)
+    assert codes == [83, 83], tail
+    steps = saved_steps(first, 2)
+    step = steps[0]
+    assert steps == [step, step] and step + 1 < TOTAL - 3, steps
+    assert newest_step("accelerate", ckpt) == step and staged_leftovers(ckpt) == []
+
+    complete_run("accelerate", 2, ckpt, last, *deepspeed)
+    start = step + 1
+    assert resumed(last) == {"start": start, "optimizer_steps": [start]}  # 0 steps lost
+    assert_same_optimizer_state(optimizer_state(first, "saved"), optimizer_state(last, "resumed"))
+    got = ids_by_step(last, 2)
+    assert sorted(got) == list(range(start + 1, TOTAL + 1))
+    assert all(got[s] == expected_ids(s) for s in got), "the data position did not continue"

@@ -76,6 +76,8 @@ def parse_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-sleep", "--step-seconds", dest="step_sleep", type=float, default=0.0,
                    help="seconds of synthetic compute per step")
     p.add_argument("--fail-save", action="store_true", help="rank 0's checkpoint write raises")
+    p.add_argument("--deepspeed-stage", type=int, default=0,
+                   help="train_hf only: run through the Trainer's DeepSpeed integration at this ZeRO stage")
     p.add_argument("--log-every", type=int, default=5, help="a `step` event every N steps (the dry-run's log)")
     p.add_argument("--event-log", default=os.environ.get("SPOTGUARD_EVENT_LOG"))
     for unused in ("--framework", "--snapshot-every", "--checkpoint-every", "--batch-policy", "--base-world-size"):
@@ -101,6 +103,8 @@ class DryRunEvents:
                             node=os.environ.get("SPOTGUARD_NODE"))
         self.log_every, self.size = max(1, opts.log_every), size
         self._tick: tuple[float, int] | None = None
+        self._last_step_at: float | None = None
+        self.max_step_gap = 0.0  # the longest gap between two completed steps (the report's survivors line)
         self.model: torch.nn.Module | None = None  # set by the script: the state the digests cover
         self.optimizer = None
 
@@ -119,9 +123,13 @@ class DryRunEvents:
         self._tick = (time.monotonic(), step)
 
     def step(self, done: int, loss: float | None = None) -> None:
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self.max_step_gap = max(self.max_step_gap, now - self._last_step_at)
+        self._last_step_at = now
         if done % self.log_every or self._tick is None:
             return
-        now, (then, first) = time.monotonic(), self._tick
+        then, first = self._tick
         rate = (done - first) * GLOBAL_BATCH / max(now - then, 1e-9)
         self.log.write("step", step=done, loss=None if loss is None else round(float(loss), 6),
                        samples_per_s=round(rate, 1))
@@ -145,8 +153,16 @@ class DryRunEvents:
         guard.on_drain(drained)
 
     def finished(self, step: int) -> None:
-        self.log.write("finished", step=step, pid=os.getpid())
+        self.log.write("finished", step=step, pid=os.getpid(), max_step_gap=round(self.max_step_gap, 4))
         self.log.close()
+
+
+def base_optimizer(optimizer):
+    """The torch optimizer under the Trainer's wrappers (Accelerate's, DeepSpeed's ZeRO optimizer):
+    under DeepSpeed it holds this rank's partition, in the same layout at the save and the resume."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def world() -> tuple[int, int]:

@@ -1,21 +1,23 @@
 """The reference Accelerate script with spotguard (one line: `AccelerateGuard(...)`).
 
     torchrun --nproc-per-node=2 -m spotguard.trainer.train_accelerate --ckpt /ckpt --out /out --steps 24
+    ... --deepspeed-stage 2      # through Accelerate's DeepSpeed plugin (ZeRO-1/2 run on CPU)
 
 The global batch is the same at every world size (per-device batch = 8 / world size); the data
 order is fixed (no shuffle), so the data position is the step. Records: `trainer.framework_refs`.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs
 
 from spotguard.integrations.accelerate import AccelerateGuard
 from spotguard.trainer.framework_refs import (GLOBAL_BATCH, DryRunEvents, Records, Samples, TinyRegression,
-                                              fail_rank0_saves, parse_args, world)
+                                              base_optimizer, fail_rank0_saves, parse_args, world)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,8 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     records = Records(opts.out, rank)
     events = DryRunEvents(opts, rank, size)
     # the schedule steps once per optimizer step at every world size (Accelerate's default steps it once per process)
-    accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False,
-                              kwargs_handlers=[DistributedDataParallelKwargs()])
+    if opts.deepspeed_stage:  # on CPU the plugin needs the gloo group made first (as the Trainer does)
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(cpu=True)
+        accelerator = Accelerator(step_scheduler_with_optimizer=False, deepspeed_plugin=DeepSpeedPlugin(
+            zero_stage=opts.deepspeed_stage, gradient_accumulation_steps=1))
+    else:
+        accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False,
+                                  kwargs_handlers=[DistributedDataParallelKwargs()])
     model = TinyRegression(opts.step_sleep)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / opts.steps))
@@ -37,10 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     events.attach(guard.guard, guard.adapter, offset=1)
     if opts.fail_save:
         fail_rank0_saves(rank, opts.ckpt)
-    records.optimizer = optimizer.optimizer
+    records.optimizer = base_optimizer(optimizer)
     start = guard.resume()
-    records.resumed(start, optimizer.optimizer)
-    events.start(start, accelerator.unwrap_model(model), optimizer.optimizer)
+    records.resumed(start, base_optimizer(optimizer))
+    events.start(start, accelerator.unwrap_model(model), base_optimizer(optimizer))
     inner = accelerator.unwrap_model(model)
     for step, batch in guard.batches(loader, start, opts.steps):
         loss = model(**batch)["loss"]

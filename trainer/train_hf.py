@@ -1,6 +1,7 @@
 """The reference Hugging Face Trainer script with spotguard (one line: `SpotguardCallback.attach`).
 
     torchrun --nproc-per-node=2 -m spotguard.trainer.train_hf --ckpt /ckpt --out /out --steps 24
+    ... --deepspeed-stage 2      # the same through the Trainer's DeepSpeed integration (ZeRO-1/2 run on CPU)
 
 The global batch is the same at every world size (per-device batch = 8 / world size) and the
 sample order is fixed, so a resume at another world size continues the same sample order.
@@ -16,14 +17,23 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from spotguard.integrations.hf import SpotguardCallback
 from spotguard.trainer.framework_refs import (GLOBAL_BATCH, DryRunEvents, Records, Samples, TinyRegression,
-                                              fail_rank0_saves, parse_args, world)
+                                              base_optimizer, fail_rank0_saves, parse_args, world)
+
+
+def deepspeed_config(stage: int) -> dict:
+    """ZeRO stage `stage` for the Trainer's DeepSpeed integration; the batch sizes come from the Trainer."""
+    return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True}
 
 
 class RecordSteps(TrainerCallback):
-    def __init__(self, records: Records, model: TinyRegression, events: DryRunEvents):
-        self.records, self.model, self.events = records, model, events
+    def __init__(self, records: Records, model: TinyRegression, events: DryRunEvents, *, unwrap: bool = False):
+        self.records, self.model, self.events, self.unwrap = records, model, events, unwrap
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        if self.unwrap:
+            optimizer = base_optimizer(optimizer)
         self.records.optimizer = optimizer
         self.records.resumed(state.global_step, optimizer)
         self.events.start(state.global_step, self.model, optimizer)
@@ -43,11 +53,12 @@ def main(argv: list[str] | None = None) -> int:
                              save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
                              dataloader_num_workers=0, remove_unused_columns=False, seed=7,
                              train_sampling_strategy="sequential",
-                             ddp_backend="gloo" if size > 1 else None, disable_tqdm=True)
+                             ddp_backend="gloo" if size > 1 else None, disable_tqdm=True,
+                             deepspeed=deepspeed_config(opts.deepspeed_stage) if opts.deepspeed_stage else None)
     model = TinyRegression(opts.step_sleep)
     trainer = Trainer(model=model, args=args, train_dataset=Samples())
     callback = SpotguardCallback.attach(trainer)
-    trainer.add_callback(RecordSteps(records, model, events))
+    trainer.add_callback(RecordSteps(records, model, events, unwrap=bool(opts.deepspeed_stage)))
     if opts.fail_save:
         fail_rank0_saves(rank, opts.ckpt)
     resume = get_last_checkpoint(opts.ckpt) is not None if os.path.isdir(opts.ckpt) else False
