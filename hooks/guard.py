@@ -363,10 +363,25 @@ class Guard:
         if self.view is None or self.adapter is None or not getattr(self.adapter, "resizable", False):
             return None
         try:
-            return self.view.plan_for(notice, step)
+            change = self.view.plan_for(notice, step)
+            if notice.source == MEMBERSHIP_SOURCE:
+                change = self._rank0_settles(notice, step, change)
+            return change
         except ValueError as exc:  # a membership that cannot be a group: drain as before
             log.error("membership change not possible in place (%s): draining", exc)
             return None
+
+    def _rank0_settles(self, notice: Notice, step: int, change: Change | Settled | None) -> Change | Settled | None:
+        """Whether an agreed membership settles is rank 0's word on every rank (collective): the
+        stale rule compares times read on different ranks' clocks, which must not split the group."""
+        assert self.view is not None
+        mine = change.why.encode() if isinstance(change, Settled) else b""
+        word = self.collectives.broadcast_bytes(mine, 0)
+        if bool(word) == bool(mine):
+            return change
+        if word:
+            return Settled(int(notice.detail["generation"]), word.decode(errors="replace"))
+        return self.view.plan_for(notice, step, settle=False)
 
     def _save_before_grow(self, step: int, notice: Notice) -> DrainRecord:
         """The old group (every rank survives a grow) saves the agreed step, so a failure at any

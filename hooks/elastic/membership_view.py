@@ -153,11 +153,13 @@ class MembershipView:
             self._pending = None
         log.warning("membership %d dropped: %s", settled.generation, settled.why)
 
-    def _settles(self, notice: Notice) -> Settled | None:
+    def _settles(self, notice: Notice, stale_rule: bool = True) -> Settled | None:
         """Settled when the membership `notice` asks nothing of the group as it is now."""
         membership = Membership.from_json(str(notice.detail.get("membership", "")))
         if set(membership.hosts) == set(self.hosts):
             return Settled(membership.generation, "the group already has its hosts")
+        if not stale_rule:
+            return None
         offered = notice.detected_at.timestamp()
         stale = sorted(h for h in membership.hosts if self._departed.get(h, float("-inf")) > offered)
         if stale:
@@ -169,12 +171,14 @@ class MembershipView:
         return self._pending
 
     # ---- the agreed notice --------------------------------------------------------------------
-    def plan_for(self, notice: Notice, step: int) -> Change | Settled | None:
+    def plan_for(self, notice: Notice, step: int, settle: bool = True) -> Change | Settled | None:
+        """`settle=False`: never `Settled` for a membership whose hosts differ from the group's
+        (the Guard's rank 0 found it current)."""
         if not self.hosts:
             return None
         if notice.source == MEMBERSHIP_SOURCE:
             with self._lock:
-                settled = self._settles(notice)
+                settled = self._settles(notice, stale_rule=settle)
             if settled is not None:
                 return settled
             membership = Membership.from_json(str(notice.detail.get("membership", "")))
