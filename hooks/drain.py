@@ -3,8 +3,9 @@
 `DrainSequence(...).run(step, verdict)` on every rank, in this order:
 1. the agreed notice: `verdict.source_rank` broadcasts its notice, every rank takes the agreed
    (earliest) deadline;
-2. the save decision (`save_decision`, one collective vote): fresh `adapter.save(step)` or
-   `adapter.persist_snapshot()`; then the `@on_reclaim` hooks `hook(step, notice)`;
+2. the save decision (`save_decision`, one collective vote; none for an adapter whose
+   `takes_snapshots` is False): fresh `adapter.save(step)` or `adapter.persist_snapshot()`; then
+   the `@on_reclaim` hooks `hook(step, notice)`;
 3. `all_ok`: the checkpoint counts only when every rank succeeded; report `checkpoint-durable`
    (or `failed`) with the seconds taken;
 4. when it succeeded: the `@on_drain` hooks (a failure is logged, the rank leaves anyway) and
@@ -158,6 +159,11 @@ class DrainSequence:
         return saved_step, used_snapshot
 
     def _use_snapshot(self, adapter: CheckpointAdapter, notice: Notice) -> bool:
+        """The save decision's vote; skipped (a fresh save, no collective) for an adapter whose
+        `takes_snapshots` is False (a class attribute, so the same on every rank: it never holds
+        a snapshot, and the vote could only choose a fresh save)."""
+        if not getattr(adapter, "takes_snapshots", True):
+            return False
         left = notice.seconds_left()
         estimate = adapter.estimate_save_seconds()
         vote = save_decision.vote(left, estimate, self.save_margin_seconds, adapter.snapshot_step)

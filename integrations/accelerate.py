@@ -38,7 +38,13 @@ from spotguard.integrations.core import guard_for
 
 
 class AcceleratorSave(StoreAdapter):
-    """`save_state` / `load_state` through the checkpoint store (see the module docstring)."""
+    """`save_state` / `load_state` through the checkpoint store (see the module docstring). It takes
+    no in-memory snapshots (the Guard's `snapshot_every` is 0), so the drain saves fresh without a vote."""
+
+    takes_snapshots = False
+
+    def snapshot(self, step: int) -> None:
+        raise NotImplementedError("the framework integrations take no in-memory snapshots")
 
     def __init__(self, accelerator: Any, checkpoint_dir: str | os.PathLike, *, model: Any = None,
                  keep_last: int = 3):

@@ -54,6 +54,7 @@ class FrameworkSave:
     `_write`, `_publish` and `_discard`, and may override `gradient_carrier` and `_rejoin_after_failure`."""
 
     snapshot_step: int | None = None
+    takes_snapshots = False  # the drain saves fresh without the save decision's vote (hooks/drain.py)
 
     def __init__(self) -> None:
         self.collectives = join_collectives(None)  # its own gloo group, made in the same order on every rank

@@ -2,8 +2,9 @@
 tiny model and data made in code (nothing downloaded), the command line, and the records the
 tests and the dry-run read from `--out`:
 - `progress-<rank>`: the last completed global step;
-- `saved-<rank>.json`: {"step", "notice", "at", "started"} written by an @on_reclaim hook at the
-  agreed step (`started`: when the integration's save began);
+- `saved-<rank>.json`: {"step", "notice", "at", "started", "detected"} written by an @on_reclaim
+  hook at the agreed step (`started`: when the integration's save began; `detected`: the agreed
+  notice's detection time, for a signal when the handler ran on the rank that got it);
 - `resumed-<rank>.json`: {"start", "optimizer_steps"} where the run resumed;
 - `optimizer-saved.pt` / `optimizer-resumed.pt` (rank 0): the optimizer state at the agreed step
   and right after the resume (the tests compare them exactly);
@@ -201,7 +202,8 @@ class Records:
 
     def saved(self, step: int, notice) -> None:
         self._write(f"saved-{self.rank}.json", json.dumps({"step": step, "notice": notice.id, "at": time.time(),
-                                                          "started": getattr(self.adapter, "save_started_at", None)}))
+                                                          "started": getattr(self.adapter, "save_started_at", None),
+                                                          "detected": notice.detected_at.timestamp()}))
         self._optimizer_state("optimizer-saved.pt", self.optimizer)
 
     def resumed(self, start: int, optimizer: torch.optim.Optimizer) -> None:

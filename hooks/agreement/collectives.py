@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 log = logging.getLogger("spotguard.hooks.collectives")
 
+INLINE_BYTES = 4096  # broadcast_bytes: payloads up to this size minus the 8-byte header take one broadcast
+
 
 class Collectives:
     """A process alone (world size 1): every collective is the identity."""
@@ -73,15 +75,28 @@ class GroupCollectives(Collectives):
         return self.max([0.0 if ok else 1.0])[0] == 0.0
 
     def broadcast_bytes(self, payload: bytes, src: int) -> bytes:
+        """One broadcast of a fixed `INLINE_BYTES` buffer (length header + payload) for a payload
+        that fits, as an agreed notice does; a second one only for the rest of a larger payload.
+        Each collective on the drain's path is a round trip that a loaded machine stretches."""
         torch = self.torch
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        self.dist.broadcast(size, src=src, group=self.group)
-        if payload:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        head = torch.zeros(INLINE_BYTES, dtype=torch.uint8)
+        if self.rank == src:
+            head[:8].copy_(torch.frombuffer(bytearray(len(payload).to_bytes(8, "little")), dtype=torch.uint8))
+            inline = payload[:INLINE_BYTES - 8]
+            if inline:
+                head[8:8 + len(inline)].copy_(torch.frombuffer(bytearray(inline), dtype=torch.uint8))
+        self.dist.broadcast(head, src=src, group=self.group)
+        size = int.from_bytes(head[:8].numpy().tobytes(), "little")
+        first = head[8:8 + min(size, INLINE_BYTES - 8)].numpy().tobytes()
+        if size <= INLINE_BYTES - 8:
+            return first
+        rest = size - len(first)
+        if self.rank == src:
+            data = torch.frombuffer(bytearray(payload[len(first):]), dtype=torch.uint8)
         else:
-            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            data = torch.empty(rest, dtype=torch.uint8)
         self.dist.broadcast(data, src=src, group=self.group)
-        return data.numpy().tobytes()
+        return first + data.numpy().tobytes()
 
     def gather_strings(self, value: str) -> list[str]:
         gathered: list = [None] * self.world_size
