@@ -44,13 +44,23 @@ def test_missing_framework_names_the_extra(monkeypatch):
 OLD = {"transformers": "4.40.0", "accelerate": "0.30.0", "lightning": "2.2.0"}
 
 
+def installed_as(root, versions_by_name: dict[str, str]) -> None:
+    """A distribution metadata directory per name under `root` (what pip leaves in site-packages)."""
+    for name, version in versions_by_name.items():
+        info = root / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
 def test_each_integration_refuses_an_unsupported_version_at_attach(monkeypatch, tmp_path):
+    """The real lookup (importlib.metadata over sys.path) finds older installs first on the path."""
     from spotguard.integrations.accelerate import AccelerateGuard
     from spotguard.integrations.hf import SpotguardCallback as HFCallback
     from spotguard.integrations.lightning import SpotguardCallback as LightningCallback
 
-    real = metadata.version
-    monkeypatch.setattr(versions.metadata, "version", lambda name: OLD.get(name) or real(name))
+    installed_as(tmp_path / "site", OLD)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert {name: metadata.version(name) for name in OLD} == OLD
 
     trainer = SimpleNamespace(add_callback=lambda cb: pytest.fail("added despite the version"))
     with pytest.raises(UnsupportedFramework, match=r"transformers>=5.0,<6; found transformers 4.40.0"):
@@ -59,6 +69,11 @@ def test_each_integration_refuses_an_unsupported_version_at_attach(monkeypatch, 
         AccelerateGuard(None, tmp_path)
     with pytest.raises(UnsupportedFramework, match=r"lightning>=2.4,<3; found lightning 2.2.0"):
         LightningCallback()
+
+
+def test_the_installed_frameworks_pass_the_real_check():
+    for name in OLD:
+        assert versions.require(name, "x") == metadata.version(name)
 
 
 def test_accelerate_refuses_automatic_checkpoint_naming(tmp_path):
