@@ -139,3 +139,33 @@ def test_a_failed_save_raises_and_leaves_nothing_visible(tmp_path, failure):
     with pytest.raises(CheckpointFailed, match="the previous checkpoint stays the newest"):
         adapter.save(4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"] and adapter.last_saved_step is None
+
+
+def test_drain_saves_fresh_without_the_vote_for_an_adapter_that_takes_no_snapshots(tmp_path):
+    """The save decision's vote is a collective on the path from the agreement to the save; the
+    integrations' adapters never hold a snapshot, so the drain skips it and saves fresh."""
+    from datetime import timedelta
+
+    from spotguard.hooks.agreement.base import Verdict
+    from spotguard.hooks.agreement.collectives import Collectives
+    from spotguard.hooks.drain import DrainSequence
+    from spotguard.wire.notice import Kind, Notice, now_utc
+
+    class CountingCollectives(Collectives):
+        def __init__(self):
+            self.maxes = 0
+
+        def max(self, values):
+            self.maxes += 1
+            return list(values)
+
+    now = now_utc()
+    urgent = Notice(id="n", kind=Kind.RECLAIM, source="aws.spot", node="n1", detected_at=now,
+                    deadline=now + timedelta(milliseconds=10))  # too short for any save: a vote would weigh it
+    for adapter, votes in ((StagedDir(tmp_path / "framework"), 0), (SimpleNamespace(
+            snapshot_step=None, estimate_save_seconds=lambda: 5.0, save=lambda step, **kw: None), 1)):
+        collectives = CountingCollectives()
+        record = DrainSequence(collectives, adapter).run(7, Verdict(urgent, urgent.deadline.timestamp(), 0),
+                                                         notice=urgent)
+        assert record.ok and not record.used_snapshot and record.saved_step == 7
+        assert collectives.maxes == votes
