@@ -10,9 +10,10 @@ alternate in blocks inside the same processes, in ABBA order (so drift hits both
 spotguard is the one line users add (`SpotguardCallback.attach(trainer)`, `AccelerateGuard(...)` +
 `guard.step(step)`, `SpotguardCallback()`), with the agreement piggybacked on DDP's gradient
 all_reduce. Printed per framework (goal: <= 1% of a 50 ms step):
-- direct: the time per step inside the integration's step hook plus the synchronous part of the
-  piggyback's DDP communication hook (which replaces DDP's own all_reduce launch, so this bounds
-  its extra cost from above);
+- direct: the median time per step inside the integration's step hook plus the median of the
+  synchronous part of the piggyback's DDP communication hook (which replaces DDP's own all_reduce
+  launch, so this bounds its extra cost from above); the means follow, which on a loaded machine
+  include the preemptions any code suffers;
 - the step ratio: for each adjacent pair of blocks, median step interval with / without - 1; the
   median over the pairs and their range (on a loaded machine the range shows the noise, which
   can exceed the cost).
@@ -47,7 +48,7 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-GRADIENT_HOOK = {"seconds": 0.0, "calls": 0}  # the piggyback's DDP communication hook, synchronous part
+GRADIENT_HOOK: list[float] = []  # seconds of each call of the piggyback's DDP communication hook (synchronous part)
 
 
 def time_gradient_hook() -> None:
@@ -62,8 +63,7 @@ def time_gradient_hook() -> None:
         try:
             return real(self, group, bucket)
         finally:
-            GRADIENT_HOOK["seconds"] += time.perf_counter() - t0
-            GRADIENT_HOOK["calls"] += 1
+            GRADIENT_HOOK.append(time.perf_counter() - t0)
 
     PiggybackAgreement._gradient_hook = _gradient_hook  # type: ignore[method-assign]
 
@@ -73,8 +73,7 @@ class Timing:
 
     def __init__(self):
         self.ends: list[float] = []
-        self.inside = 0.0
-        self.hooked = 0
+        self.inside: list[float] = []  # seconds of each call
         self.agreement = ""  # how the ranks agree: PiggybackAgreement (inside DDP's all_reduce) or the Guard's own
 
     def end(self) -> None:
@@ -89,8 +88,7 @@ class Timing:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.inside += time.perf_counter() - t0
-                self.hooked += 1
+                self.inside.append(time.perf_counter() - t0)
         return wrapper
 
     def intervals(self) -> list[float]:
@@ -220,13 +218,14 @@ def worker(args) -> None:
     per_block = max(2, args.steps // args.blocks)
     blocks: dict[str, list[float]] = {"without": [], "with": []}  # the median step interval of each block
     intervals: dict[str, list[float]] = {"without": [], "with": []}
-    inside, hooked, agreement = 0.0, 0, ""
+    inside: list[float] = []
+    agreement = ""
     time_gradient_hook()
     accelerate = AccelerateArms(args, tmp) if args.worker == "accelerate" else None
     run = {"hf": lambda g, n: hf_block(g, n, args, tmp), "lightning": lambda g, n: lightning_block(g, n, args, tmp),
            "accelerate": lambda g, n: accelerate.block(g, n)}[args.worker]
     run(False, 3), run(True, 3)  # warm-up of both paths
-    GRADIENT_HOOK.update(seconds=0.0, calls=0)
+    GRADIENT_HOOK.clear()
     for block in range(2 * args.blocks):
         with_guard = block % 2 == (block // 2) % 2  # pairs alternate which arm runs first: ABBA...
         arm = "with" if with_guard else "without"
@@ -234,7 +233,7 @@ def worker(args) -> None:
         steps = timing.intervals()[1:]  # the first follows set-up
         intervals[arm] += steps
         blocks[arm].append(statistics.median(steps))
-        inside, hooked = inside + timing.inside, hooked + timing.hooked
+        inside += timing.inside
         agreement = timing.agreement or agreement
     if RANK == 0:
         mean = {arm: sum(v) / len(v) for arm, v in intervals.items()}
@@ -242,7 +241,9 @@ def worker(args) -> None:
         Path(args.result).write_text(json.dumps({
             "mean": mean, "median": {arm: statistics.median(v) for arm, v in intervals.items()},
             "pairs": pairs, "steps": {a: len(v) for a, v in intervals.items()},
-            "inside": inside / max(1, hooked), "gradient_hook": GRADIENT_HOOK["seconds"] / max(1, hooked),
+            "inside": [statistics.median(inside), statistics.mean(inside)],
+            "gradient_hook": [statistics.median(GRADIENT_HOOK), sum(GRADIENT_HOOK) / len(inside)] if GRADIENT_HOOK
+            else [0.0, 0.0],
             "agreement": agreement}))
     if dist.is_initialized():
         dist.barrier()
@@ -286,11 +287,12 @@ def main(argv=None) -> int:
     for framework in args.frameworks:
         r = run_framework(framework, args)
         step_s = args.step_ms / 1000
-        direct = r["inside"] + r["gradient_hook"]
+        (step_med, step_mean), (grad_med, grad_mean) = r["inside"], r["gradient_hook"]
         pairs = sorted(r["pairs"])
-        print(f"  {framework:<10} direct: step hook {r['inside'] * 1000:6.3f} ms + gradient hook "
-              f"{r['gradient_hook'] * 1000:6.3f} ms = {100 * direct / step_s:.2f}% of a {args.step_ms:.0f} ms step "
-              f"({r['agreement']}) | step ratio, median of {len(pairs)} paired blocks "
+        print(f"  {framework:<10} direct, median per step: step hook {step_med * 1000:.3f} ms + gradient hook "
+              f"{grad_med * 1000:.3f} ms = {100 * (step_med + grad_med) / step_s:.2f}% of a {args.step_ms:.0f} ms "
+              f"step (means {step_mean * 1000:.3f} + {grad_mean * 1000:.3f} ms: preemptions included; "
+              f"{r['agreement']}) | step ratio, median of {len(pairs)} paired blocks "
               f"{100 * statistics.median(pairs):+6.2f}% (range {100 * pairs[0]:+.1f}..{100 * pairs[-1]:+.1f}%), "
               f"medians {r['median']['without'] * 1000:.2f} / {r['median']['with'] * 1000:.2f} ms", flush=True)
     return 0
