@@ -11,9 +11,10 @@ spotguard is the one line users add (`SpotguardCallback.attach(trainer)`, `Accel
 `guard.step(step)`, `SpotguardCallback()`), with the agreement piggybacked on DDP's gradient
 all_reduce. Printed per framework (goal: <= 1% of a 50 ms step):
 - direct: the median time per step inside the integration's step hook plus the median of the
-  synchronous part of the piggyback's DDP communication hook (which replaces DDP's own all_reduce
-  launch, so this bounds its extra cost from above); the means follow, which on a loaded machine
-  include the preemptions any code suffers;
+  synchronous part of the piggyback's DDP communication hook, less the same for the arm without
+  (its DDP runs the default mean all_reduce as a Python hook, timed the same way): the extra
+  time per step; the means follow, which on a loaded machine include the preemptions any code
+  suffers;
 - the step ratio: for each adjacent pair of blocks, median step interval with / without - 1; the
   median over the pairs and their range (on a loaded machine the range shows the noise, which
   can exceed the cost).
@@ -66,6 +67,21 @@ def time_gradient_hook() -> None:
             GRADIENT_HOOK.append(time.perf_counter() - t0)
 
     PiggybackAgreement._gradient_hook = _gradient_hook  # type: ignore[method-assign]
+
+
+REFERENCE_HOOK: list[float] = []  # the same, for DDP's mean all_reduce as a Python hook (the arm without)
+
+
+def reference_hook(group, bucket):
+    """The arm without spotguard: DDP's default mean all_reduce as a Python communication hook,
+    timed like the piggyback's, so both arms' gradient hooks are measured the same way."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    tensor = bucket.buffer().mul_(1.0 / dist.get_world_size(group))
+    future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    REFERENCE_HOOK.append(time.perf_counter() - t0)
+    return future.then(lambda done: done.value()[0])
 
 
 class Timing:
@@ -135,6 +151,11 @@ def hf_block(with_guard: bool, steps: int, args, tmp: str) -> Timing:
     if with_guard:
         callback = SpotguardCallback.attach(trainer)
         callback.on_step_end = timing.timed(callback.on_step_end, callback)
+    else:
+        class Reference(TrainerCallback):
+            def on_train_begin(self, *a, **k):
+                trainer.model_wrapped.register_comm_hook(None, reference_hook)
+        trainer.add_callback(Reference())
     trainer.add_callback(End())
     trainer.train()
     return timing
@@ -167,6 +188,11 @@ def lightning_block(with_guard: bool, steps: int, args, tmp: str) -> Timing:
         callback = SpotguardCallback(dirpath=tmp)
         callback.on_train_batch_end = timing.timed(callback.on_train_batch_end, callback)
         callbacks.append(callback)
+    else:
+        class Reference(pl.Callback):
+            def on_train_start(self, trainer, pl_module):
+                trainer.strategy.model.register_comm_hook(None, reference_hook)
+        callbacks.append(Reference())
     trainer = pl.Trainer(accelerator="cpu", devices=size, strategy="ddp", max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, callbacks=callbacks)
@@ -190,6 +216,8 @@ class AccelerateArms:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             model, optimizer = self.accelerator.prepare(model, optimizer)
             guard = AccelerateGuard(self.accelerator, tmp, model=model) if with_guard else None
+            if not with_guard:
+                model.register_comm_hook(None, reference_hook)
             self.arms[with_guard] = (model, optimizer, guard)
         self.batches = endless(RANK, SIZE)
         self.step = 0
@@ -226,6 +254,7 @@ def worker(args) -> None:
            "accelerate": lambda g, n: accelerate.block(g, n)}[args.worker]
     run(False, 3), run(True, 3)  # warm-up of both paths
     GRADIENT_HOOK.clear()
+    REFERENCE_HOOK.clear()
     for block in range(2 * args.blocks):
         with_guard = block % 2 == (block // 2) % 2  # pairs alternate which arm runs first: ABBA...
         arm = "with" if with_guard else "without"
@@ -244,6 +273,7 @@ def worker(args) -> None:
             "inside": [statistics.median(inside), statistics.mean(inside)],
             "gradient_hook": [statistics.median(GRADIENT_HOOK), sum(GRADIENT_HOOK) / len(inside)] if GRADIENT_HOOK
             else [0.0, 0.0],
+            "reference_hook": statistics.median(REFERENCE_HOOK) if REFERENCE_HOOK else 0.0,
             "agreement": agreement}))
     if dist.is_initialized():
         dist.barrier()
@@ -288,13 +318,15 @@ def main(argv=None) -> int:
         r = run_framework(framework, args)
         step_s = args.step_ms / 1000
         (step_med, step_mean), (grad_med, grad_mean) = r["inside"], r["gradient_hook"]
+        extra = step_med + grad_med - r["reference_hook"]
         pairs = sorted(r["pairs"])
-        print(f"  {framework:<10} direct, median per step: step hook {step_med * 1000:.3f} ms + gradient hook "
-              f"{grad_med * 1000:.3f} ms = {100 * (step_med + grad_med) / step_s:.2f}% of a {args.step_ms:.0f} ms "
-              f"step (means {step_mean * 1000:.3f} + {grad_mean * 1000:.3f} ms: preemptions included; "
-              f"{r['agreement']}) | step ratio, median of {len(pairs)} paired blocks "
-              f"{100 * statistics.median(pairs):+6.2f}% (range {100 * pairs[0]:+.1f}..{100 * pairs[-1]:+.1f}%), "
-              f"medians {r['median']['without'] * 1000:.2f} / {r['median']['with'] * 1000:.2f} ms", flush=True)
+        print(f"  {framework:<10} direct, medians per step: step hook {step_med * 1000:.3f} ms + gradient hook "
+              f"{grad_med * 1000:.3f} ms (without: {r['reference_hook'] * 1000:.3f} ms) -> extra {extra * 1000:.3f} ms "
+              f"= {100 * extra / step_s:.2f}% of a {args.step_ms:.0f} ms step (means {step_mean * 1000:.3f} + "
+              f"{grad_mean * 1000:.3f} ms, preemptions included; {r['agreement']}) | step ratio, median of "
+              f"{len(pairs)} paired blocks {100 * statistics.median(pairs):+6.2f}% (range {100 * pairs[0]:+.1f}.."
+              f"{100 * pairs[-1]:+.1f}%), medians {r['median']['without'] * 1000:.2f} / "
+              f"{r['median']['with'] * 1000:.2f} ms", flush=True)
     return 0
 
 
