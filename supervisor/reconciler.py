@@ -29,6 +29,7 @@ from spotguard.supervisor.fallback import ON_DEMAND, on_demand_directives
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.jobs.base import merge
 from spotguard.supervisor.metrics import SupervisorMetrics
+from spotguard.supervisor.disruption import disrupted, disruption_hits
 from spotguard.supervisor.policy import (ELASTIC, MOVE, RESUME, SCALE, SUSPEND, Decision, JobState, NoticeHit,
                                          Policy, PolicyError, Settings, decide, needs_capacity, parse_policy)
 from spotguard.supervisor.record import CHECKPOINTING, Record, RecordError, parse_record
@@ -144,9 +145,10 @@ class Reconciler:
         replicas = [p for p in all_pods if capacity.pod_active(p) and adapter.is_replica_pod(p)]
         hits: list[NoticeHit] = []
         healthy = 0
+        hits += disruption_hits(all_pods, adapter.is_replica_pod)  # preempted / evicted pods (disruption.py)
         for pod in replicas:
             node_name = (pod.get("spec") or {}).get("nodeName")
-            if not node_name:
+            if not node_name or disrupted(pod):
                 continue
             node = self.cache.nodes.get(node_name)
             notice = self.cache.node_notice(node)
