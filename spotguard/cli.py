@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "spotguard.hooks.sidecar.cli",  # sidecar
     "spotguard.hooks.launch",  # launch
     "spotguard.supervisor.cli",  # supervisor
+    "spotguard.supervisor.status_cli",  # status
     "spotguard.injector.cli",  # injector
     "spotguard.bench_cli",  # bench
 )
