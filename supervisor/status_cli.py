@@ -4,8 +4,9 @@ managed jobs as a table like `kubectl get`, as `-o json|yaml`, or one job in det
 It reads only what the supervisor writes on the jobs (spec, status, the `spotguard.io/status`
 record and `spotguard.io/steps-lost`) and the supervisor's Events, with the caller's own
 credentials: one list of Jobs and one of PyTorchJobs (skipped where the CRD is not served) for the
-table; one job and its Events for the detail. RBAC it needs: get/list on jobs and pytorchjobs,
-list on events (Kubernetes' built-in `view` role has them).
+table; one job and its Events for the detail. RBAC it needs: list on jobs, pytorchjobs and
+events (Kubernetes' built-in `view` role has jobs and events; without pytorchjobs they are left
+out with a warning).
 
 Exit status: 0 with the output; 1 when the API cannot be reached or refuses (the message names
 the server and the reason); 2 for bad input (no kubeconfig, unknown output format), naming it;
@@ -88,8 +89,9 @@ def api_client(args: argparse.Namespace, environ=os.environ):
 
 
 def list_rows(kube: Kube, namespace: str | None, kinds: Sequence[JobAdapter] = ADAPTERS) -> list[JobRow]:
-    """Every managed job's row, sorted by namespace, kind and name. A kind whose resource the
-    server does not serve (404: no PyTorchJob CRD) is skipped; other API errors propagate."""
+    """Every managed job's row, sorted by namespace, kind and name. An optional kind whose resource
+    the server does not serve (404: no PyTorchJob CRD) is skipped, and one the caller may not
+    list (403) too, with a warning on stderr; other API errors propagate."""
     rows = []
     for adapter in kinds:
         try:
@@ -98,6 +100,12 @@ def list_rows(kube: Kube, namespace: str | None, kinds: Sequence[JobAdapter] = A
             if adapter.optional:
                 continue
             raise
+        except ApiError as exc:
+            if not (adapter.optional and exc.status == 403):
+                raise
+            print(f"spotguard status: warning: not allowed to list {adapter.resource.plural}; "
+                  f"{adapter.kind}s are not shown", file=sys.stderr)
+            continue
         rows += [job_row(obj, adapter) for obj in items
                  if ((obj.get("metadata") or {}).get("labels") or {}).get(names.LABEL_MANAGED) == "true"]
     return sorted(rows, key=lambda r: (r.namespace, r.kind, r.name))
