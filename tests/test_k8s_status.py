@@ -80,7 +80,8 @@ def test_status_lists_the_managed_jobs_and_shows_one_with_its_events(control_pla
 
     one = status("llm", "-n", ns, "--kubeconfig", kubeconfig)
     assert one.returncode == 0, one.stderr
-    assert re.search(r"^Phase:\s+Suspended$", one.stdout, re.M) and re.search(r"^Reclaims survived:\s+2$", one.stdout, re.M)
+    assert re.search(r"^Phase:\s+Suspended$", one.stdout, re.M)
+    assert re.search(r"^Reclaims survived:\s+2$", one.stdout, re.M)
     events = one.stdout.split("Events:\n")[1]
     assert "SpotguardSuspended" in events and "only 0 replicas on unaffected nodes" in events
 

@@ -624,7 +624,7 @@ def test_user_tools_only_read(module):
     assert used == USER_TOOLS[module], f"{module} calls {sorted(used)}"
     assert {verb for _group, _resource, verb in used} <= {"get", "list", "watch"}
     doc = importlib.import_module(module).__doc__ or ""
-    for group, resource, verb in used:
+    for _group, resource, verb in used:
         assert resource in doc, f"{module}'s docstring does not tell the user it needs {verb} on {resource}"
 
 
