@@ -161,18 +161,3 @@ def run(args: argparse.Namespace) -> int:
         reason = "cannot reach it" if exc.status == 0 else f"it answered {exc.status}"
         print(f"spotguard status: Kubernetes API at {_server(kube)}: {reason}: {exc}", file=sys.stderr)
         return EXIT_API
-
-
-def kubectl_main(argv: list[str] | None = None) -> int:
-    """`kubectl-spotguard`: kubectl runs it for `kubectl spotguard ...`; only `status` is offered."""
-    parser = argparse.ArgumentParser(prog="kubectl spotguard", description="spotguard as a kubectl plugin")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    register(subparsers)
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ConfigError as exc:
-        print(f"kubectl spotguard {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130

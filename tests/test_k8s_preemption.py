@@ -18,7 +18,7 @@ import kubernetes
 from spotguard.wire import names
 from tests.k8s_world import refusals, set_container_exit, set_pod_running, wait_until
 from tests.test_k8s_supervisor import POOL, World, _controller
-from tests.test_k8s_in_place import PORT, _in_place_job, _index, _membership
+from tests.test_k8s_in_place import PORT, _in_place_job, _index, _membership, _running_in_place_job
 
 import pytest
 
@@ -86,15 +86,14 @@ def priority_class(control_plane, k8s_namespace):
         scheduling.delete_priority_class(name)
 
 
+def _agreed(world: World, pods: list) -> dict | None:
+    """The membership every one of `pods` was told, once they all were told the same one."""
+    values = [_membership(world, p.metadata.name) for p in pods]
+    return values[0] if all(v == values[0] and v is not None for v in values) else None
+
+
 async def _running_job(plane, ns: str) -> tuple[World, dict]:
-    world = World(plane, ns)
-    for _ in range(4):
-        await asyncio.to_thread(world.add_node)
-    await asyncio.to_thread(world.batch.create_namespaced_job, ns, _preemptible_job(ns))
-    by_index = {_index(p): p for p in await asyncio.to_thread(world.running_on, 4)}
-    for i, pod in by_index.items():
-        await asyncio.to_thread(set_pod_running, plane, ns, pod.metadata.name, f"10.244.0.{i + 1}")
-    return world, by_index
+    return await _running_in_place_job(plane, ns, _preemptible_job(ns))
 
 
 async def test_preempted_by_a_serving_deployment_the_job_shrinks_in_place_and_grows_back(
@@ -118,8 +117,7 @@ async def test_preempted_by_a_serving_deployment_the_job_shrinks_in_place_and_gr
         survivor_hosts = [p.spec.node_name for p in survivors]
 
         def survivors_told():
-            values = [_membership(world, p.metadata.name) for p in survivors]
-            return values[0] if all(v == values[0] and v is not None for v in values) else None
+            return _agreed(world, survivors)
         # The scheduler may preempt both at once or one per scheduling cycle: one decision each.
         shrunk = await asyncio.to_thread(
             wait_until, lambda: (v := survivors_told()) and v["hosts"] == survivor_hosts and v, 30,
@@ -188,10 +186,8 @@ async def test_an_evicted_pod_is_a_notice_for_that_pod_only(control_plane, k8s_n
                                 {"metadata": {"name": evicted.metadata.name, "namespace": ns}})
         others = [by_index[i] for i in (0, 1, 3)]
 
-        def others_told():
-            values = [_membership(world, p.metadata.name) for p in others]
-            return values[0] if all(v == values[0] and v is not None for v in values) else None
-        value = await asyncio.to_thread(wait_until, others_told, 30, "the membership without the evicted pod")
+        value = await asyncio.to_thread(wait_until, lambda: _agreed(world, others), 30,
+                                        "the membership without the evicted pod")
         assert value["hosts"] == [p.spec.node_name for p in others] and value["store"] == f"10.244.0.1:{PORT}"
         record = await asyncio.to_thread(world.record)
         assert record["handled"][-1].startswith(f"EvictionByEvictionAPI/{evicted.metadata.name}/")
