@@ -24,12 +24,12 @@ from spotguard.supervisor import capacity, progress
 from spotguard.wire import names
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, annotations_of
 from spotguard.supervisor.cost import CostLedger
+from spotguard.supervisor.disruption import disrupted, disruption_hits
 from spotguard.supervisor.effects import JobEffects, conditional, now
 from spotguard.supervisor.fallback import ON_DEMAND, on_demand_directives
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.jobs.base import merge
 from spotguard.supervisor.metrics import SupervisorMetrics
-from spotguard.supervisor.disruption import disrupted, disruption_hits
 from spotguard.supervisor.policy import (ELASTIC, MOVE, RESUME, SCALE, SUSPEND, Decision, JobState, NoticeHit,
                                          Policy, PolicyError, Settings, decide, needs_capacity, parse_policy)
 from spotguard.supervisor.record import CHECKPOINTING, Record, RecordError, parse_record
