@@ -80,12 +80,15 @@ def _steps_lost(annotations: Mapping[str, str], record: Record | None) -> int | 
 
 
 def _split(replicas: int | None, record: Record | None, raw: Mapping[str, Any]) -> tuple[int | None, int | None]:
-    """(spot, on-demand) replicas: the record's own split where it keeps one, else by its capacity."""
+    """(spot, on-demand) replicas: the record's own `split` ({"spot": n, "on-demand": n}, the
+    replica pods the backfill placed on each) where it keeps one, else by its capacity."""
     if replicas is None:
         return None, None
-    on_demand = raw.get("on_demand_replicas")
-    if isinstance(on_demand, int) and not isinstance(on_demand, bool) and 0 <= on_demand <= replicas:
-        return replicas - on_demand, on_demand
+    split = raw.get("split")
+    if isinstance(split, dict):
+        spot, on_demand = split.get("spot"), split.get(ON_DEMAND)
+        if all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (spot, on_demand)):
+            return spot, on_demand
     if record is not None and record.capacity == ON_DEMAND:
         return 0, replicas
     return replicas, 0

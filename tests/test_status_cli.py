@@ -56,8 +56,10 @@ def test_rows_for_fallback_suspension_invalid_unreadable_and_finished_jobs():
     fallen = job_row(batch_job("od", elastic({**RECORD, "capacity": "on-demand"},
                                              **{names.ANN_FALLBACK: "on-demand"})), job)
     assert (fallen.policy, fallen.spot_replicas, fallen.on_demand_replicas) == ("elastic+fallback", 0, 4)
-    mixed = job_row(batch_job("mixed", elastic({**RECORD, "on_demand_replicas": 1})), job)
-    assert (mixed.spot_replicas, mixed.on_demand_replicas) == (3, 1)  # a record that keeps its own split
+    mixed = job_row(batch_job("mixed", elastic({**RECORD, "split": {"spot": 3, "on-demand": 1}})), job)
+    assert (mixed.spot_replicas, mixed.on_demand_replicas) == (3, 1)  # the backfill's split of the pods
+    odd = job_row(batch_job("odd", elastic({**RECORD, "split": {"spot": "3"}})), job)
+    assert (odd.spot_replicas, odd.on_demand_replicas) == (4, 0)  # an unreadable split: by capacity
     waiting = job_row(batch_job("w", elastic({**RECORD, "phase": "Suspended"}), suspend=True), job)
     assert (waiting.phase, waiting.replicas) == ("Suspended", 0)
     bad = job_row(batch_job("bad", {names.ANN_POLICY: "sometimes"}), job)
