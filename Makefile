@@ -9,7 +9,7 @@ PIP    := $(VENV)/bin/pip
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.spotguard-installed
 
-.PHONY: run test lint test-k8s k8s-assets bench install clean
+.PHONY: run test lint test-k8s k8s-assets promtool bench install clean
 
 # A real control plane for the tests marked k8s: the bundle in ../shared, unpacked once.
 # `make test` runs them when KUBEBUILDER_ASSETS is set (as .ci/run and test-k8s do), else skips them.
@@ -62,6 +62,22 @@ $(K8S_ASSETS)/kube-apiserver: $(K8S_BUNDLE)
 
 test-k8s: $(STAMP) k8s-assets
 	@KUBEBUILDER_ASSETS=$(abspath $(K8S_ASSETS)) $(PY) -m pytest -m k8s $(PYTEST_ARGS)
+
+# promtool for the alert rules' tests (tests/test_prometheus_rules.py): Debian's `prometheus`
+# package, fetched with `apt-get download` and unpacked with `dpkg -x` into .cache (no root; root
+# only refreshes empty package lists with `apt-get update`).
+PROMTOOL_ROOT := .cache/prometheus
+PROMTOOL      := $(PROMTOOL_ROOT)/usr/bin/promtool
+
+promtool: $(PROMTOOL)
+
+$(PROMTOOL):
+	rm -rf $(PROMTOOL_ROOT) && mkdir -p $(PROMTOOL_ROOT)/deb
+	cd $(PROMTOOL_ROOT)/deb && { apt-get download -q prometheus \
+		|| { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get download -q prometheus; }; }
+	dpkg -x $(PROMTOOL_ROOT)/deb/prometheus_*.deb $(PROMTOOL_ROOT)
+	rm -rf $(PROMTOOL_ROOT)/deb $(PROMTOOL_ROOT)/usr/bin/prometheus $(PROMTOOL_ROOT)/usr/share
+	$(PROMTOOL) --version >/dev/null && touch $@
 
 bench: $(STAMP)
 	$(VENV)/bin/spotguard bench all

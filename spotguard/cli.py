@@ -21,9 +21,11 @@ COMMAND_MODULES = (
     "spotguard.hooks.sidecar.cli",  # sidecar
     "spotguard.hooks.launch",  # launch
     "spotguard.supervisor.cli",  # supervisor
+    "spotguard.supervisor.status_cli",  # status
     "spotguard.injector.cli",  # injector
     "spotguard.bench_cli",  # bench
 )
+KUBECTL_COMMAND_MODULES = ("spotguard.supervisor.status_cli",)  # `kubectl spotguard status`
 # command -> (module, the part that provides it, help): parts not in the product image
 OPTIONAL_COMMANDS = {
     "emulate": ("spotguard.emulator.cli", "spotguard.emulator", "run a cloud metadata emulator"),
@@ -67,12 +69,26 @@ def _register_missing(subparsers: argparse._SubParsersAction, command: str, part
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    return dispatch(build_parser(), argv)
+
+
+def kubectl_main(argv: list[str] | None = None) -> int:
+    """`kubectl-spotguard` on PATH: kubectl runs it for `kubectl spotguard ...`; it offers the
+    commands that read the cluster as a user (`status`)."""
+    parser = argparse.ArgumentParser(prog="kubectl spotguard", description="spotguard as a kubectl plugin")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in KUBECTL_COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return dispatch(parser, argv)
+
+
+def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Runs the parsed command; a ConfigError exits 2 naming its field."""
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:
-        print(f"spotguard {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

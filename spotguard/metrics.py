@@ -169,6 +169,10 @@ class Registry:
     def histogram(self, name: str, help: str, labels: Sequence[str] = (), buckets: Sequence[float] = ()) -> Histogram:
         return self._add(Histogram(name, help, labels, buckets))  # type: ignore[return-value]
 
+    def families(self) -> dict[str, tuple[str, ...]]:
+        """Every registered family's name -> its label names (what a scrape can show)."""
+        return {name: family.labels for name, family in self._families.items()}
+
     def add_collector(self, collector: Callable[[], None]) -> None:
         self._collectors.append(collector)
 

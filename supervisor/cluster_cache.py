@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 from spotguard.wire.notice import Notice, NoticeFormatError
 from spotguard.supervisor import capacity, membership
+from spotguard.supervisor.disruption import disrupted
 from spotguard.wire import names
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.policy import ELASTIC
@@ -213,9 +214,10 @@ class ClusterCache:
         return [p for p in self.pods_of(key) if capacity.pod_active(p) and adapter.is_replica_pod(p)]
 
     def on_healthy_node(self, pod: Mapping[str, Any]) -> bool:
-        """The pod is bound to a known node without a notice."""
+        """The pod is bound to a known node without a notice, and Kubernetes is not taking the
+        pod itself away (`DisruptionTarget`, disruption.py): only then can it be a member."""
         node = self.nodes.get((pod.get("spec") or {}).get("nodeName") or "")
-        return node is not None and not capacity.has_notice(node)
+        return node is not None and not capacity.has_notice(node) and not disrupted(pod)
 
     def members(self, key: JobKey, adapter: JobAdapter,
                 hosts_mode: str) -> tuple[list[dict], tuple[str, ...], list[dict]]:

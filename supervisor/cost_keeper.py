@@ -19,12 +19,13 @@ from collections.abc import Callable, Iterable, Mapping
 from spotguard.kube.api import ApiError
 from spotguard.wire import names
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, annotations_of
+from spotguard.supervisor.capacity_type import ON_DEMAND
 from spotguard.supervisor.cost import CostLedger
 from spotguard.supervisor.effects import JobEffects, record_patch
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.metrics import SupervisorMetrics
 from spotguard.supervisor.policy import PolicyError, parse_policy
-from spotguard.supervisor.record import RecordError, parse_record
+from spotguard.supervisor.record import GAVE_UP, SUSPENDED, RecordError, parse_record
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ class CostKeeper:
     def collect(self) -> None:
         self.observe()
         m = self.metrics
-        for family in (m.cost, m.on_demand, m.savings, m.spot_hours, m.on_demand_hours, m.reclaims, m.steps_lost):
+        for family in (m.cost, m.on_demand, m.savings, m.spot_hours, m.on_demand_hours, m.reclaims, m.steps_lost,
+                       m.suspended, m.on_demand_now):
             family.clear()
         m.managed_jobs.set(len(self.cache.jobs))
         m.leader.set(1 if self.is_leader() else 0)
@@ -106,9 +108,13 @@ class CostKeeper:
                 m.on_demand_hours.set(entry.on_demand_hours, **labels)
             annotations = annotations_of(obj)
             try:
-                m.reclaims.set(parse_record(annotations.get(names.ANN_STATUS)).reclaims_survived, **labels)
+                record = parse_record(annotations.get(names.ANN_STATUS))
             except RecordError:
-                pass
+                record = None
+            if record is not None:
+                m.reclaims.set(record.reclaims_survived, **labels)
+                m.suspended.set(1 if record.phase in (SUSPENDED, GAVE_UP) else 0, **labels)
+                m.on_demand_now.set(1 if record.capacity == ON_DEMAND else 0, **labels)
             lost = str(annotations.get(names.ANN_STEPS_LOST, "")).strip()
             if lost.isdigit():
                 m.steps_lost.set(int(lost), **labels)

@@ -13,6 +13,11 @@ are namespace, job, kind):
   `spotguard_job_on_demand_node_hours` (gauges): cost accounting (cost.py).
 - `spotguard_job_reclaims_survived` (gauge): from the decision record.
 - `spotguard_job_steps_lost` (gauge): from the job annotation `spotguard.io/steps-lost`.
+- `spotguard_job_suspended` (gauge, 0/1): 1 while the decision record's phase is Suspended or
+  GaveUp (spotguard keeps the job suspended).
+- `spotguard_job_on_demand` (gauge, 0/1): 1 while the job runs on on-demand capacity after a
+  fallback (the record's `capacity`).
+The alerts in daemonset/monitoring/prometheus-rule.yaml read these names.
 """
 from __future__ import annotations
 
@@ -46,6 +51,9 @@ class SupervisorMetrics:
                                 JOB_LABELS)
         self.steps_lost = r.gauge("spotguard_job_steps_lost",
                                   "Training steps lost to reclaims (spotguard.io/steps-lost)", JOB_LABELS)
+        self.suspended = r.gauge("spotguard_job_suspended", "1 while spotguard keeps the job suspended", JOB_LABELS)
+        self.on_demand_now = r.gauge("spotguard_job_on_demand",
+                                     "1 while the job runs on on-demand capacity after a fallback", JOB_LABELS)
 
     def render(self) -> str:
         return self.registry.render()

@@ -24,6 +24,7 @@ from spotguard.supervisor import capacity, progress
 from spotguard.wire import names
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, annotations_of
 from spotguard.supervisor.cost import CostLedger
+from spotguard.supervisor.disruption import disrupted, disruption_hits
 from spotguard.supervisor.effects import JobEffects, conditional, now
 from spotguard.supervisor.fallback import ON_DEMAND, on_demand_directives
 from spotguard.supervisor.jobs import JobAdapter
@@ -144,9 +145,10 @@ class Reconciler:
         replicas = [p for p in all_pods if capacity.pod_active(p) and adapter.is_replica_pod(p)]
         hits: list[NoticeHit] = []
         healthy = 0
+        hits += disruption_hits(all_pods, adapter.is_replica_pod)  # preempted / evicted pods (disruption.py)
         for pod in replicas:
             node_name = (pod.get("spec") or {}).get("nodeName")
-            if not node_name:
+            if not node_name or disrupted(pod):
                 continue
             node = self.cache.nodes.get(node_name)
             notice = self.cache.node_notice(node)

@@ -41,13 +41,13 @@ def _membership(world: World, name: str) -> dict | None:
     return json.loads(text) if text else None
 
 
-async def _running_in_place_job(plane, ns: str) -> tuple[World, dict]:
-    """4 nodes and the in-place Job's 4 pods Running with IPs (the launcher's group, never asked
-    to be Ready), by completion index."""
+async def _running_in_place_job(plane, ns: str, job: dict | None = None) -> tuple[World, dict]:
+    """4 nodes and the in-place Job's 4 pods (`job`, default `_in_place_job`) Running with IPs
+    (the launcher's group, never asked to be Ready), by completion index."""
     world = World(plane, ns)
     for _ in range(4):
         await asyncio.to_thread(world.add_node)
-    await asyncio.to_thread(world.batch.create_namespaced_job, ns, _in_place_job(ns))
+    await asyncio.to_thread(world.batch.create_namespaced_job, ns, job or _in_place_job(ns))
     by_index = {_index(p): p for p in await asyncio.to_thread(world.running_on, 4)}
     for i, pod in by_index.items():
         await asyncio.to_thread(set_pod_running, plane, ns, pod.metadata.name, f"10.244.0.{i + 1}")

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "daemonset"
 TARGETS = [ROOT, *sorted(p for p in (ROOT / "overlays").iterdir() if p.is_dir())]
 VERSIONS = ["1.30.0", "1.36.0"]  # 1.30: ValidatingAdmissionPolicy v1 (GA)
 # Custom resources: no upstream schema to validate against; checked for shape only.
-CUSTOM_KINDS = {"Certificate", "Issuer", "ServiceMonitor", "PyTorchJob"}
+CUSTOM_KINDS = {"Certificate", "Issuer", "ServiceMonitor", "PrometheusRule", "PyTorchJob"}
 
 
 def render(target: Path) -> list[dict]:
@@ -43,7 +43,7 @@ def test_kustomizations_render_and_validate(target: Path, version: str):
 
 @pytest.mark.parametrize(
     "path",
-    [*sorted((ROOT / "examples").glob("*.yaml")), ROOT / "monitoring" / "servicemonitor.yaml"],
+    [*sorted((ROOT / "examples").glob("*.yaml")), *sorted((ROOT / "monitoring").glob("*.yaml"))],
     ids=lambda p: p.name,
 )
 def test_examples_validate(path: Path):

@@ -58,6 +58,12 @@ COMPONENTS = {
     ("injector", "serve"): ["spotguard.injector.server"],
     ("injector", "certgen"): ["spotguard.injector.certs"],
 }
+# Commands a person runs with their own kubeconfig, under no ServiceAccount of ours: they may only
+# read, exactly what their docstrings tell the user to grant (test_user_tools_only_read).
+USER_TOOLS = {
+    "spotguard.supervisor.status_cli": {("batch", "jobs", "list"), ("kubeflow.org", "pytorchjobs", "list"),
+                                        ("", "events", "list")},
+}
 # Modules the brief names: the closure must reach them (guards the import walk itself).
 MUST_REACH = {
     ("agent",): {"spotguard.agent.sources.k8s_node", "spotguard.agent.node_marker", "spotguard.agent.auth",
@@ -600,7 +606,7 @@ def test_static_calls_equal_granted_rules(component):
 
 def test_no_api_call_escapes_attribution():
     """Every module that calls the Kubernetes API belongs to a component checked above."""
-    covered = set().union(*(c.modules for c in static_by_component().values()))
+    covered = set().union(*(c.modules for c in static_by_component().values()), USER_TOOLS)
     stray = []
     modules = all_modules()
     assert covered <= set(modules)
@@ -610,6 +616,16 @@ def test_no_api_call_escapes_attribution():
         stray += [f"{name}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(scan.tree)
                   if isinstance(n, ast.Attribute) and n.attr in FACADE_VERBS and _terminal(n.value) == FACADE_RECEIVER]
     assert not stray, "API calls outside every component (no ServiceAccount would allow them):\n" + "\n".join(stray)
+
+
+@pytest.mark.parametrize("module", sorted(USER_TOOLS))
+def test_user_tools_only_read(module):
+    used = Component([module]).triples()
+    assert used == USER_TOOLS[module], f"{module} calls {sorted(used)}"
+    assert {verb for _group, _resource, verb in used} <= {"get", "list", "watch"}
+    doc = importlib.import_module(module).__doc__ or ""
+    for _group, resource, verb in used:
+        assert resource in doc, f"{module}'s docstring does not tell the user it needs {verb} on {resource}"
 
 
 def test_the_scanner_sees_what_it_must():

@@ -113,8 +113,8 @@ class Kube:
         self.api_client = api_client
         self.timeout = request_timeout
         self._k = kubernetes
-        self._typed = {group: getattr(kubernetes.client, cls)(api_client) for group, cls in _TYPED.items()}
-        self._custom = kubernetes.client.CustomObjectsApi(api_client)
+        self._typed: dict[str, Any] = {}  # built on first use: each API class is a large module to import
+        self._custom_api: Any = None
 
     def _call(self, fn, *args, **kwargs) -> Any:
         kwargs.setdefault("_request_timeout", self.timeout)
@@ -133,7 +133,18 @@ class Kube:
             raise MalformedResponse(0, f"{getattr(fn, '__name__', 'call')}: the body is not JSON") from None
 
     def _typed_api(self, res: Resource):
-        return self._typed.get(res.group) if res.snake else None
+        if not res.snake or res.group not in _TYPED:
+            return None
+        api = self._typed.get(res.group)
+        if api is None:
+            api = self._typed[res.group] = getattr(self._k.client, _TYPED[res.group])(self.api_client)
+        return api
+
+    @property
+    def _custom(self):
+        if self._custom_api is None:
+            self._custom_api = self._k.client.CustomObjectsApi(self.api_client)
+        return self._custom_api
 
     def list(self, res: Resource, namespace: str | None = None, *, label_selector: Mapping[str, str] | None = None,
              field_selector: str | None = None) -> tuple[list[dict], str]:

@@ -1,0 +1,121 @@
+"""`spotguard status` and `kubectl spotguard status` against a real kube-apiserver: managed jobs
+listed from what the supervisor wrote (the decision record, steps lost, its Events), unmanaged
+ones left out, `-o json`, one job in detail with its Events, a missing job (exit 3), and a
+caller with only Kubernetes' built-in `view` role in the namespace."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import kubernetes
+import pytest
+
+from spotguard.wire import names
+from tests.k8s_world import wait_service_account
+
+pytestmark = pytest.mark.k8s
+VENV_BIN = Path(sys.executable).parent
+RECORD = {"v": 1, "phase": "Suspended", "event": "SpotguardSuspended", "reason": "BelowMin",
+          "message": "below min", "decided_at": "2026-11-25T21:55:00Z", "reclaims_survived": 2,
+          "cost": {"spot_hours": 3.0, "on_demand_hours": 1.0, "cost": 6.0, "on_demand_equivalent": 12.0}}
+
+
+def managed_job(name: str, annotations: dict, managed: bool = True) -> dict:
+    labels = {names.LABEL_MANAGED: "true"} if managed else {}
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": name, "labels": labels, "annotations": annotations},
+            "spec": {"parallelism": 2, "completions": 2, "completionMode": "Indexed", "suspend": True,
+                     "template": {"spec": {"restartPolicy": "Never",
+                                           "containers": [{"name": "train", "image": "train:1"}]}}}}
+
+
+def status(*args: str, program: list[str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run([*(program or [sys.executable, "-m", "spotguard"]), "status", *args],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.fixture
+def jobs(control_plane, k8s_namespace):
+    ns = k8s_namespace
+    batch = kubernetes.client.BatchV1Api(control_plane.api_client())
+    core = kubernetes.client.CoreV1Api(control_plane.api_client())
+    batch.create_namespaced_job(ns, managed_job("llm", {
+        names.ANN_POLICY: "elastic", names.ANN_MIN_REPLICAS: "1", names.ANN_STATUS: json.dumps(RECORD),
+        names.ANN_STEPS_LOST: "5"}))
+    batch.create_namespaced_job(ns, managed_job("fresh", {}))
+    batch.create_namespaced_job(ns, managed_job("unmanaged", {}, managed=False))
+    job = batch.read_namespaced_job("llm", ns)
+    core.create_namespaced_event(ns, {
+        "metadata": {"name": "llm.k1"}, "type": "Warning", "reason": "SpotguardSuspended",
+        "message": "notice r1 on n2: only 0 replicas on unaffected nodes", "source": {"component": names.COMPONENT},
+        "lastTimestamp": "2026-11-25T21:55:00Z", "firstTimestamp": "2026-11-25T21:55:00Z", "count": 1,
+        "involvedObject": {"apiVersion": "batch/v1", "kind": "Job", "name": "llm", "namespace": ns,
+                           "uid": job.metadata.uid}})
+    return ns
+
+
+def test_status_lists_the_managed_jobs_and_shows_one_with_its_events(control_plane, jobs):
+    ns, kubeconfig = jobs, str(control_plane.kubeconfig())
+    result = status("-n", ns, "--kubeconfig", kubeconfig)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["NAMESPACE", "KIND", "NAME"] and len(lines) == 3
+    llm = next(line.split() for line in lines if " llm " in line)
+    assert llm[3:10] == ["elastic", "Suspended", "0/1/2", "0/0", "2", "5", "4.00"] and llm[10] == "50%"
+    assert llm[11] == "Suspended"
+
+    as_json = status("-n", ns, "--kubeconfig", kubeconfig, "-o", "json")
+    items = {i["name"]: i for i in json.loads(as_json.stdout)["items"]}
+    assert set(items) == {"llm", "fresh"} and items["llm"]["steps_lost"] == 5 and items["fresh"]["phase"] == "Running"
+
+    everywhere = status("--kubeconfig", kubeconfig, "-o", "json")  # all namespaces: ours are among them
+    assert {(i["namespace"], i["name"]) for i in json.loads(everywhere.stdout)["items"]} >= {(ns, "llm"), (ns, "fresh")}
+
+    one = status("llm", "-n", ns, "--kubeconfig", kubeconfig)
+    assert one.returncode == 0, one.stderr
+    assert re.search(r"^Phase:\s+Suspended$", one.stdout, re.M)
+    assert re.search(r"^Reclaims survived:\s+2$", one.stdout, re.M)
+    events = one.stdout.split("Events:\n")[1]
+    assert "SpotguardSuspended" in events and "only 0 replicas on unaffected nodes" in events
+
+    missing = status("nope", "-n", ns, "--kubeconfig", kubeconfig)
+    assert missing.returncode == 3 and "no managed job named 'nope'" in missing.stderr
+
+
+def test_as_a_kubectl_plugin_and_with_the_view_role(control_plane, jobs):
+    ns = jobs
+    rbac = kubernetes.client.RbacAuthorizationV1Api(control_plane.api_client())
+    core = kubernetes.client.CoreV1Api(control_plane.api_client())
+    core.create_namespaced_service_account(ns, {"metadata": {"name": "reader"}})
+    wait_service_account(control_plane, ns, "reader")
+    rbac.create_namespaced_role_binding(ns, {
+        "metadata": {"name": "reader-view"}, "roleRef": {"apiGroup": "rbac.authorization.k8s.io",
+                                                        "kind": "ClusterRole", "name": "view"},
+        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": ns}]})
+    reader = str(control_plane.kubeconfig("reader", namespace=ns))
+    deadline = time.monotonic() + 30
+    while True:  # the binding reaches the authorizer's cache
+        result = status("-n", ns, "--kubeconfig", reader, "-o", "json")
+        if result.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert result.returncode == 0, result.stderr
+    assert {i["name"] for i in json.loads(result.stdout)["items"]} == {"llm", "fresh"}
+    denied = status("--kubeconfig", reader)  # all namespaces: not granted
+    assert denied.returncode == 1 and "403" in denied.stderr
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the plugin's own entry point was run above")
+    plugin = status("llm", "-n", ns, "--kubeconfig", reader, program=[kubectl, "spotguard"])
+    assert plugin.returncode == 0, plugin.stderr
+    assert "Events:" in plugin.stdout and "SpotguardSuspended" in plugin.stdout
+    direct = status("-n", ns, "--kubeconfig", reader, program=[str(VENV_BIN / "kubectl-spotguard")])
+    assert direct.returncode == 0 and " llm " in direct.stdout
