@@ -1,0 +1,80 @@
+"""supervisor.backfill.plan: spot first, warm standby, on-demand after fallback-after (capped by
+on-demand-max), and one swap-back at a time after return-after, never below the job's size."""
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from spotguard.supervisor.backfill import BackfillClocks, BackfillSettings, BackfillView, plan
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+SETTINGS = BackfillSettings(max_replicas=4, fallback_after=120.0, return_after=300.0)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def test_spot_slots_fill_the_gap_first_and_at_once():
+    step = plan(SETTINGS, BackfillView(spot=2, on_demand=0, spot_free=1, on_demand_free=8), BackfillClocks(), T0)
+    assert (step.add_spot, step.add_on_demand, step.swap) == (1, 0, False)
+    assert step.clocks.below_max_since == T0 and step.recheck_at == at(120)  # the last gap waits for fallback-after
+
+
+def test_on_demand_only_after_fallback_after_below_max():
+    view = BackfillView(spot=3, on_demand=0, on_demand_free=8)
+    first = plan(SETTINGS, view, BackfillClocks(), T0)
+    assert not first.acts and first.recheck_at == at(120)
+    early = plan(SETTINGS, view, first.clocks, at(119))
+    assert not early.acts
+    due = plan(SETTINGS, view, first.clocks, at(120))
+    assert due.add_on_demand == 1 and "fallback-after 120s" in due.reason
+    # asked for, not a member yet: not asked again
+    again = plan(SETTINGS, BackfillView(spot=3, on_demand=0, starting_on_demand=1, on_demand_free=7), due.clocks,
+                 at(121))
+    assert not again.acts
+
+
+def test_a_job_back_at_max_resets_the_below_max_clock():
+    clocks = plan(SETTINGS, BackfillView(spot=3, on_demand=0), BackfillClocks(), T0).clocks
+    full = plan(SETTINGS, BackfillView(spot=4, on_demand=0), clocks, at(60))
+    assert full.clocks.below_max_since is None
+    assert plan(SETTINGS, BackfillView(spot=3, on_demand=0, on_demand_free=1), full.clocks, at(130)).add_on_demand == 0
+
+
+def test_warm_standby_asks_for_the_replacement_at_the_notice():
+    noticed = BackfillView(spot=3, on_demand=0, leaving=1, on_demand_free=4)
+    step = plan(SETTINGS, noticed, BackfillClocks(), T0)
+    assert step.add_on_demand == 1 and "warm standby" in step.reason
+    with_spot = plan(SETTINGS, BackfillView(spot=3, on_demand=0, leaving=1, spot_free=1, on_demand_free=4),
+                     BackfillClocks(), T0)
+    assert (with_spot.add_spot, with_spot.add_on_demand) == (1, 0)  # spot elsewhere first
+
+
+def test_on_demand_max_caps_the_backfill():
+    capped = BackfillSettings(max_replicas=4, fallback_after=1.0, return_after=1.0, on_demand_max=1)
+    view = BackfillView(spot=1, on_demand=0, on_demand_free=8)
+    clocks = plan(capped, view, BackfillClocks(), T0).clocks
+    assert plan(capped, view, clocks, at(2)).add_on_demand == 1
+    assert not plan(capped, BackfillView(spot=1, on_demand=1, on_demand_free=8), clocks, at(3)).acts
+
+
+def test_swap_back_one_at_a_time_after_return_after():
+    at_max = BackfillView(spot=2, on_demand=2, spot_free=3)
+    first = plan(SETTINGS, at_max, BackfillClocks(), T0)
+    assert not first.acts and first.clocks.spot_free_since == T0 and first.recheck_at == at(300)
+    swap = plan(SETTINGS, at_max, first.clocks, at(300))
+    assert swap.swap and (swap.add_spot, swap.add_on_demand) == (0, 0)
+    during = plan(SETTINGS, BackfillView(spot=2, on_demand=2, starting_spot=1, spot_free=2), swap.clocks, at(301))
+    assert not during.acts  # the next swap waits for this one
+    after = plan(SETTINGS, BackfillView(spot=3, on_demand=1, spot_free=2), swap.clocks, at(310))
+    assert after.swap
+
+
+def test_no_swap_while_spot_is_busy_or_a_member_leaves():
+    clocks = plan(SETTINGS, BackfillView(spot=2, on_demand=2, spot_free=1), BackfillClocks(), T0).clocks
+    busy = plan(SETTINGS, BackfillView(spot=2, on_demand=2, spot_free=0), clocks, at(200))
+    assert busy.clocks.spot_free_since is None
+    assert not plan(SETTINGS, BackfillView(spot=2, on_demand=2, spot_free=1), busy.clocks, at(400)).swap
+    leaving = plan(SETTINGS, BackfillView(spot=1, on_demand=2, leaving=1, spot_free=1, starting_spot=1), clocks,
+                   at(400))
+    assert not leaving.swap
