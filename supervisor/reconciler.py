@@ -1,8 +1,8 @@
 """One reconcile pass over one job: job -> state -> decide -> one conditional patch -> effects.
 
 Contract of `Reconciler.reconcile(key)` (leader only; a finished or unknown job is skipped):
-validate the policy (invalid -> a Warning Event naming the annotation, the job is not written
-to); reduce the cache to a `JobState` (`job_state`); `policy.decide`; apply the decision as ONE
+validate the policy and, for the fallback, that the pod template tells spot from on-demand
+(invalid -> one Warning Event naming the annotation, the job is not written to); reduce the cache to a `JobState` (`job_state`); `policy.decide`; apply the decision as ONE
 merge patch of the job that carries the spec change, the new decision record (notices handled,
 idempotency key, cost totals, and for a scale the new membership) and `metadata.resourceVersion`
 as precondition (409 -> re-read, decide again); then, level-triggered and idempotent, the
@@ -30,7 +30,8 @@ from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.jobs.base import merge
 from spotguard.supervisor.metrics import SupervisorMetrics
 from spotguard.supervisor.policy import (ELASTIC, MOVE, RESUME, SCALE, SUSPEND, Decision, JobState, NoticeHit,
-                                         Policy, PolicyError, Settings, decide, needs_capacity, parse_policy)
+                                         Policy, PolicyError, Settings, check_template, decide, needs_capacity,
+                                         parse_policy)
 from spotguard.supervisor.record import CHECKPOINTING, Record, RecordError, parse_record
 
 log = logging.getLogger(__name__)
@@ -63,16 +64,17 @@ class Reconciler:
             return None
         annotations = annotations_of(obj)
         try:
-            policy = parse_policy(annotations, adapter.default_max(obj), adapter.default_min(obj))
-        except PolicyError as exc:
-            await self.effects.report_invalid(key, obj, exc)
-            return None
-        self.effects.forget_invalid(key)
-        try:
             record = parse_record(annotations.get(names.ANN_STATUS))
         except RecordError as exc:
             log.warning("job %s/%s: unreadable %s (%s); starting a fresh record", key[1], key[2], names.ANN_STATUS, exc)
             record = Record()
+        try:
+            policy = parse_policy(annotations, adapter.default_max(obj), adapter.default_min(obj))
+            check_template(policy, adapter.directives(obj), record)
+        except PolicyError as exc:
+            await self.effects.report_invalid(key, obj, exc)
+            return None
+        self.effects.forget_invalid(key)
         decision = self._decide(key, obj, adapter, policy, record)
         if decision.acts:
             applied = await self._apply(key, obj, adapter, decision)

@@ -78,3 +78,36 @@ def test_no_swap_while_spot_is_busy_or_a_member_leaves():
     leaving = plan(SETTINGS, BackfillView(spot=1, on_demand=2, leaving=1, spot_free=1, starting_spot=1), clocks,
                    at(400))
     assert not leaving.swap
+
+
+def test_conflicting_backfill_annotations_name_the_annotation():
+    from spotguard.supervisor.policy import PolicyError, check_template, parse_policy
+    from spotguard.supervisor.record import Record
+    from spotguard.wire import names
+
+    base = {names.ANN_POLICY: "elastic", names.ANN_FALLBACK: "on-demand"}
+    assert parse_policy({**base, names.ANN_ON_DEMAND_MAX: "2"}, default_max=4).on_demand_max == 2
+    for annotations, field, words in (
+            ({**base, names.ANN_ON_DEMAND_MAX: "5"}, names.ANN_ON_DEMAND_MAX, "above"),
+            ({names.ANN_POLICY: "elastic", names.ANN_ON_DEMAND_MAX: "1"}, names.ANN_ON_DEMAND_MAX, "needs"),
+            ({names.ANN_POLICY: "fixed", names.ANN_IN_PLACE: "true"}, names.ANN_IN_PLACE, "needs")):
+        try:
+            parse_policy(annotations, default_max=4)
+        except PolicyError as exc:
+            assert exc.field == field and words in exc.message
+        else:
+            raise AssertionError(f"{annotations} passed")
+    policy = parse_policy(base, default_max=4)
+    spot = {"worker": {"nodeSelector": {"karpenter.sh/capacity-type": "spot"}}}
+    either = {"worker": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "eks.amazonaws.com/capacityType", "operator": "In",
+                                                     "values": ["SPOT", "ON_DEMAND"]}]}]}}}}}
+    check_template(policy, spot, Record())
+    check_template(policy, either, Record())
+    check_template(policy, {"worker": {"nodeSelector": {"pool": "a"}}}, Record(capacity="on-demand"))  # moved already
+    try:
+        check_template(policy, {"worker": {"nodeSelector": {"pool": "a"}}}, Record())
+    except PolicyError as exc:
+        assert exc.field == names.ANN_FALLBACK and "capacity-type label" in exc.message
+    else:
+        raise AssertionError("a template with no capacity-type label passed")

@@ -132,11 +132,12 @@ class BackfillDryRun(DryRun):
                 self._noticed.add(replaced)
         await super()._admit(due)
 
-    def node_seconds(self, until: float) -> dict[str, float]:
-        """{"spot": s, "on-demand": s}: member-seconds of each capacity type, from the memberships."""
+    def node_seconds(self, since: float, until: float) -> dict[str, float]:
+        """{"spot": s, "on-demand": s}: member-seconds of each capacity type between `since` and
+        `until` (training's first start and its end), from the memberships pushed."""
         out = {"spot": 0.0, "on-demand": 0.0}
         for here, nxt in zip(self.memberships, [*self.memberships[1:], None]):
-            end = nxt.t if nxt is not None else until
+            begin, end = max(here.t, since), min(nxt.t if nxt is not None else until, until)
             for host in here.hosts:
-                out["on-demand" if self.on_demand(host) else "spot"] += max(0.0, end - here.t)
+                out["on-demand" if self.on_demand(host) else "spot"] += max(0.0, end - begin)
         return {k: round(v, 3) for k, v in out.items()}

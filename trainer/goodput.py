@@ -289,7 +289,8 @@ async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_ever
                        status=report.get("status", ""), run_dir=str(where))
     if isinstance(dry, BackfillDryRun):
         until = max((e["t"] for e in events if e["event"] == "finished"), default=time.time())
-        split = dry.node_seconds(until)
+        since = min((e["t"] for e in events if e["event"] == "start"), default=until)
+        split = dry.node_seconds(since, until)
         result.spot_node_s, result.on_demand_node_s = split["spot"], split["on-demand"]
     return result
 
