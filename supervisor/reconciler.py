@@ -29,6 +29,7 @@ from spotguard.supervisor.fallback import ON_DEMAND, on_demand_directives
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.jobs.base import merge
 from spotguard.supervisor.metrics import SupervisorMetrics
+from spotguard.supervisor.placer import Placer
 from spotguard.supervisor.policy import (ELASTIC, MOVE, RESUME, SCALE, SUSPEND, Decision, JobState, NoticeHit,
                                          Policy, PolicyError, Settings, check_template, decide, needs_capacity,
                                          parse_policy)
@@ -55,6 +56,7 @@ class Reconciler:
         self.metrics = metrics
         self.is_leader = is_leader
         self.requeue = requeue
+        self.placer = Placer(cache, effects)
 
     async def reconcile(self, key: JobKey) -> Decision | None:
         """One pass over one job (see the module docstring). Returns the decision taken."""
@@ -106,6 +108,10 @@ class Reconciler:
             current = await self.effects.ensure_steps_lost(key, current, adapter)
         if current is not None and policy.mode == ELASTIC:
             await self.effects.ensure_membership(key, current, adapter, record, in_place=policy.in_place)
+        if current is not None and self.placer.wants(policy, current, adapter):
+            recheck = await self.placer.ensure(key, current, adapter, policy, record)
+            if recheck is not None:
+                self.requeue(key, max(0.05, (recheck - now()).total_seconds() + 0.01))
         if current is not None and record.drain and record.phase == CHECKPOINTING:
             await self.effects.ensure_drain(key, current, adapter, record)
 
