@@ -57,6 +57,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from spotguard.wire import names
 from spotguard.trainer.goodput import MODES, BackfillOptions, Comparison, render, run_mode
 from spotguard.trainer.scenario import (ScenarioError, bundled_traces, find_trace, live_at, parse_trace,
                                         scenario_from_trace, trace_slots_at)
@@ -131,6 +132,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="backfill: trace seconds spot must stay free before a swap-back (default 300)")
     p.add_argument("--on-demand-max", type=_positive(int), default=None,
                    help="backfill: at most this many on-demand replicas (default --workers)")
+    p.add_argument("--horizon", type=_positive(float), default=None,
+                   help="the Guard's notice horizon in every rank (SPOTGUARD_HORIZON_SECONDS): a rank with a "
+                        "notice keeps training until its deadline is this close (default: the Guard's 120 s, "
+                        "so a rank leaves at once on the bench's --lead)")
     p.add_argument("--modes", type=_modes, default=list(MODES), help=f"subset of {','.join(MODES)} (default all)")
     p.add_argument("--time-limit", type=_positive(float), default=420.0, help="per mode, seconds (default 420)")
     p.add_argument("--out", type=Path, default=None, help="keep the run directories here (default: a temporary one)")
@@ -238,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     print_plan(args, scenario, rows, path)
     if args.plan:
         return 0
+    if args.horizon is not None:  # every rank the dry-runs start inherits it
+        os.environ[names.ENV_HORIZON_SECONDS] = f"{args.horizon:g}"
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("aiohttp", "spotguard.agent", "spotguard.hooks"):
@@ -260,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       "fallback_after": args.fallback_after,
                                                       "return_after": args.return_after,
                                                       "on_demand_max": args.on_demand_max,
+                                                      "horizon": args.horizon,
                                                       "checkpoint_every": args.checkpoint_every},
                                          **comparison.as_dict()}, indent=2))
     return 0

@@ -6,8 +6,9 @@ pure function the controller uses): spot joiners for free spot nodes, a warm-sta
 replacement when a member gets a notice, on-demand joiners once the job has been below max for
 `fallback_after` seconds, and, once a spot node has been free for `return_after`, one spot
 joiner at a time that replaces one on-demand member in ONE membership (it joins, the on-demand
-member leaves, the world size stays). Joiners are admitted only once the members with a notice
-have left, so the world never exceeds max.
+member leaves, the world size stays). A joiner Ready while a member with a notice still trains
+(the Guard holds a notice until its deadline is within its horizon) takes that member's place
+in one membership too, so the world never exceeds max.
 
 `node_seconds()` integrates the pushed memberships: the seconds each capacity type held a
 member, for the on-demand share of node-hours.
@@ -113,21 +114,26 @@ class BackfillDryRun(DryRun):
     async def _start_joiner(self, gen: Generation, node: str) -> None:
         ready = self.nodes[node].ready_file
         ready.unlink(missing_ok=True)
+        self._noticed.discard(node)  # a free node is a new instance: an old notice of its name is gone with it
         self._joins.started(node, time.time())
         await gen.add_joiner(self._node_launch(gen.index, node), ready)
 
     async def _admit_joiners(self, gen: Generation) -> None:
-        if any(self._leaving(n) for n in self.world):
-            return  # a member with a notice is still handing over: its replacement waits for it
         for joiner in [j for j in self.swaps if j not in self._joins]:
             self.swaps.pop(joiner)  # a swap's joiner that ended or was stopped: the member stays
         await super()._admit_joiners(gen)
 
     async def _admit(self, due: list[str]) -> None:
+        """Ready joiners join; each takes the place of the member it replaces in the same
+        membership: the on-demand member of its swap, or a member with a notice still training
+        (warm standby: the handover is one change), so the world never exceeds max."""
+        leaving = [n for n in self.world if self._leaving(n)]
         for joiner in due:
             replaced = self.swaps.pop(joiner, None)
+            if replaced is None and leaving:
+                replaced = leaving.pop(0)
             if replaced is not None and replaced in self.world:
-                log.info("swap-back: %s joins in place of the on-demand member %s", joiner, replaced)
+                log.info("%s joins in place of %s", joiner, replaced)
                 self.world.remove(replaced)
                 self._noticed.add(replaced)
         await super()._admit(due)
