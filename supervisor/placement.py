@@ -85,11 +85,12 @@ def placed_on(pod: Mapping[str, Any], label: capacity_type.CapacityLabel) -> str
     return ON_DEMAND if value == label.on_demand else ""
 
 
-def placement_patch(label: capacity_type.CapacityLabel, where: str) -> dict:
-    """The pod merge patch that places it: the nodeSelector key added, the gate removed (the
-    supervisor's gate is the only one it places under; another gate's owner keeps its own)."""
+def placement_patch(label: capacity_type.CapacityLabel, where: str, gates: Sequence[Mapping[str, Any]] = ()) -> dict:
+    """The pod merge patch that places it: the nodeSelector key added, the supervisor's gate
+    removed from the pod's `gates` (another gate's owner keeps its own)."""
     value = label.spot[0] if where == SPOT else label.on_demand
-    return {"spec": {"nodeSelector": {label.key: value}, "schedulingGates": None}}
+    rest = [dict(g) for g in gates if g.get("name") != GATE]
+    return {"spec": {"nodeSelector": {label.key: value}, "schedulingGates": rest or None}}
 
 
 def place(settings: BackfillSettings, pods: Sequence[PodFacts], spot_free: int, on_demand_free: int,

@@ -67,10 +67,11 @@ class Placer:
         at = now()
         chosen = placement.place(settings, facts, self.cache.free_slots(key, spot_spec, ignore_own=False),
                                  self.cache.free_slots(key, od_spec, ignore_own=False), clocks, at)
+        gates = {meta(p).get("name"): (p.get("spec") or {}).get("schedulingGates") or [] for p in pods}
         for name, where in chosen.pods:
             try:
                 await asyncio.to_thread(self.effects.kube.patch, PODS, key[1], name,
-                                        placement.placement_patch(label, where))
+                                        placement.placement_patch(label, where, gates.get(name, [])))
             except NotFound:
                 continue
             log.info("job %s/%s: pod %s placed on %s: %s", key[1], key[2], name, where, chosen.step.reason)

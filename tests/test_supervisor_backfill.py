@@ -111,3 +111,24 @@ def test_conflicting_backfill_annotations_name_the_annotation():
         assert exc.field == names.ANN_FALLBACK and "capacity-type label" in exc.message
     else:
         raise AssertionError("a template with no capacity-type label passed")
+
+
+def test_placement_places_gated_pods_lowest_index_first_and_counts_placed_ones_as_starting():
+    from spotguard.supervisor import capacity_type
+    from spotguard.supervisor.placement import ON_DEMAND, SPOT, PodFacts, place, placement_patch
+
+    pods = [PodFacts("p3", 3), PodFacts("p1", 1), PodFacts("p0", 0, SPOT, member=True), PodFacts("p2", 2)]
+    first = place(SETTINGS, pods, spot_free=1, on_demand_free=4, clocks=BackfillClocks(), now=T0)
+    assert first.pods == (("p1", SPOT),) and first.split == {SPOT: 2, ON_DEMAND: 0}
+    placed = [PodFacts("p3", 3), PodFacts("p1", 1, SPOT), PodFacts("p0", 0, SPOT, member=True), PodFacts("p2", 2)]
+    # p1 is placed, not yet running: the spot slot it takes still looks free, it is not used twice
+    early = place(SETTINGS, placed, spot_free=1, on_demand_free=4, clocks=first.step.clocks, now=at(1))
+    assert early.pods == ()
+    due = place(SETTINGS, placed, spot_free=1, on_demand_free=4, clocks=first.step.clocks, now=at(120))
+    assert due.pods == (("p2", ON_DEMAND), ("p3", ON_DEMAND)) and due.split == {SPOT: 2, ON_DEMAND: 2}
+    label = capacity_type.BY_KEY["karpenter.sh/capacity-type"]
+    assert placement_patch(label, ON_DEMAND, [{"name": "spotguard.io/capacity"}]) == {
+        "spec": {"nodeSelector": {label.key: "on-demand"}, "schedulingGates": None}}
+    other = {"name": "example.com/quota"}
+    assert placement_patch(label, SPOT, [other, {"name": "spotguard.io/capacity"}])["spec"] == {
+        "nodeSelector": {label.key: "spot"}, "schedulingGates": [other]}
