@@ -66,7 +66,7 @@ def gated(pod: Mapping[str, Any]) -> bool:
 def capacity_label(directives: Mapping[str, Any]) -> capacity_type.CapacityLabel | None:
     """The capacity-type label the template's required node affinity (or nodeSelector) names,
     with a positive on-demand value (placement adds `label: value` to the pod's nodeSelector)."""
-    keys = list((directives.get("nodeSelector") or {}))
+    keys = list(directives.get("nodeSelector") or {})
     terms = (((directives.get("affinity") or {}).get("nodeAffinity") or {})
              .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or []
     keys += [e.get("key", "") for t in terms for e in t.get("matchExpressions") or []]

@@ -32,10 +32,10 @@ INDEX_LABELS = ("batch.kubernetes.io/job-completion-index", "training.kubeflow.o
 def pod_index(pod: Mapping[str, Any]) -> int:
     """The pod's completion / replica index (0 when it has none)."""
     m = meta(pod)
-    raw = (m.get("annotations") or {}).get(INDEX_ANNOTATION)
-    for label in INDEX_LABELS:
-        raw = raw or (m.get("labels") or {}).get(label)
-    return int(raw) if str(raw or "").isdigit() else 0
+    labels = m.get("labels") or {}
+    found = [(m.get("annotations") or {}).get(INDEX_ANNOTATION)] + [labels.get(k) for k in INDEX_LABELS]
+    raw = str(next((v for v in found if v), ""))
+    return int(raw) if raw.isdigit() else 0
 
 
 class Placer:

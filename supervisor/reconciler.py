@@ -2,13 +2,15 @@
 
 Contract of `Reconciler.reconcile(key)` (leader only; a finished or unknown job is skipped):
 validate the policy and, for the fallback, that the pod template tells spot from on-demand
-(invalid -> one Warning Event naming the annotation, the job is not written to); reduce the cache to a `JobState` (`job_state`); `policy.decide`; apply the decision as ONE
-merge patch of the job that carries the spec change, the new decision record (notices handled,
-idempotency key, cost totals, and for a scale the new membership) and `metadata.resourceVersion`
-as precondition (409 -> re-read, decide again); then, level-triggered and idempotent, the
+(invalid -> one Warning Event naming the annotation, the job is not written to); reduce the
+cache to a `JobState` (`job_state`); `policy.decide`; apply the decision as ONE merge patch
+of the job that carries the spec change, the new decision record (notices handled, idempotency
+key, cost totals, and for a scale the new membership) and `metadata.resourceVersion` as
+precondition (409 -> re-read, decide again); then, level-triggered and idempotent, the
 effects (`JobEffects`): the decision's Event, the job's conditions, the steps lost, and the
-membership (elastic) or drain request (a return to spot) on the job's pods. A decision with
-`recheck_at` requeues the job then.
+membership (elastic) or drain request (a return to spot) on the job's pods, and for a backfill
+job the placement of its gated pods (placer.py). A decision with `recheck_at` requeues the job
+then.
 """
 from __future__ import annotations
 

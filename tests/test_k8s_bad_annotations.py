@@ -45,8 +45,8 @@ async def test_conflicting_annotations_get_one_warning_and_the_job_is_left_alone
     core, batch = kubernetes.client.CoreV1Api(api), kubernetes.client.BatchV1Api(api)
     pool = k8s_namespace
     node = add_ready_node(control_plane, f"{pool}-spot", {CAPACITY: "spot", POOL: pool}, gpus=8)
-    for name, (annotations, _) in BAD.items():
-        batch.create_namespaced_job(k8s_namespace, _job(name, annotations, pool))
+    for name, (given, _) in BAD.items():
+        batch.create_namespaced_job(k8s_namespace, _job(name, given, pool))
 
     def all_bound():
         pods = core.list_namespaced_pod(k8s_namespace).items

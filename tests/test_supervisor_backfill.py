@@ -87,16 +87,16 @@ def test_conflicting_backfill_annotations_name_the_annotation():
 
     base = {names.ANN_POLICY: "elastic", names.ANN_FALLBACK: "on-demand"}
     assert parse_policy({**base, names.ANN_ON_DEMAND_MAX: "2"}, default_max=4).on_demand_max == 2
-    for annotations, field, words in (
+    for given, field, words in (
             ({**base, names.ANN_ON_DEMAND_MAX: "5"}, names.ANN_ON_DEMAND_MAX, "above"),
             ({names.ANN_POLICY: "elastic", names.ANN_ON_DEMAND_MAX: "1"}, names.ANN_ON_DEMAND_MAX, "needs"),
             ({names.ANN_POLICY: "fixed", names.ANN_IN_PLACE: "true"}, names.ANN_IN_PLACE, "needs")):
         try:
-            parse_policy(annotations, default_max=4)
+            parse_policy(given, default_max=4)
         except PolicyError as exc:
             assert exc.field == field and words in exc.message
         else:
-            raise AssertionError(f"{annotations} passed")
+            raise AssertionError(f"{given} passed")
     policy = parse_policy(base, default_max=4)
     spot = {"worker": {"nodeSelector": {"karpenter.sh/capacity-type": "spot"}}}
     either = {"worker": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
