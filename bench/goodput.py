@@ -221,6 +221,13 @@ def explain(comparison: Comparison, time_scale: float) -> list[str]:
         out.append(f"{mode}: {r.wall_s - ideal.wall_s:+.1f} s vs ideal = {r.restarts} restarts {r.restart_gap_s:.1f} s "
                    f"+ {r.steps_lost_reclaims + r.lost_on_rescales} lost steps redone ~{redo:.1f} s "
                    f"+ other {rest:+.1f} s (checkpoints, per-step agreement, load)")
+    bf = comparison.results.get("spotguard-backfill")
+    if bf is not None and bf.joiner_waits_s:
+        waits = sorted(bf.joiner_waits_s)
+        out.append(f"backfill: a joiner took {waits[len(waits) // 2]:.1f} s (median; max {waits[-1]:.1f} s) from its "
+                   f"start to joining; each reclaim costs the job about that long minus the noticed rank's hold "
+                   f"(--lead minus --horizon) at one replica short, and a joiner of a swap-back costs nothing "
+                   f"(the on-demand member trains until it joins).")
     sg = comparison.results.get("spotguard")
     if sg is not None and sg.restarts:
         per = sg.restart_gap_s / sg.restarts

@@ -138,6 +138,17 @@ class BackfillDryRun(DryRun):
                 self._noticed.add(replaced)
         await super()._admit(due)
 
+    def joiner_waits(self) -> list[float]:
+        """Seconds from each joiner's start to the membership that admitted it (admitted ones only)."""
+        waits = []
+        for step in self.backfill_steps:
+            for node in step["start"]:
+                admitted = next((m.t for m in self.memberships if m.t >= step["t"] and node in m.hosts
+                                 and m.cause == "admitted"), None)
+                if admitted is not None:
+                    waits.append(round(admitted - step["t"], 3))
+        return waits
+
     def node_seconds(self, since: float, until: float) -> dict[str, float]:
         """{"spot": s, "on-demand": s}: member-seconds of each capacity type between `since` and
         `until` (training's first start and its end), from the memberships pushed."""

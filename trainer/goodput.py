@@ -137,6 +137,7 @@ class ModeResult:
     in_place_pause_s: float = 0.0  # the survivors' pauses of those changes, summed
     spot_node_s: float = 0.0  # member-seconds on spot nodes (backfill mode only)
     on_demand_node_s: float = 0.0  # member-seconds on on-demand nodes (backfill mode only)
+    joiner_waits_s: list[float] = field(default_factory=list)  # backfill: joiner start -> admitted
     run_dir: str = ""
 
     @property
@@ -292,6 +293,7 @@ async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_ever
         since = min((e["t"] for e in events if e["event"] == "start"), default=until)
         split = dry.node_seconds(since, until)
         result.spot_node_s, result.on_demand_node_s = split["spot"], split["on-demand"]
+        result.joiner_waits_s = dry.joiner_waits()
     return result
 
 
