@@ -10,7 +10,6 @@ server, each direction throttled.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -18,6 +17,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 ACCESS_KEY = "spotguard-test"
 SECRET_KEY = "spotguard-test-secret"
@@ -207,6 +208,27 @@ class SlowProxy:
                 pass
 
 
-def remove_env(*names: str) -> None:
-    for name in names:
-        os.environ.pop(name, None)
+# pytest fixtures (import them into a test module: `from tests.s3_server import s3_server, s3_env`) -------
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """One real S3 server for the module's tests (each test uses its own prefix)."""
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """This process's credentials and endpoint point at `s3_server`; returns a fresh `s3://` URL."""
+    import uuid
+
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"

@@ -102,7 +102,7 @@ class ObjectCheckpointStore:
         self.url = ObjectStoreURL.parse(location)
         self.commit_timeout = positive_float("commit_timeout", commit_timeout)
         self.client = client if client is not None else make_client(endpoint_url)
-        check_access(self.client, self.url)
+        check_access(client if client is not None else make_client(endpoint_url, max_attempts=2), self.url)
         self.remote = RemoteCheckpoints(self.client, self.url,
                                         lease_seconds=positive_float("lease_seconds", lease_seconds))
         self.base = Path(local_dir) if local_dir is not None else default_local_dir(self.url)
