@@ -63,23 +63,25 @@ class RemoteManifest:
         return fingerprint(self.raw)
 
 
-def transfer_config(max_concurrency: int = 8) -> Any:
-    """boto3's TransferConfig for checkpoint files: multipart above 64 MiB, 32 MiB parts."""
+def transfer_config(max_concurrency: int = 8, multipart_threshold: int = MULTIPART_THRESHOLD,
+                    multipart_chunk: int = MULTIPART_CHUNK) -> Any:
+    """boto3's TransferConfig for checkpoint files: multipart above 64 MiB, 32 MiB parts by default."""
     from boto3.s3.transfer import TransferConfig
 
-    return TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK,
+    return TransferConfig(multipart_threshold=multipart_threshold, multipart_chunksize=multipart_chunk,
                           max_concurrency=max_concurrency, use_threads=True)
 
 
 class RemoteCheckpoints:
     """The object-store side of the store: see the module docstring for the layout and the order."""
 
-    def __init__(self, client: Any, url: ObjectStoreURL, *, lease_seconds: float = 60.0, file_workers: int = 4):
+    def __init__(self, client: Any, url: ObjectStoreURL, *, lease_seconds: float = 60.0, file_workers: int = 4,
+                 multipart_threshold: int = MULTIPART_THRESHOLD, multipart_chunk: int = MULTIPART_CHUNK):
         self.client = client
         self.url = url
-        self.lease_seconds = lease_seconds
+        self.lease_seconds = lease_seconds  # the server's clock counts whole seconds: keep this well above 1
         self.file_workers = file_workers
-        self._transfer = transfer_config()
+        self._transfer = transfer_config(multipart_threshold=multipart_threshold, multipart_chunk=multipart_chunk)
 
     # ---- keys ------------------------------------------------------------------------------------
     def key(self, tag: str, name: str) -> str:

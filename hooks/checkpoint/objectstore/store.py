@@ -42,7 +42,7 @@ from ..locks import WriterLock, live_tags_reaping_dead
 from ..manifest import PENDING_PREFIX, collect_parts
 from ..store import CheckpointCorrupt, CheckpointInfo, CheckpointStore, PendingCheckpoint, validate_tag
 from .client import check_access, make_client
-from .remote import RemoteCheckpoints, RemoteManifest
+from .remote import MULTIPART_CHUNK, MULTIPART_THRESHOLD, RemoteCheckpoints, RemoteManifest
 from .uploader import FAILED, OBJECT, Uploader
 from .url import ObjectStoreURL
 
@@ -93,18 +93,21 @@ class ObjectCheckpointStore:
     an S3-compatible endpoint (see client.py for the other ways to set it). `lease_seconds`: how
     long a silent writer's uploads are protected from another process's cleanup.
     `commit_timeout`: how long rank 0's remote commit waits for the other ranks' parts.
+    `multipart_threshold`: files above this size (bytes) are uploaded in parts.
     """
 
     def __init__(self, location: str, keep_last: int = 3, *, local_dir: str | os.PathLike | None = None,
                  endpoint_url: str | None = None, lease_seconds: float = 60.0, commit_timeout: float = 600.0,
-                 clean: bool = True, client: Any = None):
+                 clean: bool = True, client: Any = None, multipart_threshold: int = MULTIPART_THRESHOLD):
         self.keep_last = positive_int("keep_last", keep_last)
         self.url = ObjectStoreURL.parse(location)
         self.commit_timeout = positive_float("commit_timeout", commit_timeout)
         self.client = client if client is not None else make_client(endpoint_url)
         check_access(client if client is not None else make_client(endpoint_url, max_attempts=2), self.url)
         self.remote = RemoteCheckpoints(self.client, self.url,
-                                        lease_seconds=positive_float("lease_seconds", lease_seconds))
+                                        lease_seconds=positive_float("lease_seconds", lease_seconds),
+                                        multipart_threshold=multipart_threshold,
+                                        multipart_chunk=min(MULTIPART_CHUNK, max(multipart_threshold, 5 << 20)))
         self.base = Path(local_dir) if local_dir is not None else default_local_dir(self.url)
         try:
             self.local = _LocalTier(self.base / "tier1", self.keep_last, self)
