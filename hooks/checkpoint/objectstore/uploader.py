@@ -5,11 +5,16 @@ part manifest) and, on rank 0, the remote commit of a tag (which waits for every
 A heartbeat thread re-puts this writer's lease while it has jobs, so `cleanup` elsewhere leaves
 its tags alone. `tier(tag)` tells how far a tag got: "local" (durable on local disk, upload
 queued or running), "object" (every job of the tag ended well: this rank's part and, on rank 0,
-the commit are in the object store), "failed" (a job of the tag failed; the local copy remains). The worker is not a daemon: a process that exits normally waits for its uploads.
+the commit are in the object store), "failed" (a job of the tag failed; the local copy remains).
+
+A process that exits (a drained rank raising SystemExit included) waits for its uploads: the wait
+is registered with `threading`'s exit callbacks, which run before `concurrent.futures` stops taking
+work (boto3's transfers need it); a SIGKILL, or the node's end, loses what was not uploaded.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import uuid
@@ -38,6 +43,7 @@ class Uploader:
         self._wake = threading.Condition(self._mutex)
         self._closed = False
         self._heartbeat: threading.Thread | None = None
+        self._exit_hooked = False
 
     def tier(self, tag: str) -> str | None:
         """"local", "object", "failed", or None for a tag this uploader never saw."""
@@ -58,7 +64,26 @@ class Uploader:
             self._wake.notify_all()
         if first:
             self._ensure_heartbeat()
+            self._wait_at_exit()
         return future
+
+    def _wait_at_exit(self) -> None:
+        with self._mutex:
+            if self._exit_hooked:
+                return
+            self._exit_hooked = True
+        register = getattr(threading, "_register_atexit", None)
+        if register is None:
+            return
+        with contextlib.suppress(RuntimeError):  # already shutting down
+            register(self._drain_at_exit)
+
+    def _drain_at_exit(self) -> None:
+        with self._mutex:
+            pending = [f for f in self._futures if not f.done()]
+        if pending:
+            log.warning("waiting for %d checkpoint upload(s) to %s before exiting", len(pending), self.remote.url)
+            self.wait()
 
     def _run(self, tag: str, job: Callable[[], Any]) -> Any:
         try:
