@@ -113,7 +113,10 @@ class S3Server:
                     if exc.response["ResponseMetadata"]["HTTPStatusCode"] != 404:
                         raise
                     client.create_bucket(Bucket=BUCKET)
-                client.put_object(Bucket=BUCKET, Key=".ready", Body=b"")
+                client.put_object(Bucket=BUCKET, Key=".ready", Body=b"ready")
+                if client.get_object(Bucket=BUCKET, Key=".ready")["Body"].read() != b"ready":
+                    raise RuntimeError("read back differs")
+                client.list_objects_v2(Bucket=BUCKET, MaxKeys=1)
                 client.delete_object(Bucket=BUCKET, Key=".ready")
                 return
             except Exception as exc:  # not up yet: connection refused, 503, ...
