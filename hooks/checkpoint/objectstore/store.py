@@ -118,6 +118,7 @@ class ObjectCheckpointStore:
         self.uploader = Uploader(self.remote)
         self._downloads = DerivedCopies(self.base, DOWNLOADS)
         self._download_mutex = threading.Lock()
+        self.object_step: int | None = None  # the newest step known committed in the object store here
         if clean:
             self.cleanup()
 
@@ -179,6 +180,9 @@ class ObjectCheckpointStore:
 
         def commit_remote() -> RemoteManifest:
             remote = self.remote.commit(tag, world_size, metadata, timeout=self.commit_timeout)
+            step = metadata.get("step")
+            if isinstance(step, int):
+                self.object_step = max(step, self.object_step if self.object_step is not None else step)
             log.info("checkpoint %s committed to %s (sequence %d)", tag, self.url, remote.sequence,
                      extra={"tag": tag, "step": metadata.get("step")})
             self._remote_housekeeping(protect={tag})
@@ -284,6 +288,8 @@ class ObjectCheckpointStore:
                 log.warning("resuming from %s (step %s) instead of the damaged %s", info.tag, info.step,
                             ", ".join(f.tag for f in failures))
             self._prune_downloads(candidates)
+            if info.step is not None and (self.object_step is None or info.step > self.object_step):
+                self.object_step = info.step
             return info
         if failures:
             raise CheckpointCorrupt(failures[0].tag, [f"no checkpoint verifies: {f}" for f in failures])
