@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spotguard.hooks.checkpoint.objectstore.remote import transfer_config  # noqa: E402
-from spotguard.hooks.checkpoint.objectstore.store import ObjectCheckpointStore  # noqa: E402
-from tests.s3_server import BUCKET, S3Server  # noqa: E402
+from spotguard.hooks.checkpoint.objectstore.remote import transfer_config
+from spotguard.hooks.checkpoint.objectstore.store import ObjectCheckpointStore
+from tests.s3_server import BUCKET, S3Server
 
 
 def plain_boto3(client, files: list[Path], prefix: str) -> float:

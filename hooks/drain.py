@@ -31,7 +31,7 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import datetime, UTC
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Sequence
 
 from spotguard.hooks import save_decision
@@ -174,7 +174,7 @@ class DrainSequence:
         """Waits for the upload until the notice's deadline (less the margin); the tier then, and
         the steps lost counting only what reached the object store (the newest step this process
         knows there, else all of them)."""
-        store = getattr(self.adapter, "store", None)
+        store: Any = getattr(self.adapter, "store", None)
         left = notice.seconds_left()
         store.wait_uploaded(None if left is None else max(left - self.save_margin_seconds, 0.0))
         tier = self._tier(saved_step)

@@ -16,7 +16,7 @@ from spotguard.hooks.checkpoint import open_store
 from spotguard.hooks.checkpoint.objectstore.remote import RemoteCheckpoints
 from spotguard.hooks.checkpoint.objectstore.store import ObjectCheckpointStore
 from spotguard.hooks.checkpoint.objectstore.url import ObjectStoreURL
-from tests.s3_server import BUCKET, s3_env, s3_server  # noqa: F401 (fixtures)
+from tests.s3_server import BUCKET
 
 
 def save(store, tag: str, files: dict[str, bytes], step: int, reason: str = "periodic", rank: int = 0):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from spotguard.hooks.checkpoint import open_store
-from tests.s3_server import s3_env, s3_server  # noqa: F401 (fixtures)
 from tests.workers.launch import assert_same_state, exits, load_state, run_ranks, saved
 
 pytestmark = pytest.mark.slow

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import time
+import builtins
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,7 +274,7 @@ class RemoteCheckpoints:
         sizes, _, _ = self._objects()
         self._delete(k for k in sizes if self._tag_of(k) == tag)
 
-    def cleanup(self, newest: str | None) -> list[str]:
+    def cleanup(self, newest: str | None) -> builtins.list[str]:
         """Removes what dead writers left (see the module docstring), expired leases, and points
         `latest` at `newest`; returns the tags cleaned."""
         sizes, modified, server_now = self._objects()

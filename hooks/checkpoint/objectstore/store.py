@@ -322,7 +322,7 @@ class ObjectCheckpointStore:
     def cleanup(self) -> builtins.list[str]:
         """Cleans the local tier (CheckpointStore.cleanup), staging folders of dead uploaders, and the
         object store's leftovers of dead writers (remote.py); points `latest` at the newest."""
-        removed = self.local.cleanup()
+        removed: builtins.list[str] = self.local.cleanup()
         live = live_tags_reaping_dead(self.staging)
         for entry in self.staging.iterdir():
             if entry.is_dir() and not entry.name.startswith(".") and entry.name.rsplit(".", 2)[0] not in live:
@@ -344,6 +344,4 @@ class ObjectCheckpointStore:
         return self.local.dcp_reader(info, **options)
 
     def deepspeed_engine(self, **options: Any) -> Any:
-        from ..deepspeed_engine import StoreCheckpointEngine
-
-        return StoreCheckpointEngine(self, **options)
+        return self.local.deepspeed_engine(**options)

@@ -139,7 +139,7 @@ class Uploader:
         """Waits until every job submitted so far ended; True when all did within `timeout`."""
         with self._mutex:
             futures = list(self._futures)
-        done, not_done = concurrent.futures.wait(futures, timeout=timeout)
+        _, not_done = concurrent.futures.wait(futures, timeout=timeout)
         return not not_done
 
     def close(self, timeout: float | None = None) -> bool:
