@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+import json
+
 from spotguard.hooks.checkpoint import open_store
+from spotguard.wire.names import ENV_TERMINATION_LOG
 from tests.workers.launch import assert_same_state, exits, load_state, run_ranks, saved
 
 pytestmark = pytest.mark.slow
@@ -16,14 +19,19 @@ pytestmark = pytest.mark.slow
 
 def leg(tmp_path, s3_server, url: str, name: str, world: int, signal_at: int, signal_rank: int):
     out = tmp_path / name
-    env = {**s3_server.env(), "SPOTGUARD_LOCAL_CHECKPOINT_DIR": str(tmp_path / f"node-{name}")}
+    node = tmp_path / f"node-{name}"
+    env = {**s3_server.env(), "SPOTGUARD_LOCAL_CHECKPOINT_DIR": str(node)}
+    rank_env = {r: {**env, ENV_TERMINATION_LOG: str(tmp_path / f"{name}-termination-{r}")} for r in range(world)}
     args = ["--mode", "ddp", "--ckpt", url, "--out", str(out), "--steps", "1000", "--signal-at", str(signal_at),
             "--signal-rank", str(signal_rank)]
-    codes, tail = run_ranks(world, args, out / "logs", rank_env={r: env for r in range(world)})
+    codes, tail = run_ranks(world, args, out / "logs", rank_env=rank_env)
     assert codes == [83] * world, tail
     assert exits(out, world) == [83] * world
     records = saved(out, world)
     assert len({r["step"] for r in records}) == 1, records
+    # the drain waited for the upload: every rank reports the object store as the durable tier
+    messages = [json.loads((tmp_path / f"{name}-termination-{r}").read_text()) for r in range(world)]
+    assert all(m["durable_tier"] == "object" and m["steps_lost"] == 0 for m in messages), messages
     return out, records[0]["step"]
 
 
