@@ -42,7 +42,7 @@ from ..locks import WriterLock, live_tags_reaping_dead
 from ..manifest import PENDING_PREFIX, collect_parts
 from ..store import CheckpointCorrupt, CheckpointInfo, CheckpointStore, PendingCheckpoint, validate_tag
 from .client import check_access, make_client
-from .remote import MULTIPART_CHUNK, MULTIPART_THRESHOLD, RemoteCheckpoints, RemoteManifest
+from .remote import MULTIPART_CHUNK, MULTIPART_THRESHOLD, RemoteCheckpoints, RemoteCommitError, RemoteManifest
 from .uploader import FAILED, OBJECT, Uploader
 from .url import ObjectStoreURL
 
@@ -179,6 +179,8 @@ class ObjectCheckpointStore:
                 pending.close()
 
         def commit_remote() -> RemoteManifest:
+            if self.uploader.tier(tag) == FAILED:  # this process's part of it did not get there
+                raise RemoteCommitError(f"{tag}: not committing to {self.url}: a part upload failed")
             remote = self.remote.commit(tag, world_size, metadata, timeout=self.commit_timeout)
             step = metadata.get("step")
             if isinstance(step, int):
