@@ -32,11 +32,12 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import datetime, UTC
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Sequence
 
 from spotguard.hooks import save_decision
 from spotguard.hooks.agreement.base import Verdict
+from spotguard.hooks.adapters.base import tag_for
 from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.termination_message import write_termination_message
@@ -118,12 +119,18 @@ class DrainSequence:
             ok = False
         ok = self.collectives.all_ok(ok)
         checkpoint_seconds = time.monotonic() - t0
-        extra = {"steps_lost": step - saved_step, "saved_step": saved_step}
+        extra: dict = {"steps_lost": step - saved_step, "saved_step": saved_step}
+        tier = self._tier(saved_step) if ok else None
+        if tier is not None:
+            extra["durable_tier"] = tier
         self._report(notice, saved_step, "checkpoint-durable" if ok else "failed", checkpoint_seconds, extra)
         drain_seconds = 0.0
         if staying and ok:
             return DrainRecord(step, saved_step, notice, used_snapshot, ok, EXIT_PREEMPTED, checkpoint_seconds, 0.0,
                                started)
+        if tier == "local":  # an object store: only its commit survives the node
+            tier, extra["steps_lost"] = self._settle_upload(notice, step, saved_step)
+            extra["durable_tier"] = tier
         if ok:
             t1 = time.monotonic()
             for hook in self.drain_hooks:
@@ -134,7 +141,8 @@ class DrainSequence:
             drain_seconds = time.monotonic() - t1
             self._report(notice, saved_step, "drained", drain_seconds, extra)
         code = EXIT_PREEMPTED if ok else EXIT_CHECKPOINT_FAILED
-        write_termination_message(notice.id, step, saved_step, ok)
+        write_termination_message(notice.id, step, saved_step, ok, steps_lost=extra["steps_lost"],
+                                  durable_tier=extra.get("durable_tier"))
         log.warning("rank %d drained for notice %s at step %d (checkpoint of step %d %s in %.3fs): exit %d",
                     self.collectives.rank, notice.id, step, saved_step, "durable" if ok else "FAILED",
                     checkpoint_seconds, code)
@@ -157,6 +165,26 @@ class DrainSequence:
         for hook in self.reclaim_hooks:
             hook(step, notice)
         return saved_step, used_snapshot
+
+    def _tier(self, saved_step: int) -> str | None:
+        """Where the notice checkpoint is durable now, for a store with tiers (None: not told)."""
+        tier_of = getattr(getattr(self.adapter, "store", None), "durable_tier", None)
+        return tier_of(tag_for(saved_step, "notice")) if callable(tier_of) else None
+
+    def _settle_upload(self, notice: Notice, step: int, saved_step: int) -> tuple[str | None, int]:
+        """Waits for the upload until the notice's deadline (less the margin); the tier then, and
+        the steps lost counting only what reached the object store (the newest step this process
+        knows there, else all of them)."""
+        store: Any = getattr(self.adapter, "store", None)
+        left = notice.seconds_left()
+        store.wait_uploaded(None if left is None else max(left - self.save_margin_seconds, 0.0))
+        tier = self._tier(saved_step)
+        if tier == "object":
+            return tier, step - saved_step
+        survived = getattr(store, "object_step", None)
+        log.warning("checkpoint of step %d is on local disk only (not uploaded by the deadline): lost with the node",
+                    saved_step)
+        return tier, step - (survived if survived is not None else 0)
 
     def _use_snapshot(self, adapter: CheckpointAdapter, notice: Notice) -> bool:
         """The save decision's vote; skipped (a fresh save, no collective) for an adapter whose

@@ -31,14 +31,19 @@ def termination_log_path(environ: dict | None = None) -> str | None:
 
 
 def write_termination_message(notice_id: str, step: int, saved_step: int, durable: bool,
-                              path: str | None = None) -> bool:
-    """Writes the message (see the module docstring); True when written."""
+                              path: str | None = None, *, steps_lost: int | None = None,
+                              durable_tier: str | None = None) -> bool:
+    """Writes the message (see the module docstring); True when written. `steps_lost` defaults to
+    `step - saved_step`; `durable_tier` ("object", "local", "disk"), when known, is added."""
     target = path if path is not None else termination_log_path()
     if target is None:
         return False
-    body = json.dumps({"v": WIRE_VERSION, "notice_id": notice_id, "step": step, "saved_step": saved_step,
-                       "steps_lost": step - saved_step, "checkpoint": "durable" if durable else "failed"},
-                      separators=(",", ":"))
+    message = {"v": WIRE_VERSION, "notice_id": notice_id, "step": step, "saved_step": saved_step,
+               "steps_lost": step - saved_step if steps_lost is None else steps_lost,
+               "checkpoint": "durable" if durable else "failed"}
+    if durable_tier is not None:
+        message["durable_tier"] = durable_tier
+    body = json.dumps(message, separators=(",", ":"))
     data = body.encode()[:MAX_MESSAGE_BYTES]
     try:
         with open(target, "wb") as f:

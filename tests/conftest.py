@@ -81,3 +81,7 @@ def k8s_namespace(control_plane, request):
         yield name
     finally:
         core.delete_namespace(name, grace_period_seconds=0)
+
+
+# A real S3-compatible server (SeaweedFS, tests/s3_server.py) for the object-store tests -----------
+from tests.s3_server import s3_env, s3_server  # noqa: E402, F401  (fixtures)

@@ -28,7 +28,7 @@ from collections import deque
 from typing import Any, Protocol
 from collections.abc import Callable
 
-from spotguard.hooks.adapters.store import CheckpointInfo, CheckpointStore
+from spotguard.hooks.adapters.store import CheckpointInfo, CheckpointStore, open_store
 from spotguard.wire.notice import Notice
 
 log = logging.getLogger("spotguard.hooks.adapters")
@@ -88,7 +88,7 @@ class StoreAdapter:
         if store is None:
             if checkpoint_dir is None:
                 raise ValueError("an adapter needs checkpoint_dir or a store")
-            store = CheckpointStore(checkpoint_dir, keep_last=keep_last)
+            store = open_store(checkpoint_dir, keep_last=keep_last)
         self.store = store
         self.extra_state = extra_state
         self.extra: dict[str, Any] = {}

@@ -2,6 +2,6 @@
 adapter code names one place."""
 from __future__ import annotations
 
-from spotguard.hooks.checkpoint import CheckpointCorrupt, CheckpointInfo, CheckpointStore
+from spotguard.hooks.checkpoint import CheckpointCorrupt, CheckpointInfo, CheckpointStore, open_store
 
-__all__ = ["CheckpointCorrupt", "CheckpointInfo", "CheckpointStore"]
+__all__ = ["CheckpointCorrupt", "CheckpointInfo", "CheckpointStore", "open_store"]

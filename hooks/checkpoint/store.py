@@ -20,8 +20,9 @@ complete checkpoints or that set plus the new one: the next open's `cleanup` mak
 complete copy of every tag `<tag>/` again (recovery.py) before it deletes any leftover, and
 points `latest` at the newest checkpoint.
 
-Kept small on purpose: a future object-store backend needs only put/list/get of whole
-objects plus "manifest last" ordering, which is what this class does on a file system.
+Backends: `open_store(location)` opens this store for a directory and, for `s3://bucket/prefix`,
+`objectstore.store.ObjectCheckpointStore` (this store as the local first tier, the object store as
+the tier that survives the node; same interface).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from .recovery import recover_commits, repair_latest
 log = logging.getLogger(__name__)
 
 __all__ = ["MANIFEST", "CheckpointCorrupt", "CheckpointInfo", "CheckpointStore", "CommitError", "PendingCheckpoint",
-           "validate_tag"]
+           "open_store", "validate_tag"]
 
 
 class CheckpointCorrupt(Exception):
@@ -236,7 +237,7 @@ class CheckpointStore:
         validate_tag(tag)
         with store_lock(self.root, exclusive=False):
             lock = WriterLock(self.root, tag)
-            pending = PendingCheckpoint(self, tag, lock)
+            pending = self._new_pending(tag, lock)
             if not pending.dir.is_dir():
                 with contextlib.suppress(FileExistsError):
                     pending.dir.mkdir()
@@ -248,6 +249,10 @@ class CheckpointStore:
         with self._pending_mutex:
             self._pending.setdefault(tag, []).append(pending)
         return pending
+
+    def _new_pending(self, tag: str, lock: WriterLock) -> PendingCheckpoint:
+        """The pending checkpoint `begin` hands out (a tier above this store returns its own kind)."""
+        return PendingCheckpoint(self, tag, lock)
 
     def _forget_pending(self, pending: PendingCheckpoint) -> None:
         with self._pending_mutex:
@@ -503,3 +508,15 @@ class CheckpointStore:
         from .deepspeed_engine import StoreCheckpointEngine
 
         return StoreCheckpointEngine(self, **options)
+
+
+def open_store(location: str | os.PathLike, keep_last: int = 3, **options: Any) -> Any:
+    """The store for `location`: `s3://bucket/prefix` opens an ObjectCheckpointStore (options: see
+    objectstore/store.py), anything else a CheckpointStore on that directory."""
+    from .objectstore.url import is_object_store_url
+
+    if is_object_store_url(location):
+        from .objectstore.store import ObjectCheckpointStore
+
+        return ObjectCheckpointStore(str(location), keep_last=keep_last, **options)
+    return CheckpointStore(location, keep_last=keep_last, **options)

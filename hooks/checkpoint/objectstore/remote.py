@@ -1,0 +1,304 @@
+"""Checkpoints as objects under `s3://bucket/prefix`: complete or invisible on a store without rename.
+
+Layout (keys under the prefix):
+- `<tag>/<file>`: the files of checkpoint `<tag>`, uploaded first (multipart above the transfer
+  threshold); `<tag>/.spotguard-part-<rank>.json`: each rank's part manifest, put after its files;
+- `<tag>/spotguard-manifest.json`: written last, by rank 0, once every rank's part is there and
+  every listed object has its recorded size. A tag with this object is a complete checkpoint;
+  without it the tag is invisible: listing, loading and retention read manifests only;
+- `latest`: the newest complete tag, put after its manifest (a hint; the manifests are the truth);
+- `.writers/<id>`: a live writer's lease (JSON `{"tags": [...]}`), re-put while it uploads.
+
+A re-commit of a tag first deletes its manifest (the old copy becomes invisible), then uploads.
+Retention deletes the manifest first, then the data. `cleanup` deletes the objects of every tag
+without a manifest and aborts the multipart uploads of every tag, unless a writer lease fresher
+than `lease_seconds` (by the server's clock) names that tag: a crashed writer's leftovers go on
+the next open after its lease ran out.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import email.utils
+import json
+import logging
+import os
+import time
+import builtins
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import fsutil
+from ..manifest import LATEST, MANIFEST, MANIFEST_VERSION, PART_PREFIX, TAG_RE, fingerprint
+from .url import ObjectStoreURL
+
+log = logging.getLogger(__name__)
+
+WRITERS = ".writers"
+MULTIPART_THRESHOLD = 64 << 20
+MULTIPART_CHUNK = 32 << 20
+
+
+class RemoteCommitError(Exception):
+    """A remote commit was refused or timed out (a rank's part missing or inconsistent); nothing became visible."""
+
+
+@dataclass(frozen=True)
+class RemoteManifest:
+    """One complete checkpoint in the object store: its manifest and that manifest's raw bytes."""
+
+    manifest: dict[str, Any]
+    raw: bytes
+
+    @property
+    def tag(self) -> str:
+        return str(self.manifest["tag"])
+
+    @property
+    def sequence(self) -> int:
+        return int(self.manifest["sequence"])
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.raw)
+
+
+def transfer_config(max_concurrency: int = 8, multipart_threshold: int = MULTIPART_THRESHOLD,
+                    multipart_chunk: int = MULTIPART_CHUNK) -> Any:
+    """boto3's TransferConfig for checkpoint files: multipart above 64 MiB, 32 MiB parts by default."""
+    from boto3.s3.transfer import TransferConfig
+
+    return TransferConfig(multipart_threshold=multipart_threshold, multipart_chunksize=multipart_chunk,
+                          max_concurrency=max_concurrency, use_threads=True)
+
+
+class RemoteCheckpoints:
+    """The object-store side of the store: see the module docstring for the layout and the order."""
+
+    def __init__(self, client: Any, url: ObjectStoreURL, *, lease_seconds: float = 60.0, file_workers: int = 4,
+                 multipart_threshold: int = MULTIPART_THRESHOLD, multipart_chunk: int = MULTIPART_CHUNK):
+        self.client = client
+        self.url = url
+        self.lease_seconds = lease_seconds  # the server's clock counts whole seconds: keep this well above 1
+        self.file_workers = file_workers
+        self._transfer = transfer_config(multipart_threshold=multipart_threshold, multipart_chunk=multipart_chunk)
+
+    # ---- keys ------------------------------------------------------------------------------------
+    def key(self, tag: str, name: str) -> str:
+        return self.url.key(tag, name)
+
+    def _tag_of(self, key: str) -> str | None:
+        rest = key[len(self.url.root_key):]
+        tag, sep, _ = rest.partition("/")
+        return tag if sep and TAG_RE.match(tag) else None
+
+    def _objects(self) -> tuple[dict[str, int], dict[str, float], float]:
+        """({key: size}, {key: last-modified epoch}) of every object under the prefix, and the server's time."""
+        sizes: dict[str, int] = {}
+        modified: dict[str, float] = {}
+        server_now = time.time()
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.url.bucket, Prefix=self.url.root_key):
+            date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+            if date:
+                server_now = email.utils.parsedate_to_datetime(date).timestamp()
+            for obj in page.get("Contents", []):
+                sizes[obj["Key"]] = int(obj["Size"])
+                modified[obj["Key"]] = obj["LastModified"].timestamp()
+        return sizes, modified, server_now
+
+    def _get(self, key: str) -> bytes | None:
+        try:
+            return self.client.get_object(Bucket=self.url.bucket, Key=key)["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            return None
+        except Exception as exc:  # some servers answer a missing key with a bare 404
+            if getattr(exc, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return None
+            raise
+
+    def _put(self, key: str, body: bytes) -> None:
+        self.client.put_object(Bucket=self.url.bucket, Key=key, Body=body)
+
+    def _delete(self, keys: Iterable[str]) -> None:
+        batch = sorted(set(keys))
+        for i in range(0, len(batch), 1000):
+            chunk = batch[i:i + 1000]
+            self.client.delete_objects(Bucket=self.url.bucket,
+                                       Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})
+
+    # ---- writer leases ---------------------------------------------------------------------------
+    def put_lease(self, writer: str, tags: Iterable[str]) -> None:
+        """(Re-)puts writer `writer`'s lease naming the tags it may still upload into."""
+        self._put(self.url.key(WRITERS, writer), json.dumps({"tags": sorted(set(tags))}).encode())
+
+    def drop_lease(self, writer: str) -> None:
+        self._delete([self.url.key(WRITERS, writer)])
+
+    def _live_tags(self, modified: Mapping[str, float], server_now: float) -> set[str]:
+        live: set[str] = set()
+        lease_prefix = self.url.key(WRITERS) + "/"
+        for key, when in modified.items():
+            if key.startswith(lease_prefix) and server_now - when < self.lease_seconds:
+                raw = self._get(key)
+                try:
+                    live.update(json.loads(raw or b"{}").get("tags", []))
+                except (ValueError, AttributeError):
+                    continue
+        return live
+
+    # ---- writing ---------------------------------------------------------------------------------
+    def begin_part(self, tag: str, rank: int) -> None:
+        """Before a rank uploads into `tag`: the old manifest (a re-commit) and this rank's old part go first."""
+        self._delete([self.key(tag, MANIFEST), self.key(tag, f"{PART_PREFIX}{rank}.json")])
+
+    def upload_files(self, tag: str, files: Mapping[str, Path]) -> int:
+        """Uploads {name: local path} into `tag/` (multipart for large files, several at once); bytes sent."""
+        def one(item: tuple[str, Path]) -> int:
+            name, path = item
+            self.client.upload_file(str(path), self.url.bucket, self.key(tag, name), Config=self._transfer)
+            return os.path.getsize(path)
+
+        if not files:
+            return 0
+        with concurrent.futures.ThreadPoolExecutor(min(self.file_workers, len(files))) as pool:
+            return sum(pool.map(one, sorted(files.items())))
+
+    def put_part(self, tag: str, rank: int, part_raw: bytes) -> None:
+        """Puts rank `rank`'s part manifest (after its files)."""
+        self._put(self.key(tag, f"{PART_PREFIX}{rank}.json"), part_raw)
+
+    def _collect(self, tag: str, world_size: int, sizes: Mapping[str, int]) -> tuple[dict, list[str]]:
+        files: dict[str, dict[str, Any]] = {}
+        problems: list[str] = []
+        for rank in range(world_size):
+            key = self.key(tag, f"{PART_PREFIX}{rank}.json")
+            if key not in sizes:
+                problems.append(f"rank {rank} has not uploaded its part")
+                continue
+            raw = self._get(key)
+            try:
+                part = json.loads(raw or b"")
+            except ValueError as exc:
+                problems.append(f"rank {rank}'s part manifest is unreadable: {exc}")
+                continue
+            for name, entry in part.get("files", {}).items():
+                actual = sizes.get(self.key(tag, name))
+                if name in files:
+                    problems.append(f"{name} recorded by rank {files[name]['rank']} and rank {rank}")
+                elif actual is None:
+                    problems.append(f"{name} (rank {rank}) is missing")
+                elif actual != entry["size"]:
+                    problems.append(f"{name} (rank {rank}) has {actual} bytes, part manifest says {entry['size']}")
+                files[name] = {**entry, "rank": rank}
+        return files, problems
+
+    def commit(self, tag: str, world_size: int, metadata: Mapping[str, Any], *, timeout: float) -> RemoteManifest:
+        """Waits (up to `timeout` s) for every rank's part, then writes the manifest and `latest`.
+
+        RemoteCommitError when a part stays missing or inconsistent; nothing becomes visible then.
+        """
+        deadline = time.monotonic() + timeout
+        pause = 0.02
+        while True:
+            sizes, _, _ = self._objects()
+            files, problems = self._collect(tag, world_size, sizes)
+            if not problems:
+                break
+            if time.monotonic() >= deadline:
+                raise RemoteCommitError(f"{tag}: refusing to commit to {self.url}: " + "; ".join(problems))
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+        sequence = 1 + max((m.sequence for m in self.list()), default=0)
+        manifest = {"v": MANIFEST_VERSION, "tag": tag, "sequence": sequence, "world_size": world_size,
+                    "committed_at": time.time(), "checksum": fsutil.CHECKSUM_ALGO, "metadata": dict(metadata),
+                    "files": files}
+        raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        self._put(self.key(tag, MANIFEST), raw)
+        self._put(self.url.key(LATEST), tag.encode())
+        return RemoteManifest(manifest, raw)
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def _parse(self, tag: str, raw: bytes | None) -> RemoteManifest | None:
+        if raw is None:
+            return None
+        try:
+            manifest = json.loads(raw)
+            if (not isinstance(manifest, dict) or manifest.get("v") != MANIFEST_VERSION or manifest.get("tag") != tag
+                    or not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("sequence"), int)):
+                raise ValueError("unexpected manifest version, tag or fields")
+        except ValueError as exc:
+            log.warning("checkpoint %s in %s: manifest unreadable (%s); ignoring it", tag, self.url, exc)
+            return None
+        return RemoteManifest(manifest, raw)
+
+    def read(self, tag: str) -> RemoteManifest | None:
+        """The complete checkpoint `tag`, or None."""
+        return self._parse(tag, self._get(self.key(tag, MANIFEST)))
+
+    def list(self) -> list[RemoteManifest]:
+        """Every complete checkpoint, oldest first (by commit sequence)."""
+        sizes, _, _ = self._objects()
+        found = []
+        for key in sizes:
+            tag = self._tag_of(key)
+            if tag is not None and key == self.key(tag, MANIFEST):
+                remote = self.read(tag)
+                if remote is not None:
+                    found.append(remote)
+        found.sort(key=lambda m: (m.sequence, m.manifest.get("committed_at", 0.0), m.tag))
+        return found
+
+    def latest_hint(self) -> str | None:
+        raw = self._get(self.url.key(LATEST))
+        return raw.decode() if raw is not None else None
+
+    def download(self, remote: RemoteManifest, dest: Path) -> None:
+        """Downloads every file of `remote` into `dest` (fsynced), with its manifest."""
+        def one(name: str) -> None:
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.client.download_file(self.url.bucket, self.key(remote.tag, name), str(target), Config=self._transfer)
+
+        names = sorted(remote.manifest["files"])
+        if names:
+            with concurrent.futures.ThreadPoolExecutor(min(self.file_workers, len(names))) as pool:
+                list(pool.map(one, names))
+        fsutil.write_file_synced(dest / MANIFEST, remote.raw)
+
+    # ---- housekeeping ----------------------------------------------------------------------------
+    def delete(self, tag: str) -> None:
+        """Deletes checkpoint `tag`: its manifest first (invisible from then on), then its objects."""
+        self._delete([self.key(tag, MANIFEST)])
+        sizes, _, _ = self._objects()
+        self._delete(k for k in sizes if self._tag_of(k) == tag)
+
+    def cleanup(self, newest: str | None) -> builtins.list[str]:
+        """Removes what dead writers left (see the module docstring), expired leases, and points
+        `latest` at `newest`; returns the tags cleaned."""
+        sizes, modified, server_now = self._objects()
+        live = self._live_tags(modified, server_now)
+        complete = {tag for key in sizes if (tag := self._tag_of(key)) is not None and key == self.key(tag, MANIFEST)}
+        leftover = {tag for key in sizes if (tag := self._tag_of(key)) is not None} - complete - live
+        self._delete(k for k in sizes if self._tag_of(k) in leftover)
+        lease_prefix = self.url.key(WRITERS) + "/"
+        self._delete(k for k, when in modified.items()
+                     if k.startswith(lease_prefix) and server_now - when >= self.lease_seconds)
+        aborted = self._abort_multipart(live)
+        if newest is not None and self.latest_hint() != newest:
+            self._put(self.url.key(LATEST), newest.encode())
+        return sorted(leftover | aborted)
+
+    def _abort_multipart(self, live: set[str]) -> set[str]:
+        aborted: set[str] = set()
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        for page in paginator.paginate(Bucket=self.url.bucket, Prefix=self.url.root_key):
+            for upload in page.get("Uploads", []) or []:
+                tag = self._tag_of(upload["Key"])
+                if tag is None or tag in live:
+                    continue
+                self.client.abort_multipart_upload(Bucket=self.url.bucket, Key=upload["Key"],
+                                                   UploadId=upload["UploadId"])
+                aborted.add(tag)
+        return aborted

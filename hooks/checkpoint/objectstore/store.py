@@ -1,0 +1,349 @@
+"""`ObjectCheckpointStore`: checkpoints in an S3-compatible object store, local disk first.
+
+Two tiers, one interface (that of `CheckpointStore`, so adapters do not change):
+- tier 1, local: every rank writes its files into a `CheckpointStore` on local disk (`local_dir`,
+  or `SPOTGUARD_LOCAL_CHECKPOINT_DIR`, or a folder under the temp dir named after the URL); its
+  part is durable there (fsynced) when `finish_rank` returns, within the notice's deadline. When
+  every rank's part is on this disk (one node), rank 0 also commits the checkpoint locally;
+- tier 2, object store: at `finish_rank` each rank's files are hard-linked into a staging folder
+  and uploaded in the background (uploader.py), its part manifest last; rank 0's `commit` queues
+  the remote commit (remote.py: waits for every part, manifest last, then `latest`, retention and
+  the cleanup of dead writers' leftovers). Only this tier survives the node: a checkpoint that is
+  durable locally but not yet uploaded when the node dies is lost, by design.
+
+Reading goes to the object store: `list`, `latest`, `read` return its complete checkpoints, whose
+`dir` is where `resolve` downloads them (`<local>/_downloads/<tag>/`, once per node and commit);
+`resolve` downloads the newest, verifies its checksums and falls back to older ones like the disk
+store does. `durable_tier(tag)` says "object", "local" or None; `wait_uploaded(timeout)` waits for
+the background uploads. Opening checks the bucket at once (client.check_access): an unreachable
+endpoint, refused credentials or a missing bucket raise ConfigError naming the URL and the cause.
+"""
+from __future__ import annotations
+
+import builtins
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
+from pathlib import Path
+from typing import Any
+
+from spotguard.config import ConfigError, positive_float, positive_int
+
+from ..derived import DerivedCopies, derived_areas
+from ..locks import WriterLock, live_tags_reaping_dead
+from ..manifest import PENDING_PREFIX, collect_parts
+from ..store import CheckpointCorrupt, CheckpointInfo, CheckpointStore, PendingCheckpoint, validate_tag
+from .client import check_access, make_client
+from .remote import MULTIPART_CHUNK, MULTIPART_THRESHOLD, RemoteCheckpoints, RemoteCommitError, RemoteManifest
+from .uploader import FAILED, OBJECT, Uploader
+from .url import ObjectStoreURL
+
+log = logging.getLogger(__name__)
+
+LOCAL_DIR_ENV = "SPOTGUARD_LOCAL_CHECKPOINT_DIR"
+DOWNLOADS = "downloads"  # <local>/_downloads/<tag>/: checkpoints downloaded for loading
+
+
+class _TieredPending(PendingCheckpoint):
+    """A pending checkpoint of the local tier whose `finish_rank` also queues this rank's upload."""
+
+    store: _LocalTier
+
+    def finish_rank(self, rank: int) -> Path:
+        path = super().finish_rank(rank)
+        self.store.rank_finished(self, rank, path)
+        return path
+
+
+class _LocalTier(CheckpointStore):
+    """The local first tier: a CheckpointStore whose pending checkpoints report finished ranks."""
+
+    def __init__(self, root: Path, keep_last: int, owner: ObjectCheckpointStore):
+        self.owner = owner
+        super().__init__(root, keep_last=keep_last)
+
+    def _new_pending(self, tag: str, lock: WriterLock) -> PendingCheckpoint:
+        return _TieredPending(self, tag, lock)
+
+    def rank_finished(self, pending: PendingCheckpoint, rank: int, part: Path) -> None:
+        self.owner._upload_part(pending, rank, part)
+
+
+def default_local_dir(url: ObjectStoreURL) -> Path:
+    """`SPOTGUARD_LOCAL_CHECKPOINT_DIR`, else `<tmp>/spotguard-checkpoints/<bucket>-<hash of the URL>`."""
+    configured = os.environ.get(LOCAL_DIR_ENV)
+    if configured:
+        return Path(configured)
+    digest = hashlib.sha256(str(url).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / "spotguard-checkpoints" / f"{url.bucket}-{digest}"
+
+
+class ObjectCheckpointStore:
+    """Checkpoints under `s3://bucket/prefix` with a local first tier; see the module docstring.
+
+    `keep_last`: retention in both tiers (notice checkpoints are always kept). `endpoint_url`:
+    an S3-compatible endpoint (see client.py for the other ways to set it). `lease_seconds`: how
+    long a silent writer's uploads are protected from another process's cleanup.
+    `commit_timeout`: how long rank 0's remote commit waits for the other ranks' parts.
+    `multipart_threshold`: files above this size (bytes) are uploaded in parts.
+    """
+
+    def __init__(self, location: str, keep_last: int = 3, *, local_dir: str | os.PathLike | None = None,
+                 endpoint_url: str | None = None, lease_seconds: float = 60.0, commit_timeout: float = 600.0,
+                 clean: bool = True, client: Any = None, multipart_threshold: int = MULTIPART_THRESHOLD):
+        self.keep_last = positive_int("keep_last", keep_last)
+        self.url = ObjectStoreURL.parse(location)
+        self.commit_timeout = positive_float("commit_timeout", commit_timeout)
+        self.client = client if client is not None else make_client(endpoint_url)
+        check_access(client if client is not None else make_client(endpoint_url, max_attempts=2), self.url)
+        self.remote = RemoteCheckpoints(self.client, self.url,
+                                        lease_seconds=positive_float("lease_seconds", lease_seconds),
+                                        multipart_threshold=multipart_threshold,
+                                        multipart_chunk=min(MULTIPART_CHUNK, max(multipart_threshold, 5 << 20)))
+        self.base = Path(local_dir) if local_dir is not None else default_local_dir(self.url)
+        try:
+            self.local = _LocalTier(self.base / "tier1", self.keep_last, self)
+        except ConfigError as exc:
+            raise ConfigError("local_dir", f"{self.base}: {exc.message}") from exc
+        self.staging = self.base / "staging"
+        self.staging.mkdir(exist_ok=True)
+        self.uploader = Uploader(self.remote)
+        self._downloads = DerivedCopies(self.base, DOWNLOADS)
+        self._download_mutex = threading.Lock()
+        self.object_step: int | None = None  # the newest step known committed in the object store here
+        if clean:
+            self.cleanup()
+
+    def __repr__(self) -> str:
+        return f"ObjectCheckpointStore({str(self.url)!r}, local={str(self.base)!r})"
+
+    @property
+    def root(self) -> Path:
+        """The local tier's directory (where ranks write their files)."""
+        return self.local.root
+
+    # ---- writing ---------------------------------------------------------------------------
+    def begin(self, tag: str) -> PendingCheckpoint:
+        """Opens the local tier's pending checkpoint of `tag` for this rank (see CheckpointStore.begin)."""
+        return self.local.begin(tag)
+
+    def _upload_part(self, pending: PendingCheckpoint, rank: int, part: Path) -> None:
+        """Stages this rank's files by hard link (so local commits and retention do not disturb the
+        upload) and queues their upload, the part manifest last."""
+        tag = pending.tag
+        lock = WriterLock(self.staging, tag)
+        stage = self.staging / f"{tag}.{rank}.{uuid.uuid4().hex[:8]}"
+        stage.mkdir()
+        files: dict[str, Path] = {}
+        for name in pending.files:
+            target = stage / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(pending.dir / name, target)
+            files[name] = target
+        part_raw = part.read_bytes()
+
+        def upload() -> int:
+            try:
+                self.remote.begin_part(tag, rank)
+                sent = self.remote.upload_files(tag, files)
+                self.remote.put_part(tag, rank, part_raw)
+                return sent
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+                lock.release()
+
+        self.uploader.submit(tag, upload)
+
+    def commit(self, tag: str, world_size: int, metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
+        """Rank 0, after every rank finished: commits locally when every part is on this disk, and
+        queues the remote commit. Returns the local checkpoint, or (parts on several nodes) a
+        description of the one being committed remotely (`sequence` 0)."""
+        validate_tag(tag)
+        world_size = positive_int("world_size", world_size)
+        metadata = dict(metadata or {})
+        _, problems = collect_parts(self.local.root / f"{PENDING_PREFIX}{tag}", world_size)
+        info: CheckpointInfo | None = None
+        if not problems:
+            info = self.local.commit(tag, world_size, metadata)
+        else:
+            log.info("checkpoint %s: parts are on several nodes; committing in the object store only", tag)
+            for pending in list(self.local._pending.get(tag, [])):
+                pending.close()
+
+        def commit_remote() -> RemoteManifest:
+            if self.uploader.tier(tag) == FAILED:  # this process's part of it did not get there
+                raise RemoteCommitError(f"{tag}: not committing to {self.url}: a part upload failed")
+            remote = self.remote.commit(tag, world_size, metadata, timeout=self.commit_timeout)
+            step = metadata.get("step")
+            if isinstance(step, int):
+                self.object_step = max(step, self.object_step if self.object_step is not None else step)
+            log.info("checkpoint %s committed to %s (sequence %d)", tag, self.url, remote.sequence,
+                     extra={"tag": tag, "step": metadata.get("step")})
+            self._remote_housekeeping(protect={tag})
+            return remote
+
+        self.uploader.submit(tag, commit_remote)
+        if info is None:
+            info = CheckpointInfo(tag=tag, dir=self._downloads.path(tag), sequence=0, world_size=world_size,
+                                  metadata=metadata, files={})
+        return info
+
+    def _remote_housekeeping(self, protect: AbstractSet[str]) -> None:
+        try:
+            self.apply_retention(protect=protect)
+            self.remote.cleanup(newest=None)
+        except Exception as exc:  # the commit stands; the next commit or open tries again
+            log.warning("housekeeping in %s failed: %s", self.url, exc)
+
+    def durable_tier(self, tag: str) -> str | None:
+        """Where checkpoint `tag` is durable as this process knows it: "object" (in the object
+        store; on rank 0: committed there), "local" (local disk only: lost with the node), None."""
+        tier = self.uploader.tier(tag)
+        if tier == OBJECT:
+            return "object"
+        if tier is not None or (self.local.root / tag).is_dir():
+            return "local"
+        return None
+
+    def upload_failed(self, tag: str) -> bool:
+        return self.uploader.tier(tag) == FAILED
+
+    def wait_uploaded(self, timeout: float | None = None) -> bool:
+        """Waits for the uploads queued so far; True when they all ended within `timeout`."""
+        return self.uploader.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Waits for the uploads (up to `timeout`) and stops the uploader; True when all ended."""
+        return self.uploader.close(timeout)
+
+    # ---- reading ---------------------------------------------------------------------------
+    def _info(self, remote: RemoteManifest) -> CheckpointInfo:
+        m = remote.manifest
+        return CheckpointInfo(tag=remote.tag, dir=self._downloads.path(remote.tag), sequence=remote.sequence,
+                              world_size=int(m["world_size"]), metadata=dict(m.get("metadata") or {}),
+                              files=dict(m["files"]), committed_at=float(m.get("committed_at", 0.0)),
+                              fingerprint=remote.fingerprint)
+
+    def read(self, tag: str) -> CheckpointInfo | None:
+        """The complete checkpoint `tag` in the object store, or None (`dir`: where resolve puts it)."""
+        remote = self.remote.read(validate_tag(tag))
+        return self._info(remote) if remote is not None else None
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every complete checkpoint in the object store, oldest first."""
+        return [self._info(r) for r in self.remote.list()]
+
+    def latest(self) -> CheckpointInfo | None:
+        complete = self.list()
+        return complete[-1] if complete else None
+
+    def verify(self, info: CheckpointInfo) -> None:
+        """Checksums of the downloaded copy (see CheckpointStore.verify)."""
+        self.local.verify(info)
+
+    @contextlib.contextmanager
+    def _downloads_locked(self) -> Iterator[None]:
+        """One downloader per node at a time (flock, other processes) and per process (mutex)."""
+        with self._download_mutex:
+            fd = os.open(self.base / ".downloads.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+
+    def materialize(self, info: CheckpointInfo) -> CheckpointInfo:
+        """Downloads checkpoint `info` into `info.dir` unless this very commit is there already."""
+        with self._downloads_locked():
+            if self._downloads.lookup(info) is None:
+                remote = self.remote.read(info.tag)
+                if remote is None or remote.fingerprint != info.fingerprint:
+                    raise CheckpointCorrupt(info.tag, ["it was replaced or deleted in the object store"])
+                self._downloads.build(info, lambda work: self.remote.download(remote, work))
+                log.info("downloaded checkpoint %s from %s (%.1f MB)", info.tag, self.url, info.size / 1e6)
+        return info
+
+    def resolve(self, verify: bool = True) -> CheckpointInfo | None:
+        """The newest complete checkpoint of the object store, downloaded and (with `verify`)
+        checksummed, falling back to older ones as CheckpointStore.resolve does."""
+        candidates = self.list()
+        failures: list[CheckpointCorrupt] = []
+        for info in reversed(candidates):
+            try:
+                self.materialize(info)
+                if verify:
+                    self.verify(info)
+            except CheckpointCorrupt as exc:
+                failures.append(exc)
+                log.warning("checkpoint %s failed verification, falling back to an older one: %s", info.tag, exc,
+                            extra={"tag": info.tag})
+                continue
+            if failures:
+                log.warning("resuming from %s (step %s) instead of the damaged %s", info.tag, info.step,
+                            ", ".join(f.tag for f in failures))
+            self._prune_downloads(candidates)
+            if info.step is not None and (self.object_step is None or info.step > self.object_step):
+                self.object_step = info.step
+            return info
+        if failures:
+            raise CheckpointCorrupt(failures[0].tag, [f"no checkpoint verifies: {f}" for f in failures])
+        return None
+
+    # ---- housekeeping ------------------------------------------------------------------------
+    def _prune_downloads(self, complete: builtins.list[CheckpointInfo]) -> builtins.list[str]:
+        keep = complete[-self.keep_last:]
+        with self._downloads_locked():
+            return [name for area in derived_areas(self.base) for name in area.prune(keep)]
+
+    def derived(self, kind: str) -> DerivedCopies:
+        """Copies of kind `kind` made from downloaded checkpoints (`<local>/_<kind>/`, derived.py)."""
+        return DerivedCopies(self.base, kind)
+
+    def apply_retention(self, protect: AbstractSet[str] = frozenset()) -> builtins.list[str]:
+        """Deletes object-store checkpoints beyond the newest `keep_last`, except notice ones; returns tags."""
+        complete = self.remote.list()
+        keep = {m.tag for m in complete[-self.keep_last:]} | set(protect)
+        keep |= {m.tag for m in complete if (m.manifest.get("metadata") or {}).get("reason") == "notice"}
+        removed = []
+        for remote in complete:
+            if remote.tag not in keep:
+                self.remote.delete(remote.tag)
+                removed.append(remote.tag)
+        if removed:
+            log.info("retention removed %s from %s", ", ".join(removed), self.url)
+        return removed
+
+    def cleanup(self) -> builtins.list[str]:
+        """Cleans the local tier (CheckpointStore.cleanup), staging folders of dead uploaders, and the
+        object store's leftovers of dead writers (remote.py); points `latest` at the newest."""
+        removed: builtins.list[str] = self.local.cleanup()
+        live = live_tags_reaping_dead(self.staging)
+        for entry in self.staging.iterdir():
+            if entry.is_dir() and not entry.name.startswith(".") and entry.name.rsplit(".", 2)[0] not in live:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(f"staging/{entry.name}")
+        complete = self.list()
+        cleaned = self.remote.cleanup(newest=complete[-1].tag if complete else None)
+        if cleaned:
+            log.warning("removed leftovers of interrupted uploads to %s: %s", self.url, ", ".join(cleaned))
+        removed += [f"{self.url}/{tag}" for tag in cleaned]
+        removed += self._prune_downloads(complete)
+        return removed
+
+    # ---- framework plug-ins ---------------------------------------------------------------------
+    def dcp_writer(self, pending: PendingCheckpoint, **options: Any) -> Any:
+        return self.local.dcp_writer(pending, **options)
+
+    def dcp_reader(self, info: CheckpointInfo, **options: Any) -> Any:
+        return self.local.dcp_reader(info, **options)
+
+    def deepspeed_engine(self, **options: Any) -> Any:
+        return self.local.deepspeed_engine(**options)

@@ -1,0 +1,128 @@
+"""The object-store checkpoint store against a real S3-compatible server (SeaweedFS, tests/s3_server.py).
+
+Complete or invisible without rename (manifest last), the local first tier and the background
+upload, retention, the cleanup of a crashed writer's leftovers, and what stops a job at start:
+an unreachable endpoint, refused credentials, a missing bucket.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from spotguard.config import ConfigError
+from spotguard.hooks.checkpoint import open_store
+from spotguard.hooks.checkpoint.objectstore.remote import RemoteCheckpoints
+from spotguard.hooks.checkpoint.objectstore.store import ObjectCheckpointStore
+from spotguard.hooks.checkpoint.objectstore.url import ObjectStoreURL
+from tests.s3_server import BUCKET
+
+
+def save(store, tag: str, files: dict[str, bytes], step: int, reason: str = "periodic", rank: int = 0):
+    pending = store.begin(tag)
+    for name, data in files.items():
+        pending.write_bytes(name, data)
+    pending.finish_rank(rank)
+    return store.commit(tag, world_size=1, metadata={"step": step, "reason": reason})
+
+
+def keys(server, url: str) -> list[str]:
+    parsed = ObjectStoreURL.parse(url)
+    pages = server.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=parsed.root_key)
+    return sorted(o["Key"][len(parsed.root_key):] for page in pages for o in page.get("Contents", []))
+
+
+def test_commit_is_local_first_then_in_the_object_store_and_loads_on_another_node(s3_env, s3_server, tmp_path):
+    store = open_store(s3_env, local_dir=tmp_path / "node-a")
+    assert isinstance(store, ObjectCheckpointStore)
+    data = {"w0": os.urandom(1000), "sub/w1": os.urandom(300_000)}
+    info = save(store, "step-1", data, 1)
+    assert info.tag == "step-1" and store.durable_tier("step-1") in ("local", "object")
+    assert (store.root / "step-1" / "w0").read_bytes() == data["w0"]  # durable on local disk at return
+    assert store.wait_uploaded(60)
+    assert store.durable_tier("step-1") == "object"
+    assert "step-1/spotguard-manifest.json" in keys(s3_server, s3_env) and "latest" in keys(s3_server, s3_env)
+    other = open_store(s3_env, local_dir=tmp_path / "node-b")  # a new node: nothing local
+    resolved = other.resolve(verify=True)
+    assert resolved is not None and resolved.tag == "step-1" and resolved.step == 1
+    assert {name: (resolved.dir / name).read_bytes() for name in data} == data
+    store.close(10)
+    other.close(10)
+
+
+def test_retention_keeps_the_newest_and_notice_checkpoints(s3_env, tmp_path):
+    store = open_store(s3_env, keep_last=2, local_dir=tmp_path / "local")
+    for step in range(1, 6):
+        save(store, f"step-{step}", {"w": os.urandom(100)}, step, reason="notice" if step == 2 else "periodic")
+    assert store.wait_uploaded(60)
+    assert [i.tag for i in store.list()] == ["step-2", "step-4", "step-5"]
+    assert store.latest().tag == "step-5"
+    store.close(10)
+
+
+def test_a_crashed_writers_upload_is_invisible_and_cleaned_once_its_lease_ran_out(s3_env, s3_server, tmp_path):
+    store = open_store(s3_env, local_dir=tmp_path / "local")
+    save(store, "step-1", {"w": b"complete"}, 1)
+    assert store.wait_uploaded(60)
+    remote: RemoteCheckpoints = store.remote
+    # what a writer killed mid-upload leaves: files and a part without a manifest, an open multipart upload
+    remote.put_lease("dead-writer", ["step-2"])
+    remote.begin_part("step-2", 0)
+    (tmp_path / "f").write_bytes(b"x" * 1000)
+    remote.upload_files("step-2", {"w": tmp_path / "f"})
+    remote.put_part("step-2", 0, b'{"files": {"w": {"size": 1000, "crc32": "00000000"}}}')
+    client = s3_server.client()
+    upload = client.create_multipart_upload(Bucket=BUCKET, Key=remote.key("step-2", "big"))
+    client.upload_part(Bucket=BUCKET, Key=remote.key("step-2", "big"), UploadId=upload["UploadId"], PartNumber=1,
+                       Body=b"y" * (5 << 20))
+    assert [i.tag for i in store.list()] == ["step-1"]  # listing never sees a partial one
+    assert store.resolve().tag == "step-1"
+    reopened = open_store(s3_env, local_dir=tmp_path / "local", lease_seconds=600)
+    assert any(k.startswith("step-2/") for k in keys(s3_server, s3_env)), "a live lease must protect its tag"
+    deadline = time.monotonic() + 30
+    while any(k.startswith("step-2/") for k in keys(s3_server, s3_env)):
+        assert time.monotonic() < deadline, keys(s3_server, s3_env)
+        time.sleep(0.2)
+        reopened = open_store(s3_env, local_dir=tmp_path / "local", lease_seconds=1)
+    prefix = ObjectStoreURL.parse(s3_env).root_key
+    assert not client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads")
+    assert [i.tag for i in reopened.list()] == ["step-1"]
+    store.close(10)
+
+
+def test_a_recommit_hides_the_old_copy_until_the_new_one_is_complete(s3_env, tmp_path):
+    store = open_store(s3_env, local_dir=tmp_path / "local")
+    save(store, "rolling", {"w": b"old"}, 1)
+    assert store.wait_uploaded(60)
+    save(store, "rolling", {"w": b"new!"}, 2)
+    assert store.wait_uploaded(60)
+    info = open_store(s3_env, local_dir=tmp_path / "other").resolve()
+    assert info.step == 2 and (info.dir / "w").read_bytes() == b"new!"
+    store.close(10)
+
+
+@pytest.mark.parametrize("fault", ["unreachable", "credentials", "bucket", "read-only-url"])
+def test_bad_object_store_settings_stop_the_job_at_start_naming_url_and_cause(fault, s3_env, monkeypatch, tmp_path):
+    url = s3_env
+    if fault == "unreachable":
+        monkeypatch.setenv("SPOTGUARD_S3_ENDPOINT", "http://127.0.0.1:9")
+        expected = "endpoint unreachable"
+    elif fault == "credentials":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        expected = "credentials refused"
+    elif fault == "bucket":
+        url = "s3://no-such-bucket/job"
+        expected = "the bucket does not exist"
+    else:
+        url = "s3://Bad_Bucket/job"
+        expected = "bucket name"
+    from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError) as caught:
+        PlainTorchAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=url,
+                          keep_last=2)
+    assert caught.value.field == "checkpoint_dir"
+    assert url in str(caught.value) and expected in str(caught.value), str(caught.value)
