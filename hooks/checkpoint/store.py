@@ -226,7 +226,6 @@ class CheckpointStore:
             raise ConfigError("checkpoint_root", f"{self.root} is not writable")
         self._pending: dict[str, list[PendingCheckpoint]] = {}
         self._pending_mutex = threading.Lock()
-        self._dcp_stage_cache: dict[str, Any] = {}
         if clean:
             self.cleanup()
 
