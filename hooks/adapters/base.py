@@ -103,7 +103,7 @@ class StoreAdapter:
         self.resumed_metadata: dict[str, Any] | None = None
         self.snapshot_step: int | None = None
         self._snapshot: Snapshot | None = None
-        self.engine: SnapshotEngine | None = SnapshotEngine() if self._on_engine() else None
+        self.snapshot_engine: SnapshotEngine | None = SnapshotEngine() if self._on_engine() else None
         self.save_seconds: deque[float] = deque(maxlen=5)
         self.last_info: CheckpointInfo | None = None
         self.async_error: BaseException | None = None
@@ -157,9 +157,9 @@ class StoreAdapter:
 
     # ---- the engine -------------------------------------------------------------------------
     def _require_engine(self) -> SnapshotEngine:
-        if self.engine is None:
+        if self.snapshot_engine is None:
             raise CheckpointFailed(f"{type(self).__name__} takes no in-memory snapshots")
-        return self.engine
+        return self.snapshot_engine
 
     def _copy(self, step: int) -> Snapshot:
         """The snapshot of `step` (the stall); it becomes the held snapshot."""
@@ -213,12 +213,12 @@ class StoreAdapter:
 
     def save_parts(self) -> PartTimes:
         """Measured seconds of each part of a save (snapshot, persist); None where not measured."""
-        return self.engine.estimate() if self.engine is not None else PartTimes(None, None)
+        return self.snapshot_engine.estimate() if self.snapshot_engine is not None else PartTimes(None, None)
 
     # ---- the CheckpointAdapter interface ----------------------------------------------------
     def save(self, step: int, *, reason: str = "periodic", notice: Notice | None = None) -> CheckpointInfo | None:
         t0 = time.monotonic()
-        if self.engine is None:
+        if self.snapshot_engine is None:
             extra = self.extra_state() if self.extra_state else {}
             info = self._checkpoint(step, reason, notice, extra, lambda pending: self._write(pending, step))
         else:
@@ -244,8 +244,8 @@ class StoreAdapter:
 
     def wait(self, timeout: float | None = None) -> None:
         """Waits for the persist in flight (if any) to be committed or to fail."""
-        if self.engine is not None:
-            self.engine.wait(timeout)
+        if self.snapshot_engine is not None:
+            self.snapshot_engine.wait(timeout)
 
     def snapshot(self, step: int) -> None:
         self._copy(step)
@@ -270,8 +270,8 @@ class StoreAdapter:
         return None
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
+        if self.snapshot_engine is not None:
+            self.snapshot_engine.close()
 
     def estimate_save_seconds(self) -> float | None:
         fresh = self.save_parts().fresh
