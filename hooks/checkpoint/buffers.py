@@ -95,7 +95,7 @@ class SnapshotBuffers:
 
     def copy_in(self, state: Any) -> Any:
         """`state` with every tensor replaced by its buffer, holding a copy of it (see the module docstring)."""
-        leaves, spec = tree_flatten(state)
+        leaves, spec = tree_flatten(state, is_leaf=_kept_whole)
         layout = (spec, tuple(_leaf_layout(leaf) for leaf in leaves))
         if layout != self._layout:
             if self._layout is not None:
@@ -122,6 +122,11 @@ class SnapshotBuffers:
         """Returns once the last copy's bytes are in the buffers (at once on CPU)."""
         if self._copied is not None:
             self._copied.synchronize()
+
+
+def _kept_whole(node: Any) -> bool:
+    """Values kept as they are instead of being taken apart (a torch.Size would come back a tuple)."""
+    return isinstance(node, torch.Size)
 
 
 def _carry_metadata(source: Any, copy: Any) -> None:

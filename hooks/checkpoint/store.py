@@ -498,7 +498,6 @@ class CheckpointStore:
         return StoreDcpReader(info.dir, **options)
 
     def deepspeed_engine(self, **options):
-        """A DeepSpeed CheckpointEngine that saves through this store (see deepspeed_engine.py)."""
-        from .deepspeed_engine import StoreCheckpointEngine
-
-        return StoreCheckpointEngine(self, **options)
+        """Removed (issue 21): DeepSpeed saves through `DeepSpeedAdapter(engine, store=store)`."""
+        raise RuntimeError("CheckpointStore.deepspeed_engine() was removed: use "
+                           "spotguard.hooks.adapters.deepspeed.DeepSpeedAdapter(engine, store=store).save(step)")
