@@ -166,7 +166,7 @@ class StoreAdapter:
         engine = self._require_engine()
         extra = self.extra_state() if self.extra_state else {}
         self._snapshot, self.snapshot_step = None, None  # the buffers are about to change
-        snap = engine.snapshot(self._state(step), step=step, extra=extra)
+        snap = engine.snapshot(lambda: self._state(step), step=step, extra=extra)
         self._snapshot, self.snapshot_step = snap, step
         return snap
 
@@ -207,7 +207,7 @@ class StoreAdapter:
         Call after the first optimizer step, on every rank (DeepSpeed's copy is collective)."""
         engine = self._require_engine()
         self.wait()
-        engine.snapshot(self._state(-1), step=-1)
+        engine.snapshot(lambda: self._state(-1), step=-1, timed=False)
         engine.forget()
         self._snapshot, self.snapshot_step = None, None
 

@@ -81,15 +81,21 @@ class SnapshotEngine:
         self._inflight: Future | None = None
         self._mutex = threading.Lock()
 
-    def snapshot(self, state: Any, *, step: int, extra: dict[str, Any] | None = None) -> Snapshot:
-        """Copies `state` into the buffers (waits first for a persist in flight); the stall."""
+    def snapshot(self, state: Any, *, step: int, extra: dict[str, Any] | None = None,
+                 timed: bool = True) -> Snapshot:
+        """Copies `state` into the buffers (waits first for a persist in flight); the stall.
+
+        `state` may be a callable returning the state: its call is then part of the stall
+        measured (a framework's capture of its state holds the loop too). `timed=False` keeps
+        this copy out of the measured snapshot times (a copy that allocated the buffers)."""
         self.wait()
         started = time.perf_counter()
         with self._mutex:
-            copied = self.buffers.copy_in(state)
+            copied = self.buffers.copy_in(state() if callable(state) else state)
             self.generation += 1
             seconds = time.perf_counter() - started
-            self.snapshot_seconds.append(seconds)
+            if timed:
+                self.snapshot_seconds.append(seconds)
             return Snapshot(copied, step, dict(extra or {}), time.time(), seconds, self.generation, self)
 
     def persist(self, snap: Snapshot, write: Callable[[Any], Any]) -> Future:
