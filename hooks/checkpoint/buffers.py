@@ -84,7 +84,7 @@ class SnapshotBuffers:
             buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=on_gpu and local.numel() > 0)
             buffer.zero_()  # fault every page in now, not during a snapshot
             if local is not leaf:  # a DTensor: the same spec over a host shard
-                buffer = type(leaf)(buffer, leaf._spec, requires_grad=False)  # type: ignore[attr-defined]
+                buffer = type(leaf)(buffer, leaf._spec, requires_grad=False)
             buffers.append(buffer)
         self._buffers, self._layout, self._pinned, self._nbytes = buffers, layout, on_gpu, total
         if on_gpu and self._stream is None:
