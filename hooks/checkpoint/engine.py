@@ -77,7 +77,7 @@ class SnapshotEngine:
         self.generation = 0
         self.snapshot_seconds: deque[float] = deque(maxlen=history)
         self.persist_seconds: deque[float] = deque(maxlen=history)
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="spotguard-persist")
+        self._writer: ThreadPoolExecutor | None = None
         self._inflight: Future | None = None
         self._mutex = threading.Lock()
 
@@ -115,6 +115,8 @@ class SnapshotEngine:
     def submit(self, job: Callable[[], Any]) -> Future:
         """Runs `job()` on the writer thread after the persists queued before it (its Future)."""
         with self._mutex:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="spotguard-persist")
             future = self._writer.submit(job)
             self._inflight = future
         return future
@@ -137,7 +139,12 @@ class SnapshotEngine:
             self.generation += 1
 
     def close(self) -> None:
-        """Waits for the persist in flight, stops the writer thread and frees the buffers."""
+        """Waits for the persist in flight, stops the writer thread and frees the buffers (a later
+        snapshot or persist starts them again)."""
         self.wait()
-        self._writer.shutdown(wait=True)
+        with self._mutex:
+            writer, self._writer = self._writer, None
+            self.generation += 1
+        if writer is not None:
+            writer.shutdown(wait=True)
         self.buffers.release()
