@@ -4,8 +4,9 @@ A zygote process imports torch and the store once, then forks one saving child p
 a trial costs milliseconds, not a torch import). Each child opens the store (which finishes or
 cleans up what the previous, killed child left), resolves the newest checkpoint that verifies,
 checks that every tensor in it carries the step it claims and that `latest` names it, then saves
-step after step until it is SIGKILLed. Trials alternate between the fast path (snapshot + parallel
-background writes) and plain multi-file `write_bytes` saves. Two lanes:
+step after step until it is SIGKILLed. Trials alternate between the snapshot engine (a copy into
+buffers allocated once, then `torch.save` of the copy persisted and committed in the background,
+as every adapter saves) and plain multi-file `write_bytes` saves. Two lanes:
 - `unique`: every step is a new tag;
 - `recommit`: most steps re-commit the one tag `rolling` (every fifth step a new tag, so
   retention runs beside the re-commits).
@@ -36,7 +37,9 @@ ZYGOTE = r'''
 import os, sys, signal, itertools
 os.environ["OMP_NUM_THREADS"] = "1"
 import torch
-from spotguard.hooks.checkpoint import CheckpointStore, FastCheckpointer, load_rank
+from spotguard.hooks.checkpoint import CheckpointStore
+from spotguard.hooks.checkpoint.engine import SnapshotEngine
+from spotguard.hooks.checkpoint.torchfile import save_torch_file
 
 ROLLING = "rolling"
 PHASE = ["start"]
@@ -102,7 +105,7 @@ def trial(root, mode, lane, max_steps):
     if info is not None:
         step = info.step
         if info.metadata["mode"] == "fast":
-            state, _ = load_rank(info)
+            state = torch.load(info.dir / "state.pt", weights_only=True)
         else:
             state = {"model": {}, "step": info.metadata["step"]}
             for name in sorted(info.files):
@@ -115,18 +118,22 @@ def trial(root, mode, lane, max_steps):
         say("resumed", 0, "valid", "latest-ok")
     # ~600 KB of state in tensors of uneven sizes
     arrays = [torch.empty(n, dtype=torch.float32) for n in (90_000, 40_000, 15_000, 5_000, 1_000)]
-    fast = FastCheckpointer(files=3, check_memory=False) if mode == "fast" else None
-    if fast is not None:
-        fast.prepare(make_state(0, arrays))
+    engine = SnapshotEngine(check_memory=False) if mode == "fast" else None
+
+    def persist(copy, tag, meta):
+        pending = store.begin(tag)
+        save_torch_file(pending, "state.pt", copy)
+        pending.finish_rank(0)
+        return store.commit(tag, world_size=1, metadata=meta)
     PHASE[0] = "save"
     for step in range(step + 1, step + 1 + max_steps):
         state = make_state(step, arrays)
         tag = tag_for(lane, step)
         ARMED[0] = tag == ROLLING and os.path.isdir(os.path.join(root, ROLLING))
         meta = {"step": step, "mode": mode, "reason": "notice" if step % 7 == 0 else "periodic"}
-        if fast is not None:
-            _, done = fast.save(store, tag, state, step=step, metadata=meta)
-            done.result()
+        if engine is not None:
+            snap = engine.snapshot(state, step=step)
+            engine.persist(snap, lambda copy, tag=tag, meta=meta: persist(copy, tag, meta)).result()
         else:
             pending = store.begin(tag)
             for i, t in enumerate(arrays):

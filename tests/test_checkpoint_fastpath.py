@@ -1,20 +1,25 @@
-"""The fast path (snapshot into preallocated buffers, background persist), the memory check,
-and the DCP / DeepSpeed plug-ins in real multi-process gloo runs."""
+"""The snapshot engine (buffers allocated once, background persist through the store's commit), the
+adapters on it, the memory check, and the DCP plug-in in a real multi-process gloo run."""
 from __future__ import annotations
 
+import io
 import os
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
 
 from spotguard.config import ConfigError
-from spotguard.hooks.checkpoint import (CheckpointStore, FastCheckpointer, InsufficientHostMemory, check_host_memory,
-                                        load_rank)
+from spotguard.hooks.adapters.base import CheckpointFailed, tag_for
+from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
+from spotguard.hooks.checkpoint import CheckpointStore, InsufficientHostMemory, check_host_memory
+from spotguard.hooks.checkpoint.engine import SnapshotEngine
 from spotguard.hooks.checkpoint.memory import available_host_memory
+from spotguard.hooks.checkpoint.torchfile import save_torch_file
 
 
 def training_state(seed: int = 0):
@@ -48,19 +53,29 @@ def assert_same_tensors(a, b):
         assert a == b
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
-def test_snapshot_persist_load_round_trip(tmp_path, mode):
+def persist_into(store, tag, meta):
+    """A persist job: the copy as `state.pt` through the store's commit."""
+    def write(copy):
+        pending = store.begin(tag)
+        save_torch_file(pending, "state.pt", copy)
+        pending.finish_rank(0)
+        return store.commit(tag, world_size=1, metadata=meta)
+    return write
+
+
+def test_snapshot_persist_load_round_trip(tmp_path):
     model, opt = training_state()
     store = CheckpointStore(tmp_path)
-    with FastCheckpointer(files=3, mode=mode) as fast:
-        fast.prepare(state_of(model, opt, 0))
+    engine = SnapshotEngine()
+    try:
         expected = state_of(model, opt, 11)
-        _snap, done = fast.save(store, "step-11", expected, step=11, metadata={"reason": "notice", "notice_id": "n1"})
-        info = done.result(60)
+        snap = engine.snapshot(expected, step=11)
+        info = engine.persist(snap, persist_into(store, "step-11", {"step": 11, "notice_id": "n1"})).result(60)
+    finally:
+        engine.close()
     assert info.tag == "step-11" and info.step == 11 and info.metadata["notice_id"] == "n1"
     store.verify(info)
-    loaded, meta = load_rank(store.resolve(), verify=True)
-    assert meta["step"] == 11
+    loaded = torch.load(store.resolve().dir / "state.pt", weights_only=True)
     assert_same_tensors(expected, loaded)
     assert isinstance(loaded["extra"]["shape"], torch.Size)
     assert list(loaded["optim"]["state"].keys()) == list(expected["optim"]["state"].keys())  # int keys survive
@@ -70,57 +85,132 @@ def test_snapshot_persist_load_round_trip(tmp_path, mode):
     assert torch.equal(fresh_model[0].weight, model[0].weight)
 
 
-def test_snapshot_is_a_copy_taken_at_the_step_boundary(tmp_path):
+def test_buffers_are_allocated_once_and_hold_the_state_of_the_step(tmp_path):
     model, opt = training_state()
     store = CheckpointStore(tmp_path)
-    with FastCheckpointer(files=2) as fast:
-        fast.prepare(state_of(model, opt, 0))
+    engine = SnapshotEngine()
+    try:
+        first = engine.snapshot(state_of(model, opt, 4), step=4)
+        pointers = [t.data_ptr() for t in first.state["model"].values()]
         weight_then = model[0].weight.detach().clone()
-        snap = fast.snapshot(state_of(model, opt, 5), step=5)
+        snap = engine.snapshot(state_of(model, opt, 5), step=5)
+        assert not first.valid and snap.valid
+        assert [t.data_ptr() for t in snap.state["model"].values()] == pointers  # no new allocation
+        assert engine.buffers.allocations == 1
+        assert all(t.data_ptr() != b.data_ptr() for t, b in zip(model.state_dict().values(),
+                                                                snap.state["model"].values()))
         with torch.no_grad():
             model[0].weight.add_(1.0)  # training goes on before the background write
-        pending = store.begin("step-5")
-        assert fast.persist(snap, pending, rank=0).result(60) == fast.nbytes
-        store.commit("step-5", world_size=1, metadata={"step": 5})
-    loaded, _ = load_rank(store.latest())
-    assert torch.equal(loaded["model"]["0.weight"], weight_then)
-    assert snap.stall_seconds < 60
-
-
-def test_periodic_snapshots_and_the_deadline_fallback_copy(tmp_path):
-    model, opt = training_state()
-    with FastCheckpointer(every=3, slots=2) as fast:
-        fast.prepare(state_of(model, opt, 0))
-        taken = [s for step in range(1, 8) if (s := fast.maybe_snapshot(state_of(model, opt, step), step))]
-        assert [s.step for s in taken] == [3, 6]
-        assert fast.latest_snapshot.step == 6
-        assert taken[0].valid  # two slots: step 3 still intact
-        fast.snapshot(state_of(model, opt, 9), step=9)
-        assert not taken[0].valid and fast.latest_snapshot.step == 9
-        store = CheckpointStore(tmp_path)
-        pending = store.begin("fallback")
         with pytest.raises(ValueError, match="overwritten"):
-            fast.persist(taken[0], pending)
-        fast.persist(fast.latest_snapshot, pending).result(60)
-        store.commit("fallback", world_size=1, metadata={"step": 9, "reason": "notice"})
-    assert load_rank(store.latest())[1]["step"] == 9
+            engine.persist(first, persist_into(store, "stale", {"step": 4}))
+        engine.persist(snap, persist_into(store, "step-5", {"step": 5})).result(60)
+        parts = engine.estimate()
+        assert parts.snapshot is not None and parts.persist is not None and parts.fresh > parts.persist
+    finally:
+        engine.close()
+    loaded = torch.load(store.latest().dir / "state.pt", weights_only=True)
+    assert torch.equal(loaded["model"]["0.weight"], weight_then)
+
+
+def test_a_snapshot_waits_for_the_persist_that_reads_the_buffers(tmp_path):
+    model, opt = training_state()
+    engine = SnapshotEngine()
+    release, seen = threading.Event(), []
+    try:
+        snap = engine.snapshot(state_of(model, opt, 1), step=1)
+
+        def slow_write(copy):
+            release.wait(30)
+            seen.append(copy["model"]["0.weight"].clone())
+
+        done = engine.persist(snap, slow_write)
+        weight_then = model[0].weight.detach().clone()
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        later = threading.Thread(target=lambda: engine.snapshot(state_of(model, opt, 2), step=2))
+        later.start()
+        assert not done.done()
+        release.set()
+        later.join(60)
+        done.result(60)
+    finally:
+        engine.close()
+    assert torch.equal(seen[0], weight_then)  # the persist read step 1's copy, untouched by step 2's
 
 
 def test_layout_change_reallocates_instead_of_writing_garbage(tmp_path):
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.AdamW(model.parameters())
-    with FastCheckpointer() as fast:
-        fast.prepare({"model": model.state_dict(), "optim": opt.state_dict()})  # no Adam state yet
-        before = fast.nbytes
+    engine = SnapshotEngine()
+    store = CheckpointStore(tmp_path)
+    try:
+        engine.snapshot({"model": model.state_dict(), "optim": opt.state_dict()}, step=0)  # no Adam state yet
+        before = engine.buffers.nbytes
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
         state = {"model": model.state_dict(), "optim": opt.state_dict()}
-        snap = fast.snapshot(state, step=1)
-        assert fast.nbytes > before
-        store = CheckpointStore(tmp_path)
-        fast.persist(snap, store.begin("t")).result(60)
-        store.commit("t", world_size=1)
-    assert_same_tensors(state, load_rank(store.latest())[0])
+        snap = engine.snapshot(state, step=1)
+        assert engine.buffers.nbytes > before and engine.buffers.allocations == 2
+        engine.persist(snap, persist_into(store, "t", {"step": 1})).result(60)
+    finally:
+        engine.close()
+    assert_same_tensors(state, torch.load(store.latest().dir / "state.pt", weights_only=True))
+
+
+def test_plain_adapter_saves_through_the_engine_and_loads_the_old_format(tmp_path):
+    model, opt = training_state()
+    old_state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3}
+    store = CheckpointStore(tmp_path / "ckpt")
+    pending = store.begin(tag_for(3, "notice"))  # what PlainTorchAdapter wrote before the engine
+    buffer = io.BytesIO()
+    torch.save(old_state, buffer)
+    pending.write_bytes("state.pt", buffer.getbuffer())
+    pending.finish_rank(0)
+    store.commit(tag_for(3, "notice"), world_size=1, metadata={"step": 3, "extra": {"pos": 7}})
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    fresh, fresh_opt = training_state(seed=2)
+    adapter = PlainTorchAdapter(fresh, fresh_opt, store=CheckpointStore(tmp_path / "ckpt"),
+                                extra_state=lambda: {"pos": 9})
+    try:
+        assert adapter.resume() == 4 and adapter.extra == {"pos": 7}
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
+        assert adapter.estimate_save_seconds() is None  # nothing measured yet
+        adapter.prepare()
+        info = adapter.save(4, reason="notice")
+        parts = adapter.save_parts()
+        assert parts.snapshot is not None and parts.persist is not None
+        assert adapter.estimate_save_seconds() == pytest.approx(1.25 * parts.fresh)
+        assert adapter.snapshot_step == 4 and adapter.snapshot_engine.buffers.allocations == 1
+        saved = torch.load(info.dir / "state.pt", weights_only=True)  # still plain torch.save
+        assert saved["step"] == 4 and info.metadata["extra"] == {"pos": 9}
+        adapter.save_async(5)
+        adapter.wait(60)
+        assert adapter.async_error is None and adapter.store.latest().step == 5
+    finally:
+        adapter.close()
+
+
+def test_a_failed_copy_fails_the_checkpoint_and_keeps_the_previous_one(tmp_path):
+    model, opt = training_state()
+    adapter = PlainTorchAdapter(model, opt, checkpoint_dir=tmp_path / "ckpt")
+    try:
+        adapter.save(1)
+        adapter.scheduler = object()  # its state_dict() fails: the copy raises
+        with pytest.raises(CheckpointFailed):
+            adapter.save(2, reason="notice")
+        assert adapter.store.latest().step == 1 and adapter.snapshot_step is None
+        with pytest.raises(CheckpointFailed, match="no snapshot"):
+            adapter.persist_snapshot()
+    finally:
+        adapter.close()
+
+
+def test_removed_names_say_what_replaces_them(tmp_path):
+    with pytest.raises(ImportError, match="PlainTorchAdapter"):
+        from spotguard.hooks.checkpoint import FastCheckpointer  # noqa: F401
+    with pytest.raises(RuntimeError, match="DeepSpeedAdapter"):
+        CheckpointStore(tmp_path).deepspeed_engine()
 
 
 def test_memory_check_fails_at_start_with_a_clear_message():
@@ -130,9 +220,6 @@ def test_memory_check_fails_at_start_with_a_clear_message():
     assert isinstance(err.value, ConfigError) and err.value.field == "snapshot_buffers"
     assert "GiB" in str(err.value) and "available" in str(err.value)
     check_host_memory(1 << 20)
-    with pytest.raises(ConfigError) as err:
-        FastCheckpointer(mode="fork")
-    assert err.value.field == "mode"
 
 
 # ---- framework plug-ins in real multi-process runs ----------------------------------------------
@@ -222,57 +309,3 @@ def test_dcp_save_and_async_save_commit_through_the_store_and_load_resharded(tmp
     store.verify(info)
     out = run_ranks(DCP_WORKER, 1, [str(root), "load"])
     assert "LOADED step-2 2" in out[0]
-
-
-DS_WORKER = textwrap.dedent("""
-    import os, sys, json, torch, deepspeed, torch.distributed as dist
-    from spotguard.hooks.checkpoint import CheckpointStore
-    root, phase = sys.argv[1], sys.argv[2]
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
-           "zero_allow_untested_optimizer": True}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=cfg)
-    store = CheckpointStore(root)
-    engine.checkpoint_engine = store.deepspeed_engine(files=2)
-    rank = dist.get_rank()
-    def train(n):
-        g = torch.Generator().manual_seed(100 + rank)
-        for _ in range(n):
-            loss = engine(torch.randn(2, 64, generator=g)).pow(2).mean()
-            engine.backward(loss); engine.step()
-    def fingerprint():
-        sd = engine.optimizer.state_dict()
-        flat = sd["single_partition_of_fp32_groups"][0]
-        return [float(p.double().sum()) for p in engine.module.parameters()] + [float(flat.double().sum())]
-    if phase == "save":
-        train(3)
-        engine.checkpoint_engine.prepare({"step": engine.global_steps, "reason": "notice", "notice_id": "n-1"})
-        engine.save_checkpoint(root, tag="step-3", client_state={"epoch": 7}, save_latest=False)
-        with open(os.path.join(root, "..", f"fp{rank}.json"), "w") as f:
-            json.dump(fingerprint(), f)
-    else:
-        info = store.resolve(verify=True)
-        _, client = engine.load_checkpoint(str(info.dir.parent), tag=info.tag)
-        with open(os.path.join(root, "..", f"fp{rank}.json")) as f:
-            assert fingerprint() == json.load(f), "resumed state differs"
-        assert client["epoch"] == 7 and engine.global_steps == 3
-        print("LOADED", info.tag, engine.global_steps)
-""")
-
-
-@pytest.mark.slow
-def test_deepspeed_save_checkpoint_takes_the_fast_path_and_resumes_exactly(tmp_path):
-    root = tmp_path / "store"
-    run_ranks(DS_WORKER, 2, [str(root), "save"], timeout=240)
-    store = CheckpointStore(root)
-    info = store.latest()
-    assert info.tag == "step-3" and info.world_size == 2 and info.metadata["reason"] == "notice"
-    model_index = info.dir / "mp_rank_00_model_states.pt"
-    assert model_index.read_bytes().startswith(b'{"format":"spotguard-raw"')  # raw tensor bytes + JSON index
-    assert any(n.endswith("optim_states.pt.data0") for n in info.files)
-    assert (root / "latest").read_text() == "step-3"
-    store.verify(info)
-    out = run_ranks(DS_WORKER, 2, [str(root), "load"], timeout=240)
-    assert "LOADED step-3 3" in out[0]

@@ -4,20 +4,28 @@ the store, the commit protocol across ranks, save timing, snapshots.
 An adapter is made on its own (`checkpoint_dir=` or `store=`) and handed to the Guard
 (`Guard.from_env(adapter=...)` or `guard.attach(adapter)`); it never needs the Guard.
 
-Contract for subclasses: implement `_write(pending, step)` (this rank's files for a fresh save),
-`_take_snapshot(step)` (an in-memory copy), `_write_snapshot(pending, snapshot)` and
-`_load(info)` (returns nothing; restores the state). The base class then gives the Guard's
+Contract for subclasses. An adapter on the snapshot engine (checkpoint/engine.py: every adapter
+here) implements `_state(step)` (the live state tree to copy: tensors, and plain values) and
+`_write_state(pending, state)` (this rank's files from that tree, whose tensors are the engine's
+buffers); an adapter whose framework writes its own files (the integrations) implements
+`_write(pending, step)` instead. Both implement `_load(info)`. The base class then gives the Guard's
 `CheckpointAdapter` interface:
-- `save(step, reason=..., notice=...)`: collective; begins `step-<step>-<reason>` in the store,
-  writes, `finish_rank`, agrees that every rank finished, rank 0 commits with metadata
-  {step, reason, notice_id, world_size, extra}, every rank learns the outcome; raises
+- `save(step, reason=..., notice=...)`: collective. On the engine: the state is copied into the
+  buffers (the only time training is held; it is also the held snapshot of `step`), then the
+  engine persists that copy through the store: begins `step-<step>-<reason>`, writes,
+  `finish_rank`, agrees that every rank finished, rank 0 commits with metadata {step, reason,
+  notice_id, world_size, extra}, every rank learns the outcome. Durable when it returns; raises
   `CheckpointFailed` on every rank when any rank failed (so no rank waits forever for a commit).
-- `snapshot(step)` / `persist_snapshot(...)`: the same commit for the last snapshot.
-- `estimate_save_seconds()`: 1.25 x the slowest of the last 5 measured fresh saves.
+- `save_async(step)`: the same copy now, the persist and commit in the background (`wait()`,
+  `async_error`); `snapshot(step)` / `persist_snapshot(...)`: the copy alone, and later its commit.
+- `prepare()`: allocates the buffers now (call once after the first optimizer step, so that no
+  notice pays for it); `save_parts()`: measured seconds of each part (snapshot, persist).
+- `estimate_save_seconds()`: 1.25 x (slowest recent snapshot + slowest recent persist) on the
+  engine, else 1.25 x the slowest of the last 5 measured fresh saves.
 - `resume()`: the newest complete, verified checkpoint -> `_load`, `resumed_metadata`,
   `extra` (the dict `extra_state()` returned at save time); returns `step + 1`.
 - `answered_notice_id()`: the notice the resumed checkpoint was saved for; `gradient_carrier()`:
-  None (an adapter of a DDP model returns the model); `held_snapshot`: the last snapshot.
+  None (an adapter of a DDP model returns the model); `held_snapshot`: the last snapshot's state.
 """
 from __future__ import annotations
 
@@ -28,7 +36,7 @@ from collections import deque
 from typing import Any, Protocol
 from collections.abc import Callable
 
-from spotguard.hooks.adapters.store import CheckpointInfo, CheckpointStore, open_store
+from spotguard.hooks.adapters.store import CheckpointInfo, CheckpointStore, PartTimes, Snapshot, SnapshotEngine, open_store
 from spotguard.wire.notice import Notice
 
 log = logging.getLogger("spotguard.hooks.adapters")
@@ -94,11 +102,15 @@ class StoreAdapter:
         self.extra: dict[str, Any] = {}
         self.resumed_metadata: dict[str, Any] | None = None
         self.snapshot_step: int | None = None
-        self._snapshot: Any = None
-        self._snapshot_extra: dict[str, Any] = {}
+        self._snapshot: Snapshot | None = None
+        self.snapshot_engine: SnapshotEngine | None = SnapshotEngine() if self._on_engine() else None
         self.save_seconds: deque[float] = deque(maxlen=5)
         self.last_info: CheckpointInfo | None = None
+        self.async_error: BaseException | None = None
         self._setup_group()
+
+    def _on_engine(self) -> bool:
+        return type(self)._state is not StoreAdapter._state
 
     # ---- collectives: the adapter's own gloo group (created in the same order on every rank) --
     def _setup_group(self) -> None:
@@ -125,13 +137,16 @@ class StoreAdapter:
         self._all_ok(True)
 
     # ---- subclass hooks --------------------------------------------------------------------
+    def _state(self, step: int) -> Any:
+        """The live state to copy at `step` (adapters on the engine)."""
+        raise NotImplementedError
+
+    def _write_state(self, pending, state: Any) -> None:
+        """This rank's files of `state`, a tree over the engine's buffers (adapters on the engine)."""
+        raise NotImplementedError
+
     def _write(self, pending, step: int) -> None:
-        raise NotImplementedError
-
-    def _take_snapshot(self, step: int) -> Any:
-        raise NotImplementedError
-
-    def _write_snapshot(self, pending, snapshot: Any) -> None:
+        """This rank's files for a fresh save of `step` (adapters whose framework writes them itself)."""
         raise NotImplementedError
 
     def _load(self, info: CheckpointInfo) -> None:
@@ -140,31 +155,113 @@ class StoreAdapter:
     def _metadata_extra(self) -> dict[str, Any]:
         return {}
 
+    # ---- the engine -------------------------------------------------------------------------
+    def _require_engine(self) -> SnapshotEngine:
+        if self.snapshot_engine is None:
+            raise CheckpointFailed(f"{type(self).__name__} takes no in-memory snapshots")
+        return self.snapshot_engine
+
+    def _copy(self, step: int) -> Snapshot:
+        """The snapshot of `step` (the stall); it becomes the held snapshot."""
+        engine = self._require_engine()
+        extra = self.extra_state() if self.extra_state else {}
+        self._snapshot, self.snapshot_step = None, None  # the buffers are about to change
+        snap = engine.snapshot(lambda: self._state(step), step=step, extra=extra)
+        self._snapshot, self.snapshot_step = snap, step
+        return snap
+
+    def _persist(self, snap: Snapshot | None, step: int, reason: str, notice: Notice | None, *,
+                 snapshot: bool, failure: BaseException | None = None) -> Any:
+        """The engine's background persist of `snap` through the store's commit (a Future).
+        With `failure` (this rank could not take the snapshot) every rank still runs the commit
+        protocol, so all of them learn that this checkpoint failed."""
+        engine = self._require_engine()
+        extra = snap.extra if snap is not None else {}
+
+        def write(pending) -> None:
+            if failure is not None or snap is None:
+                raise CheckpointFailed(f"rank {self.rank}: no snapshot of step {step}") from failure
+            self._write_state(pending, snap.state)
+
+        def commit(_state: Any) -> CheckpointInfo | None:
+            return self._checkpoint(step, reason, notice, extra, write, snapshot=snapshot)
+
+        if snap is None:
+            return engine.submit(lambda: commit(None))
+        return engine.persist(snap, commit)
+
+    def _fresh(self, step: int, reason: str, notice: Notice | None) -> Any:
+        """Snapshot now, persist in the background: the Future of the commit."""
+        self.wait()
+        try:
+            snap: Snapshot | None = self._copy(step)
+            failure = None
+        except BaseException as exc:
+            reraise_interrupts(exc)
+            log.exception("rank %d could not copy the state of step %d", self.rank, step)
+            snap, failure = None, exc
+        return self._persist(snap, step, reason, notice, snapshot=False, failure=failure)
+
+    def prepare(self) -> None:
+        """Allocates the snapshot buffers now (a copy of the current state, not a checkpoint).
+        Call after the first optimizer step, on every rank (DeepSpeed's copy is collective)."""
+        engine = self._require_engine()
+        self.wait()
+        engine.snapshot(lambda: self._state(-1), step=-1, timed=False)
+        engine.forget()
+        self._snapshot, self.snapshot_step = None, None
+
+    def save_parts(self) -> PartTimes:
+        """Measured seconds of each part of a save (snapshot, persist); None where not measured."""
+        return self.snapshot_engine.estimate() if self.snapshot_engine is not None else PartTimes(None, None)
+
     # ---- the CheckpointAdapter interface ----------------------------------------------------
     def save(self, step: int, *, reason: str = "periodic", notice: Notice | None = None) -> CheckpointInfo | None:
         t0 = time.monotonic()
-        extra = self.extra_state() if self.extra_state else {}
-        info = self._checkpoint(step, reason, notice, extra, lambda pending: self._write(pending, step))
+        if self.snapshot_engine is None:
+            extra = self.extra_state() if self.extra_state else {}
+            info = self._checkpoint(step, reason, notice, extra, lambda pending: self._write(pending, step))
+        else:
+            info = self._fresh(step, reason, notice).result()
         self.save_seconds.append(time.monotonic() - t0)
         return info
 
+    def save_async(self, step: int, *, reason: str = "periodic") -> None:
+        """Collective: copies the state now; persists and commits it in the background. The next
+        save, snapshot or `wait()` waits for it; a failure is logged and kept in `async_error`."""
+        t0 = time.monotonic()
+        future = self._fresh(step, reason, None)
+
+        def done(finished) -> None:
+            error = finished.exception()
+            if error is None:
+                self.save_seconds.append(time.monotonic() - t0)
+            else:
+                self.async_error = error
+                log.error("async checkpoint of step %d failed: %s", step, error)
+
+        future.add_done_callback(done)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Waits for the persist in flight (if any) to be committed or to fail."""
+        if self.snapshot_engine is not None:
+            self.snapshot_engine.wait(timeout)
+
     def snapshot(self, step: int) -> None:
-        self._snapshot = self._take_snapshot(step)
-        self._snapshot_extra = self.extra_state() if self.extra_state else {}
-        self.snapshot_step = step
+        self._copy(step)
 
     def persist_snapshot(self, *, reason: str = "notice", notice: Notice | None = None) -> int:
-        if self.snapshot_step is None:
+        snap = self._snapshot
+        if self.snapshot_step is None or snap is None or not snap.valid:
             raise CheckpointFailed("no snapshot to persist")
-        step, snapshot = self.snapshot_step, self._snapshot
-        self._checkpoint(step, reason, notice, self._snapshot_extra,
-                         lambda pending: self._write_snapshot(pending, snapshot), snapshot=True)
-        return step
+        self._persist(snap, snap.step, reason, notice, snapshot=True).result()
+        return snap.step
 
     @property
     def held_snapshot(self) -> Any:
-        """The last snapshot, as `_take_snapshot` returned it (None before the first)."""
-        return self._snapshot
+        """The last snapshot's state, a tree over the engine's buffers (None before the first)."""
+        snap = self._snapshot
+        return snap.state if snap is not None and snap.valid else None
 
     def answered_notice_id(self) -> str | None:
         return (self.resumed_metadata or {}).get("notice_id") or None
@@ -173,9 +270,13 @@ class StoreAdapter:
         return None
 
     def close(self) -> None:
-        pass
+        if self.snapshot_engine is not None:
+            self.snapshot_engine.close()
 
     def estimate_save_seconds(self) -> float | None:
+        fresh = self.save_parts().fresh
+        if fresh is not None:
+            return 1.25 * fresh
         return 1.25 * max(self.save_seconds) if self.save_seconds else None
 
     def resume(self) -> int | None:

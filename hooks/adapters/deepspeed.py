@@ -7,10 +7,13 @@
 
 Contract:
 - The adapter installs `StoreCheckpointEngine` as the engine's checkpoint engine (DeepSpeed's own
-  extension point): every file DeepSpeed saves goes through the store's pending directory
-  (`write_bytes`, fsynced); the store's commit then makes the checkpoint visible atomically.
-  `save_checkpoint(pending_dir, tag="ds", client_state={"step", "extra"}, save_latest=False)`
-  runs on every rank.
+  extension point). At a save `save_checkpoint(scratch, tag="ds", client_state={"step", "extra"},
+  save_latest=False)` runs on every rank with the engine capturing, by reference, the state dict
+  of every file DeepSpeed would write (it asks DeepSpeed for no clones); the snapshot engine
+  (checkpoint/engine.py) copies them into buffers allocated once, and persists each file as
+  `torch.save` of that copy into the store's pending directory (fsynced, checksummed), in the
+  background; the store's commit then makes the checkpoint visible atomically. The files are
+  DeepSpeed's own format, so `load_checkpoint`, `ds_to_universal` and `zero_to_fp32` read them.
 - Resume: the newest verified checkpoint. Same DP world size (or ZeRO-0): `load_checkpoint`.
   Different DP world size under ZeRO-1/2: rank 0 converts it once with
   `python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state` into
@@ -18,12 +21,10 @@ Contract:
   built in a hidden dir and renamed into place, reused only if made from this very commit of
   the tag, removed by retention once its checkpoint is no longer among the newest `keep_last`.
   Every rank loads it with the engine's universal loading switched on for that load only.
-- A snapshot is DeepSpeed's own checkpoint files serialized into memory by the same engine
-  (capture mode); persisting it writes those bytes.
+- A snapshot is the same capture and copy without the persist.
 """
 from __future__ import annotations
 
-import io
 import logging
 import os
 import shutil
@@ -37,6 +38,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
 from spotguard.hooks.adapters.base import StoreAdapter
+from spotguard.hooks.checkpoint.torchfile import save_torch_file
 
 log = logging.getLogger("spotguard.hooks.adapters.deepspeed")
 
@@ -45,44 +47,40 @@ UNIVERSAL_KIND = "universal"  # copies live in <checkpoint_dir>/_universal/<tag>
 
 
 class StoreCheckpointEngine(CheckpointEngine):
-    """DeepSpeed checkpoint engine writing through a store's pending checkpoint, or into memory.
+    """DeepSpeed checkpoint engine that captures what `save_checkpoint` would write.
 
-    `target(pending, base)`: files under `base` go to `pending.write_bytes(relpath)`.
-    `capture(base)`: files under `base` are kept as {relpath: bytes} in `captured`.
+    `capture(base)`: each `save(state_dict, path)` under `base` is kept, by reference, as
+    `captured[relpath] = state_dict` (no bytes written); `preserves_storage_sharing()` is False,
+    so DeepSpeed hands over its live tensors instead of cloning them: the snapshot engine's
+    copy is the only one.
     """
 
     def __init__(self, config_params=None):
         super().__init__(config_params)
         self.name = "SpotguardStoreCheckpointEngine"
-        self._pending = None
         self._base: Path | None = None
-        self.captured: dict[str, bytes] | None = None
-
-    def target(self, pending, base: str | os.PathLike) -> None:
-        self._pending, self._base, self.captured = pending, Path(base), None
+        self.captured: dict[str, Any] | None = None
 
     def capture(self, base: str | os.PathLike) -> None:
-        self._pending, self._base, self.captured = None, Path(base), {}
+        self._base, self.captured = Path(base), {}
 
     def create(self, info) -> None:
         pass
 
     def save(self, state_dict, path: str) -> None:
-        buffer = io.BytesIO()
-        torch.save(state_dict, buffer)
-        if self._base is None:
+        if self._base is None or self.captured is None:
             raise RuntimeError("StoreCheckpointEngine.save outside a spotguard checkpoint")
-        relpath = str(Path(path).resolve().relative_to(self._base.resolve()))
-        if self.captured is not None:
-            self.captured[relpath] = buffer.getvalue()
-        else:
-            self._pending.write_bytes(relpath, buffer.getbuffer())
+        relpath = Path(path).absolute().relative_to(self._base.absolute()).as_posix()
+        self.captured[relpath] = state_dict
 
     def load(self, path: str, map_location=None):
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def commit(self, info) -> bool:
         return True
+
+    def preserves_storage_sharing(self) -> bool:
+        return False
 
 
 class DeepSpeedAdapter(StoreAdapter):
@@ -106,26 +104,19 @@ class DeepSpeedAdapter(StoreAdapter):
         return {"spotguard_step": step, "spotguard_extra": self.extra_state() if self.extra_state else {}}
 
     # ---- StoreAdapter hooks ---------------------------------------------------------------
-    def _write(self, pending, step: int) -> None:
-        self.ds_engine.target(pending, pending.dir)
-        try:
-            self.engine.save_checkpoint(
-                str(pending.dir), tag=DS_TAG, client_state=self._client_state(step), save_latest=False)
-        finally:
-            self.ds_engine.target(None, pending.dir)
-
-    def _take_snapshot(self, step: int) -> dict[str, bytes]:
+    def _state(self, step: int) -> dict[str, Any]:
+        """{relpath: state dict} of every file `save_checkpoint` writes at `step` (live tensors)."""
         self.ds_engine.capture(self._scratch)
         try:
             self.engine.save_checkpoint(
                 str(self._scratch), tag=DS_TAG, client_state=self._client_state(step), save_latest=False)
-            return self.ds_engine.captured
+            return dict(self.ds_engine.captured or {})
         finally:
             self.ds_engine.captured = None
 
-    def _write_snapshot(self, pending, snapshot: dict[str, bytes]) -> None:
-        for relpath, data in snapshot.items():
-            pending.write_bytes(relpath, data)
+    def _write_state(self, pending, files: dict[str, Any]) -> None:
+        for relpath, state_dict in files.items():
+            save_torch_file(pending, relpath, state_dict)
 
     def _load(self, info) -> None:
         saved_dp = int(info.metadata.get("dp_world_size") or info.world_size)
@@ -171,4 +162,5 @@ class DeepSpeedAdapter(StoreAdapter):
             raise RuntimeError(f"ds_to_universal failed ({result.returncode}): {result.stderr[-2000:]}")
 
     def close(self) -> None:
+        super().close()
         shutil.rmtree(self._scratch, ignore_errors=True)

@@ -4,16 +4,18 @@
     guard = Guard.from_env(adapter=ckpt, snapshot_every=10)
     start = guard.resume()          # ckpt.extra["data_pos"] after a resume
 
-A snapshot is the serialized checkpoint held in memory (torch.save into a buffer), so
-persisting it is one write.
+Saves run on the snapshot engine (checkpoint/engine.py): the state dicts are copied into buffers
+allocated once, and `state.pt` is `torch.save` of that copy written in the background
+(checkpoint/torchfile.py), the same file format as always: `torch.load` reads it.
 """
 from __future__ import annotations
 
-import io
+from typing import Any
 
 import torch
 
 from spotguard.hooks.adapters.base import StoreAdapter
+from spotguard.hooks.checkpoint.torchfile import save_torch_file
 
 FILE = "state.pt"
 
@@ -26,22 +28,14 @@ class PlainTorchAdapter(StoreAdapter):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         super().__init__(**kwargs)
 
-    def _serialize(self, step: int) -> memoryview:
+    def _state(self, step: int) -> dict[str, Any]:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        return buffer.getbuffer()
+        return state
 
-    def _write(self, pending, step: int) -> None:
-        pending.write_bytes(FILE, self._serialize(step))
-
-    def _take_snapshot(self, step: int) -> bytes:
-        return bytes(self._serialize(step))
-
-    def _write_snapshot(self, pending, snapshot: bytes) -> None:
-        pending.write_bytes(FILE, snapshot)
+    def _write_state(self, pending, state: dict[str, Any]) -> None:
+        save_torch_file(pending, FILE, state)
 
     def _load(self, info) -> None:
         state = torch.load(info.dir / FILE, map_location="cpu", weights_only=True)

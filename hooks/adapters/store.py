@@ -1,7 +1,9 @@
-"""The checkpoint store the adapters save through (`spotguard.hooks.checkpoint`), re-exported so
-adapter code names one place."""
+"""The checkpoint store and the snapshot engine the adapters save through (`spotguard.hooks.checkpoint`),
+re-exported so adapter code names one place."""
 from __future__ import annotations
 
 from spotguard.hooks.checkpoint import CheckpointCorrupt, CheckpointInfo, CheckpointStore, open_store
+from spotguard.hooks.checkpoint.engine import PartTimes, Snapshot, SnapshotEngine
 
-__all__ = ["CheckpointCorrupt", "CheckpointInfo", "CheckpointStore", "open_store"]
+__all__ = ["CheckpointCorrupt", "CheckpointInfo", "CheckpointStore", "PartTimes", "Snapshot", "SnapshotEngine",
+           "open_store"]

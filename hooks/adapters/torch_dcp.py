@@ -13,11 +13,13 @@ Contract:
   DDP), written by DCP straight into the store's pending directory through the store's
   `dcp_writer` (DCP's own extension point); resume loads through `dcp_reader` into this job's
   `get_state_dict` layout, which reshards to the current world size, then `set_state_dict`.
-- Every DCP collective runs on the adapter's own gloo group, so an async save in flight never
-  mixes with training's collectives. `save_async(step)` stages now, writes and commits on a
-  background thread (one in flight; the next save waits for it). A notice's `save()` waits for
-  an in-flight async save, then saves synchronously: durable when it returns.
-- A snapshot is a clone of the state dict's tensors (DTensors stay sharded, local shards copied).
+- Every save runs on the snapshot engine (checkpoint/engine.py): `get_state_dict` is copied into
+  host buffers allocated once (DTensors keep their spec over a host copy of the local shard;
+  pinned, on a side stream, for GPU tensors), then `dcp.save` writes that copy in the background.
+  Every DCP collective runs on the adapter's own gloo group, so a persist in flight never mixes
+  with training's collectives. `save_async(step)` copies now and commits in the background (one
+  in flight; the next save or snapshot waits for it). A notice's `save()` is the same copy, then
+  waits until the commit: durable when it returns.
 - `gradient_carrier()` is the model when it is DDP and `piggyback` is on: the Guard then carries
   its agreement inside the model's gradient all_reduce.
 - In place (`build=` given: a function that makes a fresh `(model, optimizer)` for the CURRENT
@@ -32,27 +34,16 @@ Contract:
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import Any
 from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from spotguard.hooks.adapters.base import StoreAdapter, tag_for
+from spotguard.hooks.adapters.base import StoreAdapter
 
 log = logging.getLogger("spotguard.hooks.adapters.dcp")
-
-
-def _same_tensor_layout(buffer: Any, leaf: Any) -> bool:
-    if not isinstance(leaf, torch.Tensor):
-        return not isinstance(buffer, torch.Tensor)
-    return (type(buffer) is type(leaf) and buffer.shape == leaf.shape and buffer.dtype == leaf.dtype
-            and getattr(buffer, "placements", None) == getattr(leaf, "placements", None))
 
 
 def _shard_like(mine: Any, full: Any) -> Any:
@@ -80,9 +71,6 @@ class TorchDCPAdapter(StoreAdapter):
         self.model, self.optimizer = model, optimizer
         self.piggyback = piggyback
         self.build = build
-        self._snapshot_buffers: tuple[list, Any] | None = None  # (tensor leaves, tree spec)
-        self._inflight: threading.Thread | None = None
-        self.async_error: BaseException | None = None
         super().__init__(**kwargs)
 
     def gradient_carrier(self) -> Any:
@@ -123,73 +111,14 @@ class TorchDCPAdapter(StoreAdapter):
         loaded = _shard_like(self.state(), {"model": state["model"], "optim": state["optim"]})
         set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
 
-    def _dcp_save(self, state: dict[str, Any], pending) -> None:
-        dcp.save(state, storage_writer=self.store.dcp_writer(pending), process_group=self._group)
-
     # ---- StoreAdapter hooks ---------------------------------------------------------------
-    def _write(self, pending, step: int) -> None:
-        self._dcp_save(self.state(), pending)
+    def _state(self, step: int) -> dict[str, Any]:
+        return self.state()
 
-    def _take_snapshot(self, step: int) -> dict[str, Any]:
-        """Copies the state into buffers allocated at the first snapshot (again only if the
-        layout changes), so periodic snapshots allocate nothing; scalar leaves are taken fresh."""
-        state = self.state()
-        leaves, spec = tree_flatten(state)
-        kept = self._snapshot_buffers
-        if kept is not None and kept[1] == spec and all(_same_tensor_layout(b, s) for b, s in zip(kept[0], leaves)):
-            buffers = kept[0]
-            for buffer, leaf in zip(buffers, leaves):
-                if isinstance(leaf, torch.Tensor):
-                    buffer.copy_(leaf.detach())
-        else:
-            buffers = [leaf.detach().clone() if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
-            self._snapshot_buffers = (buffers, spec)
-        return tree_unflatten([b if isinstance(leaf, torch.Tensor) else leaf for b, leaf in zip(buffers, leaves)], spec)
-
-    def _write_snapshot(self, pending, snapshot: dict[str, Any]) -> None:
-        self._dcp_save(snapshot, pending)
+    def _write_state(self, pending, state: dict[str, Any]) -> None:
+        dcp.save(state, storage_writer=self.store.dcp_writer(pending), process_group=self._group)
 
     def _load(self, info) -> None:
         state = self.state()
         dcp.load(state, storage_reader=self.store.dcp_reader(info), process_group=self._group)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-    # ---- saves ----------------------------------------------------------------------------
-    def save(self, step: int, *, reason: str = "periodic", notice=None):
-        self.wait()
-        return super().save(step, reason=reason, notice=notice)
-
-    def persist_snapshot(self, *, reason: str = "notice", notice=None) -> int:
-        self.wait()
-        return super().persist_snapshot(reason=reason, notice=notice)
-
-    def save_async(self, step: int, *, reason: str = "periodic") -> None:
-        """Stages the state now; writes and commits on a background thread (collective call)."""
-        self.wait()
-        t0 = time.monotonic()
-        extra = self.extra_state() if self.extra_state else {}
-        pending = self.store.begin(tag_for(step, reason))
-        response = dcp.async_save(self.state(), storage_writer=self.store.dcp_writer(pending),
-                                  process_group=self._group)
-        # a plain Future without an async stager; the staging/upload pair with one
-        future = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
-
-        def finish() -> None:
-            try:
-                self._checkpoint(step, reason, None, extra, lambda _pending: future.result(), pending=pending)
-                self.save_seconds.append(time.monotonic() - t0)
-            except BaseException as exc:  # reported by wait()
-                self.async_error = exc
-                log.error("async checkpoint of step %d failed: %s", step, exc)
-
-        self._inflight = threading.Thread(target=finish, name="spotguard-dcp-async-commit", daemon=True)
-        self._inflight.start()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Waits for the in-flight async save (if any) to be committed."""
-        thread, self._inflight = self._inflight, None
-        if thread is not None:
-            thread.join(timeout)
-
-    def close(self) -> None:
-        self.wait()

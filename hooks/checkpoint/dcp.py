@@ -26,10 +26,8 @@ from typing import Any
 from collections.abc import Iterator
 
 import torch
-from torch.distributed._state_dict_utils import _check_state_dict_similarity, _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 
-from .memory import check_host_memory
 from .store import PendingCheckpoint
 
 log = logging.getLogger(__name__)
@@ -110,14 +108,13 @@ class StoreDcpWriter(FileSystemWriter):
     """A DCP StorageWriter (and async stager) that saves into a pending checkpoint of the store."""
 
     def __init__(self, pending: PendingCheckpoint, *, thread_count: int = 4, finish_rank: bool = True,
-                 cache_staged_state_dict: bool = True, **options: Any):
+                 cache_staged_state_dict: bool = False, **options: Any):
         super().__init__(pending.dir, single_file_per_rank=True, sync_files=True, thread_count=thread_count,
                          overwrite=True, cache_staged_state_dict=cache_staged_state_dict, **options)
         self.pending = pending
         self.fs = _RecordingFileSystem(pending)
         self._finish_rank = finish_rank
         self._is_coordinator = False
-        self._stage_cache = pending.store._dcp_stage_cache
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id and Path(checkpoint_id) != self.pending.dir:
@@ -148,31 +145,6 @@ class StoreDcpWriter(FileSystemWriter):
         super().finish(metadata, results)
         if self._finish_rank:
             self.pending.finish_rank(self._my_rank())
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copies the state into CPU buffers kept by the store across saves (allocated once)."""
-        if not self.cache_staged_state_dict:
-            return super().stage(state_dict)
-        self.per_thread_copy_ahead = 0
-        cached = self._stage_cache.get("state")
-        if cached is None or not _check_state_dict_similarity(state_dict, cached):
-            nbytes = sum(t.numel() * t.element_size() for t in _tensors(state_dict))
-            check_host_memory(nbytes, what="DCP staging buffers")
-            cached = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-            self._stage_cache["state"] = cached
-        return _copy_state_dict(state_dict, cached, type_check=False)
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        local = getattr(obj, "_local_tensor", obj)
-        yield local
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 class StoreDcpReader(FileSystemReader):

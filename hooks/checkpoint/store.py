@@ -227,7 +227,6 @@ class CheckpointStore:
             raise ConfigError("checkpoint_root", f"{self.root} is not writable")
         self._pending: dict[str, list[PendingCheckpoint]] = {}
         self._pending_mutex = threading.Lock()
-        self._dcp_stage_cache: dict[str, Any] = {}
         if clean:
             self.cleanup()
 
@@ -504,10 +503,9 @@ class CheckpointStore:
         return StoreDcpReader(info.dir, **options)
 
     def deepspeed_engine(self, **options):
-        """A DeepSpeed CheckpointEngine that saves through this store (see deepspeed_engine.py)."""
-        from .deepspeed_engine import StoreCheckpointEngine
-
-        return StoreCheckpointEngine(self, **options)
+        """Removed (issue 21): DeepSpeed saves through `DeepSpeedAdapter(engine, store=store)`."""
+        raise RuntimeError("CheckpointStore.deepspeed_engine() was removed: use "
+                           "spotguard.hooks.adapters.deepspeed.DeepSpeedAdapter(engine, store=store).save(step)")
 
 
 def open_store(location: str | os.PathLike, keep_last: int = 3, **options: Any) -> Any:
