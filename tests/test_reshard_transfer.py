@@ -28,14 +28,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_change(tmp_path: Path, mode: str, old: list[str], new: list[str]) -> dict[str, int]:
+def run_change(tmp_path: Path, mode: str, old: list[str], new: list[str], *extra: str) -> dict[str, int]:
     ports = [str(free_port()), str(free_port())]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
            "SPOTGUARD_RESHARD_BUCKET_MB": "0.0003"}  # ~300-byte buckets: many rounds even on a tiny model
     env.pop("SPOTGUARD_RESHARD", None)
     procs = {host: subprocess.Popen([sys.executable, str(WORKER), "--mode", mode, "--out", str(tmp_path),
                                      "--old-hosts", ",".join(old), "--new-hosts", ",".join(new), "--me", host,
-                                     "--old-port", ports[0], "--new-port", ports[1]],
+                                     "--old-port", ports[0], "--new-port", ports[1], *extra],
                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for host in dict.fromkeys(old + new)}
     codes, logs = {}, {}
@@ -43,7 +43,7 @@ def run_change(tmp_path: Path, mode: str, old: list[str], new: list[str]) -> dic
         logs[host], _ = proc.communicate(timeout=240)
         codes[host] = proc.returncode
     assert set(codes.values()) == {0}, logs
-    return {host: int((tmp_path / f"sent-{host}").read_text()) for host in procs}
+    return {host: int((tmp_path / f"sent-{host}").read_text()) for host in procs if not extra}
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
@@ -59,3 +59,12 @@ def test_state_after_the_transfer_is_the_agreed_state(tmp_path, mode, old, new):
         assert minimum == 0  # replicas: a shrink moves nothing
     else:
         assert minimum > 0
+
+
+def test_an_unmappable_layout_is_refused_on_every_rank_before_anything_moves(tmp_path):
+    run_change(tmp_path, "fsdp2", ["a", "b"], ["b"], "--refuse")  # 8 columns: even on 2
+    for host in ("a", "b"):  # every rank of the old group refused, its state intact (checked there)
+        message = (tmp_path / f"refused-{host}").read_text()
+        assert "Shard(dim=1)" in message and "not supported" in message
+    assert "'model/0.weight'" in (tmp_path / "refused-a").read_text()
+    assert not list(tmp_path.glob("state-after.pt"))

@@ -24,8 +24,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 from spotguard.hooks.agreement.collectives import GroupCollectives
 from spotguard.hooks.elastic.plan import ReformPlan
+from spotguard.hooks.elastic.reshard_plan import ReshardError
 from spotguard.hooks.elastic.transfer import hand_over, load, receive
-from spotguard.trainer.elastic_job import batch, build_for
+from spotguard.trainer.elastic_job import base_model, batch, build_for
+from launch import assert_same_state
 from state_dump import flatten
 
 
@@ -40,6 +42,19 @@ def train(adapter, step: int) -> None:
     adapter.optimizer.zero_grad()
     torch.nn.functional.mse_loss(adapter.model(x), y).backward()
     adapter.optimizer.step()
+
+
+def refused_build():
+    """FSDP2 whose first weight is sharded on dimension 1, a placement the plan cannot map."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    model = base_model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model[0], mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def form(port: int, rank: int, world: int) -> None:
@@ -57,10 +72,12 @@ def main() -> int:
     p.add_argument("--old-port", type=int, required=True)
     p.add_argument("--new-port", type=int, required=True)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--refuse", action="store_true",
+                   help="FSDP2 with one weight sharded on dim 1: the plan must refuse before anything moves")
     args = p.parse_args()
     out = Path(args.out)
     reform = ReformPlan.make(args.old_hosts.split(","), args.new_hosts.split(","))
-    build = build_for(args.mode)
+    build = refused_build if args.refuse else build_for(args.mode)
     held = None
     step = args.steps - 1
     if args.me in reform.old_hosts:
@@ -72,6 +89,14 @@ def main() -> int:
         state = full(adapter)
         if old_rank == 0:
             torch.save(state, out / "state-before.pt")
+        if args.refuse:
+            try:
+                hand_over(GroupCollectives(), adapter, step, {"pos": 7}, reform)
+            except ReshardError as exc:
+                assert_same_state(state, full(adapter))  # nothing moved, nothing lost
+                (out / f"refused-{args.me}").write_text(str(exc))
+            dist.destroy_process_group()
+            return 0
         held = hand_over(GroupCollectives(), adapter, step, {"pos": 7}, reform)
         (out / f"sent-{args.me}").write_text(str(held.sent_bytes))
         if old_rank == 0:
