@@ -14,8 +14,8 @@ and at each end "new_shard_bytes" (its pieces' bytes after the change), "sent_by
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import os
 import sys
 import time
 from datetime import timedelta
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.device_mesh  # noqa: F401  (imported before any baseline, as a joiner's warm-up does)
-import torch.distributed.fsdp  # noqa: F401
-import torch.distributed.tensor  # noqa: F401
+import torch.distributed.device_mesh  # imported before any baseline, as a joiner's warm-up does
+import torch.distributed.fsdp
+import torch.distributed.tensor
 
 from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 from spotguard.hooks.agreement.collectives import GroupCollectives
@@ -91,7 +91,7 @@ def main() -> int:
 
     build = builder(args.dim, args.layers)
     adapter = None
-    for index, (old, new) in enumerate(zip(HOSTS, HOSTS[1:])):
+    for index, (old, new) in enumerate(itertools.pairwise(HOSTS)):
         reform = ReformPlan.make(old, new)
         change = "shrink" if index == 0 else "grow"
         held = None

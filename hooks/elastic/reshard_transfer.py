@@ -44,7 +44,7 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 def _pieces(plan: ReshardPlan, moves: Sequence[Move], src_of: Callable[[int], int], dst_of: Callable[[int], int],
             bucket_bytes: int) -> list[_Piece]:
     step = max(bucket_bytes // _ALIGN * _ALIGN, _ALIGN)
-    out = []
+    out: list[_Piece] = []
     for move in moves:
         row = plan.tensors[move.tensor].row_bytes
         start, stop = move.start * row, move.stop * row

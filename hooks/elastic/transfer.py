@@ -150,7 +150,7 @@ def receive(collectives: Collectives, adapter: Any, held: HeldState | None, *, s
     if held is None:  # a joiner
         held = HeldState(int(header["step"]), None, dict(header["extra"] or {}), header["manifest"],
                          int(header["old_world"]), survivors)
-        held.plan = _plan(held.manifest, held.old_world, world, survivors)
+        held.plan = _plan(header["manifest"], held.old_world, world, survivors)
         _allocate(held, me, adapter.shard_device())
     assert held.plan is not None and held.plan.new_world == world, "the plan was made for another world size"
     from_staying = [m for m in held.plan.moves if not held.plan.leaves(m.src)]
