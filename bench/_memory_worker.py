@@ -74,6 +74,13 @@ def shard_bytes(adapter) -> int:
     return sum(p.numel() * p.element_size() for p in adapter.shard_state().pieces)
 
 
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -113,7 +120,10 @@ def main() -> int:
                 return 0
             form(ports[index + 1], new.index(args.host), len(new))
             adapter.rebuild()
-        elif args.host in new:  # the joiner
+        elif args.host in new:  # the joiner: it connects once the survivors are about to change (as a
+            # joiner announced ready would), not minutes ahead into TCPStore's growing retry backoff
+            while '"ready", "change": "grow"' not in _read(Path(args.out) / "a.jsonl"):
+                time.sleep(0.05)
             note(event="ready", change=change)
             form(ports[index + 1], new.index(args.host), len(new))
             t0 = time.monotonic()
