@@ -114,3 +114,19 @@ def test_every_needed_row_arrives_exactly_once(rows, old, new):
         a, b = plan.old_rows(0, m.src)
         assert a <= m.start < m.stop <= b
     assert plan.moved_bytes() == plan.minimum_bytes()
+
+
+def test_transfer_rounds_keep_every_rank_within_one_bucket_and_the_plan_order():
+    from spotguard.hooks.elastic.reshard_transfer import _pieces, _rounds
+
+    plan = ReshardPlan.make([spec(100, Layout.sharded(4), row_bytes=32), spec(7, Layout.sharded(4), row_bytes=4)],
+                            4, 3, {0: 0, 1: 1, 2: 2})
+    pieces = _pieces(plan, plan.moves, lambda old: old, lambda new: new, 160)
+    assert all(p.stop - p.start <= 160 and (p.start - p.move.start * plan.tensors[p.move.tensor].row_bytes) % 16 == 0
+               for p in pieces)
+    assert sum(p.stop - p.start for p in pieces) == plan.moved_bytes()
+    rounds = _rounds(pieces, 160)
+    assert [p for r in rounds for p in r] == pieces
+    for round_ in rounds:
+        for rank in range(4):
+            assert sum(p.stop - p.start for p in round_ if rank in (p.src, p.dst)) <= 160

@@ -11,7 +11,8 @@ Contract, on every rank of a change:
 1. `hand_over(collectives, adapter, step, extra, reform)` in the OLD group, before it is left:
    every rank maps its adapter's tensors (`adapter.shard_state()`) onto the new world size
    (`ReshardPlan`); one `all_ok` on `collectives`: when any rank's plan refused a layout
-   (`ReshardError` naming tensor and placement), every rank raises here, before any byte moved,
+   (`ReshardError` naming tensor and placement), or the extras are not JSON, or
+   `SPOTGUARD_RESHARD_BUCKET_MB` is not a positive number, every rank raises here, before any byte moved,
    and the change falls back to the checkpoint it wrote. Then each staying rank allocates its new
    pieces and copies the rows it keeps, and the leaving ranks send their rows to the staying ranks
    (they are gone before the new group forms). Returns the `HeldState` a staying rank carries
@@ -110,7 +111,9 @@ def hand_over(collectives: Collectives, adapter: Any, step: int, extra: dict[str
     refusal: Exception | None = None
     try:
         plan = _plan(shards.manifest, reform.old_world_size, reform.new_world_size, survivors)
-    except (ReshardError, ValueError) as exc:
+        bucket = _bucket_bytes()
+        json.dumps(extra)  # it travels in the new group's header
+    except (ReshardError, ValueError, TypeError) as exc:
         refusal = exc
     if not collectives.all_ok(refusal is None):
         raise refusal or ReshardError("another rank refused the reshard plan (its log names the tensor)")
@@ -123,7 +126,7 @@ def hand_over(collectives: Collectives, adapter: Any, step: int, extra: dict[str
     old_of = {new: old for old, new in survivors.items()}
     from_leavers = [m for m in plan.moves if plan.leaves(m.src)]
     held.sent_bytes = run_moves(plan, from_leavers, me, lambda old: old, lambda new: old_of[new], held.sources,
-                                held.targets, _bucket_bytes())
+                                held.targets, bucket)
     return held
 
 
