@@ -30,6 +30,11 @@ Contract:
   built first, then the group, the same order in which a joiner builds them before it makes its
   adapter) and `load_full_state(state)` loads it, sharding it to the new mesh. `model` and
   `optimizer` then name the new objects: training code reads them again after a resize.
+  The peer-to-peer transfer (`hooks/elastic/transfer.py`, the default) uses `shard_state()`
+  (this rank's pieces and their layouts, local) and `load_shards(manifest, pieces)` instead of
+  the full state: no rank then holds more than its old and new pieces. A `build` that makes the
+  model on the meta device and materialises only the shards (`to_empty` after `fully_shard`)
+  keeps the rebuild from allocating the whole model too: its values are overwritten anyway.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from spotguard.hooks.adapters.base import StoreAdapter
+from spotguard.hooks.elastic.reshard_state import Shards, collect, install
 
 log = logging.getLogger("spotguard.hooks.adapters.dcp")
 
@@ -94,6 +100,21 @@ class TorchDCPAdapter(StoreAdapter):
         model_state, optim_state = get_state_dict(self.model, self.optimizer,
                                                   options=StateDictOptions(full_state_dict=True))
         return {"model": model_state, "optim": optim_state}
+
+    def shard_state(self) -> Shards:
+        """This rank's pieces of the model and optimizer state with their layouts (local: views,
+        no copy, no communication); what an in-place change moves peer to peer."""
+        self.wait()
+        return collect(self.model, self.optimizer, self.world_size)
+
+    def shard_device(self) -> torch.device:
+        """Where this rank's pieces live (a joiner allocates its new pieces there)."""
+        return next(iter(self.model.parameters()), torch.empty(0)).device
+
+    def load_shards(self, manifest: dict[str, Any], pieces: dict[int, torch.Tensor]) -> None:
+        """This rank's new pieces (entry index -> piece, in the manifest's layout at the current
+        world size) become the rebuilt model's parameters and the optimizer's state."""
+        install(self.model, self.optimizer, manifest, pieces)
 
     def rebuild(self) -> None:
         """A fresh model, optimizer and adapter group on the current default group (collective)."""

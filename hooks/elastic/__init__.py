@@ -3,7 +3,9 @@
 - `plan`: who leaves, stays and joins, and the new ranks (pure).
 - `rendezvous`: this process's store and forming a default group on a leader's store.
 - `membership_view`: the group's hosts, pushed memberships, and which agreed notice changes the group.
-- `transfer`: the state a survivor holds, broadcast to joiners.
+- `transfer`: the state of a change, from the ranks that hold it to the new group (shards peer to
+  peer: `reshard_plan` who sends which rows, `reshard_transfer` the batched p2p, `reshard_state`
+  a model and optimizer as pieces and layouts).
 - `reformer`: the change at the agreed step, with its fallback to the drain.
 - `bound`: every group of a change waits at most the re-form timeout until the change commits.
 - `join`: `init_process_group()` for in-place jobs (start, or join a running job).

@@ -42,7 +42,7 @@ from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.elastic.bound import bound_groups, release_groups
 from spotguard.hooks.elastic.membership_view import Change
 from spotguard.hooks.elastic.rendezvous import Rendezvous
-from spotguard.hooks.elastic.transfer import HeldState, share
+from spotguard.hooks.elastic.transfer import HeldState, hand_over, load, receive
 
 log = logging.getLogger("spotguard.hooks.elastic")
 
@@ -110,7 +110,7 @@ class Reformer:
         bound_groups(self.rendezvous.timeout)
         try:
             extra = adapter.extra_state() if getattr(adapter, "extra_state", None) else {}
-            held = HeldState(step, adapter.full_state(), extra)
+            held = hand_over(seam.collectives, adapter, step, extra, plan)
             # The first survivor (in target order) serves the new group's store unless its leader
             # is a joiner (whose store the membership names).
             first = plan.first_survivor_old_rank
@@ -159,11 +159,9 @@ def take_state(collectives: Collectives, adapter: Any, held: HeldState | None, *
     commit vote. A failure here votes no, so every rank learns it in the vote; raises on every
     rank when any rank failed. On success the groups get torch's default timeout back."""
     joiner = held is None
-    if share_first or joiner:
-        held, _source = share(collectives, held)
-    assert held is not None
+    held = receive(collectives, adapter, held, share_first=share_first)
     try:
-        adapter.load_full_state(held.state)
+        load(adapter, held)
         if joiner:
             adapter.extra = dict(held.extra)
         if loaded is not None:
