@@ -18,7 +18,7 @@ place that exits). An agreement is bound to one process group: a new group gets 
 Contract:
 - Notices arrive on a background thread (the sidecar's stream, `SPOTGUARD_SIDECAR_URL`) and from
   SIGTERM / extra signals (a `drain` notice, deadline = received + grace). Until one arrives the
-  loop pays one `all_reduce(MAX)` of a preallocated 3-element CPU tensor every `agree_every`
+  loop pays one `all_reduce(MAX)` of a preallocated 4-element CPU tensor every `agree_every`
   steps, on the Guard's own gloo group (nothing at all in a single-process job). With
   `pipeline=True` that all_reduce runs in the background during the next step and is read at
   the next agreement (cost ~0; a notice is then acted on one agreement later).
@@ -34,8 +34,9 @@ Contract:
   reclaims are acted on at once) is held and acted on only once its deadline comes that close:
   a maintenance announced an hour ahead does not stop training now, and one the cloud cancels
   meanwhile never does.
-- The agreement carries [any notice, earliest deadline, lowest rank holding one]; that rank
-  broadcasts its notice, so at the agreed step every rank acts on the same notice and deadline.
+- The agreement carries [any notice, earliest deadline, lowest rank holding one, newest pushed
+  membership]; that rank broadcasts its notice (or, without one, the membership's holder its
+  membership), so at the agreed step every rank acts on the same notice and deadline.
 - At that step every rank: decides fresh save vs. persisting the last in-memory snapshot (a
   collective vote: the snapshot is used when any rank's estimate of a fresh save, from measured
   save times plus `save_margin_seconds`, does not fit before the deadline and every rank holds a
@@ -319,10 +320,8 @@ class Guard:
         if self.gate.holding:
             for notice in self.gate.release_due(now_utc()):
                 self._log_acting(notice)
-        pending = self.gate.pending
-        if pending is None and self.view is not None:
-            pending = self.view.pending_notice()
-        verdict = self.agreement.at_boundary(step, pending)
+        membership = self.view.pending_notice() if self.view is not None else None
+        verdict = self.agreement.at_boundary(step, self.gate.pending, membership)
         if verdict is not None:
             return self._act(step, verdict)
         if self.snapshot_every and self.adapter is not None and step % self.snapshot_every == 0:
@@ -331,6 +330,8 @@ class Guard:
 
     def _act(self, step: int, verdict: Verdict) -> StepResult:
         """The agreed notice: a change in place, nothing (a settled membership), or the drain."""
+        if not verdict.on_notice:  # a pushed membership, agreed in its own field: its source sends it
+            verdict = Verdict(verdict.membership, verdict.deadline_ts, verdict.membership_source)
         notice = agreed_notice(self.collectives, verdict)
         change: Change | Settled | None = None
         if self.in_place is not None:

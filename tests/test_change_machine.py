@@ -238,7 +238,7 @@ def test_a_survivor_hands_over_and_forms_on_the_first_survivors_store():
 
 
 def test_a_grow_forms_on_the_store_the_membership_names_and_shares_the_state():
-    record, _, seam, rendezvous = run_change("grow-survivor", Script())
+    record, _, _seam, rendezvous = run_change("grow-survivor", Script())
     assert record.outcome is Outcome.CONTINUE and record.joiners == 1
     assert rendezvous.formed == ("127.0.0.1:29400", "s5-2/", 0, 3)  # leader b is a survivor: its store
 
@@ -261,3 +261,22 @@ def test_a_joiner_raises_on_any_failure_and_reaches_nothing_after_it(phase, how)
         reformer.join(seam)  # type: ignore[arg-type]
     assert "committed" not in reached and collectives.abandoned
     assert not bound.bounded()
+
+
+@pytest.mark.parametrize("phase", PHASES[1:-1])
+def test_a_phase_hook_that_raises_fails_that_phase(phase):
+    """The `on_phase` hooks (timelines, the fault-injecting workers) run inside the phase."""
+    plan = ReformPlan.make(("a", "b", "c"), ("b", "c"))
+    change = Change(plan, "s5-2/", "", -1, "reclaim")
+    current = ["checkpointed"]
+    script = Script()
+    seam = ScriptedSeam(ScriptedCollectives(1, 3, script, current), ScriptedAdapter(script, current), script, current)
+
+    def hook(name, _record):
+        if name == phase:
+            raise Injected(f"injected failure at {name}")
+
+    reformer = Reformer(ScriptedRendezvous(script), hook, transfer=scripted_transfer(script, current))  # type: ignore[arg-type]
+    record = reformer.run(seam, 5, notice_for("shrink-survivor"), change)  # type: ignore[arg-type]
+    assert (record.outcome, record.durable) == (Outcome.FALLBACK, True) and phase in record.error
+    assert seam.collectives.abandoned and not bound.bounded()

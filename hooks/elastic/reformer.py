@@ -51,7 +51,8 @@ from spotguard.hooks.elastic.transfer import HeldState, share
 
 log = logging.getLogger("spotguard.hooks.elastic")
 
-PHASES = ("checkpointed", "handover", "left", "formed", "rebuilt", "transferred", "committed")  # "fallback" ends a failed one
+# The phases in order ("fallback" ends a failed change).
+PHASES = ("checkpointed", "handover", "left", "formed", "rebuilt", "transferred", "committed")
 
 
 class Outcome(enum.Enum):
@@ -172,9 +173,9 @@ class Reformer:
                 return record
             try:
                 getattr(self, row.action)(run)
+                self._mark(record, row.phase)  # a phase hook that raises fails the phase too
             except Exception as exc:
                 return self._fail(run, row, exc)
-            self._mark(record, row.phase)
         return record
 
     def join(self, seam: Seam, step: int = -1) -> ResizeRecord:
@@ -186,10 +187,10 @@ class Reformer:
             if row.joiner:
                 try:
                     getattr(self, row.action)(run)
+                    self._mark(record, row.phase)
                 except Exception as exc:
                     self._fail(run, row, exc)
                     raise
-                self._mark(record, row.phase)
         assert run.held is not None
         record.step = run.held.step
         return record
