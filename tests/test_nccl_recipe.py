@@ -42,7 +42,7 @@ def test_the_recipe_passes_with_its_own_values_and_the_defaults():
 
 def test_in_place_refuses_nccl_on_this_cpu_torch_before_making_anything(monkeypatch):
     monkeypatch.setenv("SPOTGUARD_IN_PLACE", "1")
-    with pytest.raises(nccl.NcclNotSafe, match="without NCCL|NCCL >="):
+    with pytest.raises(nccl.NcclNotSafe, match=r"without NCCL|NCCL >="):
         init_process_group("nccl")
     with pytest.raises(ValueError, match="backend"):
         init_process_group("mpi")

@@ -4,8 +4,12 @@
 - `rendezvous`: this process's store and forming a default group on a leader's store.
 - `membership_view`: the group's hosts, pushed memberships, and which agreed notice changes the group.
 - `transfer`: the state a survivor holds, broadcast to joiners.
-- `reformer`: the change at the agreed step, with its fallback to the drain.
+- `reformer`: the change at the agreed step as one state machine (`TABLE`), both halves, with
+  its fallback to the drain.
+- `in_place`: the Guard's in-place side (which agreed notice changes the group, the joiner's state).
 - `bound`: every group of a change waits at most the re-form timeout until the change commits.
+- `nccl`: the NCCL recipe (version and environment checks, eager communicators, abort).
+- `torch_private`: every private torch API reached, in one checked module.
 - `join`: `init_process_group()` for in-place jobs (start, or join a running job).
 The Guard (`hooks/guard.py`) drives them; `spotguard launch` starts the workers.
 """
