@@ -88,8 +88,7 @@ def stop_step(path: Path) -> int | None:
         return None
 
 
-def resize_line(guard: Guard) -> str:
-    record = guard.last_resize
+def resize_line(guard: Guard, record) -> str:
     drain = guard.last_drain
     saved = drain.checkpoint_seconds if drain is not None and drain.step == record.step else 0.0
     return json.dumps({"step": record.step, "outcome": record.outcome.value, "world": record.new_world_size,
@@ -122,11 +121,10 @@ def main(argv=None) -> int:
             stop_at = stop_step(out / "stop-at") if stop_at is None else stop_at
             if stop_at is not None and step >= stop_at:
                 break
-            seen = guard.last_resize
-            guard.step(step)  # a drain exits 83 here; an in-place change returns in the new group
-            if guard.last_resize is not seen:
+            result = guard.step(step)  # a drain exits 83 here; an in-place change returns in the new group
+            if result.resized:
                 with open(out / f"resize-{node}.jsonl", "a") as f:
-                    f.write(resize_line(guard))
+                    f.write(resize_line(guard, result.resize))
     guard.close()
     dist.destroy_process_group()
     return 0

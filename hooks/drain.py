@@ -100,11 +100,14 @@ class DrainSequence:
         self.reporter = reporter
         self.save_margin_seconds = save_margin_seconds
 
-    def run(self, step: int, verdict: Verdict, *, notice: Notice | None = None, staying: bool = False) -> DrainRecord:
+    def run(self, step: int, verdict: Verdict | None, *, notice: Notice | None = None,
+            staying: bool = False) -> DrainRecord:
         """`notice`: the agreed notice when the caller already has it. `staying`: this rank
         continues in place after the checkpoint (no @on_drain hooks, no `drained` report, no
         termination message: it did not drain)."""
         if notice is None:
+            if verdict is None:
+                raise ValueError("DrainSequence.run needs the verdict or the agreed notice")
             notice = agreed_notice(self.collectives, verdict)
         started = time.time()
         t0 = time.monotonic()

@@ -18,7 +18,7 @@ place that exits). An agreement is bound to one process group: a new group gets 
 Contract:
 - Notices arrive on a background thread (the sidecar's stream, `SPOTGUARD_SIDECAR_URL`) and from
   SIGTERM / extra signals (a `drain` notice, deadline = received + grace). Until one arrives the
-  loop pays one `all_reduce(MAX)` of a preallocated 3-element CPU tensor every `agree_every`
+  loop pays one `all_reduce(MAX)` of a preallocated 4-element CPU tensor every `agree_every`
   steps, on the Guard's own gloo group (nothing at all in a single-process job). With
   `pipeline=True` that all_reduce runs in the background during the next step and is read at
   the next agreement (cost ~0; a notice is then acted on one agreement later).
@@ -34,8 +34,9 @@ Contract:
   reclaims are acted on at once) is held and acted on only once its deadline comes that close:
   a maintenance announced an hour ahead does not stop training now, and one the cloud cancels
   meanwhile never does.
-- The agreement carries [any notice, earliest deadline, lowest rank holding one]; that rank
-  broadcasts its notice, so at the agreed step every rank acts on the same notice and deadline.
+- The agreement carries [any notice, earliest deadline, lowest rank holding one, newest pushed
+  membership]; that rank broadcasts its notice (or, without one, the membership's holder its
+  membership), so at the agreed step every rank acts on the same notice and deadline.
 - At that step every rank: decides fresh save vs. persisting the last in-memory snapshot (a
   collective vote: the snapshot is used when any rank's estimate of a fresh save, from measured
   save times plus `save_margin_seconds`, does not fit before the deadline and every rank holds a
@@ -43,7 +44,10 @@ Contract:
   (`hook(step, notice)`); agrees that every rank succeeded; reports `checkpoint-durable` (or
   `failed`) with the seconds taken to the sidecar; runs `@on_drain` hooks and reports `drained`;
   then exits with `EXIT_PREEMPTED` (83), or `EXIT_CHECKPOINT_FAILED` (84) when any rank failed.
-  With `exit_on_drain=False`, `step()` returns True instead of exiting (`last_drain` tells what happened).
+  With `exit_on_drain=False`, `step()` returns a drained result instead of exiting (`last_drain`
+  tells what happened).
+- `step(step)` returns a `StepResult` (`hooks/step_result.py`): continued, resized (`.resize` is
+  the change's record) or drained; its truth value is "drained", as the boolean it replaced.
   After a drain the process ends with that code even if torch's C++ teardown would abort:
   an atexit hook flushes logging/stdio and calls `os._exit(code)` (`hard_exit=False` disables it).
 - `offer(notice)` hands the Guard a notice from elsewhere (the listener and signals use it too).
@@ -55,10 +59,11 @@ Contract:
   every change first writes the durable checkpoint of that step (a shrink through the drain
   sequence, a grow with the survivors' own save), then the leaving ranks hand over and exit 83 and the
   survivors re-form the group and continue from the next step in the same processes; a grow
-  re-forms with the joiners, who receive the state from a live peer. `step()` then returns False,
-  `rank`/`world_size` are the new group's, `last_resize` says what happened (with the pause), the
-  `@on_resize` hooks run (`hook(record)`), and training code reads `adapter.model` /
-  `adapter.optimizer` again. Any failure falls back to the drain (exit 83 with a durable
+  re-forms with the joiners, who receive the state from a live peer (`hooks/elastic/reformer.py`
+  is the change as one state machine). `step()` then returns a resized result (its `.resize`
+  says what happened, with the pause; `last_resize` is deprecated), `rank`/`world_size` are the
+  new group's, the `@on_resize` hooks run (`hook(record)`), and training code reads
+  `adapter.model` / `adapter.optimizer` again. Any failure falls back to the drain (exit 83 with a durable
   checkpoint). In-place jobs make the model, then the adapter, then the Guard (the order a
   joiner repeats), and call `hooks.elastic.init_process_group()` instead of torch's. The
   collectives of a change are the Guard's alone, in one order on both sides (`reformer.take_state`
@@ -73,7 +78,7 @@ from __future__ import annotations
 import logging
 import os
 import signal as signal_module
-import time
+import warnings
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterable
 
@@ -82,25 +87,25 @@ from spotguard.hooks.agreement import Agreement, make_agreement
 from spotguard.hooks.agreement.base import Verdict
 from spotguard.hooks.agreement.collectives import GroupCollectives, join_collectives
 from spotguard.hooks.drain import DrainRecord, DrainSequence, ExitProcess, ReturnToLoop, agreed_notice
-from spotguard.hooks.elastic.join import elastic_process, in_place_enabled
-from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, Change, MembershipView, Settled
 from spotguard.hooks.elastic.bound import release_groups
-from spotguard.hooks.elastic.reformer import Outcome, Reformer, ResizeRecord, take_state
-from spotguard.hooks.elastic.rendezvous import Rendezvous
+from spotguard.hooks.elastic.in_place import InPlace, save_before_grow
+from spotguard.hooks.elastic.join import in_place_enabled
+from spotguard.hooks.elastic.membership_view import Change, MembershipView, Settled
+from spotguard.hooks.elastic.reformer import Outcome, ResizeRecord
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.notice_gate import ACT_ON, Action, NoticeGate
 from spotguard.hooks.notice_listener import NoticeListener
 from spotguard.hooks.orphan_watch import OrphanWatch
 from spotguard.hooks.signals import SignalTrap
-from spotguard.wire import names
+from spotguard.hooks.step_result import CONTINUED, Happened, StepResult
 from spotguard.hooks.termination_message import write_termination_message
-from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
+from spotguard.wire import names
 from spotguard.wire.notice import Kind, Notice, now_utc
 
 if TYPE_CHECKING:
     from spotguard.hooks.adapters.base import CheckpointAdapter
 
-__all__ = ["ACT_ON", "DrainRecord", "Guard"]
+__all__ = ["ACT_ON", "DrainRecord", "Guard", "StepResult"]
 
 log = logging.getLogger("spotguard.hooks.guard")
 
@@ -131,30 +136,20 @@ class Guard:
         self._drain_hooks: list[Callable] = []
         self._resume_hooks: list[Callable] = []
         self._resize_hooks: list[Callable] = []
+        self._phase_hooks: list[Callable] = []
         self.adapter: CheckpointAdapter | None = None
         self.last_drain: DrainRecord | None = None
-        self.last_resize: ResizeRecord | None = None
         self.resizes: list[ResizeRecord] = []
 
-        self.view: MembershipView | None = None
-        self.reformer: Reformer | None = None
-        if in_place_enabled() if in_place is None else in_place:
-            process = elastic_process()
-            self.view = MembershipView.from_env()
-            self.reformer = Reformer(process.rendezvous if process is not None else Rendezvous.from_env(),
-                                     self._resize_phase)
-            self._phase_hooks: list[Callable] = []
+        self.in_place = InPlace(self._resize_phase) if (in_place_enabled() if in_place is None else in_place) \
+            else None
         self._process_group = process_group
         self.collectives = join_collectives(process_group)
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
         self.agreement: Agreement = make_agreement(self.collectives, agree_every=self.agree_every, pipeline=pipeline)
-        if self.view is not None:
-            self.view.learn_hosts(self.collectives)
-            process = elastic_process()
-            if process is not None and process.joined is not None:
-                self.view.adopt(process.joined.generation)
-        process = elastic_process()
-        if process is None or process.joined is None or process.state_received:
+        if self.in_place is not None:
+            self.in_place.learn(self.collectives)
+        if self.in_place is None or not self.in_place.owes_state():
             release_groups()  # a starting rank's formation is complete (a joiner's: in resume())
         self.departure = ExitProcess(self.close, self.leave_group, hard_exit) if exit_on_drain else ReturnToLoop()
         self.reporter = (HookReporter(self.sidecar_url, token_file, self.rank, self.world_size)
@@ -189,6 +184,18 @@ class Guard:
         kwargs.setdefault("sidecar_url", url)
         kwargs.setdefault("token_file", env.get(names.ENV_TOKEN_FILE) or None)
         return cls(grace_seconds=grace_seconds, agree_every=agree_every, **kwargs)
+
+    @property
+    def view(self) -> MembershipView | None:
+        """The membership view of an in-place Guard (None otherwise)."""
+        return self.in_place.view if self.in_place is not None else None
+
+    @property
+    def last_resize(self) -> ResizeRecord | None:
+        """Deprecated: `step()` returns the change (`result.resized`, `result.resize`)."""
+        warnings.warn("guard.last_resize is deprecated: use the result of guard.step(step) "
+                      "(`if result.resized: record = result.resize`)", DeprecationWarning, stacklevel=2)
+        return self.resizes[-1] if self.resizes else None
 
     def piggyback_on(self, ddp_model: Any) -> bool:
         """Carries the agreement flag inside `ddp_model`'s gradient all_reduce (see the module
@@ -234,8 +241,7 @@ class Guard:
 
     def on_resize_phase(self, fn: Callable) -> Callable:
         """Decorator: `fn(phase, record)` runs as each phase of an in-place change ends (timelines, tests)."""
-        if self.view is not None:
-            self._phase_hooks.append(fn)
+        self._phase_hooks.append(fn)
         return fn
 
     def _resize_phase(self, phase: str, record: ResizeRecord) -> None:
@@ -257,10 +263,8 @@ class Guard:
     def resume(self) -> int:
         """Loads the newest checkpoint (adapter, then @on_resume hooks); the step to start from.
         A joiner receives the state of a live peer instead (no storage read, no @on_resume hooks)."""
-        process = elastic_process()
-        if self.view is not None and process is not None and process.joined is not None \
-                and not process.state_received:
-            return self._receive_state(process)
+        if self.in_place is not None and self.in_place.owes_state():
+            return self.in_place.receive_state(self)
         start = 0
         if self.adapter is not None:
             loaded = self.adapter.resume()
@@ -274,17 +278,6 @@ class Guard:
             if value is not None:
                 start = int(value)
         return start
-
-    def _receive_state(self, process) -> int:
-        """The joiner's half of a grow (the survivors are in `Reformer.run`'s transfer)."""
-        adapter: Any = self.adapter  # resizable: TorchDCPAdapter(build=...)
-        if adapter is None or not getattr(adapter, "resizable", False):
-            raise RuntimeError("a joiner needs an adapter made with build= before resume()")
-        held = take_state(self.collectives, adapter, None, share_first=True)
-        process.state_received = True
-        log.warning("joined in place: state of step %d from a live peer, now rank %d of %d", held.step,
-                    self.rank, self.world_size)
-        return held.step + 1
 
     # ---- notices in -----------------------------------------------------------------------
     def offer(self, notice: Notice) -> None:
@@ -317,8 +310,8 @@ class Guard:
                 log.warning("notice %s withdrawn before the ranks agreed on it: training continues", notice_id)
 
     # ---- the step boundary ----------------------------------------------------------------
-    def step(self, step: int) -> bool:
-        """Call after step `step` on every rank; drains here when the ranks agree on a notice."""
+    def step(self, step: int) -> StepResult:
+        """Call after step `step` on every rank; what happened at this boundary (module docstring)."""
         trap = self._trap
         if trap is not None and trap.received is not None:
             notice = trap.take()
@@ -327,102 +320,57 @@ class Guard:
         if self.gate.holding:
             for notice in self.gate.release_due(now_utc()):
                 self._log_acting(notice)
-        pending = self.gate.pending
-        if pending is None and self.view is not None:
-            pending = self.view.pending_notice()
-        verdict = self.agreement.at_boundary(step, pending)
+        membership = self.view.pending_notice() if self.view is not None else None
+        verdict = self.agreement.at_boundary(step, self.gate.pending, membership)
         if verdict is not None:
-            return self._drain(step, verdict)
+            return self._act(step, verdict)
         if self.snapshot_every and self.adapter is not None and step % self.snapshot_every == 0:
             self.adapter.snapshot(step)
-        return False
+        return CONTINUED
 
-    def _drain(self, step: int, verdict: Verdict) -> bool:
+    def _act(self, step: int, verdict: Verdict) -> StepResult:
+        """The agreed notice: a change in place, nothing (a settled membership), or the drain."""
+        if not verdict.on_notice:  # a pushed membership, agreed in its own field: its source sends it
+            verdict = Verdict(verdict.membership, verdict.deadline_ts, verdict.membership_source)
         notice = agreed_notice(self.collectives, verdict)
-        change = self._change_for(notice, step)
-        if isinstance(change, Settled):  # every rank: the same agreed notice, the same group
-            assert self.view is not None
-            self.view.adopt(change.generation)
-            log.warning("membership %d needs no change (%s): training goes on", change.generation, change.why)
-            return False
-        if change is not None and not change.plan.leaving_hosts:
-            return self._resize(step, notice, change, self._save_before_grow(step, notice))
-        leaving = change is None or change.plan.leaves(self.rank)
+        change: Change | Settled | None = None
+        if self.in_place is not None:
+            change = self.in_place.change_for(self.collectives, self.adapter, notice, step)
+        if isinstance(change, Settled):
+            return CONTINUED
+        if change is None:
+            return self._depart(self.checkpoint_for_change(step, notice, staying=False, grow=False))
+        assert self.in_place is not None
+        record = self.in_place.run(self, step, notice, change)
+        self.resizes.append(record)
+        if record.outcome is Outcome.CONTINUE:
+            for hook in self._resize_hooks:
+                hook(record)
+            return StepResult(Happened.RESIZED, record, record.drain)
+        drained: DrainRecord = record.drain
+        if record.outcome is Outcome.FALLBACK:
+            write_termination_message(notice.id, step, drained.saved_step, drained.ok)
+        return self._depart(drained)
+
+    def _depart(self, record: DrainRecord) -> StepResult:
+        self.last_drain = record
+        self.departure.after_drain(record)
+        return StepResult(Happened.DRAINED, drain=record)
+
+    # ---- the seam the reformer drives ------------------------------------------------------------
+    def checkpoint_for_change(self, step: int, notice: Notice, *, staying: bool, grow: bool) -> DrainRecord:
+        """The durable checkpoint of the agreed step (collective): the drain sequence (`staying`:
+        this rank continues in place), or for a grow the survivors' own save."""
+        if grow:
+            return save_before_grow(self.collectives, self.adapter, step, notice)
         sequence = DrainSequence(self.collectives, self.adapter, reclaim_hooks=self._reclaim_hooks,
                                  drain_hooks=self._drain_hooks, reporter=self.reporter,
                                  save_margin_seconds=self.save_margin_seconds)
-        record = sequence.run(step, verdict, notice=notice, staying=not leaving)
+        record = sequence.run(step, None, notice=notice, staying=staying)
         self.last_drain = record
         self.gate.answered(record.notice.id)  # a re-sent or updated copy does not drain again
-        if change is None or not record.ok:
-            return self.departure.after_drain(record)
-        return self._resize(step, notice, change, record)
+        return record
 
-    def _change_for(self, notice, step: int) -> Change | Settled | None:
-        """The in-place change the agreed notice asks for; Settled: none is needed; None: every rank drains."""
-        if self.view is None or self.adapter is None or not getattr(self.adapter, "resizable", False):
-            return None
-        try:
-            change = self.view.plan_for(notice, step)
-            if notice.source == MEMBERSHIP_SOURCE:
-                change = self._rank0_settles(notice, step, change)
-            return change
-        except ValueError as exc:  # a membership that cannot be a group: drain as before
-            log.error("membership change not possible in place (%s): draining", exc)
-            return None
-
-    def _rank0_settles(self, notice: Notice, step: int, change: Change | Settled | None) -> Change | Settled | None:
-        """Whether an agreed membership settles is rank 0's word on every rank (collective): the
-        stale rule compares times read on different ranks' clocks, which must not split the group."""
-        assert self.view is not None
-        mine = change.why.encode() if isinstance(change, Settled) else b""
-        word = self.collectives.broadcast_bytes(mine, 0)
-        if bool(word) == bool(mine):
-            return change
-        if word:
-            return Settled(int(notice.detail["generation"]), word.decode(errors="replace"))
-        return self.view.plan_for(notice, step, settle=False)
-
-    def _save_before_grow(self, step: int, notice: Notice) -> DrainRecord:
-        """The old group (every rank survives a grow) saves the agreed step, so a failure at any
-        point of the change, a survivor's death included, falls back to it without another group."""
-        assert self.adapter is not None
-        started, t0, ok = time.time(), time.monotonic(), True
-        try:
-            self.adapter.save(step, reason="membership", notice=notice)
-        except Exception:
-            log.exception("save of step %d before the grow failed on rank %d", step, self.rank)
-            ok = False
-        ok = self.collectives.all_ok(ok)
-        return DrainRecord(step, step, notice, False, ok, EXIT_PREEMPTED if ok else EXIT_CHECKPOINT_FAILED,
-                           time.monotonic() - t0, 0.0, started)
-
-    def _resize(self, step: int, notice, change: Change, drained: DrainRecord | None) -> bool:
-        """Runs the change; the survivors continue (False), the others leave through the departure."""
-        assert self.reformer is not None and self.view is not None
-        record = self.reformer.run(self, step, change, checkpointed=drained is not None and drained.ok)
-        self.last_resize = record
-        self.resizes.append(record)
-        if notice.source == MEMBERSHIP_SOURCE:
-            self.view.adopt(change.generation)
-        if record.outcome is Outcome.CONTINUE:
-            self.view.after_change(change.plan, record.started_at)
-            log.warning("in place at step %d: world %d -> %d, rank %d -> %d, paused %.3fs", step,
-                        record.old_world_size, record.new_world_size, record.old_rank, record.new_rank,
-                        record.pause_seconds)
-            for hook in self._resize_hooks:
-                hook(record)
-            return False
-        if drained is None:
-            drained = DrainRecord(step, step, notice, False, record.durable,
-                                  EXIT_PREEMPTED if record.durable else EXIT_CHECKPOINT_FAILED, 0.0, 0.0,
-                                  record.started_at)
-        elif record.outcome is Outcome.FALLBACK:
-            write_termination_message(notice.id, step, drained.saved_step, drained.ok)
-        self.last_drain = drained
-        return self.departure.after_drain(drained)
-
-    # ---- the group, for the reformer ------------------------------------------------------------
     def leave_group(self) -> None:
         """Closes the agreement and destroys this rank's process groups (after a last agreement)."""
         self.agreement.close()

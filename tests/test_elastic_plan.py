@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from spotguard.hooks.agreement.base import contribution, outcome
+from spotguard.hooks.agreement.base import agreed_membership, contribution, outcome
 from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, Change, MembershipView, Settled
 from spotguard.hooks.elastic.plan import ReformPlan
 from spotguard.wire import names
@@ -133,18 +133,18 @@ def combine(contributions):
 
 def test_a_real_notice_at_a_higher_rank_wins_over_a_membership_at_rank_0():
     world = 4
-    pending = {0: _membership_notice(), 2: notice(Kind.RECLAIM, "c", seconds=60)}
-    combined = combine([contribution(pending.get(rank), rank, world) for rank in range(world)])
+    combined = combine([contribution(notice(Kind.RECLAIM, "c", seconds=60) if rank == 2 else None, rank, world,
+                                     5 if rank == 0 else None) for rank in range(world)])
     deadline, source = outcome(combined, world)
-    assert source == 2 and deadline == pending[2].deadline.timestamp()
+    assert source == 2 and abs(deadline - (time.time() + 60)) < 5
+    assert agreed_membership(combined, world) == (5, 0)  # its own field: still there for a later boundary
 
 
 def test_a_membership_alone_is_agreed_from_the_lowest_rank_holding_it():
     world = 3
-    member = _membership_notice()
-    combined = combine([contribution(member if rank else None, rank, world) for rank in range(world)])
-    assert outcome(combined, world) == (float("inf"), 1)
-    assert outcome(combine([contribution(None, r, world) for r in range(world)]), world) is None
+    combined = combine([contribution(None, rank, world, 5 if rank else None) for rank in range(world)])
+    assert outcome(combined, world) is None and agreed_membership(combined, world) == (5, 1)
+    assert agreed_membership(combine([contribution(None, r, world) for r in range(world)]), world) is None
 
 
 def _membership_notice() -> Notice:

@@ -19,6 +19,7 @@ from spotguard.config import ConfigError
 from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
 from spotguard.hooks.adapters.store import CheckpointStore
 from spotguard.hooks.guard import Guard
+from spotguard.hooks.step_result import Happened
 from spotguard.supervisor.progress import steps_lost_of
 from spotguard.wire import names
 from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED, describe_exit
@@ -64,10 +65,10 @@ def test_notice_from_stream_runs_hooks_reports_and_dedupes(sidecar):
     guard.on_drain(lambda step, n: calls.append(("drain", step, n.id)))
     sent = notice()
     try:
-        assert guard.step(0) is False
+        assert guard.step(0).continued
         sidecar.push("notice", sent.to_wire())
         wait_until(lambda: guard.listener.stats["notices"] == 1)
-        assert guard.step(1) is True
+        assert guard.step(1).drained
         assert calls == [("reclaim", 1, "aws.spot:abc"), ("drain", 1, "aws.spot:abc")]
         assert guard.last_drain.exit_code == EXIT_PREEMPTED and guard.last_drain.steps_lost == 0
         phases = [(r["phase"], r["step"], r["rank"], r["world_size"]) for r in sidecar.reports]
@@ -78,7 +79,7 @@ def test_notice_from_stream_runs_hooks_reports_and_dedupes(sidecar):
         sidecar.push("notice", notice().to_wire())
         sidecar.push("notice", {"v": 1, "withdrawn": "x"})  # a malformed one as a marker that both arrived
         wait_until(lambda: guard.listener.stats["malformed"] == 1)
-        assert guard.step(2) is False
+        assert guard.step(2).continued
     finally:
         guard.close()
 
@@ -105,7 +106,7 @@ def test_malformed_messages_are_logged_and_change_nothing(sidecar, caplog):
         sidecar.push("membership", {"v": 1, "generation": 2, "hosts": ["h1"], "world_size": 1})
         wait_until(lambda: guard.listener.stats["malformed"] == len(bad))
         for step in range(3):
-            assert guard.step(step) is False
+            assert guard.step(step).continued
         assert calls == [] and sidecar.reports == []
         messages = [r.getMessage() for r in caplog.records]
         assert sum("ignored malformed" in m for m in messages) == len(bad)
@@ -115,7 +116,7 @@ def test_malformed_messages_are_logged_and_change_nothing(sidecar, caplog):
         # the stream is still alive: a good notice afterwards works
         sidecar.push("notice", notice().to_wire())
         wait_until(lambda: guard.listener.stats["notices"] == 1)
-        assert guard.step(3) is True and calls == [3]
+        assert guard.step(3).drained and calls == [3]
         assert sidecar.connections == 1
     finally:
         guard.close()
@@ -126,12 +127,12 @@ def test_broken_byte_stream_reconnects_and_snapshot_redelivers(sidecar):
     try:
         sidecar.push_raw(b"data: \xff\xfe\n\n")  # not UTF-8: the connection is dropped
         wait_until(lambda: sidecar.connections == 2)
-        assert guard.step(0) is False
+        assert guard.step(0).continued
         # a notice that went live while disconnected arrives in the next snapshot
         sidecar.snapshot = [notice(nid="gcp.preempt:1").to_wire()]
         sidecar.drop_connections()
         wait_until(lambda: guard.listener.stats["notices"] == 1, timeout=10)
-        assert guard.step(1) is True
+        assert guard.step(1).drained
         assert guard.last_drain.notice.id == "gcp.preempt:1"
     finally:
         guard.close()
@@ -170,7 +171,7 @@ def test_withdrawn_before_agreement_and_rebalance_are_not_acted_on(sidecar):
             "withdrawn", {"v": 1, "withdrawn": "azure.preempt:1", "source": "azure", "node": "n1", "reason": "canceled"}
         )
         wait_until(lambda: guard.listener.stats["notices"] == 2 and guard.gate.pending is None)
-        assert guard.step(0) is False
+        assert guard.step(0).continued
     finally:
         guard.close()
 
@@ -183,7 +184,7 @@ def test_reports_need_the_token(sidecar, tmp_path):
     try:
         sidecar.push("notice", notice().to_wire())
         wait_until(lambda: guard.gate.pending is not None)
-        assert guard.step(0) is True  # the drain does not depend on the report
+        assert guard.step(0).drained  # the drain does not depend on the report
         assert sidecar.reports == [] and sidecar.rejected == ["Bearer nope", "Bearer nope"]
     finally:
         guard.close()
@@ -195,14 +196,14 @@ def test_sigterm_and_extra_signal_become_drain_notices():
     seen = []
     guard.on_reclaim(lambda step, n: seen.append(n))
     try:
-        assert guard.step(0) is False
+        assert guard.step(0).continued
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert guard.step(1) is True
+        assert guard.step(1).drained
         n = seen[0]
         assert n.kind is Kind.DRAIN and n.source == "signal" and n.detail["signal"] == "SIGUSR1"
         assert 6 < n.seconds_left() <= 7
         os.kill(os.getpid(), signal.SIGTERM)  # still trapped: the process is not terminated
-        assert guard.step(2) is True and seen[1].detail["signal"] == "SIGTERM"
+        assert guard.step(2).drained and seen[1].detail["signal"] == "SIGTERM"
     finally:
         guard.close()
     assert signal.getsignal(signal.SIGTERM) == before  # close() put the previous handler back
@@ -284,7 +285,7 @@ def test_plain_torch_resume_is_exact_and_answered_notice_is_ignored(tmp_path, si
     try:
         wait_until(lambda: guard2.listener.stats["notices"] == 1)
         assert guard2.resume() == 3 and adapter2.extra == {"data_pos": 40}
-        assert guard2.step(3) is False  # the notice this checkpoint answered does not drain again
+        assert guard2.step(3).continued  # the notice this checkpoint answered does not drain again
         assert all(
             torch.equal(a, b) for a, b in zip(model2.state_dict().values(), reference_model.state_dict().values()))
         assert str(opt2.state_dict()) == str(reference_opt.state_dict())
@@ -324,7 +325,7 @@ def test_deadline_too_short_persists_last_snapshot(tmp_path, sidecar, monkeypatc
     try:
         sidecar.push("notice", notice(seconds=60, nid="aws.spot:later").to_wire())
         wait_until(lambda: guard.gate.pending is not None)
-        assert guard.step(8) is True and guard.last_drain.used_snapshot is False
+        assert guard.step(8).drained and guard.last_drain.used_snapshot is False
     finally:
         guard.close()
 
@@ -334,7 +335,7 @@ def test_far_deadline_is_held_until_the_horizon_and_a_withdrawal_cancels_it(side
     try:
         sidecar.push("notice", notice(kind="maintenance", seconds=3.5, nid="aws.maintenance:far").to_wire())
         wait_until(lambda: guard.listener.stats["notices"] == 1)
-        assert guard.step(0) is False  # 3.5 s away, horizon 2 s: held
+        assert guard.step(0).continued  # 3.5 s away, horizon 2 s: held
         wait_until(lambda: guard.step(1), timeout=5.0)  # acted on once within 2 s of its deadline
         assert guard.last_drain.notice.id == "aws.maintenance:far"
 
@@ -344,6 +345,22 @@ def test_far_deadline_is_held_until_the_horizon_and_a_withdrawal_cancels_it(side
                                    "node": "n1", "reason": "canceled"})
         wait_until(lambda: "aws.maintenance:canceled" not in guard.gate.held_ids())
         time.sleep(1.2)  # past the moment it would have come within the horizon
-        assert guard.step(2) is False
+        assert guard.step(2).continued
+    finally:
+        guard.close()
+
+
+def test_step_tells_what_happened_and_last_resize_still_answers_with_a_warning(tmp_path):
+    """`step()` returns a StepResult whose truth value is "drained" (the boolean it replaced);
+    `last_resize` is deprecated but answers (None before any change)."""
+    guard = Guard(install_signals=False, exit_on_drain=False, in_place=False)
+    try:
+        result = guard.step(0)
+        assert (result.happened, bool(result), result.resize, result.drain) == (Happened.CONTINUED, False, None, None)
+        guard.offer(notice())
+        drained = guard.step(1)
+        assert drained.drained and bool(drained) and drained.drain is guard.last_drain
+        with pytest.warns(DeprecationWarning, match="guard.step"):
+            assert guard.last_resize is None
     finally:
         guard.close()

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from spotguard.hooks.guard import Guard
+from spotguard.hooks.step_result import CONTINUED
 from spotguard.trainer.events import EventLog
 from spotguard.trainer.model import build_model, global_batch, rank_share, state_digest
 
@@ -250,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     tick, tick_step = time.monotonic(), start
     step = start
     last_step_at, max_gap = time.time(), 0.0
-    seen_resize = guard.last_resize if guard is not None else None
     for step in range(start, args.steps):
         x, y = global_batch(args.seed, step, batching.global_size)
         share = rank_share(x, rank, world_size)
@@ -270,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
             tick, tick_step = now, done
         if adapter is not None and args.checkpoint_every and done % args.checkpoint_every == 0:
             adapter.save(step, reason="periodic")
-        drained = guard is not None and guard.step(step)
-        if guard is not None and guard.last_resize is not seen_resize:
-            seen_resize = resize = guard.last_resize
+        result = guard.step(step) if guard is not None else CONTINUED
+        drained = result.drained
+        if result.resize is not None:
+            resize = result.resize
             if not drained and resize.old_world_size > resize.new_world_size and guard.last_drain is not None:
                 record = guard.last_drain  # a shrink: this rank agreed and checkpointed too
                 events.write("agreed", t=record.hooks_started_at, step=record.step + 1, notice_id=record.notice.id,

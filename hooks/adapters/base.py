@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 from collections.abc import Callable
 
 from spotguard.hooks.adapters.store import CheckpointInfo, CheckpointStore, PartTimes, Snapshot, SnapshotEngine, open_store
@@ -72,6 +72,35 @@ class CheckpointAdapter(Protocol):
 
     def close(self) -> None:
         """Waits for saves in flight and releases what the adapter holds."""
+
+
+@runtime_checkable
+class ResizableAdapter(CheckpointAdapter, Protocol):
+    """What an in-place membership change needs besides the checkpoint (`hooks/elastic`): an
+    adapter that can rebuild its model for another world size and carry the state across.
+    `resizable_adapter(adapter)` is the one check the Guard makes."""
+
+    resizable: bool  # False: made without what a rebuild needs (TorchDCPAdapter without build=)
+    extra: dict[str, Any]  # the extras a resume or a live peer handed over
+
+    def extra_state_now(self) -> dict[str, Any]:
+        """Local: the user's extras as they are now (`extra_state()`, or {})."""
+
+    def full_state(self) -> dict[str, Any]:
+        """Collective over the old group: the state a new group is made from."""
+
+    def rebuild(self) -> None:
+        """Collective over the new default group: a fresh model and optimizer for it."""
+
+    def load_full_state(self, state: dict[str, Any]) -> None:
+        """Local: loads what `full_state()` returned into the rebuilt model and optimizer."""
+
+
+def resizable_adapter(adapter: object) -> ResizableAdapter | None:
+    """`adapter` as a ResizableAdapter when it can take an in-place change now, else None."""
+    if isinstance(adapter, ResizableAdapter) and adapter.resizable:
+        return adapter
+    return None
 
 
 class CheckpointFailed(RuntimeError):
@@ -265,6 +294,9 @@ class StoreAdapter:
 
     def answered_notice_id(self) -> str | None:
         return (self.resumed_metadata or {}).get("notice_id") or None
+
+    def extra_state_now(self) -> dict[str, Any]:
+        return self.extra_state() if self.extra_state else {}
 
     def gradient_carrier(self) -> Any:
         return None

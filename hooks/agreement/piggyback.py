@@ -44,10 +44,10 @@ class PiggybackAgreement(BlockingAgreement):
             return None
         return agreement
 
-    def at_boundary(self, step: int, pending: Notice | None) -> Verdict | None:
+    def at_boundary(self, step: int, pending: Notice | None, membership: Notice | None = None) -> Verdict | None:
         count, self.reduced_count = self.reduced_count, 0.0
         if count > 0:  # the same reduced count on every rank: all take this path together
-            return self.agree_now(pending)
+            return self.agree_now(pending, membership)
         return None
 
     def _gradient_hook(self, group, bucket):  # no annotations: DDP checks them against its own types

@@ -6,8 +6,12 @@
 - `transfer`: the state of a change, from the ranks that hold it to the new group (shards peer to
   peer: `reshard_plan` who sends which rows, `reshard_transfer` the batched p2p, `reshard_state`
   a model and optimizer as pieces and layouts).
-- `reformer`: the change at the agreed step, with its fallback to the drain.
+- `reformer`: the change at the agreed step as one state machine (`TABLE`), both halves, with
+  its fallback to the drain.
+- `in_place`: the Guard's in-place side (which agreed notice changes the group, the joiner's state).
 - `bound`: every group of a change waits at most the re-form timeout until the change commits.
+- `nccl`: the NCCL recipe (version and environment checks, eager communicators, abort).
+- `torch_private`: every private torch API reached, in one checked module.
 - `join`: `init_process_group()` for in-place jobs (start, or join a running job).
 The Guard (`hooks/guard.py`) drives them; `spotguard launch` starts the workers.
 """

@@ -19,6 +19,8 @@ import logging
 from datetime import timedelta
 from typing import Any
 
+from spotguard.hooks.elastic.torch_private import set_live_group_timeouts
+
 log = logging.getLogger("spotguard.hooks.elastic")
 
 _torch_default: timedelta | None = None  # torch's own default, kept while a bound replaces it
@@ -31,15 +33,7 @@ def _c10d() -> Any:
 
 
 def _set_live_groups(timeout: timedelta) -> None:
-    c10d = _c10d()
-    if not c10d.is_initialized():
-        return
-    for group in list(c10d._world.pg_map):
-        try:
-            if not c10d._rank_not_in_group(group):
-                c10d._set_pg_timeout(timeout, group)
-        except Exception as exc:  # a group being torn down: it waits on nothing any more
-            log.debug("timeout of a process group not changed: %s", exc)
+    set_live_group_timeouts(timeout)
 
 
 def bound_groups(seconds: float) -> None:

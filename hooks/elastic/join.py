@@ -9,6 +9,8 @@
 
 Contract:
 - Without `SPOTGUARD_IN_PLACE=1` it is `torch.distributed.init_process_group(backend)` (env://).
+- `backend`: "gloo" or "nccl". NCCL is checked first (`nccl.check`: torch >= 2.7, NCCL >= 2.26.2,
+  the environment of `nccl.RECIPE`) and refused with a message naming what to change.
 - In place, a starting worker (RANK, WORLD_SIZE from the launcher) forms generation 0 at prefix
   `m0/` on the store of rank 0, which rank 0 serves on its rendezvous port for as long as it lives
   (`SPOTGUARD_RDZV_PORT`; the launcher makes it MASTER_PORT on node 0).
@@ -85,10 +87,16 @@ def init_process_group(backend: str = "gloo", *, memberships: Callable[[], dict 
     if not in_place_enabled():
         dist.init_process_group(backend)
         return
-    if backend != "gloo":
-        raise ValueError("in-place membership changes run on gloo here (backend='gloo')")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: in-place membership changes run on 'gloo' or 'nccl', not {backend!r}")
     rendezvous = Rendezvous.from_env()
     env = os.environ
+    if backend == "nccl":
+        from spotguard.hooks.elastic import nccl
+
+        nccl.check(rendezvous.timeout)  # refuses unsafe versions and settings before anything is made
+        rendezvous.backend = "nccl"
+        rendezvous.local_rank = positive_int("LOCAL_RANK", env.get("LOCAL_RANK") or 0, allow_zero=True)
     if env.get(names.ENV_JOIN, "") not in ("0", "1") and env.get(names.ENV_SIDECAR_URL) and memberships is None:
         found = first_membership(env[names.ENV_SIDECAR_URL], 1.5)
         node = MembershipView.from_env().node

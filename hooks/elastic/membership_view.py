@@ -16,9 +16,10 @@ Contract (all methods but `offer` run on the training thread):
   generation; one offered before the change that names a host the change took out (it was
   written before that host left) is dropped (its generation counts as seen). One offered after
   the change began stays pending.
-- `pending_notice()`: the pending membership as an internal `drain` notice (source
-  `MEMBERSHIP_SOURCE`, no deadline) the agreement carries like any other, at a lower priority:
-  a real notice held by any rank at the same boundary is agreed first.
+- `pending_notice()`: the pending membership, as the record a change carries (source
+  `MEMBERSHIP_SOURCE`, the membership in `detail`, no deadline). The Guard contributes its
+  generation to the agreement's own membership field (`agreement.base`): a real notice held by
+  any rank at the same boundary is agreed first.
 - `plan_for(notice)`: the `Change` the agreed notice asks for, `Settled` when it is an agreed
   membership that asks nothing (its hosts are the group's, or it was written before one of its
   hosts left the group: the Guard adopts its generation and training goes on; a membership

@@ -1,33 +1,39 @@
-"""The change itself: at the agreed step, survivors re-form the group in the same processes.
+"""The change itself, as one state machine: every phase of an in-place change, for the ranks of
+the old group (leaving and staying) and for a joiner, with the fallback, in one table.
 
-`Reformer.run(seam, step, change, checkpointed)` on every rank of the old group, in this order
-(each phase reported to `on_phase(name, record)`, for the trainer's timeline and for tests):
-1. `handover` (old group): `adapter.full_state()` (FSDP2: the shards of every rank, leaving ranks
-   included, gathered onto every rank) and, when the new leader is a survivor, the address of
-   its store broadcast from it. A leaving rank is done: it returns `Outcome.LEAVE` (the Guard
-   then exits 83; its checkpoint of this step is durable, see below).
-2. `left`: the old process groups are destroyed (after a last agreement, so no rank tears down a
-   connection a peer still uses).
-3. `formed`: the new default group at the change's prefix on the leader's store (`Rendezvous`).
-4. `rebuilt`: `adapter.rebuild()` (the user's `build`: model, then optimizer), then the Guard's
-   own group, agreement and host list (`seam.bind_group()`), in the order a joiner makes them.
-5. `transferred`: when anybody joins, the held state is broadcast from the lowest survivor
-   (`transfer.share`) and every rank loads it; with nobody joining each survivor loads its own.
-6. `committed`: one `all_ok` over the new group (a rank whose load or `transferred` hook failed
-   votes no there). Returns `Outcome.CONTINUE`.
-Steps 5 and 6 are `take_state`, the one function a joiner runs too (`Guard.resume`), so both
-sides of a change make the same collectives in the same order by construction.
-Every collective from step 1 to the commit, and every group made meanwhile, waits at most the
-re-form timeout (`bound`): a peer that dies at any point costs at most that long, then the
-fallback. The commit gives training torch's default timeout back.
-Every change writes the durable checkpoint of the agreed step BEFORE step 1 (`checkpointed`:
-a shrink through the Guard's drain sequence, as without in-place, a grow with the survivors' own
-save), so the notice path is never less safe and a fallback needs no group of its own: after a
-survivor's death no group of the survivors could form, and once shards move peer to peer no
-survivor holds what a dead one held. Any exception in steps 1-6 (a timeout re-forming, a peer,
-survivor or joiner, dying at any point) takes the fallback: every survivor returns
-`Outcome.FALLBACK` and exits 83 like a drained rank, so the launcher or the supervisor relaunches
-from that checkpoint (84 when it was not durable: the job resumes from the previous one).
+    agreed -> checkpointed -> handover -> left -> formed -> rebuilt -> transferred -> committed
+                   |              |          `-> (a leaving rank: LEAVE, exit 83)
+                   `-> DRAIN      `-> FALLBACK (any failure from `handover` on: exit 83 / 84)
+
+`TABLE` says, for each phase, what runs to reach it, who runs it (`OLD`: every rank of the old
+group, `STAYING`: the ranks of the new group that were in the old one, `NEW`: every rank of the
+new group, joiners included) and where a failure ends. `Reformer.run(seam, step, notice, change)`
+walks it on every rank of the old group; `Reformer.join(seam)` walks the joiner's rows (its group
+was formed by `join.init_process_group`, its model built by the user's code). Each phase reached
+is reported to `on_phase(name, record)` (timelines, tests); a failure records `fallback`.
+
+What each phase does:
+- `checkpointed` (old group): the agreed step made durable BEFORE anything moves: a shrink
+  through the Guard's drain sequence (as without in-place), a grow with the survivors' own save.
+  So the notice path is never less safe, and a fallback needs no group of its own (after a
+  survivor's death no group of the survivors could form). A shrink whose checkpoint failed ends
+  in DRAIN (every rank leaves, 84); a grow's failed save goes on, not durable.
+- `handover` (old group): the state this rank holds for the new group (`transfer.hand_over`: the
+  reshard plan voted on, leaving ranks' rows sent to survivors; or the full state on the gather path)
+  and, when the new leader is a survivor, its store's address broadcast from it.
+- `left` (old group): the old groups are left after a last agreement. A leaving rank ends: LEAVE.
+- `formed`: the new default group at the change's prefix on the leader's store (`Rendezvous`).
+- `rebuilt`: `adapter.rebuild()` (the user's `build`), then the Guard's group (`seam.bind_group()`),
+  in the order a joiner makes them.
+- `transferred`, `committed`: `take_state`, the one function both sides run, so survivors and
+  joiners make the same collectives in the same order by construction: the state from a live
+  peer when anybody joins, every rank loads, one `all_ok` vote over the new group (a rank whose
+  load or `transferred` hook failed votes no). On success the groups get torch's default
+  timeout back.
+Every collective from `handover` to the commit waits at most the re-form timeout (`bound`): a
+peer that dies at any point costs at most that long. On FALLBACK a rank abandons its groups
+(never a yes vote from there on) and exits 83 with the durable checkpoint (84 when it was not
+durable), so the launcher or the supervisor relaunches from it.
 """
 from __future__ import annotations
 
@@ -46,13 +52,51 @@ from spotguard.hooks.elastic.transfer import HeldState, hand_over, load, receive
 
 log = logging.getLogger("spotguard.hooks.elastic")
 
-PHASES = ("handover", "left", "formed", "rebuilt", "transferred", "committed")  # "fallback" ends a failed one
+# The phases in order ("fallback" ends a failed change).
+PHASES = ("checkpointed", "handover", "left", "formed", "rebuilt", "transferred", "committed")
 
 
 class Outcome(enum.Enum):
     CONTINUE = "in-place"  # this rank trains on in the new group
-    LEAVE = "leave"  # this rank's host left: it exits 83
+    LEAVE = "leave"  # this rank's host left: it exits 83 (84 when the checkpoint failed)
     FALLBACK = "fallback"  # the in-place path failed: durable checkpoint, exit (83, or 84 if it failed)
+
+
+class Who(enum.Enum):
+    OLD = "every rank of the old group"
+    STAYING = "the old group's ranks that stay"
+    NEW = "every rank of the new group, joiners included"
+
+
+class End(enum.Enum):
+    DRAIN = "every rank leaves with the checkpoint's exit code"
+    FALLBACK = "survivors exit 83 (84: not durable); a leaving rank leaves"
+    RAISE = "the joiner raises (it holds nothing to fall back to)"
+
+
+@dataclass(frozen=True)
+class Row:
+    phase: str  # reached when `action` returns
+    action: str  # the Reformer method that runs to reach it
+    who: Who
+    on_error: End  # where an exception in `action` (a survivor's) ends
+    joiner: bool  # whether a joiner runs it too (the rows before `transferred` are its own start)
+
+
+TABLE: tuple[Row, ...] = (
+    #   phase          action            who          failure        joiner
+    Row("checkpointed", "_checkpoint", Who.OLD, End.DRAIN, False),
+    Row("handover", "_hand_over", Who.OLD, End.FALLBACK, False),
+    Row("left", "_leave_old_group", Who.OLD, End.FALLBACK, False),  # then a leaving rank: LEAVE
+    Row("formed", "_form", Who.STAYING, End.FALLBACK, False),
+    Row("rebuilt", "_rebuild", Who.STAYING, End.FALLBACK, False),
+    Row("transferred", "_transfer", Who.NEW, End.FALLBACK, True),  # its `loaded` callback marks it
+    Row("committed", "_commit", Who.NEW, End.FALLBACK, True),
+)
+
+
+class NotDurable(RuntimeError):
+    """A shrink's checkpoint failed on some rank: nobody changes the group, every rank drains."""
 
 
 @dataclass
@@ -69,8 +113,9 @@ class ResizeRecord:
     started_at: float = 0.0  # time.time() when the change began (after the agreement)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds since started_at
     error: str = ""
-    durable: bool = False  # a durable checkpoint of `step` exists (a shrink's, or the fallback's)
+    durable: bool = False  # a durable checkpoint of `step` exists (written before the hand-over)
     joiners: int = 0
+    drain: Any = None  # the `checkpointed` phase's DrainRecord (the Guard's departure reads it)
 
     @property
     def pause_seconds(self) -> float:
@@ -83,71 +128,146 @@ class Seam(Protocol):
     collectives: Collectives
     adapter: Any
 
+    def checkpoint_for_change(self, step: int, notice: Any, *, staying: bool, grow: bool) -> Any:
+        """The durable checkpoint of `step` (collective over the old group): a DrainRecord."""
+
     def leave_group(self) -> None: ...
 
     def bind_group(self) -> None: ...
 
 
-class Reformer:
-    """See the module docstring."""
+@dataclass
+class _Run:
+    """What one walk of the table carries from phase to phase."""
 
-    def __init__(self, rendezvous: Rendezvous, on_phase: Callable[[str, ResizeRecord], None] | None = None):
+    seam: Seam
+    record: ResizeRecord
+    change: Change | None = None
+    notice: Any = None
+    held: HeldState | None = None
+    store: str = ""
+
+
+class Reformer:
+    """See the module docstring. `transfer` replaces `take_state` (the table tests script it with
+    the collectives and the rendezvous)."""
+
+    def __init__(self, rendezvous: Rendezvous, on_phase: Callable[[str, ResizeRecord], None] | None = None,
+                 transfer: Callable[..., HeldState] | None = None):
         self.rendezvous = rendezvous
         self.on_phase = on_phase
+        self.take_state = transfer if transfer is not None else take_state
 
+    # ---- the two walks -----------------------------------------------------------------------
+    def run(self, seam: Seam, step: int, notice: Any, change: Change) -> ResizeRecord:
+        """A rank of the old group: every row; ends CONTINUE, LEAVE or FALLBACK."""
+        plan = change.plan
+        old_rank = seam.collectives.rank
+        record = ResizeRecord(step, change.reason, plan.old_world_size, plan.new_world_size, old_rank,
+                              plan.new_rank(old_rank), started_at=time.time(),
+                              joiners=len(plan.joining_hosts) * plan.procs_per_host)
+        run = _Run(seam, record, change, notice)
+        for row in TABLE:
+            if row.who is not Who.OLD and record.new_rank is None:
+                record.outcome = Outcome.LEAVE
+                release_groups()  # a rank that returns to the loop (exit_on_drain=False) is unbounded
+                return record
+            try:
+                getattr(self, row.action)(run)
+                self._mark(record, row.phase)  # a phase hook that raises fails the phase too
+            except Exception as exc:
+                return self._fail(run, row, exc)
+        return record
+
+    def join(self, seam: Seam, step: int = -1) -> ResizeRecord:
+        """A joiner, in `resume()`: the rows it shares with the survivors; raises on a failure."""
+        world, rank = seam.collectives.world_size, seam.collectives.rank
+        record = ResizeRecord(step, "membership", 0, world, -1, rank, started_at=time.time())
+        run = _Run(seam, record)
+        for row in TABLE:
+            if row.joiner:
+                try:
+                    getattr(self, row.action)(run)
+                    self._mark(record, row.phase)
+                except Exception as exc:
+                    self._fail(run, row, exc)
+                    raise
+        assert run.held is not None
+        record.step = run.held.step
+        return record
+
+    # ---- the actions (each raises on failure) -----------------------------------------------------
+    def _checkpoint(self, run: _Run) -> None:
+        assert run.change is not None
+        grow = not run.change.plan.leaving_hosts
+        drained = run.seam.checkpoint_for_change(run.record.step, run.notice, staying=run.record.new_rank is not None,
+                                      grow=grow)
+        run.record.drain, run.record.durable = drained, bool(drained.ok)
+        if not drained.ok and not grow:
+            raise NotDurable(f"the checkpoint of step {run.record.step} failed: every rank drains")
+        bound_groups(self.rendezvous.timeout)
+
+    def _hand_over(self, run: _Run) -> None:
+        assert run.change is not None
+        seam, plan, step = run.seam, run.change.plan, run.record.step
+        adapter = seam.adapter
+        extra = adapter.extra_state_now()
+        run.held = hand_over(seam.collectives, adapter, step, extra, plan)
+        # The first survivor (in target order) serves the new group's store unless its leader
+        # is a joiner (whose store the membership names).
+        first, old_rank = plan.first_survivor_old_rank, run.record.old_rank
+        mine = self.rendezvous.address.encode() if old_rank == first else b""
+        survivor_store = seam.collectives.broadcast_bytes(mine, first).decode()
+        if old_rank == first:
+            self.rendezvous.serve()
+        run.store = survivor_store if plan.leader_old_rank is not None else run.change.store
+
+    def _leave_old_group(self, run: _Run) -> None:
+        run.seam.leave_group()
+
+    def _form(self, run: _Run) -> None:
+        assert run.change is not None and run.record.new_rank is not None
+        self.rendezvous.form(run.store, run.change.prefix, run.record.new_rank, run.change.plan.new_world_size)
+
+    def _rebuild(self, run: _Run) -> None:
+        run.seam.adapter.rebuild()
+        run.seam.bind_group()
+
+    def _transfer(self, run: _Run) -> None:
+        joiner = run.held is None
+        run.held = self.take_state(run.seam.collectives, run.seam.adapter, run.held,
+                                   share_first=joiner or run.record.joiners > 0,
+                                   loaded=lambda: self._mark(run.record, "transferred"))
+        if joiner:
+            run.record.durable = True  # the survivors' checkpoint of this step
+
+    def _commit(self, run: _Run) -> None:
+        """The vote ran at the end of `take_state`; committing is releasing the bound."""
+        release_groups()
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
     def _mark(self, record: ResizeRecord, phase: str) -> None:
+        if phase in record.phases:  # `transferred` is marked by take_state's `loaded` already
+            return
         record.phases[phase] = time.time() - record.started_at
         if self.on_phase is not None:
             self.on_phase(phase, record)
 
-    def run(self, seam: Seam, step: int, change: Change, checkpointed: bool) -> ResizeRecord:
-        plan = change.plan
-        old_rank = seam.collectives.rank
-        record = ResizeRecord(step, change.reason, plan.old_world_size, plan.new_world_size, old_rank,
-                              plan.new_rank(old_rank), started_at=time.time(), durable=checkpointed,
-                              joiners=len(plan.joining_hosts) * plan.procs_per_host)
-        adapter = seam.adapter
-        bound_groups(self.rendezvous.timeout)
-        try:
-            extra = adapter.extra_state() if getattr(adapter, "extra_state", None) else {}
-            held = hand_over(seam.collectives, adapter, step, extra, plan)
-            # The first survivor (in target order) serves the new group's store unless its leader
-            # is a joiner (whose store the membership names).
-            first = plan.first_survivor_old_rank
-            mine = self.rendezvous.address.encode() if old_rank == first else b""
-            survivor_store = seam.collectives.broadcast_bytes(mine, first).decode()
-            if old_rank == first:
-                self.rendezvous.serve()
-            store = survivor_store if plan.leader_old_rank is not None else change.store
-            self._mark(record, "handover")
-            seam.leave_group()
-            self._mark(record, "left")
-        except Exception as exc:  # the old group broke: nobody continues in place
-            return self._fall_back(seam, record, exc)
-        if record.new_rank is None:
-            record.outcome = Outcome.LEAVE
-            return record
-        try:
-            self.rendezvous.form(store, change.prefix, record.new_rank, plan.new_world_size)
-            self._mark(record, "formed")
-            adapter.rebuild()
-            seam.bind_group()
-            self._mark(record, "rebuilt")
-            take_state(seam.collectives, adapter, held, share_first=record.joiners > 0,
-                       loaded=lambda: self._mark(record, "transferred"))
-        except Exception as exc:  # any failure in place: today's path
-            return self._fall_back(seam, record, exc)
-        self._mark(record, "committed")
-        return record
-
-    def _fall_back(self, seam: Seam, record: ResizeRecord, exc: Exception) -> ResizeRecord:
+    def _fail(self, run: _Run, row: Row, exc: Exception) -> ResizeRecord:
+        record = run.record
         record.error = f"{type(exc).__name__}: {exc}"
-        record.outcome = Outcome.FALLBACK if record.new_rank is not None else Outcome.LEAVE
         record.phases["fallback"] = time.time() - record.started_at  # the stall before the fallback
-        seam.collectives.abandon()  # never a yes vote from here on: peers waiting in a collective fail too
+        if row.on_error is End.DRAIN:
+            record.outcome = Outcome.FALLBACK if record.new_rank is not None else Outcome.LEAVE
+            log.error("in-place change at step %d not started (%s): every rank drains", record.step, record.error)
+            return record
+        record.outcome = Outcome.FALLBACK if record.new_rank is not None else Outcome.LEAVE
+        run.seam.collectives.abandon()  # never a yes vote from here on: peers waiting in a collective fail too
         release_groups()
-        log.error("in-place change at step %d failed (%s): exit with the checkpoint of step %d %s, relaunch",
-                  record.step, record.error, record.step, "durable" if record.durable else "NOT durable")
+        if row.on_error is End.FALLBACK:
+            log.error("in-place change at step %d failed at %s (%s): exit with the checkpoint of step %d %s, "
+                      "relaunch", record.step, row.phase, record.error, record.step,
+                      "durable" if record.durable else "NOT durable")
         return record
 
 

@@ -12,8 +12,10 @@ Contract:
   MASTER_ADDR / MASTER_PORT) and `SPOTGUARD_REFORM_TIMEOUT` (default 30 s); a bad value raises
   `ConfigError` naming the variable.
 - `address` is "host:port" of this process's store (whether or not it serves yet).
-- `form(store_address, prefix, rank, world_size)` destroys whatever default group exists and
-  initialises a new gloo default group of `world_size` at `prefix` on the store at
+- `form(store_address, prefix, rank, world_size)` destroys whatever default group exists (NCCL,
+  `backend="nccl"`: synchronises the stream and aborts them, `nccl.quiesce_and_abort`) and
+  initialises a new default group of `backend` (NCCL: communicators made eagerly, `device_id`)
+  of `world_size` at `prefix` on the store at
   `store_address` (served by this process when `rank` is 0). It raises `ReformError` when the
   group is not complete within the timeout; the caller falls back. The group, and every group
   made after it, keep the re-form timeout per operation until the change commits
@@ -58,8 +60,9 @@ def split_address(address: str) -> tuple[str, int]:
 class Rendezvous:
     """This process's side of every formation; see the module docstring."""
 
-    def __init__(self, host: str, port: int, timeout: float = 30.0):
+    def __init__(self, host: str, port: int, timeout: float = 30.0, backend: str = "gloo", local_rank: int = 0):
         self.host, self.port, self.timeout = host, port, timeout
+        self.backend, self.local_rank = backend, local_rank  # "nccl": see `nccl` (eager, abort)
         self._server: Any = None  # the TCPStore this process serves, once it led a group
         self._clients: list[Any] = []
 
@@ -108,13 +111,20 @@ class Rendezvous:
         """See the module docstring."""
         import torch.distributed as dist
 
-        destroy_groups()
+        extra: dict[str, Any] = {}
+        if self.backend == "nccl":
+            from spotguard.hooks.elastic import nccl
+
+            nccl.quiesce_and_abort()  # never a blocking destroy while a peer may be gone
+            extra = nccl.eager_kwargs(self.local_rank)
+        else:
+            destroy_groups()
         forget_mesh_caches()
         store = dist.PrefixStore(prefix, self.store_at(store_address, leader=rank == 0))
         try:
             bound_groups(self.timeout)  # until the change commits (`bound.release_groups`)
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=self.timeout))
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=self.timeout), **extra)
         except Exception as exc:
             destroy_groups()
             raise ReformError(f"forming {prefix} (rank {rank} of {world_size}) on {store_address} failed: {exc}") \

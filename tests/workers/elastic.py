@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     def note_change() -> bool:
         """Appends the Guard's newest change to resize-<node>.jsonl; whether there was a new one."""
         nonlocal noted
-        record = guard.last_resize
+        record = guard.resizes[-1] if guard.resizes else None  # a leave or fallback exits: no step result
         if record is None or record is noted:
             return False
         noted = record

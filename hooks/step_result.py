@@ -1,0 +1,50 @@
+"""What `Guard.step(step)` returns: what happened at this step boundary.
+
+    result = guard.step(step)
+    if result.resized:                       # an in-place change: this rank trains on in a new group
+        model, optimizer = adapter.model, adapter.optimizer
+        rank, world_size = guard.rank, guard.world_size
+    elif result.drained:                     # only with exit_on_drain=False (else the process exited)
+        break
+
+Contract: `happened` is CONTINUED (nothing, or a membership that asked nothing), RESIZED (`resize`
+is the change's `ResizeRecord`; `drain` the checkpoint the change wrote first, when it wrote one)
+or DRAINED (`drain` is the `DrainRecord`). The truth value is `drained`, so code written for the
+boolean `step()` returned before (`if guard.step(step): break`) keeps working.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class Happened(enum.Enum):
+    CONTINUED = "continued"
+    RESIZED = "resized"
+    DRAINED = "drained"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    happened: Happened
+    resize: Any = None  # hooks.elastic.reformer.ResizeRecord when RESIZED
+    drain: Any = None  # hooks.drain.DrainRecord when DRAINED (or the change's own checkpoint)
+
+    @property
+    def continued(self) -> bool:
+        return self.happened is Happened.CONTINUED
+
+    @property
+    def resized(self) -> bool:
+        return self.happened is Happened.RESIZED
+
+    @property
+    def drained(self) -> bool:
+        return self.happened is Happened.DRAINED
+
+    def __bool__(self) -> bool:
+        return self.drained
+
+
+CONTINUED = StepResult(Happened.CONTINUED)  # the idle path allocates nothing
