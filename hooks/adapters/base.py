@@ -36,7 +36,8 @@ from collections import deque
 from typing import Any, Protocol, runtime_checkable
 from collections.abc import Callable
 
-from spotguard.hooks.adapters.store import CheckpointInfo, CheckpointStore, PartTimes, Snapshot, SnapshotEngine, open_store
+from spotguard.hooks.adapters.store import (CheckpointInfo, CheckpointStore, PartTimes, Snapshot, SnapshotEngine,
+                                             open_store)
 from spotguard.wire.notice import Notice
 
 log = logging.getLogger("spotguard.hooks.adapters")
