@@ -75,6 +75,22 @@ def _jsonable(field: str, value: Any) -> Any:
     return value
 
 
+def _canonical(name: str) -> str:
+    """A parameter's name without DDP's `module.` wrapper: a model may be wrapped at one world size
+    and not at another (the same rule as torch's state-dict FQNs)."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def _named_parameters(model: torch.nn.Module) -> dict[str, Any]:
+    return {_canonical(n): p for n, p in model.named_parameters()}
+
+
+def _named_buffers(model: torch.nn.Module) -> dict[str, Any]:
+    return {_canonical(n): b for n, b in model.named_buffers()}
+
+
 def collect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: int) -> Shards:
     entries, pieces = [], []
 
@@ -83,10 +99,10 @@ def collect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: int
         entries.append(entry)
         pieces.append(piece)
 
-    params = dict(model.named_parameters())
+    params = _named_parameters(model)
     for name, param in params.items():
         add(f"model/{name}", param)
-    for name, buffer in model.named_buffers():
+    for name, buffer in _named_buffers(model).items():
         add(f"buffer/{name}", buffer)
     optim_values: dict[str, dict[str, Any]] = {}
     for name, param in params.items():
@@ -129,8 +145,8 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, manifest: 
             pieces: dict[int, torch.Tensor]) -> None:
     from torch.distributed.tensor import DTensor
 
-    params = dict(model.named_parameters())
-    live = {f"model/{n}": p for n, p in params.items()} | {f"buffer/{n}": b for n, b in model.named_buffers()}
+    params = _named_parameters(model)
+    live = {f"model/{n}": p for n, p in params.items()} | {f"buffer/{n}": b for n, b in _named_buffers(model).items()}
     state: dict[str, dict[str, Any]] = {}
     with torch.no_grad():
         for index, entry in enumerate(manifest["entries"]):
