@@ -219,6 +219,8 @@ class DryRun:
         """Tells the node's cloud (or GPU) what to announce; a returning node is made a new
         instance (its availability is recorded by the caller, with the others of its instant)."""
         node = self.nodes[event.node]
+        if event.kind == "capacity":
+            await self._until_gone(event.node)
         now = time.time()
         if event.kind == "capacity":
             returned = event.node not in self.available
@@ -250,6 +252,15 @@ class DryRun:
                                  deadline=deadline, emulator_id=result.emulator_id, note=note)
         self._trackers.append(asyncio.create_task(self._learn_notice_id(injected, known)))
         return injected
+
+    async def _until_gone(self, node: str) -> None:
+        """Waits until a reclaimed `node` no longer trains: its rank left (in place, or with the
+        generation it drained), or its deadline took it. A capacity event timed inside the notice
+        window would otherwise replace the node's agent and sidecar before its rank had seen the
+        notice, and that rank would train on, never leaving (the cloud returns capacity after
+        the instance it took is gone)."""
+        while self._deaths.get(node) is not None and node in self.world:
+            await asyncio.sleep(0.05)
 
     async def _learn_notice_id(self, injected: InjectedEvent, known: set[str]) -> None:
         """Records the id the node's agent gave the injected notice: the id the ranks log when
