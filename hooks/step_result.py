@@ -10,11 +10,14 @@
 Contract: `happened` is CONTINUED (nothing, or a membership that asked nothing), RESIZED (`resize`
 is the change's `ResizeRecord`; `drain` the checkpoint the change wrote first, when it wrote one)
 or DRAINED (`drain` is the `DrainRecord`). The truth value is `drained`, so code written for the
-boolean `step()` returned before (`if guard.step(step): break`) keeps working.
+boolean `step()` returned before (`if guard.step(step): break`) keeps working;
+`== True` / `== False` work with a DeprecationWarning (`is True` cannot be intercepted: it is
+now always False).
 """
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +48,17 @@ class StepResult:
 
     def __bool__(self) -> bool:
         return self.drained
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, bool):  # `guard.step(s) == True`: the boolean step() of before
+            warnings.warn("Guard.step() returns a StepResult: compare `result.drained` (or use its truth value), "
+                          "not `== True`/`== False`", DeprecationWarning, stacklevel=2)
+            return self.drained is other
+        if not isinstance(other, StepResult):
+            return NotImplemented
+        return (self.happened, self.resize, self.drain) == (other.happened, other.resize, other.drain)
+
+    __hash__ = None  # type: ignore[assignment]  # records are compared, never keys
 
 
 CONTINUED = StepResult(Happened.CONTINUED)  # the idle path allocates nothing

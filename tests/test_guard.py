@@ -362,5 +362,9 @@ def test_step_tells_what_happened_and_last_resize_still_answers_with_a_warning(t
         assert drained.drained and bool(drained) and drained.drain is guard.last_drain
         with pytest.warns(DeprecationWarning, match="guard.step"):
             assert guard.last_resize is None
+        with pytest.warns(DeprecationWarning, match="result.drained"):
+            assert drained == True  # noqa: E712  (the comparison users wrote against the boolean step())
+        with pytest.warns(DeprecationWarning, match="result.drained"):
+            assert result == False  # noqa: E712
     finally:
         guard.close()
