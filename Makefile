@@ -30,8 +30,13 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 run: $(STAMP)
 	$(VENV)/bin/spotguard dry-run
 
+# The suite runs on PYTEST_WORKERS processes (pytest-xdist; 0 runs it in this process): most of a
+# multi-process or dry-run test's time is spent waiting (start-up, rendezvous, simulated steps),
+# so two workers on two cores roughly halve the run. Every test already tolerates a neighbour.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose" >&2; exit 1; fi; \
 	exit $$rc
 
