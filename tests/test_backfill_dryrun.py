@@ -1,0 +1,52 @@
+"""The dry-run's backfill mode (trainer/backfill_run.py), real processes: a reclaim notice starts
+an on-demand replacement at once (warm standby) that joins in place; when the spot node is back
+and stays free for return-after, a spot joiner takes the on-demand member's place in ONE
+membership. Nothing relaunches, the world never exceeds max, and the node-seconds split counts
+the on-demand stint. The run is cancelled once the swap-back happened (every process ends)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from spotguard.trainer.backfill_run import BackfillDryRun
+from spotguard.trainer.scenario import Scenario, ScenarioEvent
+
+WAIT = 240.0  # bound on the whole story on a loaded machine
+
+
+@pytest.mark.timeout(360)
+async def test_warm_standby_joins_and_is_swapped_back_for_spot_in_place(tmp_path):
+    scenario = Scenario(name="backfill", workers=2, steps=100000, step_seconds=0.05,
+                        events=(ScenarioEvent(at=1.0, kind="reclaim", node="node-1", lead=5.0),))
+    dry = BackfillDryRun(scenario, tmp_path, ["--log-every=1"], time_limit=WAIT, fallback_after=60.0,
+                         return_after=1.0)
+    run = asyncio.create_task(dry.run())
+
+    async def until(what: str, check):
+        deadline = time.monotonic() + WAIT
+        while not check():
+            assert not run.done(), f"the dry-run ended ({dry.status}) before {what}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.2)
+
+    def hosts() -> list[list[str]]:
+        return [m.hosts for m in dry.memberships]
+
+    try:
+        await until("the on-demand replacement joined", lambda: ["node-0", "od-0"] in hosts())
+        await dry.inject_now(ScenarioEvent(at=0.0, kind="capacity", node="node-1"))
+        await until("the swap-back", lambda: hosts()[-1] == ["node-0", "node-1"] and "od-0" not in dry.world)
+    finally:
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    assert hosts()[0] == ["node-0", "node-1"]
+    swap = hosts().index(["node-0", "node-1"], 1)
+    assert hosts()[swap - 1] == ["node-0", "od-0"]  # one membership: node-1 in, od-0 out
+    assert all(len(h) <= 2 for h in hosts())
+    assert len(dry.generations) == 1  # nothing relaunched
+    assert any("warm standby" in s["reason"] for s in dry.backfill_steps)
+    split = dry.node_seconds(dry.memberships[0].t, time.time())
+    assert split["on-demand"] > 0 and split["spot"] > 0
