@@ -12,6 +12,7 @@ import pytest
 
 from spotguard.trainer.backfill_run import BackfillDryRun
 from spotguard.trainer.scenario import Scenario, ScenarioEvent
+from spotguard.wire.names import EXIT_PREEMPTED
 
 WAIT = 240.0  # bound on the whole story on a loaded machine
 
@@ -38,6 +39,8 @@ async def test_warm_standby_joins_and_is_swapped_back_for_spot_in_place(tmp_path
         await until("the on-demand replacement joined", lambda: ["node-0", "od-0"] in hosts())
         await dry.inject_now(ScenarioEvent(at=0.0, kind="capacity", node="node-1"))
         await until("the swap-back", lambda: hosts()[-1] == ["node-0", "node-1"] and "od-0" not in dry.world)
+        swapped_at = dry.memberships[-1].t
+        await until("the ranks carried out the swap", lambda: swap_done(dry, swapped_at))
     finally:
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -50,3 +53,18 @@ async def test_warm_standby_joins_and_is_swapped_back_for_spot_in_place(tmp_path
     assert any("warm standby" in s["reason"] for s in dry.backfill_steps)
     split = dry.node_seconds(dry.memberships[0].t, time.time())
     assert split["on-demand"] > 0 and split["spot"] > 0
+    resized, joined = swap_done(dry, swapped_at)
+    assert resized["from_world"] == resized["to_world"] == 2  # never below the size it had
+    assert joined["step"] == resized["step"]  # 0 steps lost: the spot joiner starts at the agreed step
+    assert dry.generation is not None and dry.generation.running["od-0"].process.returncode == EXIT_PREEMPTED
+
+
+def swap_done(dry: BackfillDryRun, since: float) -> tuple[dict, dict] | None:
+    """node-0's in-place change to the swap's membership and node-1's joined start, once the
+    ranks did both and od-0's rank left; else None."""
+    events = [e for e in dry._events() if e["t"] >= since]
+    resized = [e for e in events if e["event"] == "resized" and e["node"] == "node-0" and e["reason"] == "membership"]
+    joined = [e for e in events if e["event"] == "start" and e["node"] == "node-1" and e.get("joined")]
+    gen = dry.generation
+    left = gen is not None and "od-0" in gen.running and gen.running["od-0"].process.returncode is not None
+    return (resized[-1], joined[-1]) if resized and joined and left else None
