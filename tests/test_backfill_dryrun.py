@@ -1,8 +1,12 @@
 """The dry-run's backfill mode (trainer/backfill_run.py), real processes: a reclaim notice starts
-an on-demand replacement at once (warm standby) that joins in place; when the spot node is back
-and stays free for return-after, a spot joiner takes the on-demand member's place in ONE
-membership. Nothing relaunches, the world never exceeds max, and the node-seconds split counts
-the on-demand stint. The run is cancelled once the swap-back happened (every process ends)."""
+an on-demand replacement at once (warm standby) that joins in place; the spot node is back as
+soon as its rank has left (while the replacement still starts: no spot joiner beyond max), and
+once it has been free for return-after and the replacement is a member, a spot joiner takes the
+on-demand member's place in ONE membership, which the ranks carry out in place at one agreed
+step. Nothing relaunches, the world never exceeds max, and the node-seconds split counts the
+on-demand stint. The run is cancelled once the swap-back happened (every process ends).
+
+Three worker start-ups in a row (the job, the replacement, the spot joiner) make its time."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +24,9 @@ WAIT = 240.0  # bound on the whole story on a loaded machine
 @pytest.mark.timeout(360)
 async def test_warm_standby_joins_and_is_swapped_back_for_spot_in_place(tmp_path):
     scenario = Scenario(name="backfill", workers=2, steps=100000, step_seconds=0.05,
-                        events=(ScenarioEvent(at=1.0, kind="reclaim", node="node-1", lead=5.0),))
+                        events=(ScenarioEvent(at=0.5, kind="reclaim", node="node-1", lead=5.0),
+                                # injected once node-1's rank has left (DryRun._until_gone)
+                                ScenarioEvent(at=1.0, kind="capacity", node="node-1")))
     dry = BackfillDryRun(scenario, tmp_path, ["--log-every=1"], time_limit=WAIT, fallback_after=60.0,
                          return_after=1.0)
     run = asyncio.create_task(dry.run())
@@ -37,7 +43,6 @@ async def test_warm_standby_joins_and_is_swapped_back_for_spot_in_place(tmp_path
 
     try:
         await until("the on-demand replacement joined", lambda: ["node-0", "od-0"] in hosts())
-        await dry.inject_now(ScenarioEvent(at=0.0, kind="capacity", node="node-1"))
         await until("the swap-back", lambda: hosts()[-1] == ["node-0", "node-1"] and "od-0" not in dry.world)
         swapped_at = dry.memberships[-1].t
         await until("the ranks carried out the swap", lambda: swap_done(dry, swapped_at))
@@ -51,6 +56,8 @@ async def test_warm_standby_joins_and_is_swapped_back_for_spot_in_place(tmp_path
     assert all(len(h) <= 2 for h in hosts())
     assert len(dry.generations) == 1  # nothing relaunched
     assert any("warm standby" in s["reason"] for s in dry.backfill_steps)
+    spot_starts = [s["t"] for s in dry.backfill_steps if "node-1" in s["start"]]
+    assert len(spot_starts) == 1 and spot_starts[0] >= dry.memberships[swap - 1].t  # after od-0 joined
     split = dry.node_seconds(dry.memberships[0].t, time.time())
     assert split["on-demand"] > 0 and split["spot"] > 0
     resized, joined = swap_done(dry, swapped_at)
