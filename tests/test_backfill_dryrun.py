@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC, datetime
 
 import pytest
 
+from spotguard.supervisor.backfill import plan
 from spotguard.trainer.backfill_run import BackfillDryRun
 from spotguard.trainer.scenario import Scenario, ScenarioEvent
 from spotguard.wire.names import EXIT_PREEMPTED
@@ -75,3 +77,18 @@ def swap_done(dry: BackfillDryRun, since: float) -> tuple[dict, dict] | None:
     gen = dry.generation
     left = gen is not None and "od-0" in gen.running and gen.running["od-0"].process.returncode is not None
     return (resized[-1], joined[-1]) if resized and joined and left else None
+
+
+def test_a_member_whose_rank_left_before_the_run_looked_still_gets_its_warm_standby(tmp_path):
+    """The rank on node-1 saw its reclaim notice and left within one tick of the run's loop: the
+    next plan still counts it as leaving (the notice asks for its replacement), so an on-demand
+    warm standby starts now, not after fallback-after. No processes: the view and the plan only."""
+    dry = BackfillDryRun(Scenario(name="backfill", workers=2, steps=10, step_seconds=0.05), tmp_path,
+                         fallback_after=60.0, return_after=1.0)
+    dry.world = ["node-0"]
+    dry.available.remove("node-1")  # reclaimed
+    dry._standby_owed.add("node-1")  # what injecting its notice while it was a member records
+    step = plan(dry.settings, dry._view(), dry.clocks, datetime.now(UTC))
+    assert step.add_on_demand == 1 and "warm standby" in step.reason
+    dry._standby_owed.clear()  # once a plan has seen it: below max, on-demand waits for fallback-after
+    assert plan(dry.settings, dry._view(), dry.clocks, datetime.now(UTC)).add_on_demand == 0

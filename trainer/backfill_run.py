@@ -23,10 +23,11 @@ from typing import Any
 
 from spotguard.processes import free_port
 from spotguard.supervisor.backfill import BackfillClocks, BackfillSettings, BackfillView, plan
-from spotguard.trainer.dryrun import DryRun
+from spotguard.trainer.dryrun import LEAVING_KINDS, DryRun
 from spotguard.trainer.launcher import Generation
 from spotguard.trainer.nodes import SimulatedNode
-from spotguard.trainer.scenario import Scenario
+from spotguard.trainer.report import InjectedEvent
+from spotguard.trainer.scenario import Scenario, ScenarioEvent
 
 log = logging.getLogger("spotguard.dryrun.backfill")
 
@@ -48,6 +49,7 @@ class BackfillDryRun(DryRun):
         self.clocks = BackfillClocks()
         self.swaps: dict[str, str] = {}  # spot joiner -> the on-demand member it replaces
         self.backfill_steps: list[dict] = []
+        self._standby_owed: set[str] = set()  # members given a notice since the last plan
 
     @staticmethod
     def on_demand(node: str) -> bool:
@@ -70,14 +72,25 @@ class BackfillDryRun(DryRun):
             return bool(self._hits_on(node))
         return super()._taken_away(node)
 
+    async def _inject(self, event: ScenarioEvent) -> InjectedEvent:
+        """A notice on a member owes it a warm standby: the next plan counts that member as
+        leaving even when its rank is already gone (a rank can leave within one tick of the run's
+        loop, and the supervisor asks for the replacement on the notice, not on what it sees later)."""
+        member = event.node in self.world
+        injected = await super()._inject(event)
+        if member and event.kind in LEAVING_KINDS:
+            self._standby_owed.add(event.node)
+        return injected
+
     def _view(self) -> BackfillView:
         leaving = {n for n in self.world if self._leaving(n)}
+        gone_owed = self._standby_owed - set(self.world)  # noticed members whose ranks already left
         staying = [n for n in self.world if n not in leaving]
         starting = list(self._joins.pending)
         busy = set(self.world) | set(starting)
         return BackfillView(
             spot=sum(not self.on_demand(n) for n in staying), on_demand=sum(self.on_demand(n) for n in staying),
-            leaving=len(leaving), starting_spot=sum(not self.on_demand(n) for n in starting),
+            leaving=len(leaving) + len(gone_owed), starting_spot=sum(not self.on_demand(n) for n in starting),
             starting_on_demand=sum(self.on_demand(n) for n in starting),
             spot_free=len(self._free_spot(busy)), on_demand_free=len(self._free_on_demand(busy)))
 
@@ -96,6 +109,7 @@ class BackfillDryRun(DryRun):
     async def _grow(self, gen: Generation) -> None:
         self.supervisor.decide(self.world, self._hits(), self.available, drained=False)  # records the notices
         step = plan(self.settings, self._view(), self.clocks, datetime.now(UTC))
+        self._standby_owed.clear()  # this plan saw each notice
         self.clocks = step.clocks
         if not step.acts:
             return
