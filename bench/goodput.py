@@ -18,12 +18,20 @@ local dry-run in each mode (`trainer.goodput`):
   spotguard-restart  the dry-run relaunching every rank at each change (agreed checkpoint at
              notice, drain, resume): DeepSpeed's path, and the default before in-place changes;
   spotguard  the normal dry-run: agreed checkpoint at notice, the leaving rank exits, the
-             survivors re-form in place; returning capacity joins in place.
+             survivors re-form in place; returning capacity joins in place (spot only).
+  spotguard-backfill  the same with on-demand backfill (supervisor.backfill's rules on
+             `--workers` extra on-demand slots): each reclaim notice starts its replacement at
+             once (warm standby), a job below max for `--fallback-after` gets on-demand
+             replicas, and each is swapped back for a spot one in place once spot has been
+             free for `--return-after`. Printed beside it: its on-demand share of node-hours.
 Printed per mode: reclaims that hit the job, steps lost per reclaim (mean, total), steps lost
 on rescales, restarts and the time between them, wall time, goodput relative to ideal
 (completed steps per second / ideal's; and the same in samples of kept steps, which also
 counts the capacity the trace took away). Goals: spotguard loses 0 steps per reclaim with a
-long enough notice; spotguard goodput >= 0.97 of ideal and above the periodic baseline.
+long enough notice; spotguard goodput >= 0.97 of ideal and above the periodic baseline;
+backfill samples >= 0.97 of ideal (always full size) with 0 steps lost.
+
+    .venv/bin/python bench/goodput.py --workers 4 --modes ideal,spotguard,spotguard-backfill
 
 Default trace: aws-p3-bamboo (Bamboo's AWS p3 trace, reused by Oobleck and Parcae; the bundled
 traces, their origin and licence: trainer/traces/README.md), the 45 minutes from t=15270 s, 30x
@@ -49,7 +57,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from spotguard.trainer.goodput import MODES, Comparison, render, run_mode
+from spotguard.wire import names
+from spotguard.trainer.goodput import MODES, BackfillOptions, Comparison, render, run_mode
 from spotguard.trainer.scenario import (ScenarioError, bundled_traces, find_trace, live_at, parse_trace,
                                         scenario_from_trace, trace_slots_at)
 
@@ -117,6 +126,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=_positive(int), default=100,
                    help="periodic baseline: checkpoint every K steps "
                         "(default 100: 10 s here, 5 min of trace time at 30x)")
+    p.add_argument("--fallback-after", type=_positive(float), default=120.0,
+                   help="backfill: trace seconds below max before on-demand replicas (default 120)")
+    p.add_argument("--return-after", type=_positive(float), default=300.0,
+                   help="backfill: trace seconds spot must stay free before a swap-back (default 300)")
+    p.add_argument("--on-demand-max", type=_positive(int), default=None,
+                   help="backfill: at most this many on-demand replicas (default --workers)")
+    p.add_argument("--horizon", type=_positive(float), default=None,
+                   help="the Guard's notice horizon in every rank (SPOTGUARD_HORIZON_SECONDS): a rank with a "
+                        "notice keeps training until its deadline is this close (default: the Guard's 120 s, "
+                        "so a rank leaves at once on the bench's --lead)")
     p.add_argument("--modes", type=_modes, default=list(MODES), help=f"subset of {','.join(MODES)} (default all)")
     p.add_argument("--time-limit", type=_positive(float), default=420.0, help="per mode, seconds (default 420)")
     p.add_argument("--out", type=Path, default=None, help="keep the run directories here (default: a temporary one)")
@@ -170,12 +189,14 @@ def print_plan(args: argparse.Namespace, scenario, rows, path: Path) -> None:
 
 
 async def run_all(args: argparse.Namespace, scenario, run_dir: Path) -> Comparison:
+    backfill = BackfillOptions(fallback_after=args.fallback_after / args.time_scale,
+                               return_after=args.return_after / args.time_scale, on_demand_max=args.on_demand_max)
     results = {}
     for mode in args.modes:
         began = time.monotonic()
         print(f"running {mode} ...", flush=True)
         results[mode] = await run_mode(mode, scenario, run_dir, checkpoint_every=args.checkpoint_every,
-                                       time_limit=args.time_limit)
+                                       time_limit=args.time_limit, backfill=backfill)
         r = results[mode]
         print(f"  {mode}: {r.steps_completed}/{r.total_steps} steps, {r.status}, "
               f"{time.monotonic() - began:.0f} s including set-up", flush=True)
@@ -189,7 +210,7 @@ def explain(comparison: Comparison, time_scale: float) -> list[str]:
     if ideal is None or ideal.steps_per_s <= 0:
         return out
     step_s = 1.0 / ideal.steps_per_s
-    for mode in ("periodic", "spotguard-restart", "spotguard"):
+    for mode in ("periodic", "spotguard-restart", "spotguard", "spotguard-backfill"):
         r = comparison.results.get(mode)
         if r is None:
             continue
@@ -200,6 +221,13 @@ def explain(comparison: Comparison, time_scale: float) -> list[str]:
         out.append(f"{mode}: {r.wall_s - ideal.wall_s:+.1f} s vs ideal = {r.restarts} restarts {r.restart_gap_s:.1f} s "
                    f"+ {r.steps_lost_reclaims + r.lost_on_rescales} lost steps redone ~{redo:.1f} s "
                    f"+ other {rest:+.1f} s (checkpoints, per-step agreement, load)")
+    bf = comparison.results.get("spotguard-backfill")
+    if bf is not None and bf.joiner_waits_s:
+        waits = sorted(bf.joiner_waits_s)
+        out.append(f"backfill: a joiner took {waits[len(waits) // 2]:.1f} s (median; max {waits[-1]:.1f} s) from its "
+                   f"start to joining; each reclaim costs the job about that long minus the noticed rank's hold "
+                   f"(--lead minus --horizon) at one replica short, and a joiner of a swap-back costs nothing "
+                   f"(the on-demand member trains until it joins).")
     sg = comparison.results.get("spotguard")
     if sg is not None and sg.restarts:
         per = sg.restart_gap_s / sg.restarts
@@ -222,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     print_plan(args, scenario, rows, path)
     if args.plan:
         return 0
+    if args.horizon is not None:  # every rank the dry-runs start inherits it
+        os.environ[names.ENV_HORIZON_SECONDS] = f"{args.horizon:g}"
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("aiohttp", "spotguard.agent", "spotguard.hooks"):
@@ -241,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
                                                       "window": args.window, "time_scale": args.time_scale,
                                                       "lead": args.lead, "workers": args.workers,
                                                       "steps": args.steps, "step_seconds": args.step_seconds,
+                                                      "fallback_after": args.fallback_after,
+                                                      "return_after": args.return_after,
+                                                      "on_demand_max": args.on_demand_max,
+                                                      "horizon": args.horizon,
                                                       "checkpoint_every": args.checkpoint_every},
                                          **comparison.as_dict()}, indent=2))
     return 0

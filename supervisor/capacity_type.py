@@ -88,6 +88,15 @@ def selects_spot(directives: Mapping[str, Any]) -> bool:
     return False
 
 
+def names_capacity_label(directives: Mapping[str, Any]) -> bool:
+    """Whether the `nodeSelector` or a required node-affinity expression names a label of the
+    table, whatever its values: the pods' placement then tells spot from on-demand."""
+    if any(key in BY_KEY for key in directives.get("nodeSelector") or {}):
+        return True
+    return any(e.get("key") in BY_KEY for term in _required_terms(directives.get("affinity")) or []
+               for e in term.get("matchExpressions") or [])
+
+
 def to_on_demand(directives: Mapping[str, Any]) -> dict[str, Any] | None:
     """The on-demand form of spot-selecting directives (module docstring); None if none select spot."""
     if not selects_spot(directives):

@@ -30,6 +30,7 @@ from functools import cached_property
 from collections.abc import Callable, Mapping
 
 from spotguard.config import ConfigError
+from spotguard.supervisor import capacity_type
 from spotguard.supervisor import fallback as fallback_rules
 from spotguard.supervisor.in_place import wants_in_place
 from spotguard.supervisor.record import CHECKPOINTING, GAVE_UP, RUNNING, SUSPENDED, Record
@@ -62,6 +63,7 @@ class Policy:
     max_wait: float | None = None
     fallback: fallback_rules.Fallback | None = None
     in_place: bool = False  # spotguard.io/in-place: membership changes in place (elastic only)
+    on_demand_max: int | None = None  # spotguard.io/on-demand-max: backfill's cap (None: max)
 
 
 def _int_annotation(annotations: Mapping[str, str], name: str) -> int | None:
@@ -109,7 +111,27 @@ def parse_policy(annotations: Mapping[str, str] | None, default_max: int, defaul
         raise PolicyError(names.ANN_IN_PLACE, str(exc)) from None
     if in_place and mode != ELASTIC:
         raise PolicyError(names.ANN_IN_PLACE, f"needs {names.ANN_POLICY}: {ELASTIC} (got {mode!r})")
-    return Policy(mode, min_replicas, max_replicas, max_wait, fallback, in_place)
+    on_demand_max = _int_annotation(annotations, names.ANN_ON_DEMAND_MAX)
+    if on_demand_max is not None:
+        if fallback is None:
+            raise PolicyError(names.ANN_ON_DEMAND_MAX, f"needs {names.ANN_FALLBACK}: {fallback_rules.ON_DEMAND}")
+        if on_demand_max > max_replicas:
+            raise PolicyError(names.ANN_ON_DEMAND_MAX,
+                              f"{on_demand_max} is above {names.ANN_MAX_REPLICAS} ({max_replicas})")
+    return Policy(mode, min_replicas, max_replicas, max_wait, fallback, in_place, on_demand_max)
+
+
+def check_template(policy: Policy, directives: Mapping[str, Mapping], record: Record) -> None:
+    """PolicyError naming `spotguard.io/fallback` when the job opted in to the fallback but no pod
+    role's `nodeSelector` or required node affinity names a capacity-type label
+    (capacity_type.py): nothing would tell its spot pods from on-demand ones. A job the
+    supervisor already moved to on-demand (its spot directives saved) passes."""
+    if policy.fallback is None or record.capacity == fallback_rules.ON_DEMAND:
+        return
+    if not any(capacity_type.names_capacity_label(d) for d in directives.values()):
+        labels = ", ".join(label.key for label in capacity_type.CAPACITY_LABELS)
+        raise PolicyError(names.ANN_FALLBACK, "the pod template's nodeSelector / required node affinity names no "
+                                              f"capacity-type label ({labels}): nothing tells spot from on-demand")
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,16 @@
 """One reconcile pass over one job: job -> state -> decide -> one conditional patch -> effects.
 
 Contract of `Reconciler.reconcile(key)` (leader only; a finished or unknown job is skipped):
-validate the policy (invalid -> a Warning Event naming the annotation, the job is not written
-to); reduce the cache to a `JobState` (`job_state`); `policy.decide`; apply the decision as ONE
-merge patch of the job that carries the spec change, the new decision record (notices handled,
-idempotency key, cost totals, and for a scale the new membership) and `metadata.resourceVersion`
-as precondition (409 -> re-read, decide again); then, level-triggered and idempotent, the
+validate the policy and, for the fallback, that the pod template tells spot from on-demand
+(invalid -> one Warning Event naming the annotation, the job is not written to); reduce the
+cache to a `JobState` (`job_state`); `policy.decide`; apply the decision as ONE merge patch
+of the job that carries the spec change, the new decision record (notices handled, idempotency
+key, cost totals, and for a scale the new membership) and `metadata.resourceVersion` as
+precondition (409 -> re-read, decide again); then, level-triggered and idempotent, the
 effects (`JobEffects`): the decision's Event, the job's conditions, the steps lost, and the
-membership (elastic) or drain request (a return to spot) on the job's pods. A decision with
-`recheck_at` requeues the job then.
+membership (elastic) or drain request (a return to spot) on the job's pods, and for a backfill
+job the placement of its gated pods (placer.py). A decision with `recheck_at` requeues the job
+then.
 """
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ from spotguard.supervisor.fallback import ON_DEMAND, on_demand_directives
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.jobs.base import merge
 from spotguard.supervisor.metrics import SupervisorMetrics
+from spotguard.supervisor.placer import Placer
 from spotguard.supervisor.policy import (ELASTIC, MOVE, RESUME, SCALE, SUSPEND, Decision, JobState, NoticeHit,
-                                         Policy, PolicyError, Settings, decide, needs_capacity, parse_policy)
+                                         Policy, PolicyError, Settings, check_template, decide, needs_capacity,
+                                         parse_policy)
 from spotguard.supervisor.record import CHECKPOINTING, Record, RecordError, parse_record
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,7 @@ class Reconciler:
         self.metrics = metrics
         self.is_leader = is_leader
         self.requeue = requeue
+        self.placer = Placer(cache, effects)
 
     async def reconcile(self, key: JobKey) -> Decision | None:
         """One pass over one job (see the module docstring). Returns the decision taken."""
@@ -64,16 +69,17 @@ class Reconciler:
             return None
         annotations = annotations_of(obj)
         try:
-            policy = parse_policy(annotations, adapter.default_max(obj), adapter.default_min(obj))
-        except PolicyError as exc:
-            await self.effects.report_invalid(key, obj, exc)
-            return None
-        self.effects.forget_invalid(key)
-        try:
             record = parse_record(annotations.get(names.ANN_STATUS))
         except RecordError as exc:
             log.warning("job %s/%s: unreadable %s (%s); starting a fresh record", key[1], key[2], names.ANN_STATUS, exc)
             record = Record()
+        try:
+            policy = parse_policy(annotations, adapter.default_max(obj), adapter.default_min(obj))
+            check_template(policy, adapter.directives(obj), record)
+        except PolicyError as exc:
+            await self.effects.report_invalid(key, obj, exc)
+            return None
+        self.effects.forget_invalid(key)
         decision = self._decide(key, obj, adapter, policy, record)
         if decision.acts:
             applied = await self._apply(key, obj, adapter, decision)
@@ -105,6 +111,10 @@ class Reconciler:
             current = await self.effects.ensure_steps_lost(key, current, adapter)
         if current is not None and policy.mode == ELASTIC:
             await self.effects.ensure_membership(key, current, adapter, record, in_place=policy.in_place)
+        if current is not None and self.placer.wants(policy, current, adapter):
+            recheck = await self.placer.ensure(key, current, adapter, policy, record)
+            if recheck is not None:
+                self.requeue(key, max(0.05, (recheck - now()).total_seconds() + 0.01))
         if current is not None and record.drain and record.phase == CHECKPOINTING:
             await self.effects.ensure_drain(key, current, adapter, record)
 

@@ -12,6 +12,9 @@ action. Contract:
   pod role, restored on return), `move_to` a move under way, `lacking_since` / `spot_free_since`
   the clocks of `fallback-after` / `return-after`, `drain` the id of the drain notice sent
   through the membership for the return.
+- Backfill (backfill.py, placement.py): `below_max_since` / `spot_idle_since` the clocks of
+  `fallback-after` / `return-after`, `split` the replica pods placed on each capacity type,
+  `backfill` / `backfill_at` the last placement and when.
 - `generation` / `members` / `store`: the membership last pushed (`store` only for in-place
   jobs, in_place.py); a change of the hosts or the store raises the generation. `member_pods`
   (in place): the incarnations ("<pod uid>/<restarts>") of the member pods it was pushed for,
@@ -39,7 +42,8 @@ CHECKPOINTING = "Checkpointing"  # fixed policy: a notice arrived, waiting for t
 SUSPENDED = "Suspended"  # suspended by the supervisor, waiting for capacity
 GAVE_UP = "GaveUp"  # max-wait passed without capacity: stays suspended, no more waiting
 PHASES = (RUNNING, CHECKPOINTING, SUSPENDED, GAVE_UP)
-TIMES = ("decided_at", "waiting_since", "checkpoint_deadline", "lacking_since", "spot_free_since")
+TIMES = ("decided_at", "waiting_since", "checkpoint_deadline", "lacking_since", "spot_free_since", "below_max_since",
+         "spot_idle_since", "backfill_at")
 MAX_COUNTED_EXITS = 64
 
 
@@ -72,6 +76,11 @@ class Record:
     cost: dict | None = None  # cost totals (cost.TOTALS)
     steps_lost: int = 0
     counted_exits: tuple[str, ...] = ()  # "<pod uid>/<container>" whose steps lost were counted
+    below_max_since: datetime | None = None  # backfill: below max since (fallback-after clock)
+    spot_idle_since: datetime | None = None  # backfill: a spot slot free since (return-after clock)
+    split: dict | None = None  # backfill: {"spot": n, "on-demand": n} replica pods placed on each
+    backfill: str = ""  # backfill: the last placement and why
+    backfill_at: datetime | None = None  # backfill: when
 
     def handled_add(self, *notice_ids: str) -> tuple[str, ...]:
         kept = [i for i in self.handled if i not in notice_ids] + list(notice_ids)
@@ -125,7 +134,7 @@ def parse_record(text: str | None) -> Record:
         if not all(isinstance(x, list) and all(isinstance(i, str) for i in x)
                    for x in (handled, members, counted, member_pods)):
             raise RecordError("handled/members/counted_exits/member_pods: expected lists of strings")
-        for name in ("spot_directives", "cost"):
+        for name in ("spot_directives", "cost", "split"):
             if obj.get(name) is not None and not isinstance(obj[name], dict):
                 raise RecordError(f"{name}: expected an object")
         return Record(
@@ -149,6 +158,8 @@ def parse_record(text: str | None) -> Record:
             cost=obj.get("cost"),
             steps_lost=int(obj.get("steps_lost", 0)),
             counted_exits=tuple(counted),
+            split=obj.get("split"),
+            backfill=str(obj.get("backfill", "")),
             **times,
         )
     except (NoticeFormatError, TypeError, ValueError) as exc:

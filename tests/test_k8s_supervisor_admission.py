@@ -66,6 +66,43 @@ def test_supervisor_may_write_only_the_membership_annotation_of_a_pod(policies, 
     assert _status(lambda: admin.patch_namespaced_pod("trainer-0", k8s_namespace, image)) == 200
 
 
+def test_supervisor_may_place_a_gated_pod_and_nothing_more(policies, k8s_namespace):
+    """Backfill's placement (supervisor/placement.py): a capacity-type nodeSelector key added and
+    the spotguard.io/capacity gate removed; any other spec change, or another gate removed, is
+    denied, and an ungated pod's spec stays out of reach."""
+    plane = policies
+    gated = _pod(k8s_namespace)
+    gated["metadata"]["name"] = "trainer-g"
+    gated["spec"]["nodeSelector"] = {"pool": "a"}
+    gated["spec"]["schedulingGates"] = [{"name": "spotguard.io/capacity"}, {"name": "example.com/quota"}]
+    kubernetes.client.CoreV1Api(plane.api_client()).create_namespaced_pod(k8s_namespace, gated)
+    sup = kubernetes.client.CoreV1Api(plane.client_as("spotguard-supervisor"))
+
+    def patch(body, dry_run="All"):  # a JSON merge patch, as the supervisor sends (lists replaced, not merged)
+        return _status(lambda: sup.patch_namespaced_pod("trainer-g", k8s_namespace, body, dry_run=dry_run,
+                                                        _content_type="application/merge-patch+json"))
+
+    keep_quota = [{"name": "example.com/quota"}]
+    place = {"spec": {"nodeSelector": {"karpenter.sh/capacity-type": "on-demand"}, "schedulingGates": keep_quota}}
+    toleration = {"spec": {"tolerations": [{"key": "x", "operator": "Exists", "effect": "NoSchedule"}],
+                           **place["spec"]}}
+    wait_until(lambda: patch(toleration) == 403, 30, "the pod policy enforced (a toleration with the placement denied)")
+    image = [{"name": "t", "image": "evil:1", "terminationMessagePolicy": "File", "imagePullPolicy": "IfNotPresent",
+              "terminationMessagePath": "/dev/termination-log"}]
+    assert patch({"spec": {**place["spec"], "containers": image}}) in (403, 422)
+    assert patch({"spec": {"nodeSelector": {"other.io/key": "x"}, "schedulingGates": keep_quota}}) == 403
+    # changing a nodeSelector value: Kubernetes' own validation refuses it (422) before the policy
+    assert patch({"spec": {"nodeSelector": {"pool": "b", "karpenter.sh/capacity-type": "spot"},
+                           "schedulingGates": keep_quota}}) in (403, 422)
+    assert patch({"spec": {"nodeSelector": {"karpenter.sh/capacity-type": "spot"}, "schedulingGates": None}}) == 403
+    assert patch(place, dry_run=None) == 200
+    pod = kubernetes.client.CoreV1Api(plane.api_client()).read_namespaced_pod("trainer-g", k8s_namespace)
+    assert pod.spec.node_selector == {"pool": "a", "karpenter.sh/capacity-type": "on-demand"}
+    assert [g.name for g in pod.spec.scheduling_gates] == ["example.com/quota"]
+    # placed once: no longer gated by spotguard, so its spec is out of reach again
+    assert patch({"spec": {"nodeSelector": {"eks.amazonaws.com/capacityType": "SPOT"}}}) in (403, 422)
+
+
 def test_supervisor_may_write_only_scaling_suspension_and_scheduling_of_a_job(policies, k8s_namespace):
     plane = policies
     batch_admin = kubernetes.client.BatchV1Api(plane.api_client())

@@ -347,6 +347,10 @@ class DryRun:
             self._left_unpushed = False
             await self._push_membership(self.world, "left")
         await self._admit_joiners(gen)
+        await self._grow(gen)
+
+    async def _grow(self, gen: Generation) -> None:
+        """Starts joiners on free nodes when the supervisor scales out (the record also learns the notices)."""
         decision = self.supervisor.decide(self.world, self._hits(), self.available, drained=False)
         if decision.action == policy_mod.SCALE and decision.replicas:
             want = decision.replicas - len(self.world) - len(self._joins)
@@ -403,8 +407,11 @@ class DryRun:
             elif self.nodes[node].ready_file.exists():
                 self._joins.ready(node, now)
         due = self._joins.due(now)
-        if not due:
-            return
+        if due:
+            await self._admit(due)
+
+    async def _admit(self, due: list[str]) -> None:
+        """Adds the ready joiners `due` to the world in one membership."""
         self._joins.admitted(due)
         self.world.extend(due)
         self.generations[-1].nodes = sorted(set(self.generations[-1].nodes) | set(due))

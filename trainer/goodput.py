@@ -9,6 +9,11 @@ Modes (each one a full local dry-run, `trainer.dryrun.DryRun`, in its own run di
   the rank dies, its peers fail in their next collective, and the job restarts from the last
   periodic checkpoint at the smaller world size (the same local supervisor decides it).
 - `spotguard`: the normal dry-run: notice -> agreed step -> checkpoint -> drain -> resume.
+  Spot only: a reclaimed node's place stays empty until the trace returns capacity.
+- `spotguard-backfill`: the same, with on-demand backfill (`trainer.backfill_run`): a warm
+  standby for each reclaim, on-demand replicas after `fallback_after`, and each on-demand
+  member swapped back for spot in place once spot has been free for `return_after`. Its
+  on-demand share of node-hours comes from the memberships it pushed.
 
 Every mode gets the same trainer flags plus `--log-every=1`, so the steps each generation
 reached are known exactly. Accounting (`summarize`), from the trainers' event logs:
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterable
 
+from spotguard.trainer.backfill_run import BackfillDryRun
 from spotguard.trainer.dryrun import DryRun
 from spotguard.trainer.events import read_events
 from spotguard.trainer.launcher import Generation
@@ -42,7 +48,7 @@ from spotguard.trainer.scenario import Scenario
 
 log = logging.getLogger("spotguard.goodput")
 
-MODES = ("ideal", "periodic", "spotguard-restart", "spotguard")
+MODES = ("ideal", "periodic", "spotguard-restart", "spotguard", "spotguard-backfill")
 TRAIN_FLAGS = ["--log-every=1"]  # exact per-step progress in every mode
 DRAIN_KINDS = ("reclaim",)  # notices the termination handler drains a node for
 STEP_EVENTS = ("start", "step", "agreed", "durable", "finished")
@@ -129,6 +135,9 @@ class ModeResult:
     restart_gap_s: float = 0.0  # time between a generation's last step and the next one's start
     in_place: int = 0  # membership changes made in place (no relaunch)
     in_place_pause_s: float = 0.0  # the survivors' pauses of those changes, summed
+    spot_node_s: float = 0.0  # member-seconds on spot nodes (backfill mode only)
+    on_demand_node_s: float = 0.0  # member-seconds on on-demand nodes (backfill mode only)
+    joiner_waits_s: list[float] = field(default_factory=list)  # backfill: joiner start -> admitted
     run_dir: str = ""
 
     @property
@@ -151,10 +160,17 @@ class ModeResult:
     def samples_per_s(self) -> float:
         return self.useful_samples / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def on_demand_share(self) -> float | None:
+        """On-demand node-hours / all node-hours; None where nodes were not split by type."""
+        total = self.spot_node_s + self.on_demand_node_s
+        return self.on_demand_node_s / total if total > 0 else None
+
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "finished": self.finished,
                 "steps_lost_reclaims": self.steps_lost_reclaims, "lost_per_reclaim": self.lost_per_reclaim,
-                "steps_per_s": self.steps_per_s, "samples_per_s": self.samples_per_s}
+                "steps_per_s": self.steps_per_s, "samples_per_s": self.samples_per_s,
+                "on_demand_share": self.on_demand_share}
 
 
 def summarize(mode: str, events: Iterable[dict], generations: list[GenerationRecord],
@@ -238,8 +254,18 @@ def segment_samples(first: int, last: int, batch: int, changes: list[dict]) -> i
     return total + max(0, last - step) * size
 
 
+@dataclass(frozen=True)
+class BackfillOptions:
+    """The backfill mode's settings, in replay seconds."""
+
+    fallback_after: float = 4.0
+    return_after: float = 10.0
+    on_demand_max: int | None = None
+
+
 async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_every: int = 100,
-                   time_limit: float = 600.0, train_argv_extra: list[str] | None = None) -> ModeResult:
+                   time_limit: float = 600.0, train_argv_extra: list[str] | None = None,
+                   backfill: BackfillOptions = BackfillOptions()) -> ModeResult:
     """Runs `scenario` in `mode` (one of MODES) under `run_dir/mode` (its report.json too); returns its summary."""
     extra = [*TRAIN_FLAGS, *(train_argv_extra or [])]
     where = run_dir / mode
@@ -252,13 +278,23 @@ async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_ever
         dry = DryRun(dataclasses.replace(scenario, membership="restart"), where, extra, time_limit=time_limit)
     elif mode == "spotguard":
         dry = DryRun(scenario, where, extra, time_limit=time_limit)
+    elif mode == "spotguard-backfill":
+        dry = BackfillDryRun(scenario, where, extra, time_limit=time_limit, fallback_after=backfill.fallback_after,
+                             return_after=backfill.return_after, on_demand_max=backfill.on_demand_max)
     else:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
     report = await dry.run()
     (where / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    events = read_events(where / "events") if (where / "events").exists() else []
-    return summarize(mode, events, dry.generations, dry.injected, scenario.steps,
-                     status=report.get("status", ""), run_dir=str(where))
+    events = list(read_events(where / "events")) if (where / "events").exists() else []
+    result = summarize(mode, events, dry.generations, dry.injected, scenario.steps,
+                       status=report.get("status", ""), run_dir=str(where))
+    if isinstance(dry, BackfillDryRun):
+        until = max((e["t"] for e in events if e["event"] == "finished"), default=time.time())
+        since = min((e["t"] for e in events if e["event"] == "start"), default=until)
+        split = dry.node_seconds(since, until)
+        result.spot_node_s, result.on_demand_node_s = split["spot"], split["on-demand"]
+        result.joiner_waits_s = dry.joiner_waits()
+    return result
 
 
 @dataclass
@@ -293,6 +329,17 @@ class Comparison:
             base = self.goodput("periodic")
             out.append(("spotguard goodput > periodic baseline", None if g is None or base is None else g > base,
                         "-" if g is None or base is None else f"{g:.3f} vs {base:.3f}"))
+        bf = self.results.get("spotguard-backfill")
+        if bf is not None:
+            gs = self.goodput("spotguard-backfill", "samples")
+            spot_only = self.goodput("spotguard", "samples")
+            share = bf.on_demand_share
+            out.append(("backfill samples >= 0.97 of always-full (ideal)", None if gs is None else gs >= 0.97,
+                        ("-" if gs is None else f"{gs:.3f}")
+                        + ("" if spot_only is None else f" (spot only {spot_only:.3f})")
+                        + ("" if share is None else f", on-demand share of node-hours {share:.3f}")))
+            out.append(("backfill loses 0 steps", bf.steps_lost_reclaims + bf.lost_on_rescales == 0,
+                        f"{bf.steps_lost_reclaims + bf.lost_on_rescales} lost"))
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -303,17 +350,19 @@ class Comparison:
 
 def render(comparison: Comparison) -> str:
     """The comparison as a table and goal lines a person reads."""
-    head = (f"{'mode':<17} {'done':>9} {'reclaims':>8} {'lost/recl':>9} {'lost recl':>9} {'lost resc':>9} "
+    head = (f"{'mode':<18} {'done':>9} {'reclaims':>8} {'lost/recl':>9} {'lost recl':>9} {'lost resc':>9} "
             f"{'restarts':>8} {'gaps s':>7} {'in place':>8} {'pause s':>7} {'wall s':>7} {'steps/s':>7} "
-            f"{'goodput':>7} {'samples':>7}")
+            f"{'goodput':>7} {'samples':>7} {'od share':>8}")
     lines = [head, "-" * len(head)]
     for mode, r in comparison.results.items():
         g, gs = comparison.goodput(mode), comparison.goodput(mode, "samples")
-        lines.append(f"{mode:<17} {r.steps_completed:>4}/{r.total_steps:<4} {r.reclaims_hit:>8} "
+        share = r.on_demand_share
+        lines.append(f"{mode:<18} {r.steps_completed:>4}/{r.total_steps:<4} {r.reclaims_hit:>8} "
                      f"{r.lost_per_reclaim:>9.1f} {r.steps_lost_reclaims:>9} {r.lost_on_rescales:>9} "
                      f"{r.restarts:>8} {r.restart_gap_s:>7.1f} {r.in_place:>8} {r.in_place_pause_s:>7.2f} "
                      f"{r.wall_s:>7.1f} {r.steps_per_s:>7.2f} "
-                     f"{'-' if g is None else f'{g:.3f}':>7} {'-' if gs is None else f'{gs:.3f}':>7}")
+                     f"{'-' if g is None else f'{g:.3f}':>7} {'-' if gs is None else f'{gs:.3f}':>7} "
+                     f"{'-' if share is None else f'{share:.3f}':>8}")
     lines.append("")
     for goal, met, figure in comparison.goals():
         mark = "n/a " if met is None else ("MET " if met else "MISS")

@@ -28,6 +28,7 @@ ANN_STEPS_LOST = PREFIX + "steps-lost"  # integer: steps lost, summed by the sup
 ANN_FALLBACK = PREFIX + "fallback"  # "on-demand" opts in to the on-demand fallback
 ANN_FALLBACK_AFTER = PREFIX + "fallback-after"  # duration without spot capacity before moving (10m)
 ANN_RETURN_AFTER = PREFIX + "return-after"  # duration spot capacity must stay free before returning (5m)
+ANN_ON_DEMAND_MAX = PREFIX + "on-demand-max"  # backfill: at most this many on-demand replicas (default: max)
 
 # ---- On nodes (written by the agent's node marker) --------------------------------------------
 ANN_NOTICE = PREFIX + "notice"  # wire JSON of the most urgent live notice

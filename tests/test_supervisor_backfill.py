@@ -1,0 +1,134 @@
+"""supervisor.backfill.plan: spot first, warm standby, on-demand after fallback-after (capped by
+on-demand-max), and one swap-back at a time after return-after, never below the job's size."""
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from spotguard.supervisor.backfill import BackfillClocks, BackfillSettings, BackfillView, plan
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+SETTINGS = BackfillSettings(max_replicas=4, fallback_after=120.0, return_after=300.0)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def test_spot_slots_fill_the_gap_first_and_at_once():
+    step = plan(SETTINGS, BackfillView(spot=2, on_demand=0, spot_free=1, on_demand_free=8), BackfillClocks(), T0)
+    assert (step.add_spot, step.add_on_demand, step.swap) == (1, 0, False)
+    assert step.clocks.below_max_since == T0 and step.recheck_at == at(120)  # the last gap waits for fallback-after
+
+
+def test_on_demand_only_after_fallback_after_below_max():
+    view = BackfillView(spot=3, on_demand=0, on_demand_free=8)
+    first = plan(SETTINGS, view, BackfillClocks(), T0)
+    assert not first.acts and first.recheck_at == at(120)
+    early = plan(SETTINGS, view, first.clocks, at(119))
+    assert not early.acts
+    due = plan(SETTINGS, view, first.clocks, at(120))
+    assert due.add_on_demand == 1 and "fallback-after 120s" in due.reason
+    # asked for, not a member yet: not asked again
+    again = plan(SETTINGS, BackfillView(spot=3, on_demand=0, starting_on_demand=1, on_demand_free=7), due.clocks,
+                 at(121))
+    assert not again.acts
+
+
+def test_a_job_back_at_max_resets_the_below_max_clock():
+    clocks = plan(SETTINGS, BackfillView(spot=3, on_demand=0), BackfillClocks(), T0).clocks
+    full = plan(SETTINGS, BackfillView(spot=4, on_demand=0), clocks, at(60))
+    assert full.clocks.below_max_since is None
+    assert plan(SETTINGS, BackfillView(spot=3, on_demand=0, on_demand_free=1), full.clocks, at(130)).add_on_demand == 0
+
+
+def test_warm_standby_asks_for_the_replacement_at_the_notice():
+    noticed = BackfillView(spot=3, on_demand=0, leaving=1, on_demand_free=4)
+    step = plan(SETTINGS, noticed, BackfillClocks(), T0)
+    assert step.add_on_demand == 1 and "warm standby" in step.reason
+    with_spot = plan(SETTINGS, BackfillView(spot=3, on_demand=0, leaving=1, spot_free=1, on_demand_free=4),
+                     BackfillClocks(), T0)
+    assert (with_spot.add_spot, with_spot.add_on_demand) == (1, 0)  # spot elsewhere first
+
+
+def test_on_demand_max_caps_the_backfill():
+    capped = BackfillSettings(max_replicas=4, fallback_after=1.0, return_after=1.0, on_demand_max=1)
+    view = BackfillView(spot=1, on_demand=0, on_demand_free=8)
+    clocks = plan(capped, view, BackfillClocks(), T0).clocks
+    assert plan(capped, view, clocks, at(2)).add_on_demand == 1
+    assert not plan(capped, BackfillView(spot=1, on_demand=1, on_demand_free=8), clocks, at(3)).acts
+
+
+def test_swap_back_one_at_a_time_after_return_after():
+    at_max = BackfillView(spot=2, on_demand=2, spot_free=3)
+    first = plan(SETTINGS, at_max, BackfillClocks(), T0)
+    assert not first.acts and first.clocks.spot_free_since == T0 and first.recheck_at == at(300)
+    swap = plan(SETTINGS, at_max, first.clocks, at(300))
+    assert swap.swap and (swap.add_spot, swap.add_on_demand) == (0, 0)
+    during = plan(SETTINGS, BackfillView(spot=2, on_demand=2, starting_spot=1, spot_free=2), swap.clocks, at(301))
+    assert not during.acts  # the next swap waits for this one
+    after = plan(SETTINGS, BackfillView(spot=3, on_demand=1, spot_free=2), swap.clocks, at(310))
+    assert after.swap
+
+
+def test_no_swap_while_spot_is_busy_or_a_member_leaves():
+    clocks = plan(SETTINGS, BackfillView(spot=2, on_demand=2, spot_free=1), BackfillClocks(), T0).clocks
+    busy = plan(SETTINGS, BackfillView(spot=2, on_demand=2, spot_free=0), clocks, at(200))
+    assert busy.clocks.spot_free_since is None
+    assert not plan(SETTINGS, BackfillView(spot=2, on_demand=2, spot_free=1), busy.clocks, at(400)).swap
+    leaving = plan(SETTINGS, BackfillView(spot=1, on_demand=2, leaving=1, spot_free=1, starting_spot=1), clocks,
+                   at(400))
+    assert not leaving.swap
+
+
+def test_conflicting_backfill_annotations_name_the_annotation():
+    from spotguard.supervisor.policy import PolicyError, check_template, parse_policy
+    from spotguard.supervisor.record import Record
+    from spotguard.wire import names
+
+    base = {names.ANN_POLICY: "elastic", names.ANN_FALLBACK: "on-demand"}
+    assert parse_policy({**base, names.ANN_ON_DEMAND_MAX: "2"}, default_max=4).on_demand_max == 2
+    for given, field, words in (
+            ({**base, names.ANN_ON_DEMAND_MAX: "5"}, names.ANN_ON_DEMAND_MAX, "above"),
+            ({names.ANN_POLICY: "elastic", names.ANN_ON_DEMAND_MAX: "1"}, names.ANN_ON_DEMAND_MAX, "needs"),
+            ({names.ANN_POLICY: "fixed", names.ANN_IN_PLACE: "true"}, names.ANN_IN_PLACE, "needs")):
+        try:
+            parse_policy(given, default_max=4)
+        except PolicyError as exc:
+            assert exc.field == field and words in exc.message
+        else:
+            raise AssertionError(f"{given} passed")
+    policy = parse_policy(base, default_max=4)
+    spot = {"worker": {"nodeSelector": {"karpenter.sh/capacity-type": "spot"}}}
+    either = {"worker": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "eks.amazonaws.com/capacityType", "operator": "In",
+                                                     "values": ["SPOT", "ON_DEMAND"]}]}]}}}}}
+    check_template(policy, spot, Record())
+    check_template(policy, either, Record())
+    check_template(policy, {"worker": {"nodeSelector": {"pool": "a"}}}, Record(capacity="on-demand"))  # moved already
+    try:
+        check_template(policy, {"worker": {"nodeSelector": {"pool": "a"}}}, Record())
+    except PolicyError as exc:
+        assert exc.field == names.ANN_FALLBACK and "capacity-type label" in exc.message
+    else:
+        raise AssertionError("a template with no capacity-type label passed")
+
+
+def test_placement_places_gated_pods_lowest_index_first_and_counts_placed_ones_as_starting():
+    from spotguard.supervisor import capacity_type
+    from spotguard.supervisor.placement import ON_DEMAND, SPOT, PodFacts, place, placement_patch
+
+    pods = [PodFacts("p3", 3), PodFacts("p1", 1), PodFacts("p0", 0, SPOT, member=True), PodFacts("p2", 2)]
+    first = place(SETTINGS, pods, spot_free=1, on_demand_free=4, clocks=BackfillClocks(), now=T0)
+    assert first.pods == (("p1", SPOT),) and first.split == {SPOT: 2, ON_DEMAND: 0}
+    placed = [PodFacts("p3", 3), PodFacts("p1", 1, SPOT), PodFacts("p0", 0, SPOT, member=True), PodFacts("p2", 2)]
+    # p1 is placed, not yet running: the spot slot it takes still looks free, it is not used twice
+    early = place(SETTINGS, placed, spot_free=1, on_demand_free=4, clocks=first.step.clocks, now=at(1))
+    assert early.pods == ()
+    due = place(SETTINGS, placed, spot_free=1, on_demand_free=4, clocks=first.step.clocks, now=at(120))
+    assert due.pods == (("p2", ON_DEMAND), ("p3", ON_DEMAND)) and due.split == {SPOT: 2, ON_DEMAND: 2}
+    label = capacity_type.BY_KEY["karpenter.sh/capacity-type"]
+    assert placement_patch(label, ON_DEMAND, [{"name": "spotguard.io/capacity"}]) == {
+        "spec": {"nodeSelector": {label.key: "on-demand"}, "schedulingGates": None}}
+    other = {"name": "example.com/quota"}
+    assert placement_patch(label, SPOT, [other, {"name": "spotguard.io/capacity"}])["spec"] == {
+        "nodeSelector": {label.key: "spot"}, "schedulingGates": [other]}
