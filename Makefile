@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	DS_BUILD_OPS=0 $(PIP) install -q -c constraints.txt --no-build-isolation deepspeed
 	$(PIP) install -q -c constraints.txt -e '.[train,deepspeed,hf,lightning,k8s,gpu,ui,s3,test,lint]'
+	TORCH_EXTENSIONS_DIR=$(abspath .cache/torch_extensions) $(PY) tools/prebuild_deepspeed_op.py
 	touch $(STAMP)
 
 run: $(STAMP)

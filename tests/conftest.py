@@ -2,12 +2,21 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 
 from spotguard.emulator.control import EmulatorControl
 from spotguard.emulator.server import Emulator
+
+# DeepSpeed JIT-builds its CPU shared-memory op on a first use, under a lock file in the torch
+# extensions folder (`~/.cache/torch_extensions` by default). Shared by every clone and virtual
+# environment there, that folder is rebuilt whenever another venv used it last, and a process
+# killed while it held the lock leaves every later DeepSpeed start waiting forever. The tests
+# (and the ranks they start, which inherit the environment) keep their own folder per checkout.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
 
 
 @pytest.fixture
