@@ -126,3 +126,70 @@ def test_bad_object_store_settings_stop_the_job_at_start_naming_url_and_cause(fa
                           keep_last=2)
     assert caught.value.field == "checkpoint_dir"
     assert url in str(caught.value) and expected in str(caught.value), str(caught.value)
+
+
+class _Reports:
+    """The drain's hook reports, as the sidecar would receive them."""
+
+    def __init__(self):
+        self.sent: list[dict] = []
+
+    def report(self, notice_id: str, step: int, phase: str, seconds: float, **extra) -> bool:
+        self.sent.append({"phase": phase, "step": step, **extra})
+        return True
+
+
+def test_an_upload_stuck_past_the_deadline_drains_with_the_local_tier_and_counts_its_steps_lost(
+        s3_env, s3_server, monkeypatch, tmp_path):
+    """The server stops answering (a paused proxy, released by the test) before the notice's save:
+    the drain waits for the upload until the deadline less its margin, then exits 83 reporting tier
+    `local`, and the steps since the last object-store commit count as lost."""
+    import json
+    from datetime import timedelta
+
+    import torch
+
+    from spotguard.hooks.adapters.base import tag_for
+    from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
+    from spotguard.hooks.agreement.collectives import Collectives
+    from spotguard.hooks.drain import DrainSequence
+    from spotguard.supervisor.progress import steps_lost_of
+    from spotguard.wire.names import EXIT_PREEMPTED
+    from spotguard.wire.notice import Notice, now_utc
+    from tests.s3_server import SlowProxy
+
+    proxy = SlowProxy(int(s3_server.endpoint.rsplit(":", 1)[1]), bytes_per_second=1 << 30)
+    monkeypatch.setenv("SPOTGUARD_S3_ENDPOINT", proxy.endpoint)
+    monkeypatch.setenv("SPOTGUARD_LOCAL_CHECKPOINT_DIR", str(tmp_path / "node"))
+    termination_log = tmp_path / "termination-log"
+    monkeypatch.setenv("SPOTGUARD_TERMINATION_LOG", str(termination_log))
+    model = torch.nn.Linear(4, 4)
+    adapter = PlainTorchAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=s3_env)
+    try:
+        adapter.save(3)
+        assert adapter.store.wait_uploaded(60) and adapter.store.object_step == 3
+        proxy.pause()
+        now = now_utc()
+        notice = Notice(id="aws.spot:stuck", kind="reclaim", source="aws.spot", node="n1", detected_at=now,
+                        deadline=now + timedelta(seconds=2.5))
+        reports = _Reports()
+        record = DrainSequence(Collectives(), adapter, reporter=reports, save_margin_seconds=1.0).run(
+            7, None, notice=notice)
+        assert notice.seconds_left() > 0, "the drain must end before the deadline"
+        assert record.ok and record.exit_code == EXIT_PREEMPTED and record.saved_step == 7
+        durable, drained = reports.sent
+        assert durable["phase"] == "checkpoint-durable" and durable["durable_tier"] == "local"
+        assert drained["phase"] == "drained" and drained["durable_tier"] == "local"
+        assert drained["steps_lost"] == 4 and drained["object_step"] == 3
+        message = json.loads(termination_log.read_text())
+        assert message["durable_tier"] == "local" and message["checkpoint"] == "durable"
+        assert steps_lost_of({"message": termination_log.read_text()}) == 4
+        tag = tag_for(7, "notice")
+        assert adapter.store.local.latest().tag == tag and adapter.store.durable_tier(tag) == "local"
+        proxy.resume()  # the server answers again: the upload completes after all
+        assert adapter.store.wait_uploaded(60) and adapter.store.durable_tier(tag) == "object"
+    finally:
+        proxy.resume()
+        adapter.close()
+        adapter.store.close(30)
+        proxy.close()
