@@ -193,3 +193,50 @@ def test_an_upload_stuck_past_the_deadline_drains_with_the_local_tier_and_counts
         adapter.close()
         adapter.store.close(30)
         proxy.close()
+
+
+def test_a_recommit_never_mixes_a_slow_ranks_parts_of_the_first_attempt_into_the_second(s3_env, s3_server, tmp_path):
+    """Two nodes re-commit one tag; rank 1's upload of the second attempt is held (paused proxy)
+    while rank 0 commits: rank 1's part of the first attempt is still in the bucket, and the commit
+    must wait for the second one instead of taking it."""
+    from tests.s3_server import SlowProxy
+
+    proxy = SlowProxy(int(s3_server.endpoint.rsplit(":", 1)[1]), bytes_per_second=1 << 30)
+    node0 = open_store(s3_env, local_dir=tmp_path / "node0")
+    node1 = open_store(s3_env, local_dir=tmp_path / "node1", endpoint_url=proxy.endpoint)
+    first = {0: {"w0": b"first-0"}, 1: {"w1": b"first-1"}}
+    second = {0: {"w0": b"second-0!"}, 1: {"w1": b"second-1!"}}
+
+    def write(store, rank: int, files: dict[str, bytes], attempt: str) -> None:
+        pending = store.begin("rolling", attempt=attempt)
+        for name, data in files.items():
+            pending.write_bytes(name, data)
+        pending.finish_rank(rank)
+
+    try:
+        for rank, store in ((1, node1), (0, node0)):
+            write(store, rank, first[rank], attempt="a1")
+        node0.commit("rolling", world_size=2, metadata={"step": 1})
+        assert node1.wait_uploaded(60) and node0.wait_uploaded(60)
+        proxy.pause()  # rank 1's second attempt stays on its node for now
+        for rank, store in ((1, node1), (0, node0)):
+            write(store, rank, second[rank], attempt="a2")
+        node0.commit("rolling", world_size=2, metadata={"step": 1})
+        assert not node0.wait_uploaded(0.5), "the commit must wait for rank 1's part of this attempt"
+        assert "rolling" not in [i.tag for i in open_store(s3_env, local_dir=tmp_path / "peek").list()]
+        proxy.resume()
+        assert node1.wait_uploaded(60) and node0.wait_uploaded(60)
+        assert node0.durable_tier("rolling") == "object"
+        info = open_store(s3_env, local_dir=tmp_path / "reader").resolve(verify=True)
+        assert info is not None and info.tag == "rolling"
+        assert {n: (info.dir / n).read_bytes() for n in ("w0", "w1")} == {**second[0], **second[1]}
+        objects = {entry["object"] for entry in node0.read("rolling").files.values()}
+        assert len(objects) == 2 and all(o.startswith(".u-") for o in objects)
+        assert [k for k in keys(s3_server, s3_env) if k.startswith("rolling/")] == sorted(
+            ["rolling/.spotguard-part-0.json", "rolling/.spotguard-part-1.json", "rolling/spotguard-manifest.json",
+             *(f"rolling/{o}" for o in objects)]), "the first attempt's objects are deleted"
+    finally:
+        proxy.resume()
+        node0.close(30)
+        node1.close(30)
+        proxy.close()
