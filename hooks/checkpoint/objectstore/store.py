@@ -40,7 +40,8 @@ from spotguard.config import ConfigError, positive_float, positive_int
 from ..derived import DerivedCopies, derived_areas
 from ..locks import WriterLock, live_tags_reaping_dead
 from ..manifest import PENDING_PREFIX, collect_parts
-from ..store import CheckpointCorrupt, CheckpointInfo, CheckpointStore, PendingCheckpoint, validate_tag
+from ..store import (CheckpointCorrupt, CheckpointInfo, CheckpointStore, PendingCheckpoint, newest_that_checks,
+                     validate_tag)
 from .client import check_access, make_client
 from .remote import MULTIPART_CHUNK, MULTIPART_THRESHOLD, RemoteCheckpoints, RemoteCommitError, RemoteManifest
 from .uploader import FAILED, OBJECT, Uploader
@@ -293,27 +294,18 @@ class ObjectCheckpointStore:
         """The newest complete checkpoint of the object store, downloaded and (with `verify`)
         checksummed, falling back to older ones as CheckpointStore.resolve does."""
         candidates = self.list()
-        failures: list[CheckpointCorrupt] = []
-        for info in reversed(candidates):
-            try:
-                self.materialize(info)
-                if verify:
-                    self.verify(info)
-            except CheckpointCorrupt as exc:
-                failures.append(exc)
-                log.warning("checkpoint %s failed verification, falling back to an older one: %s", info.tag, exc,
-                            extra={"tag": info.tag})
-                continue
-            if failures:
-                log.warning("resuming from %s (step %s) instead of the damaged %s", info.tag, info.step,
-                            ", ".join(f.tag for f in failures))
+
+        def check(info: CheckpointInfo) -> None:
+            self.materialize(info)
+            if verify:
+                self.verify(info)
+
+        info = newest_that_checks(candidates, check)
+        if info is not None:
             self._prune_downloads(candidates)
             if info.step is not None and (self.object_step is None or info.step > self.object_step):
                 self.object_step = info.step
-            return info
-        if failures:
-            raise CheckpointCorrupt(failures[0].tag, [f"no checkpoint verifies: {f}" for f in failures])
-        return None
+        return info
 
     # ---- housekeeping ------------------------------------------------------------------------
     def _prune_downloads(self, complete: builtins.list[CheckpointInfo]) -> builtins.list[str]:
