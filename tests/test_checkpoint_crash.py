@@ -34,6 +34,25 @@ import time
 
 import pytest
 
+# The zygotes' common end: one forked child per stdin line, running the script's `child(words)`;
+# a hung child dumps its stacks after HANG_SECONDS and dies.
+FORK_LOOP = r'''
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+        try:
+            child(line.split())
+            os._exit(0)
+        except BaseException as exc:
+            say("error", repr(exc).replace("\n", " "))
+            os._exit(1)
+    say("pid", pid)
+    _, status = os.waitpid(pid, 0)
+    say("exit", pid, status)
+'''
+
 ZYGOTE = r'''
 import os, sys, signal, itertools
 os.environ["OMP_NUM_THREADS"] = "1"
@@ -144,24 +163,14 @@ def trial(root, mode, lane, max_steps):
         say("committed", step)
     say("done")
 
-for line in sys.stdin:
-    root, mode, lane, kill, max_steps = line.split()
-    pid = os.fork()
-    if pid == 0:
-        import faulthandler
-        faulthandler.dump_traceback_later(20, exit=True)  # a hung child shows where, then dies
-        try:
-            if kill != "none":
-                arm(root, kill)
-            trial(root, mode, lane, int(max_steps))
-            os._exit(0)
-        except BaseException as exc:
-            say("error", repr(exc).replace("\n", " "))
-            os._exit(1)
-    say("pid", pid)
-    _, status = os.waitpid(pid, 0)
-    say("exit", pid, status)
-'''
+def child(words):
+    root, mode, lane, kill, max_steps = words
+    if kill != "none":
+        arm(root, kill)
+    trial(root, mode, lane, int(max_steps))
+
+HANG_SECONDS = 20
+''' + FORK_LOOP
 
 STYLES = {"unique": ("time", "op"), "recommit": ("window", "op", "time", "op-open")}
 OPS_PER_TRIAL = 60  # an open and two to three saves make about this many changes under the root
@@ -395,24 +404,14 @@ def trial(url, local, max_steps):
 
 SIZES = (11 << 20, 300_000, 20_000)  # one multipart file (3 parts), two plain ones
 
-for line in sys.stdin:
-    url, local, kill, max_steps = line.split()
-    pid = os.fork()
-    if pid == 0:
-        import faulthandler
-        faulthandler.dump_traceback_later(60, exit=True)
-        try:
-            if kill.startswith("op:"):
-                arm(int(kill[3:]))
-            trial(url, local, int(max_steps))
-            os._exit(0)
-        except BaseException as exc:
-            say("error", repr(exc).replace("\n", " "))
-            os._exit(1)
-    say("pid", pid)
-    _, status = os.waitpid(pid, 0)
-    say("exit", pid, status)
-'''
+def child(words):
+    url, local, kill, max_steps = words
+    if kill.startswith("op:"):
+        arm(int(kill[3:]))
+    trial(url, local, int(max_steps))
+
+HANG_SECONDS = 60
+''' + FORK_LOOP
 
 S3_OPS_PER_TRIAL = 40  # an open and two saves make about this many HTTP requests
 
