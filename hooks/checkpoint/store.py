@@ -231,8 +231,10 @@ class CheckpointStore:
             self.cleanup()
 
     # ---- writing ---------------------------------------------------------------------------
-    def begin(self, tag: str) -> PendingCheckpoint:
-        """Opens `root/.pending-<tag>/` for this rank (same dir on every rank); creates it durably."""
+    def begin(self, tag: str, attempt: str | None = None) -> PendingCheckpoint:
+        """Opens `root/.pending-<tag>/` for this rank (same dir on every rank); creates it durably.
+        `attempt` (an id the ranks of one save agreed on) is not needed here: the commit checks the
+        parts in the one directory every rank writes to; an object store uses it."""
         validate_tag(tag)
         with store_lock(self.root, exclusive=False):
             lock = WriterLock(self.root, tag)

@@ -144,7 +144,7 @@ class ObjectCheckpointStore:
         commit then takes only parts of this attempt, never a part an earlier attempt at the same
         tag left (a slow rank's, a crashed writer's). Without it (a single writer, older callers)
         any complete set of parts is taken."""
-        pending = self.local.begin(tag)
+        pending = self.local.begin(tag, attempt)
         if isinstance(pending, _TieredPending):
             pending.attempt = attempt
         with self._attempts_mutex:
