@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import fsutil
-from ..manifest import LATEST, MANIFEST, MANIFEST_VERSION, PART_PREFIX, TAG_RE, fingerprint
+from ..manifest import LATEST, MANIFEST, MANIFEST_VERSION, PART_PREFIX, TAG_RE, fingerprint, merge_parts
 from .url import ObjectStoreURL
 
 log = logging.getLogger(__name__)
@@ -189,33 +189,24 @@ class RemoteCheckpoints:
 
     def _collect(self, tag: str, world_size: int, sizes: Mapping[str, int],
                  attempt: str | None) -> tuple[dict, list[str]]:
-        files: dict[str, dict[str, Any]] = {}
-        problems: list[str] = []
-        for rank in range(world_size):
+        """`merge_parts` over the uploaded parts of `tag` (of `attempt`, when given) and `sizes`."""
+        def read_part(rank: int) -> dict[str, Any] | str:
             key = self.key(tag, f"{PART_PREFIX}{rank}.json")
             if key not in sizes:
-                problems.append(f"rank {rank} has not uploaded its part")
-                continue
-            raw = self._get(key)
+                return f"rank {rank} has not uploaded its part"
             try:
-                part = json.loads(raw or b"")
+                part = json.loads(self._get(key) or b"")
             except ValueError as exc:
-                problems.append(f"rank {rank}'s part manifest is unreadable: {exc}")
-                continue
+                return f"rank {rank}'s part manifest is unreadable: {exc}"
             if attempt is not None and part.get("attempt") != attempt:
-                problems.append(f"rank {rank}'s part is of attempt {part.get('attempt')}, not of this one ({attempt})")
-                continue
-            prefix = str(part.get("prefix") or "")
-            for name, entry in part.get("files", {}).items():
-                actual = sizes.get(self.key(tag, prefix + name))
-                if name in files:
-                    problems.append(f"{name} recorded by rank {files[name]['rank']} and rank {rank}")
-                elif actual is None:
-                    problems.append(f"{name} (rank {rank}) is missing")
-                elif actual != entry["size"]:
-                    problems.append(f"{name} (rank {rank}) has {actual} bytes, part manifest says {entry['size']}")
-                files[name] = {**entry, "rank": rank, **({"object": prefix + name} if prefix else {})}
-        return files, problems
+                return f"rank {rank}'s part is of attempt {part.get('attempt')}, not of this one ({attempt})"
+            return part
+
+        def object_of(part: Mapping[str, Any], name: str) -> str:
+            return str(part.get("prefix") or "") + name
+
+        return merge_parts(world_size, read_part, lambda part, name: sizes.get(self.key(tag, object_of(part, name))),
+                           lambda part, name: {"object": object_of(part, name)} if part.get("prefix") else {})
 
     def commit(self, tag: str, world_size: int, metadata: Mapping[str, Any], *, timeout: float,
                attempt: str | None = None) -> RemoteManifest:
