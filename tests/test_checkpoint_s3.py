@@ -223,11 +223,11 @@ def test_a_recommit_never_mixes_a_slow_ranks_parts_of_the_first_attempt_into_the
             write(store, rank, second[rank], attempt="a2")
         node0.commit("rolling", world_size=2, metadata={"step": 1})
         assert not node0.wait_uploaded(0.5), "the commit must wait for rank 1's part of this attempt"
-        assert "rolling" not in [i.tag for i in open_store(s3_env, local_dir=tmp_path / "peek").list()]
+        assert "rolling" not in [i.tag for i in node0.list()]
         proxy.resume()
         assert node1.wait_uploaded(60) and node0.wait_uploaded(60)
         assert node0.durable_tier("rolling") == "object"
-        info = open_store(s3_env, local_dir=tmp_path / "reader").resolve(verify=True)
+        info = node0.resolve(verify=True)  # downloaded from the object store, checksums verified
         assert info is not None and info.tag == "rolling"
         assert {n: (info.dir / n).read_bytes() for n in ("w0", "w1")} == {**second[0], **second[1]}
         objects = {entry["object"] for entry in node0.read("rolling").files.values()}
