@@ -134,6 +134,8 @@ class DrainSequence:
         if tier == "local":  # an object store: only its commit survives the node
             tier, extra["steps_lost"] = self._settle_upload(notice, step, saved_step)
             extra["durable_tier"] = tier
+            if tier == "local":
+                extra["object_step"] = step - extra["steps_lost"]
         if ok:
             t1 = time.monotonic()
             for hook in self.drain_hooks:
@@ -145,7 +147,7 @@ class DrainSequence:
             self._report(notice, saved_step, "drained", drain_seconds, extra)
         code = EXIT_PREEMPTED if ok else EXIT_CHECKPOINT_FAILED
         write_termination_message(notice.id, step, saved_step, ok, steps_lost=extra["steps_lost"],
-                                  durable_tier=extra.get("durable_tier"))
+                                  durable_tier=extra.get("durable_tier"), object_step=extra.get("object_step"))
         log.warning("rank %d drained for notice %s at step %d (checkpoint of step %d %s in %.3fs): exit %d",
                     self.collectives.rank, notice.id, step, saved_step, "durable" if ok else "FAILED",
                     checkpoint_seconds, code)

@@ -1,7 +1,8 @@
 """The drained rank's last word to the supervisor: the container's termination message.
 
 After a drain every rank writes `{"v": 1, "notice_id": ..., "step": n, "saved_step": n,
-"steps_lost": n, "checkpoint": "durable"|"failed"}` to the file named by
+"steps_lost": n, "checkpoint": "durable"|"failed"}` (with an object store also `"durable_tier"`,
+and with tier "local" `"object_step"`: the newest step known in the object store) to the file named by
 `SPOTGUARD_TERMINATION_LOG`, or to `/dev/termination-log` when the kubelet mounted one (it
 copies the file into `containerStatuses[].state.terminated.message`, where the supervisor reads
 the steps lost: supervisor/progress.py). Ranks agree on the step, so ranks sharing a container
@@ -32,9 +33,10 @@ def termination_log_path(environ: dict | None = None) -> str | None:
 
 def write_termination_message(notice_id: str, step: int, saved_step: int, durable: bool,
                               path: str | None = None, *, steps_lost: int | None = None,
-                              durable_tier: str | None = None) -> bool:
+                              durable_tier: str | None = None, object_step: int | None = None) -> bool:
     """Writes the message (see the module docstring); True when written. `steps_lost` defaults to
-    `step - saved_step`; `durable_tier` ("object", "local", "disk"), when known, is added."""
+    `step - saved_step`; `durable_tier` ("object", "local", "disk") and `object_step`, when known,
+    are added."""
     target = path if path is not None else termination_log_path()
     if target is None:
         return False
@@ -43,6 +45,8 @@ def write_termination_message(notice_id: str, step: int, saved_step: int, durabl
                "checkpoint": "durable" if durable else "failed"}
     if durable_tier is not None:
         message["durable_tier"] = durable_tier
+    if object_step is not None:
+        message["object_step"] = object_step
     body = json.dumps(message, separators=(",", ":"))
     data = body.encode()[:MAX_MESSAGE_BYTES]
     try:

@@ -3,7 +3,11 @@ checkpoint) since a moment, and the steps each lost. Pure functions over pod dic
 
 A drained rank writes its termination message (`SPOTGUARD_TERMINATION_LOG`, by default the
 container's `/dev/termination-log`, docs/protocols.md): JSON `{"v":1,"step":n,"saved_step":n,
-"steps_lost":n}`; the kubelet copies it into `containerStatuses[].state.terminated.message`.
+"steps_lost":n}`, with an object store also `"durable_tier"` and `"object_step"`; the kubelet
+copies it into `containerStatuses[].state.terminated.message`. Only an object-store commit
+survives the node: a message whose `durable_tier` is `local` (the checkpoint was on the departing
+node's disk only; its uploader ended with the rank, and nothing uploads it later) counts every
+step after `object_step` (0 when absent) as lost, whatever its `steps_lost` says.
 Each (pod uid, container, finishedAt) exit is counted once; the record keeps what was counted.
 """
 from __future__ import annotations
@@ -45,14 +49,25 @@ def drained_exits(pods: Iterable[Mapping[str, Any]], since: datetime | None) -> 
                 yield f"{uid}/{status.get('name', '')}/{term.get('finishedAt', '')}", term
 
 
+def _count(obj: Mapping[str, Any], name: str) -> int | None:
+    value = obj.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def steps_lost_of(term: Mapping[str, Any]) -> int:
-    """The steps lost a drained container reported in its termination message (0 if none)."""
+    """The steps lost a drained container reported in its termination message (0 if none); with
+    `durable_tier` "local", at least the steps after `object_step` (see the module docstring)."""
     try:
         obj = json.loads(term.get("message") or "")
     except ValueError:
         return 0
-    value = obj.get("steps_lost") if isinstance(obj, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    if not isinstance(obj, dict):
+        return 0
+    reported = _count(obj, "steps_lost") or 0
+    step = _count(obj, "step")
+    if obj.get("durable_tier") != "local" or step is None:
+        return reported
+    return max(reported, step - min(_count(obj, "object_step") or 0, step))
 
 
 def count_steps_lost(pods: Iterable[Mapping[str, Any]], total: int,

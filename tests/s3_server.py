@@ -5,7 +5,8 @@
 (ACCESS_KEY / SECRET_KEY), waits until a bucket can be created (a condition, bounded), and
 creates BUCKET. `stop()` ends that process by its PID; `restart()` starts it again on the same
 ports and data. `SlowProxy(target_port, bytes_per_second)` forwards 127.0.0.1:<port> to the
-server, each direction throttled.
+server, each direction throttled; `pause()` holds every byte until `resume()` (a server that stops
+answering, for as long as the test says).
 """
 from __future__ import annotations
 
@@ -160,6 +161,8 @@ class SlowProxy:
         self._listener.listen(64)
         self.port = self._listener.getsockname()[1]
         self._closed = threading.Event()
+        self._flowing = threading.Event()
+        self._flowing.set()
         self._socks: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -190,6 +193,9 @@ class SlowProxy:
                 data = src.recv(chunk)
                 if not data:
                     break
+                while not self._flowing.wait(0.1):
+                    if self._closed.is_set():
+                        return
                 dst.sendall(data)
                 time.sleep(len(data) / self.rate)
         except OSError:
@@ -200,6 +206,13 @@ class SlowProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def pause(self) -> None:
+        """Holds every byte read from now on (either direction) until `resume()`."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
 
     def close(self) -> None:
         self._closed.set()

@@ -126,3 +126,117 @@ def test_bad_object_store_settings_stop_the_job_at_start_naming_url_and_cause(fa
                           keep_last=2)
     assert caught.value.field == "checkpoint_dir"
     assert url in str(caught.value) and expected in str(caught.value), str(caught.value)
+
+
+class _Reports:
+    """The drain's hook reports, as the sidecar would receive them."""
+
+    def __init__(self):
+        self.sent: list[dict] = []
+
+    def report(self, notice_id: str, step: int, phase: str, seconds: float, **extra) -> bool:
+        self.sent.append({"phase": phase, "step": step, **extra})
+        return True
+
+
+def test_an_upload_stuck_past_the_deadline_drains_with_the_local_tier_and_counts_its_steps_lost(
+        s3_env, s3_server, monkeypatch, tmp_path):
+    """The server stops answering (a paused proxy, released by the test) before the notice's save:
+    the drain waits for the upload until the deadline less its margin, then exits 83 reporting tier
+    `local`, and the steps since the last object-store commit count as lost."""
+    import json
+    from datetime import timedelta
+
+    import torch
+
+    from spotguard.hooks.adapters.base import tag_for
+    from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
+    from spotguard.hooks.agreement.collectives import Collectives
+    from spotguard.hooks.drain import DrainSequence
+    from spotguard.supervisor.progress import steps_lost_of
+    from spotguard.wire.names import EXIT_PREEMPTED
+    from spotguard.wire.notice import Notice, now_utc
+    from tests.s3_server import SlowProxy
+
+    proxy = SlowProxy(int(s3_server.endpoint.rsplit(":", 1)[1]), bytes_per_second=1 << 30)
+    monkeypatch.setenv("SPOTGUARD_S3_ENDPOINT", proxy.endpoint)
+    monkeypatch.setenv("SPOTGUARD_LOCAL_CHECKPOINT_DIR", str(tmp_path / "node"))
+    termination_log = tmp_path / "termination-log"
+    monkeypatch.setenv("SPOTGUARD_TERMINATION_LOG", str(termination_log))
+    model = torch.nn.Linear(4, 4)
+    adapter = PlainTorchAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=s3_env)
+    try:
+        adapter.save(3)
+        assert adapter.store.wait_uploaded(60) and adapter.store.object_step == 3
+        proxy.pause()
+        now = now_utc()
+        notice = Notice(id="aws.spot:stuck", kind="reclaim", source="aws.spot", node="n1", detected_at=now,
+                        deadline=now + timedelta(seconds=2.5))
+        reports = _Reports()
+        record = DrainSequence(Collectives(), adapter, reporter=reports, save_margin_seconds=1.0).run(
+            7, None, notice=notice)
+        assert notice.seconds_left() > 0, "the drain must end before the deadline"
+        assert record.ok and record.exit_code == EXIT_PREEMPTED and record.saved_step == 7
+        durable, drained = reports.sent
+        assert durable["phase"] == "checkpoint-durable" and durable["durable_tier"] == "local"
+        assert drained["phase"] == "drained" and drained["durable_tier"] == "local"
+        assert drained["steps_lost"] == 4 and drained["object_step"] == 3
+        message = json.loads(termination_log.read_text())
+        assert message["durable_tier"] == "local" and message["checkpoint"] == "durable"
+        assert steps_lost_of({"message": termination_log.read_text()}) == 4
+        tag = tag_for(7, "notice")
+        assert adapter.store.local.latest().tag == tag and adapter.store.durable_tier(tag) == "local"
+        proxy.resume()  # the server answers again: the upload completes after all
+        assert adapter.store.wait_uploaded(60) and adapter.store.durable_tier(tag) == "object"
+    finally:
+        proxy.resume()
+        adapter.close()
+        adapter.store.close(30)
+        proxy.close()
+
+
+def test_a_recommit_never_mixes_a_slow_ranks_parts_of_the_first_attempt_into_the_second(s3_env, s3_server, tmp_path):
+    """Two nodes re-commit one tag; rank 1's upload of the second attempt is held (paused proxy)
+    while rank 0 commits: rank 1's part of the first attempt is still in the bucket, and the commit
+    must wait for the second one instead of taking it."""
+    from tests.s3_server import SlowProxy
+
+    proxy = SlowProxy(int(s3_server.endpoint.rsplit(":", 1)[1]), bytes_per_second=1 << 30)
+    node0 = open_store(s3_env, local_dir=tmp_path / "node0")
+    node1 = open_store(s3_env, local_dir=tmp_path / "node1", endpoint_url=proxy.endpoint)
+    first = {0: {"w0": b"first-0"}, 1: {"w1": b"first-1"}}
+    second = {0: {"w0": b"second-0!"}, 1: {"w1": b"second-1!"}}
+
+    def write(store, rank: int, files: dict[str, bytes], attempt: str) -> None:
+        pending = store.begin("rolling", attempt=attempt)
+        for name, data in files.items():
+            pending.write_bytes(name, data)
+        pending.finish_rank(rank)
+
+    try:
+        for rank, store in ((1, node1), (0, node0)):
+            write(store, rank, first[rank], attempt="a1")
+        node0.commit("rolling", world_size=2, metadata={"step": 1})
+        assert node1.wait_uploaded(60) and node0.wait_uploaded(60)
+        proxy.pause()  # rank 1's second attempt stays on its node for now
+        for rank, store in ((1, node1), (0, node0)):
+            write(store, rank, second[rank], attempt="a2")
+        node0.commit("rolling", world_size=2, metadata={"step": 1})
+        assert not node0.wait_uploaded(0.5), "the commit must wait for rank 1's part of this attempt"
+        assert "rolling" not in [i.tag for i in node0.list()]
+        proxy.resume()
+        assert node1.wait_uploaded(60) and node0.wait_uploaded(60)
+        assert node0.durable_tier("rolling") == "object"
+        info = node0.resolve(verify=True)  # downloaded from the object store, checksums verified
+        assert info is not None and info.tag == "rolling"
+        assert {n: (info.dir / n).read_bytes() for n in ("w0", "w1")} == {**second[0], **second[1]}
+        objects = {entry["object"] for entry in node0.read("rolling").files.values()}
+        assert len(objects) == 2 and all(o.startswith(".u-") for o in objects)
+        assert [k for k in keys(s3_server, s3_env) if k.startswith("rolling/")] == sorted(
+            ["rolling/.spotguard-part-0.json", "rolling/.spotguard-part-1.json", "rolling/spotguard-manifest.json",
+             *(f"rolling/{o}" for o in objects)]), "the first attempt's objects are deleted"
+    finally:
+        proxy.resume()
+        node0.close(30)
+        node1.close(30)
+        proxy.close()

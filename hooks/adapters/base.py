@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections import deque
 from typing import Any, Protocol, runtime_checkable
@@ -165,6 +166,19 @@ class StoreAdapter:
 
     def _barrier(self) -> None:
         self._all_ok(True)
+
+    def _agreed_attempt(self) -> str:
+        """One fresh id for this save, the same on every rank (one all_reduce MAX of random numbers):
+        a store with `agrees_attempts` keeps parts of different attempts at one tag apart."""
+        mine = secrets.randbits(62)
+        if self._group is None:
+            return f"{mine:016x}"
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group)
+        return f"{int(value.item()):016x}"
 
     # ---- subclass hooks --------------------------------------------------------------------
     def _state(self, step: int) -> Any:
@@ -328,9 +342,10 @@ class StoreAdapter:
                     write: Callable[[Any], None], snapshot: bool = False, pending: Any = None) -> CheckpointInfo | None:
         tag = tag_for(step, reason)
         ok = True
+        attempt = self._agreed_attempt() if pending is None and getattr(self.store, "agrees_attempts", False) else None
         try:
             if pending is None:
-                pending = self.store.begin(tag)
+                pending = self.store.begin(tag) if attempt is None else self.store.begin(tag, attempt=attempt)
             write(pending)
             pending.finish_rank(self.rank)
         except BaseException as exc:  # every rank must learn about the failure

@@ -13,6 +13,7 @@ import re
 import uuid
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable, Mapping
 
 MANIFEST = "spotguard-manifest.json"
 PART_PREFIX = ".spotguard-part-"
@@ -67,33 +68,50 @@ def tag_of_aside(prefix: str, name: str) -> str | None:
     return base if sep and len(suffix) == 8 and TAG_RE.match(base) else None
 
 
-def collect_parts(pending_dir: Path, world_size: int) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Every rank's part manifest in `pending_dir` merged into one file table (each entry gains
-    its `rank`), checked against the files on disk; and the problems found (a missing or
-    unreadable part, a file recorded twice, missing, or of another size). Commit only when the
-    problems are none."""
+def merge_parts(world_size: int, read_part: Callable[[int], dict[str, Any] | str],
+                size_of: Callable[[Mapping[str, Any], str], int | None],
+                where: Callable[[Mapping[str, Any], str], dict[str, Any]] = lambda part, name: {},
+                ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Every rank's part manifest merged into one file table (each entry gains its `rank`, and what
+    `where(part, name)` adds), each file checked against `size_of(part, name)` (None: missing);
+    and the problems found (a part `read_part(rank)` could not give, which it says as a string; a
+    file recorded twice, missing, or of another size). Commit only when the problems are none."""
     files: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
     for rank in range(world_size):
-        part_path = pending_dir / f"{PART_PREFIX}{rank}.json"
-        try:
-            part = json.loads(part_path.read_bytes())
-        except FileNotFoundError:
-            problems.append(f"rank {rank} has not finished (no {part_path.name})")
-            continue
-        except ValueError as exc:
-            problems.append(f"rank {rank}'s part manifest is unreadable: {exc}")
+        part = read_part(rank)
+        if isinstance(part, str):
+            problems.append(part)
             continue
         for name, entry in part.get("files", {}).items():
             if name in files:
                 problems.append(f"{name} recorded by rank {files[name]['rank']} and rank {rank}")
                 continue
-            try:
-                actual = (pending_dir / name).stat().st_size
-            except FileNotFoundError:
+            actual = size_of(part, name)
+            if actual is None:
                 problems.append(f"{name} (rank {rank}) is missing")
                 continue
             if actual != entry["size"]:
                 problems.append(f"{name} (rank {rank}) has {actual} bytes, part manifest says {entry['size']}")
-            files[name] = {**entry, "rank": rank}
+            files[name] = {**entry, "rank": rank, **where(part, name)}
     return files, problems
+
+
+def collect_parts(pending_dir: Path, world_size: int) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """`merge_parts` over the part manifests and files in `pending_dir`."""
+    def read_part(rank: int) -> dict[str, Any] | str:
+        part_path = pending_dir / f"{PART_PREFIX}{rank}.json"
+        try:
+            return json.loads(part_path.read_bytes())
+        except FileNotFoundError:
+            return f"rank {rank} has not finished (no {part_path.name})"
+        except ValueError as exc:
+            return f"rank {rank}'s part manifest is unreadable: {exc}"
+
+    def size_of(_part: Mapping[str, Any], name: str) -> int | None:
+        try:
+            return (pending_dir / name).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    return merge_parts(world_size, read_part, size_of)

@@ -38,7 +38,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from spotguard.config import ConfigError, positive_int
 
@@ -231,8 +231,10 @@ class CheckpointStore:
             self.cleanup()
 
     # ---- writing ---------------------------------------------------------------------------
-    def begin(self, tag: str) -> PendingCheckpoint:
-        """Opens `root/.pending-<tag>/` for this rank (same dir on every rank); creates it durably."""
+    def begin(self, tag: str, attempt: str | None = None) -> PendingCheckpoint:
+        """Opens `root/.pending-<tag>/` for this rank (same dir on every rank); creates it durably.
+        `attempt` (an id the ranks of one save agreed on) is not needed here: the commit checks the
+        parts in the one directory every rank writes to; an object store uses it."""
         validate_tag(tag)
         with store_lock(self.root, exclusive=False):
             lock = WriterLock(self.root, tag)
@@ -390,22 +392,7 @@ class CheckpointStore:
         candidates = self.list()
         if not verify:
             return candidates[-1] if candidates else None
-        failures: list[CheckpointCorrupt] = []
-        for info in reversed(candidates):
-            try:
-                self.verify(info)
-            except CheckpointCorrupt as exc:
-                failures.append(exc)
-                log.warning("checkpoint %s failed verification, falling back to an older one: %s", info.tag, exc,
-                            extra={"tag": info.tag})
-                continue
-            if failures:
-                log.warning("resuming from %s (step %s) instead of the damaged %s", info.tag, info.step,
-                            ", ".join(f.tag for f in failures))
-            return info
-        if failures:
-            raise CheckpointCorrupt(failures[0].tag, [f"no checkpoint verifies: {f}" for f in failures])
-        return None
+        return newest_that_checks(candidates, self.verify)
 
     # ---- housekeeping ------------------------------------------------------------------------
     def _trash(self, directory: Path) -> None:
@@ -506,6 +493,30 @@ class CheckpointStore:
         """Removed (issue 21): DeepSpeed saves through `DeepSpeedAdapter(engine, store=store)`."""
         raise RuntimeError("CheckpointStore.deepspeed_engine() was removed: use "
                            "spotguard.hooks.adapters.deepspeed.DeepSpeedAdapter(engine, store=store).save(step)")
+
+
+def newest_that_checks(candidates: list[CheckpointInfo],
+                       check: Callable[[CheckpointInfo], None]) -> CheckpointInfo | None:
+    """The newest of `candidates` (oldest first) for which `check` (verify, or download and verify)
+    raises no CheckpointCorrupt, falling back to older ones with a warning naming the damage.
+    None when there are no candidates; CheckpointCorrupt when there are some but none checks
+    (starting from scratch silently would throw training away)."""
+    failures: list[CheckpointCorrupt] = []
+    for info in reversed(candidates):
+        try:
+            check(info)
+        except CheckpointCorrupt as exc:
+            failures.append(exc)
+            log.warning("checkpoint %s failed verification, falling back to an older one: %s", info.tag, exc,
+                        extra={"tag": info.tag})
+            continue
+        if failures:
+            log.warning("resuming from %s (step %s) instead of the damaged %s", info.tag, info.step,
+                        ", ".join(f.tag for f in failures))
+        return info
+    if failures:
+        raise CheckpointCorrupt(failures[0].tag, [f"no checkpoint verifies: {f}" for f in failures])
+    return None
 
 
 def open_store(location: str | os.PathLike, keep_last: int = 3, **options: Any) -> Any:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spotguard.hooks.sidecar.broadcast import Pulse
-from spotguard.wire.hook_report import HookReport
+from spotguard.wire.hook_report import DURABLE_TIERS, HookReport
 from spotguard.wire.live import LiveSet
 
 UNSETTLED_WAIT_SECONDS = 30.0
@@ -39,6 +39,7 @@ class RankState:
     checkpoint_seconds: float = 0.0
     drain_seconds: float = 0.0
     steps_lost: int = 0
+    durable_tier: str | None = None  # the rank's latest report of it (None: never told)
 
     @property
     def done(self) -> bool:
@@ -80,9 +81,19 @@ class Progress:
         finished = len(self.done_ranks) + len(self.failed_ranks)
         return bool(self.failed_ranks) and self.expected is not None and finished >= self.expected
 
+    @property
+    def durable_tier(self) -> str | None:
+        """The pod's weakest tier: "local" when any rank's checkpoint is on this node only (it goes
+        with the node), else the tier the ranks reported; None when no rank reported one."""
+        tiers = {s.durable_tier for s in self.ranks.values() if s.durable_tier is not None}
+        return next((tier for tier in DURABLE_TIERS if tier in tiers), None)
+
     def to_wire(self) -> dict[str, Any]:
-        return {"notice_id": self.notice_id, "expected_ranks": self.expected,
-                "done_ranks": self.done_ranks, "failed_ranks": self.failed_ranks}
+        body: dict[str, Any] = {"notice_id": self.notice_id, "expected_ranks": self.expected,
+                                "done_ranks": self.done_ranks, "failed_ranks": self.failed_ranks}
+        if self.durable_tier is not None:
+            body["durable_tier"] = self.durable_tier
+        return body
 
 
 class HookBook:
@@ -105,6 +116,8 @@ class HookBook:
         state = progress.ranks.setdefault(report.rank, RankState())
         state.step = max(state.step, report.step)
         state.steps_lost = report.steps_lost
+        if report.durable_tier is not None:
+            state.durable_tier = report.durable_tier
         if report.phase == "drained":
             state.drained = True
             state.drain_seconds = report.seconds

@@ -5,6 +5,8 @@
   rank), so the agent can approve early (Azure) without waiting for the drain;
 - `checkpointed` again once every rank also drained, now with hook_seconds.drain;
 - `failed` on the first rank whose checkpoint failed (nothing is approved early).
+Each carries the pod's `durable_tier` when a rank reported one (`Progress.durable_tier`): the
+drained report has the tier the ranks settled on after waiting for their upload.
 Each (notice, status) is sent at most once; the agent must accept a later report for the same
 notice and pod as an update.
 
@@ -61,7 +63,8 @@ class ReportPlanner:
             hook_seconds["drain"] = max(s.drain_seconds for s in states)
         return Report(progress.notice_id, self.pod, self.namespace, status,
                       step=max((s.step for s in states), default=0), hook_seconds=hook_seconds,
-                      steps_lost=max((s.steps_lost for s in states), default=0)).to_wire()
+                      steps_lost=max((s.steps_lost for s in states), default=0),
+                      durable_tier=progress.durable_tier).to_wire()
 
 
 def read_token(path: str) -> str:

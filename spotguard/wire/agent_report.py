@@ -1,7 +1,9 @@
 """A sidecar's report to its node agent (POST /v1/reports, docs/protocols.md "Agent").
 
 Wire form: `{"v": 1, "notice_id", "pod", "namespace", "status": "checkpointed"|"failed",
-"step"?, "hook_seconds"?: {name: seconds}, "steps_lost"?}`. `parse_report(obj)` rejects another
+"step"?, "hook_seconds"?: {name: seconds}, "steps_lost"?, "durable_tier"?}` (`durable_tier`: the
+pod's weakest tier, as in `wire.hook_report`; written only when known, so an older agent, which
+ignores unknown fields, reads the rest unchanged). `parse_report(obj)` rejects another
 version or any bad field with `ReportFormatError` naming the first one; `Report.to_wire()`
 writes it.
 """
@@ -13,6 +15,7 @@ from typing import Any
 from collections.abc import Mapping
 
 from spotguard.wire.fields import versioned_object, whole
+from spotguard.wire.hook_report import durable_tier_of
 
 VERSION = 1
 STATUSES = ("checkpointed", "failed")
@@ -31,13 +34,17 @@ class Report:
     step: int | None = None
     hook_seconds: Mapping[str, float] = field(default_factory=dict)
     steps_lost: int | None = None
+    durable_tier: str | None = None
     caller: str = ""
     received_at: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": VERSION, "notice_id": self.notice_id, "pod": self.pod, "namespace": self.namespace,
+        body = {"v": VERSION, "notice_id": self.notice_id, "pod": self.pod, "namespace": self.namespace,
                 "status": self.status, "step": self.step, "hook_seconds": dict(self.hook_seconds),
                 "steps_lost": self.steps_lost}
+        if self.durable_tier is not None:
+            body["durable_tier"] = self.durable_tier
+        return body
 
 
 def _name(obj: Mapping, key: str) -> str:
@@ -62,4 +69,5 @@ def parse_report(obj: Any) -> Report:
             raise ReportFormatError(f"hook_seconds.{str(name)[:64]}: expected seconds >= 0")
     return Report(notice_id=_name(obj, "notice_id"), pod=_name(obj, "pod"), namespace=_name(obj, "namespace"),
                   status=status, step=whole(obj, "step", 0, ReportFormatError, optional=True), hook_seconds=dict(hooks),
-                  steps_lost=whole(obj, "steps_lost", 0, ReportFormatError, optional=True))
+                  steps_lost=whole(obj, "steps_lost", 0, ReportFormatError, optional=True),
+                  durable_tier=durable_tier_of(obj, ReportFormatError))

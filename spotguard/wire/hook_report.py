@@ -1,7 +1,10 @@
 """A rank's hook report to its sidecar (POST /v1/hooks, docs/protocols.md "Sidecar").
 
 Wire form: `{"v": 1, "notice_id", "rank", "world_size", "step", "phase", "seconds"}` plus the
-optional `steps_lost`; unknown extra fields are ignored. `HookReport.from_wire` rejects another
+optional `steps_lost` and `durable_tier` (one of `DURABLE_TIERS`: "local" is on this node's disk
+only and goes with it, "object" is in the object store, "disk" is the checkpoint directory of a
+disk store); unknown extra fields are ignored, and a report without the optional ones (an older
+Guard) reads as `steps_lost` 0 and no tier. `HookReport.from_wire` rejects another
 version or any bad field with `HookFormatError` naming it: `rank` below `world_size`, `phase`
 one of `PHASES`, `seconds` a finite number >= 0.
 """
@@ -16,6 +19,7 @@ from spotguard.wire.notice import MAX_NOTICE_ID
 
 VERSION = 1
 PHASES = ("checkpoint-durable", "drained", "failed")
+DURABLE_TIERS = ("local", "disk", "object")  # weakest first
 
 
 class HookFormatError(ValueError):
@@ -33,6 +37,7 @@ class HookReport:
     phase: str
     seconds: float
     steps_lost: int = 0
+    durable_tier: str | None = None
 
     @classmethod
     def from_wire(cls, obj: Any) -> HookReport:
@@ -53,10 +58,19 @@ class HookReport:
                 or seconds < 0):
             raise HookFormatError(f"seconds: expected a finite number >= 0, got {seconds!r:.40}")
         steps_lost = whole(obj, "steps_lost", 0, HookFormatError) if "steps_lost" in obj else 0
-        return cls(notice_id, rank, world_size, step, phase, float(seconds), steps_lost)
+        return cls(notice_id, rank, world_size, step, phase, float(seconds), steps_lost,
+                   durable_tier_of(obj, HookFormatError))
 
     def to_wire(self) -> dict[str, Any]:
-        """The body with the protocol's required fields; `steps_lost` (and any other extra) is
+        """The body with the protocol's required fields; `steps_lost`, `durable_tier` (and any other extra) are
         added by the sender, which must be able to resend without it."""
         return {"v": VERSION, "notice_id": self.notice_id, "rank": self.rank, "world_size": self.world_size,
                 "step": self.step, "phase": self.phase, "seconds": self.seconds}
+
+
+def durable_tier_of(obj: Any, error: type[ValueError]) -> str | None:
+    """The optional `durable_tier` of a body: one of DURABLE_TIERS, or None when absent."""
+    tier = obj.get("durable_tier")
+    if tier is not None and tier not in DURABLE_TIERS:
+        raise error(f"durable_tier: expected one of {', '.join(DURABLE_TIERS)}, got {tier!r:.40}")
+    return tier

@@ -1,11 +1,18 @@
 """Checkpoints as objects under `s3://bucket/prefix`: complete or invisible on a store without rename.
 
 Layout (keys under the prefix):
-- `<tag>/<file>`: the files of checkpoint `<tag>`, uploaded first (multipart above the transfer
-  threshold); `<tag>/.spotguard-part-<rank>.json`: each rank's part manifest, put after its files;
-- `<tag>/spotguard-manifest.json`: written last, by rank 0, once every rank's part is there and
-  every listed object has its recorded size. A tag with this object is a complete checkpoint;
-  without it the tag is invisible: listing, loading and retention read manifests only;
+- `<tag>/.u-<upload id>/<file>`: the files one rank uploaded in one attempt (a fresh id per
+  upload, so two attempts at one tag never write the same object), uploaded first (multipart above
+  the transfer threshold); `<tag>/.spotguard-part-<rank>.json`: each rank's part manifest, put
+  after its files, naming their folder (`prefix`) and the commit `attempt` it belongs to (an id
+  every rank of one save agreed on; None when the writer did not agree one);
+- `<tag>/spotguard-manifest.json`: written last, by rank 0, once every rank's part of this attempt
+  is there and every listed object has its recorded size; each file's entry names its `object`
+  (checkpoints written before per-upload folders have none: the file is `<tag>/<file>`). A tag
+  with this object is a complete checkpoint; without it the tag is invisible: listing, loading and
+  retention read manifests only. A part of another attempt (a slow rank's previous one, a crashed
+  writer's) is never taken: the commit waits for this attempt's part. After a commit the tag's
+  objects it does not name (earlier attempts) are deleted;
 - `latest`: the newest complete tag, put after its manifest (a hint; the manifests are the truth);
 - `.writers/<id>`: a live writer's lease (JSON `{"tags": [...]}`), re-put while it uploads.
 
@@ -23,6 +30,7 @@ import json
 import logging
 import os
 import time
+import uuid
 import builtins
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,12 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import fsutil
-from ..manifest import LATEST, MANIFEST, MANIFEST_VERSION, PART_PREFIX, TAG_RE, fingerprint
+from ..manifest import LATEST, MANIFEST, MANIFEST_VERSION, PART_PREFIX, TAG_RE, fingerprint, merge_parts
 from .url import ObjectStoreURL
 
 log = logging.getLogger(__name__)
 
 WRITERS = ".writers"
+UPLOAD_PREFIX = ".u-"  # <tag>/.u-<upload id>/: one rank's files of one attempt
 MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNK = 32 << 20
 
@@ -149,15 +158,21 @@ class RemoteCheckpoints:
         return live
 
     # ---- writing ---------------------------------------------------------------------------------
+    @staticmethod
+    def upload_prefix() -> str:
+        """A fresh folder (`.u-<id>/`) for one rank's files of one upload."""
+        return f"{UPLOAD_PREFIX}{uuid.uuid4().hex[:12]}/"
+
     def begin_part(self, tag: str, rank: int) -> None:
         """Before a rank uploads into `tag`: the old manifest (a re-commit) and this rank's old part go first."""
         self._delete([self.key(tag, MANIFEST), self.key(tag, f"{PART_PREFIX}{rank}.json")])
 
-    def upload_files(self, tag: str, files: Mapping[str, Path]) -> int:
-        """Uploads {name: local path} into `tag/` (multipart for large files, several at once); bytes sent."""
+    def upload_files(self, tag: str, files: Mapping[str, Path], prefix: str = "") -> int:
+        """Uploads {name: local path} into `tag/<prefix>` (multipart for large files, several at
+        once); bytes sent. `prefix`: `upload_prefix()` of this upload."""
         def one(item: tuple[str, Path]) -> int:
             name, path = item
-            self.client.upload_file(str(path), self.url.bucket, self.key(tag, name), Config=self._transfer)
+            self.client.upload_file(str(path), self.url.bucket, self.key(tag, prefix + name), Config=self._transfer)
             return os.path.getsize(path)
 
         if not files:
@@ -165,37 +180,38 @@ class RemoteCheckpoints:
         with concurrent.futures.ThreadPoolExecutor(min(self.file_workers, len(files))) as pool:
             return sum(pool.map(one, sorted(files.items())))
 
-    def put_part(self, tag: str, rank: int, part_raw: bytes) -> None:
-        """Puts rank `rank`'s part manifest (after its files)."""
-        self._put(self.key(tag, f"{PART_PREFIX}{rank}.json"), part_raw)
+    def put_part(self, tag: str, rank: int, part_raw: bytes, *, prefix: str = "", attempt: str | None = None) -> None:
+        """Puts rank `rank`'s part manifest (after its files), naming the folder its files went to
+        and the commit attempt it belongs to."""
+        part = json.loads(part_raw)
+        part.update(prefix=prefix, attempt=attempt)
+        self._put(self.key(tag, f"{PART_PREFIX}{rank}.json"), json.dumps(part, sort_keys=True).encode())
 
-    def _collect(self, tag: str, world_size: int, sizes: Mapping[str, int]) -> tuple[dict, list[str]]:
-        files: dict[str, dict[str, Any]] = {}
-        problems: list[str] = []
-        for rank in range(world_size):
+    def _collect(self, tag: str, world_size: int, sizes: Mapping[str, int],
+                 attempt: str | None) -> tuple[dict, list[str]]:
+        """`merge_parts` over the uploaded parts of `tag` (of `attempt`, when given) and `sizes`."""
+        def read_part(rank: int) -> dict[str, Any] | str:
             key = self.key(tag, f"{PART_PREFIX}{rank}.json")
             if key not in sizes:
-                problems.append(f"rank {rank} has not uploaded its part")
-                continue
-            raw = self._get(key)
+                return f"rank {rank} has not uploaded its part"
             try:
-                part = json.loads(raw or b"")
+                part = json.loads(self._get(key) or b"")
             except ValueError as exc:
-                problems.append(f"rank {rank}'s part manifest is unreadable: {exc}")
-                continue
-            for name, entry in part.get("files", {}).items():
-                actual = sizes.get(self.key(tag, name))
-                if name in files:
-                    problems.append(f"{name} recorded by rank {files[name]['rank']} and rank {rank}")
-                elif actual is None:
-                    problems.append(f"{name} (rank {rank}) is missing")
-                elif actual != entry["size"]:
-                    problems.append(f"{name} (rank {rank}) has {actual} bytes, part manifest says {entry['size']}")
-                files[name] = {**entry, "rank": rank}
-        return files, problems
+                return f"rank {rank}'s part manifest is unreadable: {exc}"
+            if attempt is not None and part.get("attempt") != attempt:
+                return f"rank {rank}'s part is of attempt {part.get('attempt')}, not of this one ({attempt})"
+            return part
 
-    def commit(self, tag: str, world_size: int, metadata: Mapping[str, Any], *, timeout: float) -> RemoteManifest:
-        """Waits (up to `timeout` s) for every rank's part, then writes the manifest and `latest`.
+        def object_of(part: Mapping[str, Any], name: str) -> str:
+            return str(part.get("prefix") or "") + name
+
+        return merge_parts(world_size, read_part, lambda part, name: sizes.get(self.key(tag, object_of(part, name))),
+                           lambda part, name: {"object": object_of(part, name)} if part.get("prefix") else {})
+
+    def commit(self, tag: str, world_size: int, metadata: Mapping[str, Any], *, timeout: float,
+               attempt: str | None = None) -> RemoteManifest:
+        """Waits (up to `timeout` s) for every rank's part (of `attempt`, when given), then writes
+        the manifest and `latest`, and deletes the tag's objects the manifest does not name.
 
         RemoteCommitError when a part stays missing or inconsistent; nothing becomes visible then.
         """
@@ -203,7 +219,7 @@ class RemoteCheckpoints:
         pause = 0.02
         while True:
             sizes, _, _ = self._objects()
-            files, problems = self._collect(tag, world_size, sizes)
+            files, problems = self._collect(tag, world_size, sizes, attempt)
             if not problems:
                 break
             if time.monotonic() >= deadline:
@@ -217,7 +233,17 @@ class RemoteCheckpoints:
         raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
         self._put(self.key(tag, MANIFEST), raw)
         self._put(self.url.key(LATEST), tag.encode())
+        named = {self.key(tag, MANIFEST)} | {self.key(tag, f"{PART_PREFIX}{rank}.json") for rank in range(world_size)}
+        named |= {self._object_key(tag, name, entry) for name, entry in files.items()}
+        try:
+            self._delete(k for k in sizes if self._tag_of(k) == tag and k not in named)
+        except Exception as exc:  # the commit stands; the next re-commit or retention removes them
+            log.warning("checkpoint %s: earlier attempts' objects not deleted from %s: %s", tag, self.url, exc)
         return RemoteManifest(manifest, raw)
+
+    def _object_key(self, tag: str, name: str, entry: Mapping[str, Any]) -> str:
+        """The key of file `name` of a manifest (its `object`, or `<tag>/<name>` in the older layout)."""
+        return self.key(tag, str(entry.get("object") or name))
 
     # ---- reading ---------------------------------------------------------------------------------
     def _parse(self, tag: str, raw: bytes | None) -> RemoteManifest | None:
@@ -259,7 +285,8 @@ class RemoteCheckpoints:
         def one(name: str) -> None:
             target = dest / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            self.client.download_file(self.url.bucket, self.key(remote.tag, name), str(target), Config=self._transfer)
+            key = self._object_key(remote.tag, name, remote.manifest["files"][name])
+            self.client.download_file(self.url.bucket, key, str(target), Config=self._transfer)
 
         names = sorted(remote.manifest["files"])
         if names:

@@ -40,7 +40,8 @@ from spotguard.config import ConfigError, positive_float, positive_int
 from ..derived import DerivedCopies, derived_areas
 from ..locks import WriterLock, live_tags_reaping_dead
 from ..manifest import PENDING_PREFIX, collect_parts
-from ..store import CheckpointCorrupt, CheckpointInfo, CheckpointStore, PendingCheckpoint, validate_tag
+from ..store import (CheckpointCorrupt, CheckpointInfo, CheckpointStore, PendingCheckpoint, newest_that_checks,
+                     validate_tag)
 from .client import check_access, make_client
 from .remote import MULTIPART_CHUNK, MULTIPART_THRESHOLD, RemoteCheckpoints, RemoteCommitError, RemoteManifest
 from .uploader import FAILED, OBJECT, Uploader
@@ -56,6 +57,7 @@ class _TieredPending(PendingCheckpoint):
     """A pending checkpoint of the local tier whose `finish_rank` also queues this rank's upload."""
 
     store: _LocalTier
+    attempt: str | None = None  # ObjectCheckpointStore.begin's `attempt`
 
     def finish_rank(self, rank: int) -> Path:
         path = super().finish_rank(rank)
@@ -119,6 +121,8 @@ class ObjectCheckpointStore:
         self._downloads = DerivedCopies(self.base, DOWNLOADS)
         self._download_mutex = threading.Lock()
         self.object_step: int | None = None  # the newest step known committed in the object store here
+        self._attempts: dict[str, str | None] = {}  # tag -> this rank's attempt at it (begin -> commit)
+        self._attempts_mutex = threading.Lock()
         if clean:
             self.cleanup()
 
@@ -131,14 +135,26 @@ class ObjectCheckpointStore:
         return self.local.root
 
     # ---- writing ---------------------------------------------------------------------------
-    def begin(self, tag: str) -> PendingCheckpoint:
-        """Opens the local tier's pending checkpoint of `tag` for this rank (see CheckpointStore.begin)."""
-        return self.local.begin(tag)
+    agrees_attempts = True  # adapters pass `begin(tag, attempt=...)` an id every rank of the save agreed on
+
+    def begin(self, tag: str, attempt: str | None = None) -> PendingCheckpoint:
+        """Opens the local tier's pending checkpoint of `tag` for this rank (see CheckpointStore.begin).
+
+        `attempt`: the same id on every rank of this save (a fresh one per save): the remote
+        commit then takes only parts of this attempt, never a part an earlier attempt at the same
+        tag left (a slow rank's, a crashed writer's). Without it (a single writer, older callers)
+        any complete set of parts is taken."""
+        pending = self.local.begin(tag, attempt)
+        if isinstance(pending, _TieredPending):
+            pending.attempt = attempt
+        with self._attempts_mutex:
+            self._attempts[tag] = attempt
+        return pending
 
     def _upload_part(self, pending: PendingCheckpoint, rank: int, part: Path) -> None:
         """Stages this rank's files by hard link (so local commits and retention do not disturb the
         upload) and queues their upload, the part manifest last."""
-        tag = pending.tag
+        tag, attempt = pending.tag, getattr(pending, "attempt", None)
         lock = WriterLock(self.staging, tag)
         stage = self.staging / f"{tag}.{rank}.{uuid.uuid4().hex[:8]}"
         stage.mkdir()
@@ -152,9 +168,10 @@ class ObjectCheckpointStore:
 
         def upload() -> int:
             try:
+                prefix = self.remote.upload_prefix()
                 self.remote.begin_part(tag, rank)
-                sent = self.remote.upload_files(tag, files)
-                self.remote.put_part(tag, rank, part_raw)
+                sent = self.remote.upload_files(tag, files, prefix)
+                self.remote.put_part(tag, rank, part_raw, prefix=prefix, attempt=attempt)
                 return sent
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
@@ -169,6 +186,8 @@ class ObjectCheckpointStore:
         validate_tag(tag)
         world_size = positive_int("world_size", world_size)
         metadata = dict(metadata or {})
+        with self._attempts_mutex:
+            attempt = self._attempts.pop(tag, None)
         _, problems = collect_parts(self.local.root / f"{PENDING_PREFIX}{tag}", world_size)
         info: CheckpointInfo | None = None
         if not problems:
@@ -181,7 +200,7 @@ class ObjectCheckpointStore:
         def commit_remote() -> RemoteManifest:
             if self.uploader.tier(tag) == FAILED:  # this process's part of it did not get there
                 raise RemoteCommitError(f"{tag}: not committing to {self.url}: a part upload failed")
-            remote = self.remote.commit(tag, world_size, metadata, timeout=self.commit_timeout)
+            remote = self.remote.commit(tag, world_size, metadata, timeout=self.commit_timeout, attempt=attempt)
             step = metadata.get("step")
             if isinstance(step, int):
                 self.object_step = max(step, self.object_step if self.object_step is not None else step)
@@ -275,27 +294,18 @@ class ObjectCheckpointStore:
         """The newest complete checkpoint of the object store, downloaded and (with `verify`)
         checksummed, falling back to older ones as CheckpointStore.resolve does."""
         candidates = self.list()
-        failures: list[CheckpointCorrupt] = []
-        for info in reversed(candidates):
-            try:
-                self.materialize(info)
-                if verify:
-                    self.verify(info)
-            except CheckpointCorrupt as exc:
-                failures.append(exc)
-                log.warning("checkpoint %s failed verification, falling back to an older one: %s", info.tag, exc,
-                            extra={"tag": info.tag})
-                continue
-            if failures:
-                log.warning("resuming from %s (step %s) instead of the damaged %s", info.tag, info.step,
-                            ", ".join(f.tag for f in failures))
+
+        def check(info: CheckpointInfo) -> None:
+            self.materialize(info)
+            if verify:
+                self.verify(info)
+
+        info = newest_that_checks(candidates, check)
+        if info is not None:
             self._prune_downloads(candidates)
             if info.step is not None and (self.object_step is None or info.step > self.object_step):
                 self.object_step = info.step
-            return info
-        if failures:
-            raise CheckpointCorrupt(failures[0].tag, [f"no checkpoint verifies: {f}" for f in failures])
-        return None
+        return info
 
     # ---- housekeeping ------------------------------------------------------------------------
     def _prune_downloads(self, complete: builtins.list[CheckpointInfo]) -> builtins.list[str]:
