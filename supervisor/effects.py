@@ -196,7 +196,9 @@ class JobEffects:
             if await self.write_job(key, adapter, record_patch(obj, record)) is None:
                 return
         world = replicas * membership.processes_per_replica(adapter.pod_spec(obj))
-        await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store))
+        start = in_place and record.generation == record.start_generation > 0  # the first group, told again
+        await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store,
+                                                                     start=start))
 
     async def _push_fresh_group(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record,
                                 pods: list[dict]) -> None:
@@ -223,7 +225,8 @@ class JobEffects:
         if found is None:
             return  # the pods' updates requeue the job
         hosts, store, incarnations = found
-        record = record.with_(generation=record.generation + 1, members=hosts, store=store, member_pods=incarnations)
+        record = record.with_(generation=record.generation + 1, members=hosts, store=store, member_pods=incarnations,
+                              start_generation=record.generation + 1)
         log.info("job %s/%s: %d of min %d pods Ready; membership %d starts the group (%s, store %s)", key[1], key[2],
                  len(hosts), least, record.generation, ", ".join(hosts), store)
         if await self.write_job(key, adapter, record_patch(obj, record)) is None:
