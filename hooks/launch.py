@@ -18,6 +18,11 @@ local worker: only one of them hosts a store), SPOTGUARD_LAUNCHER_PID (this laun
 whose launcher died leaves, `hooks/orphan_watch.py`), and SPOTGUARD_JOIN=1, SPOTGUARD_READY_FILE,
 SPOTGUARD_REFORM_TIMEOUT, SPOTGUARD_MIN_WORLD_SIZE when set.
 
+`--nnodes MIN:MAX` (torchrun's range) starts at min: SPOTGUARD_START_AT_MIN=1 (the workers'
+first group is the first membership the supervisor pushes once MIN pods are Ready, later pods
+join in place: `hooks/elastic/join.py`), SPOTGUARD_MIN_WORLD_SIZE=MIN*P unless given; RANK and
+WORLD_SIZE (MIN*P) are provisional until that group forms. A fixed `--nnodes N` is unchanged.
+
 Settings: a flag, else (for spotguard's own settings) its SPOTGUARD_* variable, else the
 default (`spotguard.config.Layers`); torchrun's flags have no variable. A bad value exits 2
 naming its flag before any worker starts.
