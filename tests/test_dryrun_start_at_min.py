@@ -17,7 +17,7 @@ workers: 3
 policy: elastic
 min_workers: 2
 start_at_min: true
-steps: 120
+steps: 160
 step_seconds: 0.05
 """
 
