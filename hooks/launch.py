@@ -18,6 +18,11 @@ local worker: only one of them hosts a store), SPOTGUARD_LAUNCHER_PID (this laun
 whose launcher died leaves, `hooks/orphan_watch.py`), and SPOTGUARD_JOIN=1, SPOTGUARD_READY_FILE,
 SPOTGUARD_REFORM_TIMEOUT, SPOTGUARD_MIN_WORLD_SIZE when set.
 
+`--nnodes MIN:MAX` (torchrun's range) starts at min: SPOTGUARD_START_AT_MIN=1 (the workers'
+first group is the first membership the supervisor pushes once MIN pods are Ready, later pods
+join in place: `hooks/elastic/join.py`), SPOTGUARD_MIN_WORLD_SIZE=MIN*P unless given; RANK and
+WORLD_SIZE (MIN*P) are provisional until that group forms. A fixed `--nnodes N` is unchanged.
+
 Settings: a flag, else (for spotguard's own settings) its SPOTGUARD_* variable, else the
 default (`spotguard.config.Layers`); torchrun's flags have no variable. A bad value exits 2
 naming its flag before any worker starts.
@@ -60,6 +65,8 @@ class LaunchConfig:
     min_world_size: int | None
     shutdown_timeout: float
     command: tuple[str, ...]
+    start_at_min: bool = False  # `--nnodes MIN:MAX`: the first group is the supervisor's first membership
+    max_nodes: int = 0  # MAX of the range (nnodes when fixed)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -68,7 +75,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="start this node's training workers once, for in-place membership changes (torchrun's flags)",
         description="Start this node's workers with torchrun's environment and spotguard's in-place one, "
                     "once: a worker is never restarted; survivors of a membership change keep running.")
-    p.add_argument("--nnodes", default=None, help="nodes in the job at start (default 1)")
+    p.add_argument("--nnodes", default=None,
+                   help="nodes in the job at start (default 1), or MIN:MAX: start with the first membership "
+                        "the supervisor pushes once MIN pods are Ready, grow in place up to MAX")
     p.add_argument("--node-rank", "--node_rank", dest="node_rank", default=None,
                    help="this node's rank, 0..nnodes-1 (default 0)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=None,
@@ -126,14 +135,10 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
                  if getattr(args, key) is not None]
         if given:
             raise ConfigError("--standalone", f"runs one node on a free local port; drop {', '.join(given)}")
-    nnodes_text, nnodes_field = layers.get("nnodes", 1, env=None)
-    if ":" in str(nnodes_text):
-        raise ConfigError(nnodes_field, f"a MIN:MAX range ({nnodes_text!r}) means torchrun's restarts; "
-                                        "give the number of nodes at start, membership then changes in place")
-    nnodes = positive_int(nnodes_field, nnodes_text)
+    nnodes, max_nodes = layers.parse("nnodes", 1, nnodes_range, env=None)
     node_rank = layers.parse("node_rank", 0, lambda f, v: positive_int(f, v, allow_zero=True), env=None)
-    if node_rank >= nnodes:
-        raise ConfigError("--node-rank", f"must be below --nnodes ({nnodes}), got {node_rank}")
+    if node_rank >= max_nodes:
+        raise ConfigError("--node-rank", f"must be below --nnodes ({max_nodes}), got {node_rank}")
     nproc = layers.parse("nproc_per_node", 1, positive_int, env=None)
     master_addr = str(layers.value("master_addr", DEFAULT_MASTER_ADDR, env=None)).strip()
     if not master_addr:
@@ -142,6 +147,9 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
                                                                    env=None)
     rdzv_host = layers.value("rdzv_host") or (master_addr if node_rank == 0 else host_address())
     min_world, min_world_field = layers.get("min_world_size")
+    start_at_min = ":" in str(args.nnodes or "")
+    if min_world is None and start_at_min:  # torchrun's MIN: fewer nodes than that drain
+        min_world, min_world_field = nnodes * nproc, "--nnodes"
     reform, reform_field = layers.get("reform_timeout")
     return LaunchConfig(
         nnodes=nnodes, node_rank=node_rank, nproc_per_node=nproc,
@@ -153,10 +161,27 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         ready_file=layers.value("ready_file") or None,
         reform_timeout=None if reform is None else positive_float(reform_field, reform),
         min_world_size=None if min_world is None else positive_int(min_world_field, min_world),
+        start_at_min=start_at_min, max_nodes=max_nodes,
         shutdown_timeout=layers.parse("shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT,
                                       lambda f, v: positive_float(f, v, allow_zero=True), env=None),
         command=worker_command(args),
     )
+
+
+def nnodes_range(field: str, value: object) -> tuple[int, int]:
+    """`--nnodes`: "N" -> (N, N); "MIN:MAX" (torchrun's range) -> (MIN, MAX), 1 <= MIN <= MAX;
+    else ConfigError(field)."""
+    text = str(value).strip()
+    if ":" not in text:
+        number = positive_int(field, text)
+        return number, number
+    low, _, high = text.partition(":")
+    if not low.strip().isdigit() or not high.strip().isdigit():
+        raise ConfigError(field, f"expected N or MIN:MAX with whole numbers, got {value!r}")
+    least, most = int(low), int(high)
+    if least < 1 or most < least:
+        raise ConfigError(field, f"expected 1 <= MIN <= MAX in MIN:MAX, got {value!r}")
+    return least, most
 
 
 def port_number(field: str, value: object) -> int:
@@ -219,6 +244,7 @@ def worker_env(config: LaunchConfig, local_rank: int, environ: Mapping[str, str]
         names.ENV_LAUNCHER_PID: str(os.getpid()),
     })
     optional = {names.ENV_JOIN: "1" if config.join else None,
+                names.ENV_START_AT_MIN: "1" if config.start_at_min else None,
                 names.ENV_READY_FILE: config.ready_file,
                 names.ENV_REFORM_TIMEOUT: None if config.reform_timeout is None else f"{config.reform_timeout:g}",
                 names.ENV_MIN_WORLD_SIZE: None if config.min_world_size is None else str(config.min_world_size)}

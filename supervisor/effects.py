@@ -24,7 +24,7 @@ from spotguard.wire import names
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, annotations_of, meta
 from spotguard.supervisor.events import event_body
 from spotguard.supervisor.in_place import (fresh_members, group_gone, in_place_group, joiners_settled,
-                                           ready_joiners, starting_joiners)
+                                           ready_joiners, start_members, starting_joiners)
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.metrics import SupervisorMetrics
 from spotguard.supervisor.policy import PolicyError, decision_key
@@ -153,11 +153,20 @@ class JobEffects:
         return await self.write_job(key, adapter, body)
 
     async def ensure_membership(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record,
-                                in_place: bool = False) -> None:
+                                in_place: bool = False, start_at_min: int = 0) -> None:
         """Elastic jobs the supervisor has acted on: pushes the hosts of the running replicas on
         nodes without a notice (new generation when they or the store change) to every active
-        replica pod. `in_place`: members, their stable order and the store follow in_place.py."""
-        if record.decided_at is None or record.phase != RUNNING or adapter.suspended(obj):
+        replica pod. `in_place`: members, their stable order and the store follow in_place.py.
+        `start_at_min` (min-replicas of an in-place start-at-min job, 0: not one): the first group
+        is pushed, acted on or not, once that many pods are Ready (in_place.py `start_members`)."""
+        if record.phase != RUNNING or adapter.suspended(obj):
+            return
+        if start_at_min and in_place:
+            pods = self.cache.replica_pods(key, adapter)
+            if not record.members or group_gone(pods, record.member_pods):
+                await self._push_start_group(key, obj, adapter, record, pods, start_at_min)
+                return
+        elif record.decided_at is None:
             return
         incarnations: tuple[str, ...] = ()
         if in_place:
@@ -187,7 +196,9 @@ class JobEffects:
             if await self.write_job(key, adapter, record_patch(obj, record)) is None:
                 return
         world = replicas * membership.processes_per_replica(adapter.pod_spec(obj))
-        await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store))
+        start = in_place and record.generation == record.start_generation > 0  # the first group, told again
+        await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store,
+                                                                     start=start))
 
     async def _push_fresh_group(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record,
                                 pods: list[dict]) -> None:
@@ -205,6 +216,24 @@ class JobEffects:
             return
         world = len(hosts) * membership.processes_per_replica(adapter.pod_spec(obj))
         await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store))
+
+    async def _push_start_group(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record,
+                                pods: list[dict], least: int) -> None:
+        """A start-at-min job without a running group: once `least` pods are Ready, their first
+        membership (marked `start`), as a new generation."""
+        found = start_members(pods, least, self.membership_hosts, self.cache.on_healthy_node)
+        if found is None:
+            return  # the pods' updates requeue the job
+        hosts, store, incarnations = found
+        record = record.with_(generation=record.generation + 1, members=hosts, store=store, member_pods=incarnations,
+                              start_generation=record.generation + 1)
+        log.info("job %s/%s: %d of min %d pods Ready; membership %d starts the group (%s, store %s)", key[1], key[2],
+                 len(hosts), least, record.generation, ", ".join(hosts), store)
+        if await self.write_job(key, adapter, record_patch(obj, record)) is None:
+            return
+        world = len(hosts) * membership.processes_per_replica(adapter.pod_spec(obj))
+        await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store,
+                                                                     start=True))
 
     def _joiners_settled(self, key: JobKey, pods: list[dict], previous: tuple[str, ...]) -> bool:
         """Whether the job's Ready joiners are admitted now (in_place.py `joiners_settled`: all

@@ -14,6 +14,10 @@ Contract (docs/protocols.md, "In-place membership"):
   `SPOTGUARD_RDZV_PORT` value (default `names.RDZV_PORT`); "" while that pod has no IP yet.
 - joiners that become Ready together are admitted together: `joiners_settled` holds Ready
   joiners back while another replacement is still starting, for at most a settle window;
+- start at min (`spotguard.io/start-at-min: "true"`, `start_members`): no group runs before the
+  supervisor's first membership, marked `start`: the Ready pods (each worker's ready file says it
+  waits for one) once at least min-replicas are, in completion-index order; later Ready pods are
+  joiners as above. After the group is gone the next first membership is made the same way;
 - the group is GONE (`group_gone`) when none of the member pods of the last membership still
   runs as the incarnation it was pushed for (`incarnation`: pod uid and restarts; every member
   exited after a fallback or a crash, and the Job controller re-created the pods or restarted
@@ -34,11 +38,12 @@ TRUE_VALUES = ("true",)
 FALSE_VALUES = ("false", "")
 
 
-def wants_in_place(annotations: Mapping[str, str]) -> bool:
-    """Whether a job (or pod template) opts in; ValueError for a value other than true/false."""
-    raw = str(annotations.get(names.ANN_IN_PLACE, "")).strip().lower()
+def wants_in_place(annotations: Mapping[str, str], name: str = names.ANN_IN_PLACE) -> bool:
+    """Whether a job (or pod template) opts in (`name`: in-place, or start-at-min); ValueError for a
+    value other than true/false."""
+    raw = str(annotations.get(name, "")).strip().lower()
     if raw not in TRUE_VALUES + FALSE_VALUES:
-        raise ValueError(f"expected \"true\" or \"false\", got {annotations.get(names.ANN_IN_PLACE)!r}")
+        raise ValueError(f"expected \"true\" or \"false\", got {annotations.get(name)!r}")
     return raw in TRUE_VALUES
 
 
@@ -131,6 +136,23 @@ def fresh_members(pods: Iterable[Mapping[str, Any]], replicas: int, hosts_mode: 
     if not hosts or not store:
         return None
     return hosts, store, tuple(incarnation(p) for p in ordered)
+
+
+def start_members(pods: Iterable[Mapping[str, Any]], least: int, hosts_mode: str,
+                  on_healthy_node: Callable[[Mapping[str, Any]], bool]
+                  ) -> tuple[tuple[str, ...], str, tuple[str, ...]] | None:
+    """(hosts, store, member incarnations) of a start-at-min job's first group: its Running, Ready
+    replica pods on healthy nodes, once there are at least `least` (min-replicas), hosts in
+    completion-index order, the store of the lowest index's pod; None until then."""
+    ready = sorted((p for p in pods if (p.get("status") or {}).get("phase") == "Running" and pod_ready(p)
+                    and on_healthy_node(p)), key=membership.index_of)
+    hosts = membership.hosts_of(ready, hosts_mode)
+    if len(hosts) < least:
+        return None
+    store = store_of(next(p for p in ready if membership.host_of(p, hosts_mode) == hosts[0]))
+    if not store:
+        return None
+    return hosts, store, tuple(incarnation(p) for p in ready)
 
 
 def rdzv_port(pod: Mapping[str, Any]) -> int:

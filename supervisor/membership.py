@@ -59,10 +59,12 @@ def processes_per_replica(pod_spec: Mapping[str, Any] | None) -> int:
     return max(1, int(pod_requests(pod_spec).get("nvidia.com/gpu", 0)))
 
 
-def membership_json(generation: int, hosts: Iterable[str], world_size: int, drain: str = "", store: str = "") -> str:
+def membership_json(generation: int, hosts: Iterable[str], world_size: int, drain: str = "", store: str = "",
+                    start: bool = False) -> str:
     """The wire form; `drain` (an id) asks every member to checkpoint and drain (a `drain` notice);
-    `store` ("host:port") is where an in-place job's ranks re-form (in_place.py)."""
-    return Membership(generation, tuple(hosts), world_size, drain, store).to_json()
+    `store` ("host:port") is where an in-place job's ranks re-form (in_place.py); `start`: the
+    first group of a start-at-min job (its hosts start it together)."""
+    return Membership(generation, tuple(hosts), world_size, drain, store, start).to_json()
 
 
 def pods_to_update(pods: Iterable[Mapping[str, Any]], value: str) -> list[Mapping[str, Any]]:

@@ -64,6 +64,7 @@ class Policy:
     fallback: fallback_rules.Fallback | None = None
     in_place: bool = False  # spotguard.io/in-place: membership changes in place (elastic only)
     on_demand_max: int | None = None  # spotguard.io/on-demand-max: backfill's cap (None: max)
+    start_at_min: bool = False  # spotguard.io/start-at-min: train once min pods are Ready (in place only)
 
 
 def _int_annotation(annotations: Mapping[str, str], name: str) -> int | None:
@@ -111,6 +112,12 @@ def parse_policy(annotations: Mapping[str, str] | None, default_max: int, defaul
         raise PolicyError(names.ANN_IN_PLACE, str(exc)) from None
     if in_place and mode != ELASTIC:
         raise PolicyError(names.ANN_IN_PLACE, f"needs {names.ANN_POLICY}: {ELASTIC} (got {mode!r})")
+    try:
+        start_at_min = wants_in_place(annotations, names.ANN_START_AT_MIN)
+    except ValueError as exc:
+        raise PolicyError(names.ANN_START_AT_MIN, str(exc)) from None
+    if start_at_min and not in_place:
+        raise PolicyError(names.ANN_START_AT_MIN, f"needs {names.ANN_IN_PLACE}: \"true\"")
     on_demand_max = _int_annotation(annotations, names.ANN_ON_DEMAND_MAX)
     if on_demand_max is not None:
         if fallback is None:
@@ -118,7 +125,7 @@ def parse_policy(annotations: Mapping[str, str] | None, default_max: int, defaul
         if on_demand_max > max_replicas:
             raise PolicyError(names.ANN_ON_DEMAND_MAX,
                               f"{on_demand_max} is above {names.ANN_MAX_REPLICAS} ({max_replicas})")
-    return Policy(mode, min_replicas, max_replicas, max_wait, fallback, in_place, on_demand_max)
+    return Policy(mode, min_replicas, max_replicas, max_wait, fallback, in_place, on_demand_max, start_at_min)
 
 
 def check_template(policy: Policy, directives: Mapping[str, Mapping], record: Record) -> None:

@@ -19,6 +19,8 @@ action. Contract:
   jobs, in_place.py); a change of the hosts or the store raises the generation. `member_pods`
   (in place): the incarnations ("<pod uid>/<restarts>") of the member pods it was pushed for,
   so that a group whose every member pod restarted or ended is known to be gone.
+  `start_generation` (start at min): the generation pushed as a job's first group, re-pushed
+  with its `start` mark for as long as it is the current one.
 - `cost` keeps the cost totals (cost.py) and `steps_lost` / `counted_exits` the steps lost
   reported by drained pods, so both survive a restart.
 - Reading never fails: a missing, malformed or newer-version record reads as a fresh record
@@ -65,6 +67,7 @@ class Record:
     members: tuple[str, ...] = ()  # membership hosts last pushed
     store: str = ""  # in-place jobs: the rendezvous store last pushed with them
     member_pods: tuple[str, ...] = ()  # in-place jobs: "<pod uid>/<restarts>" of the members pushed
+    start_generation: int = 0  # start at min: the generation of the last first group pushed (0: none)
     reclaims_survived: int = 0
     decided_by: str = ""
     capacity: str = ""  # "" (as created) or "on-demand" (fallen back)
@@ -149,6 +152,7 @@ def parse_record(text: str | None) -> Record:
             members=tuple(members),
             store=str(obj.get("store", "")),
             member_pods=tuple(member_pods),
+            start_generation=int(obj.get("start_generation", 0)),
             reclaims_survived=int(obj.get("reclaims_survived", 0)),
             decided_by=str(obj.get("decided_by", "")),
             capacity=str(obj.get("capacity", "")),

@@ -163,3 +163,26 @@ def test_grow_loses_nothing_when_a_survivor_dies_after_forming(tmp_path):
     assert (change["outcome"], change["durable"]) == ("fallback", True), change
     assert checkpoint_steps(hosts.ckpt) == [change["step"]]
     assert_durable(hosts, change["step"], hosts.state("handover"))
+
+
+def test_start_at_min_trains_with_the_first_membership_and_admits_a_late_host_in_place(tmp_path):
+    """Start at min (SPOTGUARD_START_AT_MIN=1, `spotguard launch --nnodes 1:2`): a and b start and
+    wait; the first membership (`start`) lists a, which trains alone while b keeps waiting; the
+    next one adds b, which joins in place from a live peer."""
+    args = (*LONG, "--stop-after", "1", "--tail", "3")
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", args,
+               env={"SPOTGUARD_START_AT_MIN": "1", "SPOTGUARD_REFORM_TIMEOUT": "20"}) as hosts:
+        for host in ("a", "b"):
+            hosts.start([host], env={"SPOTGUARD_READY_FILE": str(hosts.out / f"ready-{host}")})
+        hosts.wait_for("ready-a", timeout=240)
+        hosts.push(1, ["a"], start=True)
+        hosts.wait_step("a", 3, timeout=240)
+        hosts.wait_for("ready-b", timeout=240)
+        assert hosts.progress("b") == -1  # not in the first group: it waits
+        hosts.push(2, ["a", "b"])
+        codes = hosts.wait(["a", "b"], timeout=240)
+    assert codes == {"a": 0, "b": 0}, hosts.tail()
+    grow = hosts.changes("a")
+    assert [(g["outcome"], g["world"], g["new_rank"]) for g in grow] == [("in-place", 2, 0)]
+    assert_same_state(hosts.state("joined"), hosts.state("resize-1"))
+    assert [hosts.progress(h) for h in ("a", "b")] == [grow[0]["step"] + 3] * 2

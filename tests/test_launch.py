@@ -5,6 +5,7 @@ running, and then the workers it started, by the PIDs they recorded.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from spotguard.cli import main
+from spotguard.hooks.launch import build_config, register, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = Path(__file__).resolve().parent / "workers" / "launch_probe.py"
@@ -220,7 +222,11 @@ def running(pid: int) -> bool:
     (["--nproc-per-node", "0"], "--nproc-per-node"),
     (["--nproc_per_node", "two"], "--nproc-per-node"),
     (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
-    (["--nnodes", "1:4"], "--nnodes"),
+    (["--nnodes", "4:2"], "--nnodes"),
+    (["--nnodes", "0:2"], "--nnodes"),
+    (["--nnodes", "1:x"], "--nnodes"),
+    (["--nnodes", "2:"], "--nnodes"),
+    (["--nnodes", "1:2", "--node-rank", "2"], "--node-rank"),
     (["--master-port", "70000"], "--master-port"),
     (["--rdzv-port", "0"], "--rdzv-port"),
     (["--reform-timeout", "-1"], "--reform-timeout"),
@@ -242,3 +248,21 @@ def test_a_bad_variable_or_a_missing_script_exits_2_naming_it(tmp_path):
     result = subprocess.run([sys.executable, "-m", "spotguard", "launch", str(tmp_path / "missing.py")],
                             env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 2 and "training_script: no such file" in result.stderr
+
+
+def launch_config(*flags: str):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return build_config(parser.parse_args(["launch", *flags, str(PROBE)]), {})
+
+
+def test_an_nnodes_range_starts_at_min_and_a_fixed_count_stays_as_it_was():
+    elastic = launch_config("--nnodes", "2:4", "--nproc-per-node", "2", "--node-rank", "3")
+    assert (elastic.nnodes, elastic.max_nodes, elastic.start_at_min, elastic.min_world_size) == (2, 4, True, 4)
+    env = worker_env(elastic, 1, {})
+    assert (env["SPOTGUARD_START_AT_MIN"], env["SPOTGUARD_MIN_WORLD_SIZE"]) == ("1", "4")
+    assert launch_config("--nnodes", "1:3", "--min-world-size", "2").min_world_size == 2  # the flag wins
+    fixed = launch_config("--nnodes", "2", "--node-rank", "1")
+    assert (fixed.nnodes, fixed.max_nodes, fixed.start_at_min, fixed.min_world_size) == (2, 2, False, None)
+    env = worker_env(fixed, 0, {"SPOTGUARD_START_AT_MIN": "1"})
+    assert "SPOTGUARD_START_AT_MIN" not in env and env["WORLD_SIZE"] == "2"

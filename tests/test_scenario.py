@@ -141,3 +141,11 @@ def test_framework_integrations_take_the_restart_path():
         assert not default.with_overrides(framework=framework, policy="elastic").in_place
     with pytest.raises(ScenarioError, match="in-place needs policy elastic and framework ddp or fsdp2"):
         default.with_overrides(framework="hf", policy="elastic", membership="in-place")
+
+
+def test_start_at_min_needs_in_place_and_a_boolean():
+    base = "name: s\nworkers: 3\nmin_workers: 2\n"
+    assert parse_scenario(base + "start_at_min: true\n", "<s>").start_at_min
+    for extra in ("start_at_min: yes-please\n", "policy: fixed\nstart_at_min: true\n"):
+        with pytest.raises(ScenarioError, match="start_at_min"):
+            parse_scenario(base + extra, "<s>")

@@ -9,7 +9,8 @@ from datetime import datetime, timedelta, UTC
 import pytest
 
 from spotguard.supervisor.in_place import (fresh_members, group_gone, in_place_members, incarnation, joiners_settled,
-                                           member_pods, ready_joiners, stable_hosts, starting_joiners, store_of)
+                                           member_pods, ready_joiners, stable_hosts, start_members, starting_joiners,
+                                           store_of)
 from spotguard.supervisor.policy import RECORD, SUSPEND, JobState, NoticeHit, Policy, PolicyError, decide, parse_policy
 from spotguard.supervisor.record import Record, parse_record
 from spotguard.wire import names
@@ -143,3 +144,19 @@ def test_ready_joiners_wait_for_replacements_still_starting_for_at_most_the_sett
     assert held[0] == survivors
     pods[3] = pod(3, "n6", ready=True)  # both Ready: both in one membership
     assert in_place_members(pods, survivors, "node", healthy_except())[0] == ("n1", "n2", "n5", "n6")
+
+
+def test_start_at_min_waits_for_min_ready_pods_then_lists_exactly_those():
+    """The first group of a start-at-min job: Ready pods in completion-index order, once min are."""
+    pods = [pod(0, "n0"), pod(1, "n1", ready=True), pod(2, "n2"), pod(3, "n3", ready=True, phase="Pending")]
+    assert start_members(pods, 2, "node", healthy_except()) is None  # one Ready, Running pod
+    pods[2] = pod(2, "n2", ready=True)
+    hosts, store, incarnations = start_members(pods, 2, "node", healthy_except())
+    assert (hosts, store, len(incarnations)) == (("n1", "n2"), "10.0.0.2:29411", 2)
+    assert start_members(pods, 2, "node", healthy_except("n1")) is None  # a noticed node does not count
+    with pytest.raises(PolicyError) as err:
+        parse_policy({names.ANN_POLICY: "elastic", names.ANN_START_AT_MIN: "true"}, 4)
+    assert err.value.field == names.ANN_START_AT_MIN  # start at min needs in place
+    assert parse_policy({names.ANN_POLICY: "elastic", names.ANN_IN_PLACE: "true",
+                         names.ANN_START_AT_MIN: "true"}, 4).start_at_min
+    assert parse_record(Record(generation=3, start_generation=3).to_json()).start_generation == 3

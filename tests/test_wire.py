@@ -7,7 +7,7 @@ from pathlib import Path
 
 from spotguard.supervisor.membership import membership_json
 from spotguard.wire.live import LiveSet
-from spotguard.wire.membership import Membership
+from spotguard.wire.membership import Membership, MembershipFormatError
 import json
 
 import pytest
@@ -79,6 +79,10 @@ def test_membership_written_by_the_supervisor_reads_back_in_the_sidecar():
     text = membership_json(7, ["h2", "h1"], 3, drain="ret-1")
     assert Membership.from_json(text) == Membership(7, ("h2", "h1"), 3, "ret-1")
     assert membership_json(1, ["h"], 1) == '{"generation":1,"hosts":["h"],"v":1,"world_size":1}'
+    first = membership_json(2, ["h"], 1, store="10.0.0.1:29411", start=True)
+    assert Membership.from_json(first).start and '"start":true' in first
+    with pytest.raises(MembershipFormatError, match="start"):
+        Membership.from_json(first.replace("true", '"yes"'))
 
 
 def test_wire_imports_no_part_above_it():

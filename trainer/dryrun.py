@@ -128,6 +128,7 @@ class DryRun:
         self._ending_since: float | None = None  # in place: a rank left without a notice; the generation ends
         self._left_unpushed = False  # ranks left in place; their membership waits for the others leaving
         self._noticed: set[str] = set()  # nodes whose rank got a notice it may leave for (until it has left)
+        self._started_with: dict[int, int] = {}  # start at min: generation -> the size it started training at
 
     # ---- the parts --------------------------------------------------------------------------
     async def _start_nodes(self) -> None:
@@ -158,7 +159,8 @@ class DryRun:
     async def _launch(self, world: list[str]) -> None:
         index = len(self.generations)
         launches = [self._node_launch(index, n) for n in world]
-        if self.in_place:
+        at_min = self.in_place and self.scenario.start_at_min and index == 0
+        if self.in_place and not at_min:
             # Before any node starts: a node missing from the last membership would join it.
             await self._push_membership(world, "relaunch", launch=index)
         self._joins.clear()
@@ -166,13 +168,41 @@ class DryRun:
         self._noticed.clear()
         self._left_unpushed = False
         self.generation = Generation(index, launches, self._train_argv(), self.run_dir, rdzv_ports=self.rdzv_ports,
-                                     min_world_size=self.scenario.min_workers, extra_env={MARK_ENV: self.marker})
+                                     min_world_size=self.scenario.min_workers, extra_env={MARK_ENV: self.marker},
+                                     start_at_min=at_min)
+        if at_min:
+            for n in world:
+                self.nodes[n].ready_file.unlink(missing_ok=True)
+                self.generation.ready_files[n] = self.nodes[n].ready_file
         await self.generation.start()
-        self.world = list(world)
-        self.generations.append(GenerationRecord(index, len(world), list(world), self.generation.launched_at))
+        self.world = await self._start_at_min(self.generation, world) if at_min else list(world)
+        self.generations.append(GenerationRecord(index, len(self.world), list(self.world),
+                                                 self.generation.launched_at))
         log.info("generation %d: world size %d on %s", index, len(world), ", ".join(world))
         if self.started_at is None:
             self.started_at = self.generation.launched_at
+
+    async def _start_at_min(self, gen: Generation, world: list[str]) -> list[str]:
+        """Start at min (what the supervisor does with `spotguard.io/start-at-min`): every node's
+        workers wait (`spotguard launch --nnodes MIN:MAX`); once `min_workers` of them are ready,
+        a membership marked `start` lists those, and the others are joiners admitted in place."""
+        least = self.scenario.min_workers
+        deadline = time.time() + self.time_limit
+        while True:
+            ready = [n for n in world if self.nodes[n].ready_file.exists()]
+            if len(ready) >= least:
+                break
+            ended = [n for n in world if gen.running[n].process.returncode is not None]
+            if ended or time.time() > deadline:
+                raise RuntimeError(f"start at min: {least} ready nodes never came (ready: {ready}, ended: {ended})")
+            await asyncio.sleep(0.05)
+        first = ready[:least]
+        await self._push_membership(first, "start", launch=gen.index, start=True)
+        self._started_with[gen.index] = len(first)
+        for n in world:
+            if n not in first:
+                self._joins.started(n, time.time())
+        return first
 
     # ---- scenario events --------------------------------------------------------------------
     async def _training_started(self) -> float:
@@ -296,13 +326,15 @@ class DryRun:
                         gen.signal_all(signal.SIGKILL)
 
     # ---- in place: the local supervisor pushes memberships, joiners are added -------------------
-    async def _push_membership(self, hosts: list[str], cause: str, launch: int | None = None) -> None:
-        """A new membership generation for every node's pod (the annotation -> sidecar -> Guard path)."""
+    async def _push_membership(self, hosts: list[str], cause: str, launch: int | None = None,
+                               start: bool = False) -> None:
+        """A new membership generation for every node's pod (the annotation -> sidecar -> Guard
+        path); `start`: the first group of a start-at-min job."""
         assert self.rdzv_ports is not None
         self._left_unpushed = False  # every push names the current world
         self.membership_generation += 1
         membership = Membership(self.membership_generation, tuple(hosts), len(hosts),
-                                store=f"127.0.0.1:{self.rdzv_ports[hosts[0]]}")
+                                store=f"127.0.0.1:{self.rdzv_ports[hosts[0]]}", start=start)
         for node in self.nodes.values():
             await asyncio.to_thread(node.push_membership, membership)
         self.memberships.append(MembershipRecord(
@@ -453,7 +485,7 @@ class DryRun:
     def _training(self, gen: Generation) -> bool:
         """Whether every rank of `gen` has logged `start` (loaded its checkpoint, Guard armed)."""
         started = {e.get("rank") for e in self._events() if e["event"] == "start" and e.get("generation") == gen.index}
-        return len(started) >= gen.world_size
+        return len(started) >= self._started_with.get(gen.index, gen.world_size)
 
     def _events(self) -> list[dict]:
         """Every trainer event so far (incrementally read; not sorted)."""

@@ -43,13 +43,17 @@ class Generation:
 
     def __init__(self, index: int, nodes: list[NodeLaunch], train_argv: list[str], run_dir: Path,
                  extra_env: dict[str, str] | None = None, rdzv_ports: dict[str, int] | None = None,
-                 min_world_size: int = 1):
+                 min_world_size: int = 1, start_at_min: bool = False):
         """`rdzv_ports` (node -> port): launch with `spotguard launch` for in-place membership
-        changes (every node's store on its own port of 127.0.0.1) instead of torchrun."""
+        changes (every node's store on its own port of 127.0.0.1) instead of torchrun.
+        `start_at_min`: `--nnodes MIN:MAX` with each node's ready file (`ready_files`, node ->
+        path): the workers wait for the first membership, which the dry-run pushes."""
         self.index = index
         self.nodes = nodes
         self.rdzv_ports = rdzv_ports
         self.min_world_size = min_world_size
+        self.start_at_min = start_at_min
+        self.ready_files: dict[str, Path] = {}
         self.train_argv = train_argv
         self.run_dir = run_dir
         self.extra_env = extra_env or {}
@@ -73,18 +77,21 @@ class Generation:
                        f"--master-port={port}", "--max-restarts=0", "--monitor-interval=0.1",
                        *self.train_argv]
             else:
-                cmd = self._in_place_command(launch.node, rank, self.world_size)
+                cmd = self._in_place_command(launch.node, rank, self.world_size, self.ready_files.get(launch.node),
+                                             join=False)
             await self._spawn(launch.node, cmd, env)
 
-    def _in_place_command(self, node: str, rank: int, world_size: int, ready_file: Path | None = None) -> list[str]:
+    def _in_place_command(self, node: str, rank: int, world_size: int, ready_file: Path | None = None,
+                          join: bool = True) -> list[str]:
         assert self.rdzv_ports is not None
         first = self.nodes[0].node
-        cmd = [sys.executable, "-m", "spotguard", "launch", f"--nnodes={world_size}", f"--node-rank={rank}",
+        nnodes = f"{self.min_world_size}:{world_size}" if self.start_at_min and not join else str(world_size)
+        cmd = [sys.executable, "-m", "spotguard", "launch", f"--nnodes={nnodes}", f"--node-rank={rank}",
                "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={self.rdzv_ports[first]}",
                f"--node-name={node}", "--rdzv-host=127.0.0.1", f"--rdzv-port={self.rdzv_ports[node]}",
                "--reform-timeout=10", f"--min-world-size={self.min_world_size}"]
         if ready_file is not None:
-            cmd += ["--join", f"--ready-file={ready_file}"]
+            cmd += ["--join", f"--ready-file={ready_file}"] if join else [f"--ready-file={ready_file}"]
         return cmd + self.train_argv
 
     async def _spawn(self, node: str, cmd: list[str], env: dict[str, str]) -> None:

@@ -65,7 +65,8 @@ class MembershipRecord:
     generation: int
     hosts: list[str]
     t: float
-    cause: str  # "left" (a rank left in place), "admitted" (joiners), "relaunch" (the world of a new launch)
+    cause: str  # "left" (a rank left in place), "admitted" (joiners), "relaunch" (the world of a new launch),
+    # "start" (start at min: the first group, once min_workers nodes are ready)
     launch: int = 0  # the index of the generation (launch) it was pushed during
 
 

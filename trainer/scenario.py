@@ -88,6 +88,7 @@ class Scenario:
     checkpoint_every: int = 0  # periodic checkpoints every K steps (0: only on notices)
     allow_steps_lost: int = 0  # steps the scenario expects to lose (a notice too short for a save)
     membership: str = ""  # in-place | restart; "" picks: in place for elastic DDP/FSDP2 jobs
+    start_at_min: bool = False  # in place: train once min_workers nodes are ready, the others join in place
     frameworks: tuple[str, ...] = ()  # the frameworks it is written to pass with; () means `framework`
     events: tuple[ScenarioEvent, ...] = field(default_factory=tuple)
 
@@ -116,7 +117,7 @@ class Scenario:
 
 
 _TOP_FIELDS = {"name", "cloud", "workers", "framework", "frameworks", "policy", "min_workers", "steps",
-               "step_seconds", "checkpoint_every", "allow_steps_lost", "membership", "events"}
+               "step_seconds", "checkpoint_every", "allow_steps_lost", "membership", "start_at_min", "events"}
 _EVENT_FIELDS = {"at", "kind", "node", "lead"}
 
 
@@ -174,6 +175,11 @@ def parse_scenario(text: str, origin: str = "<scenario>") -> Scenario:
             raise ScenarioError(f"{at('frameworks')}: frameworks: expected a list of distinct frameworks out of "
                                 f"{', '.join(FRAMEWORKS)}, got {listed!r}")
         fields["frameworks"] = tuple(listed)
+    if "start_at_min" in data:
+        if not isinstance(data["start_at_min"], bool):
+            raise ScenarioError(f"{at('start_at_min')}: start_at_min: expected true or false, "
+                                f"got {data['start_at_min']!r}")
+        fields["start_at_min"] = data["start_at_min"]
     if "step_seconds" in data:
         fields["step_seconds"] = float(_number(data["step_seconds"], at("step_seconds"), "step_seconds"))
 
@@ -219,6 +225,9 @@ def _check_semantics(s: Scenario, origin: str) -> None:
     if s.membership == "in-place" and relaunching:
         raise ScenarioError(f"{origin}: frameworks: {', '.join(relaunching)} relaunch; membership in-place allows "
                             f"{', '.join(IN_PLACE_FRAMEWORKS)}")
+    if s.start_at_min and not s.in_place:
+        raise ScenarioError(f"{origin}: start_at_min: needs membership changes in place (policy elastic, "
+                            "framework ddp or fsdp2)")
     if s.min_workers > s.workers:
         raise ScenarioError(f"{origin}: min_workers: {s.min_workers} is more than workers ({s.workers})")
     nodes = set(s.nodes)

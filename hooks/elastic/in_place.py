@@ -5,7 +5,7 @@ Contract (every method on the training thread; the collective ones on every rank
 - `InPlace(on_phase)`: the membership view from the environment and a `Reformer` on this
   process's rendezvous (`join.init_process_group`'s, or one from the environment).
 - `learn(collectives)` (collective, after every formation): the group's hosts; a joiner adopts
-  the generation it joined.
+  the generation it joined, a start-at-min worker the one it started with.
 - `owes_state()`: this process joined a running group and has not received its state yet.
 - `change_for(collectives, adapter, notice, step)` (collective for a membership): the `Change`
   the agreed notice asks for; `Settled` when it asks nothing (the view adopts the generation);
@@ -47,8 +47,9 @@ class InPlace:
     def learn(self, collectives: Collectives) -> None:
         self.view.learn_hosts(collectives)
         process = elastic_process()
-        if process is not None and process.joined is not None:
-            self.view.adopt(process.joined.generation)
+        first = None if process is None else process.joined or process.started
+        if first is not None:
+            self.view.adopt(first.generation)
 
     @staticmethod
     def owes_state() -> bool:

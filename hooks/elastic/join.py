@@ -32,6 +32,15 @@ Contract:
   worker) and the worker starts the first group from the launcher's flags like the others.
   Every worker creates the ready file once its group is formed too, so a pod's readiness probe
   passes in both cases.
+- Start at min (`SPOTGUARD_START_AT_MIN=1`, `spotguard launch --nnodes MIN:MAX`, no
+  `SPOTGUARD_JOIN=1`): the worker's first group is not the launcher's but the supervisor's. It
+  notes the membership its pod has on connect (a stale one from before a relaunch, or the running
+  job's), creates its ready file (the supervisor waits for `min-replicas` Ready pods), then waits
+  like a joiner for a NEWER membership that lists its host with a `store`. One marked `start`
+  (the job's first group, pushed once min pods are Ready) is formed by its hosts together at
+  `m<generation>/`: nobody joins, the Guard resumes from the durable checkpoint as at any start.
+  Any other (the running job admitting this pod in place) is joined: the state comes from a live
+  peer. RANK, WORLD_SIZE, GROUP_RANK and GROUP_WORLD_SIZE are set to the group's once it formed.
 - Raises `ReformError` when the group cannot be formed, `TimeoutError` when no membership lists
   this host in time.
 """
@@ -63,6 +72,7 @@ class ElasticProcess:
 
     rendezvous: Rendezvous
     joined: Membership | None = None  # the membership this process joined (None: it started the job)
+    started: Membership | None = None  # start at min: the first membership this process started with
     state_received: bool = False
 
 
@@ -97,6 +107,9 @@ def init_process_group(backend: str = "gloo", *, memberships: Callable[[], dict 
         nccl.check(rendezvous.timeout)  # refuses unsafe versions and settings before anything is made
         rendezvous.backend = "nccl"
         rendezvous.local_rank = positive_int("LOCAL_RANK", env.get("LOCAL_RANK") or 0, allow_zero=True)
+    if env.get(names.ENV_START_AT_MIN, "") == "1" and env.get(names.ENV_JOIN, "") != "1":
+        _process = start_at_min(rendezvous, memberships, join_timeout)
+        return
     if env.get(names.ENV_JOIN, "") not in ("0", "1") and env.get(names.ENV_SIDECAR_URL) and memberships is None:
         found = first_membership(env[names.ENV_SIDECAR_URL], 1.5)
         node = MembershipView.from_env().node
@@ -127,6 +140,32 @@ def init_process_group(backend: str = "gloo", *, memberships: Callable[[], dict 
                 membership.store)
     rendezvous.form(membership.store, f"m{membership.generation}/", rank, world)
     _process = ElasticProcess(rendezvous, joined=membership)
+
+
+def start_at_min(rendezvous: Rendezvous, memberships: Callable[[], dict | None] | None,
+                 timeout: float) -> ElasticProcess:
+    """The start-at-min path of `init_process_group` (module docstring)."""
+    env = os.environ
+    view = MembershipView.from_env()
+    url = env.get(names.ENV_SIDECAR_URL)
+    if memberships is not None:
+        before = _membership(memberships())
+    else:
+        before = first_membership(url, 1.5) if url else None
+    warm_up()
+    announce(env.get(names.ENV_READY_FILE))
+    newer = -1 if before is None else before.generation
+    membership = wait_for_membership(view.node, memberships, timeout, newer_than=newer)
+    rank = membership.hosts.index(view.node) * view.procs_per_host + view.local_rank
+    world = len(membership.hosts) * view.procs_per_host
+    log.warning("%s membership %d as rank %d of %d (store %s)", "starting with" if membership.start else "joining",
+                membership.generation, rank, world, membership.store)
+    rendezvous.form(membership.store, f"m{membership.generation}/", rank, world)
+    env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "GROUP_RANK": str(rank // view.procs_per_host),
+                "GROUP_WORLD_SIZE": str(len(membership.hosts))})
+    if membership.start:
+        return ElasticProcess(rendezvous, started=membership)
+    return ElasticProcess(rendezvous, joined=membership)
 
 
 def warm_up() -> None:
@@ -161,8 +200,9 @@ def _membership(data: dict | None) -> Membership | None:
         return None
 
 
-def _lists(node: str) -> Callable[[Membership], bool]:
-    return lambda membership: node in membership.hosts and bool(membership.store)
+def _lists(node: str, newer_than: int = -1) -> Callable[[Membership], bool]:
+    return lambda membership: (node in membership.hosts and bool(membership.store)
+                               and membership.generation > newer_than)
 
 
 def sidecar_membership(url: str, timeout: float, wanted: Callable[[Membership], bool]) -> Membership | None:
@@ -192,9 +232,11 @@ def first_membership(url: str, timeout: float) -> Membership | None:
     return sidecar_membership(url, timeout, lambda _membership: True)
 
 
-def wait_for_membership(node: str, memberships: Callable[[], dict | None] | None, timeout: float) -> Membership:
-    """The first membership listing `node` with a store, from `memberships` or the sidecar stream."""
-    listed = _lists(node)
+def wait_for_membership(node: str, memberships: Callable[[], dict | None] | None, timeout: float,
+                        newer_than: int = -1) -> Membership:
+    """The first membership listing `node` with a store, of a generation above `newer_than`, from
+    `memberships` or the sidecar stream."""
+    listed = _lists(node, newer_than)
     if memberships is not None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -6,7 +6,9 @@ Wire form: `{"v": 1, "generation": n, "hosts": [...], "world_size": n}` and opti
 on-demand to spot capacity; the sidecar turns it into a `drain` notice), and optionally
 `"store": "host:port"`, the rendezvous store of the first host (the group's rank 0) for jobs
 that change membership in place: a rank re-forms its process group there, at prefix
-`m<generation>/`, when the hosts differ from its group's (hooks/elastic). `Membership.to_json`
+`m<generation>/`, when the hosts differ from its group's (hooks/elastic), and optionally
+`"start": true`: the job's first group (a start-at-min job: its hosts start training together,
+none joins a running group). `Membership.to_json`
 writes it (supervisor), `Membership.from_wire`/`from_json` read it (sidecar), rejecting another
 version, a negative count, duplicate or empty hosts and a bad drain id with
 `MembershipFormatError` naming the field.
@@ -42,6 +44,7 @@ class Membership:
     world_size: int
     drain: str = ""  # the supervisor's drain request id ("" when none)
     store: str = ""  # "host:port" of the first host's rendezvous store ("" when not in place)
+    start: bool = False  # the job's first group: its hosts start it, none joins a running one
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"v": VERSION, "generation": self.generation, "hosts": list(self.hosts),
@@ -50,6 +53,8 @@ class Membership:
             wire["drain"] = self.drain
         if self.store:
             wire["store"] = self.store
+        if self.start:
+            wire["start"] = True
         return wire
 
     @classmethod
@@ -68,7 +73,10 @@ class Membership:
         store = obj.get("store", "")
         if not isinstance(store, str) or (store and not _is_host_port(store)):
             raise MembershipFormatError("store: expected \"host:port\" with a port in 1..65535")
-        return cls(generation, tuple(hosts), world_size, drain, store)
+        start = obj.get("start", False)
+        if not isinstance(start, bool):
+            raise MembershipFormatError("start: expected true or false")
+        return cls(generation, tuple(hosts), world_size, drain, store, start)
 
     def to_json(self) -> str:
         """The annotation value: compact JSON with sorted keys, so equal memberships compare equal as text."""

@@ -89,6 +89,8 @@ ENV_LAUNCHER_PID = "SPOTGUARD_LAUNCHER_PID"  # the launcher's pid: a worker it n
 SUPERVISOR_DRAIN_SOURCE = "supervisor.drain"  # source of the drain notice a membership's `drain` becomes
 MEMBERSHIP_SOURCE = "spotguard.membership"  # source of the Guard's internal notice for a pushed membership
 ANN_IN_PLACE = PREFIX + "in-place"  # "true": the elastic policy changes membership in place
+ANN_START_AT_MIN = PREFIX + "start-at-min"  # "true": an in-place job starts once min-replicas pods are Ready
+ENV_START_AT_MIN = "SPOTGUARD_START_AT_MIN"  # "1": the first group is the supervisor's first membership
 RDZV_PORT = 29411  # default rendezvous port of a training pod
 
 # ---- Exit codes of a rank that drained after a notice (docs/protocols.md, "Guard") -----------

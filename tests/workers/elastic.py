@@ -107,7 +107,8 @@ def main(argv=None) -> int:
         dump("save")
 
     watch_memberships(read_membership, guard.view)
-    joining = os.environ.get("SPOTGUARD_JOIN") == "1"
+    process = elastic_process()
+    joining = os.environ.get("SPOTGUARD_JOIN") == "1" or (process is not None and process.joined is not None)
     start = guard.resume()
     dump("joined" if joining else ("resume" if start else "start"))
     changes = 0

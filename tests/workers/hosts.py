@@ -81,10 +81,11 @@ class Hosts:
         extra = dict(SPOTGUARD_JOIN="1", SPOTGUARD_READY_FILE=str(self.out / f"ready-{host}"), **(env or {}))
         self._spawn(host, self._env(host, extra), args)
 
-    def push(self, generation: int, hosts: list[str]) -> None:
-        """The membership `hosts` (generation `generation`), led by the first host's store."""
+    def push(self, generation: int, hosts: list[str], start: bool = False) -> None:
+        """The membership `hosts` (generation `generation`), led by the first host's store;
+        `start`: the job's first group (start at min)."""
         data = {"v": 1, "generation": generation, "hosts": hosts, "world_size": len(hosts),
-                "store": f"127.0.0.1:{self.port(hosts[0])}"}
+                "store": f"127.0.0.1:{self.port(hosts[0])}", **({"start": True} if start else {})}
         tmp = self.out / "membership.json.tmp"
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.out / "membership.json")
