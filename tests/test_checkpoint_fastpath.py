@@ -309,3 +309,32 @@ def test_dcp_save_and_async_save_commit_through_the_store_and_load_resharded(tmp
     store.verify(info)
     out = run_ranks(DCP_WORKER, 1, [str(root), "load"])
     assert "LOADED step-2 2" in out[0]
+
+
+def test_a_torch_file_written_with_flush_behind_is_whole_and_its_checksum_is_of_what_is_on_disk(tmp_path):
+    """`save_torch_file` overlaps the write-back with torch.save's write: the recorded size and
+    CRC-32 are those of the file, and torch.load reads the exact tensors back."""
+    import zlib
+
+    store = CheckpointStore(tmp_path / "ckpt")
+    state = {"w": torch.randn(1 << 18), "b": torch.arange(1000), "step": 7}
+    pending = store.begin("step-7")
+    size = save_torch_file(pending, "state.pt", state)
+    on_disk = pending.path("state.pt").read_bytes()
+    assert size == len(on_disk)
+    assert pending._files["state.pt"] == {"size": len(on_disk), "crc32": f"{zlib.crc32(on_disk):08x}"}
+    loaded = torch.load(pending.path("state.pt"), weights_only=True)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"]) and loaded["step"] == 7
+
+
+def test_a_write_back_error_behind_the_writer_is_raised_not_swallowed():
+    """Linux reports a write-back error to one fsync only: the flusher's error must surface."""
+    from spotguard.hooks.checkpoint import fsutil
+
+    read_end, write_end = os.pipe()  # fdatasync on a pipe fails (EINVAL) on the first pass
+    try:
+        with pytest.raises(OSError), fsutil.flushing_behind(write_end):
+            pass
+    finally:
+        os.close(read_end)
+        os.close(write_end)

@@ -6,9 +6,12 @@ runs at several GB/s here and detects torn or damaged files; it is not a cryptog
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import uuid
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 CHUNK = 8 << 20
@@ -100,6 +103,38 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def flushing_behind(fd: int, interval: float = 0.02) -> Iterator[None]:
+    """While the block writes to `fd`, a thread keeps writing its dirty pages back (fdatasync in a
+    loop), so the fsync after the block finds little left: a writer that buffers everything and
+    fsyncs at the end pays the write and the flush one after the other. Not a durability
+    promise by itself: the caller still fsyncs `fd` after the block. An error the thread's
+    fdatasync got is raised when the block ends (Linux reports a writeback error to one fsync
+    only, so it must not be swallowed here)."""
+    stop = threading.Event()
+    failed: list[OSError] = []
+
+    def flush() -> None:
+        while True:  # at least once: a block too short for a second pass still checks the file
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                failed.append(exc)
+                return
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=flush, name="spotguard-flush-behind", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    if failed:
+        raise failed[0]
 
 
 def fsync_tree(root: Path) -> None:
