@@ -178,7 +178,7 @@ class DryRun:
         self.world = await self._start_at_min(self.generation, world) if at_min else list(world)
         self.generations.append(GenerationRecord(index, len(self.world), list(self.world),
                                                  self.generation.launched_at))
-        log.info("generation %d: world size %d on %s", index, len(world), ", ".join(world))
+        log.info("generation %d: world size %d on %s", index, len(self.world), ", ".join(self.world))
         if self.started_at is None:
             self.started_at = self.generation.launched_at
 
@@ -251,14 +251,14 @@ class DryRun:
         node = self.nodes[event.node]
         if event.kind == "capacity":
             await self._until_gone(event.node)
-        now = time.time()
-        if event.kind == "capacity":
+            now = time.time()
             returned = event.node not in self.available
             if returned:
                 await node.replace_instance(self.secret)
             return InjectedEvent("capacity", event.node, event.at, now, served_at=time.time() if returned else now,
                                  note="node available again" if returned else "already available",
                                  effective=returned)
+        now = time.time()
         if event.kind == "cancel":
             result = await node.cancel_maintenance()
             return InjectedEvent("cancel", event.node, event.at, now, served_at=result.served_at or now,

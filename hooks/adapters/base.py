@@ -345,7 +345,7 @@ class StoreAdapter:
         attempt = self._agreed_attempt() if pending is None and getattr(self.store, "agrees_attempts", False) else None
         try:
             if pending is None:
-                pending = self.store.begin(tag) if attempt is None else self.store.begin(tag, attempt=attempt)
+                pending = self.store.begin(tag, attempt=attempt)
             write(pending)
             pending.finish_rank(self.rank)
         except BaseException as exc:  # every rank must learn about the failure
