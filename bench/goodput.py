@@ -224,10 +224,18 @@ def explain(comparison: Comparison, time_scale: float) -> list[str]:
     bf = comparison.results.get("spotguard-backfill")
     if bf is not None and bf.joiner_waits_s:
         waits = sorted(bf.joiner_waits_s)
-        out.append(f"backfill: a joiner took {waits[len(waits) // 2]:.1f} s (median; max {waits[-1]:.1f} s) from its "
-                   f"start to joining; each reclaim costs the job about that long minus the noticed rank's hold "
-                   f"(--lead minus --horizon) at one replica short, and a joiner of a swap-back costs nothing "
-                   f"(the on-demand member trains until it joins).")
+        j = bf.joiners
+        out.append(f"backfill: {len(waits)} joiners admitted, {j.get('stopped', 0)} stopped in their start-up; "
+                   f"start to joining {waits[len(waits) // 2]:.1f} s median, max {waits[-1]:.1f} s "
+                   f"(start-up to ready {_s(j.get('startup_median_s'))} / {_s(j.get('startup_max_s'))} s, "
+                   f"ready to admitted {_s(j.get('admission_median_s'))} / {_s(j.get('admission_max_s'))} s); "
+                   f"a joiner of a swap-back costs nothing (the on-demand member trains until it joins).")
+    if bf is not None and bf.below_max_s:
+        b = bf.below_max_s
+        out.append(f"backfill below max: {sum(b.values()):.1f} replica-s = joiners starting up {b['startup']:.1f} "
+                   f"+ joiners stopped in their start-up {b['startup_stopped']:.1f} + ready joiners waiting to be "
+                   f"admitted {b['admission']:.1f} + no joiner on the way (fallback-after, no capacity) "
+                   f"{b['uncovered']:.1f}; in-place pauses {bf.in_place_pause_s:.2f} s (the whole job).")
     sg = comparison.results.get("spotguard")
     if sg is not None and sg.restarts:
         per = sg.restart_gap_s / sg.restarts
@@ -238,6 +246,10 @@ def explain(comparison: Comparison, time_scale: float) -> list[str]:
                    f"membership changes per minute (a quieter window, less compression), a cheaper relaunch "
                    f"(warm workers, in-place rescale), or a job >= ~{sg.restart_gap_s / 0.03:.0f} s for these events.")
     return out
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:

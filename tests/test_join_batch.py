@@ -38,3 +38,15 @@ def test_a_dropped_joiner_is_no_longer_waited_for():
     batch.ready("node-2", 2.0)  # a late ready file of a dropped joiner admits nothing
     assert "node-2" not in batch and batch.due(2.0) == ["node-1"]
     assert sorted(batch.clear()) == ["node-1"] and len(batch) == 0
+
+
+def test_a_joiner_started_much_later_does_not_hold_a_ready_one_back():
+    batch = JoinBatch(window=5.0)
+    batch.started("od-0", 0.0)  # a warm standby, at the notice
+    batch.started("node-3", 8.0)  # a spot joiner asked for later: expected ready at 8 + 10 = 18
+    batch.ready("od-0", 10.0)
+    assert batch.due(10.0) == ["od-0"]
+    batch.admitted(["od-0"])
+    batch.started("node-1", 10.5)  # expected ready at 10.5 + 10: within node-3's window, it waits
+    batch.ready("node-3", 18.0)
+    assert batch.due(18.0) == []

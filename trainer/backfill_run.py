@@ -23,6 +23,7 @@ from typing import Any
 
 from spotguard.processes import free_port
 from spotguard.supervisor.backfill import BackfillClocks, BackfillSettings, BackfillView, plan
+from spotguard.trainer.backfill_timeline import JoinerRecord, below_max, joiner_waits
 from spotguard.trainer.dryrun import LEAVING_KINDS, DryRun
 from spotguard.trainer.launcher import Generation
 from spotguard.trainer.nodes import SimulatedNode
@@ -49,6 +50,7 @@ class BackfillDryRun(DryRun):
         self.clocks = BackfillClocks()
         self.swaps: dict[str, str] = {}  # spot joiner -> the on-demand member it replaces
         self.backfill_steps: list[dict] = []
+        self.joiners: list[JoinerRecord] = []  # every joiner started, in start order
         self._standby_owed: set[str] = set()  # members given a notice since the last plan
 
     @staticmethod
@@ -123,19 +125,35 @@ class BackfillDryRun(DryRun):
                                     "swap": dict(self.swaps)})
         log.info("backfill: %s: joiners on %s", step.reason, ", ".join(starts))
         for node in starts:
-            await self._start_joiner(gen, node)
+            await self._start_joiner(gen, node, step.reason)
 
-    async def _start_joiner(self, gen: Generation, node: str) -> None:
+    async def _start_joiner(self, gen: Generation, node: str, why: str = "") -> None:
         ready = self.nodes[node].ready_file
         ready.unlink(missing_ok=True)
         self._noticed.discard(node)  # a free node is a new instance: an old notice of its name is gone with it
-        self._joins.started(node, time.time())
+        now = time.time()
+        self._joins.started(node, now)
+        self.joiners.append(JoinerRecord(node, now, why))
         await gen.add_joiner(self._node_launch(gen.index, node), ready)
 
     async def _admit_joiners(self, gen: Generation) -> None:
         for joiner in [j for j in self.swaps if j not in self._joins]:
             self.swaps.pop(joiner)  # a swap's joiner that ended or was stopped: the member stays
         await super()._admit_joiners(gen)
+        self._close_stopped_joiners()
+
+    def _open_joiner(self, node: str) -> JoinerRecord | None:
+        return next((r for r in reversed(self.joiners) if r.node == node and r.open), None)
+
+    def _close_stopped_joiners(self) -> None:
+        """A joiner no longer pending and never admitted was stopped (its node reclaimed during its
+        start-up, it ended, or the generation is ending)."""
+        now = time.time()
+        for record in self.joiners:
+            if record.open and record.node not in self._joins:
+                record.stopped = now
+            elif record.open and record.ready is None:
+                record.ready = self._joins.ready_at(record.node)
 
     async def _admit(self, due: list[str]) -> None:
         """Ready joiners join; each takes the place of the member it replaces in the same
@@ -150,18 +168,23 @@ class BackfillDryRun(DryRun):
                 log.info("%s joins in place of %s", joiner, replaced)
                 self.world.remove(replaced)
                 self._noticed.add(replaced)
+        records = [(node, self._open_joiner(node), self._joins.ready_at(node)) for node in due]
         await super()._admit(due)
+        for node, record, ready in records:
+            if record is not None:
+                record.ready = record.ready or ready
+                record.admitted = self.memberships[-1].t
 
     def joiner_waits(self) -> list[float]:
-        """Seconds from each joiner's start to the membership that admitted it (admitted ones only)."""
-        waits = []
-        for step in self.backfill_steps:
-            for node in step["start"]:
-                admitted = next((m.t for m in self.memberships if m.t >= step["t"] and node in m.hosts
-                                 and m.cause == "admitted"), None)
-                if admitted is not None:
-                    waits.append(round(admitted - step["t"], 3))
-        return waits
+        """Seconds from each admitted joiner's start to the membership that admitted it (a joiner
+        stopped during its start-up is not counted; a later joiner on its node is its own)."""
+        return joiner_waits(self.joiners)
+
+    def below_max(self, since: float, until: float) -> dict[str, float]:
+        """Replica-seconds below max between `since` and `until`, split by what the missing
+        replicas were waiting for (`trainer.backfill_timeline.below_max`)."""
+        return below_max([(m.t, len(m.hosts)) for m in self.memberships], self.joiners, self.settings.max_replicas,
+                         since, until)
 
     def node_seconds(self, since: float, until: float) -> dict[str, float]:
         """{"spot": s, "on-demand": s}: member-seconds of each capacity type between `since` and

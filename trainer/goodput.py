@@ -40,6 +40,7 @@ from typing import Any
 from collections.abc import Iterable
 
 from spotguard.trainer.backfill_run import BackfillDryRun
+from spotguard.trainer.backfill_timeline import summarize_joiners
 from spotguard.trainer.dryrun import DryRun
 from spotguard.trainer.events import read_events
 from spotguard.trainer.launcher import Generation
@@ -137,7 +138,9 @@ class ModeResult:
     in_place_pause_s: float = 0.0  # the survivors' pauses of those changes, summed
     spot_node_s: float = 0.0  # member-seconds on spot nodes (backfill mode only)
     on_demand_node_s: float = 0.0  # member-seconds on on-demand nodes (backfill mode only)
-    joiner_waits_s: list[float] = field(default_factory=list)  # backfill: joiner start -> admitted
+    joiner_waits_s: list[float] = field(default_factory=list)  # backfill: admitted joiners' start -> admitted
+    joiners: dict[str, Any] = field(default_factory=dict)  # backfill: `backfill_timeline.summarize_joiners`
+    below_max_s: dict[str, float] = field(default_factory=dict)  # backfill: replica-s below max, by cause
     run_dir: str = ""
 
     @property
@@ -294,6 +297,8 @@ async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_ever
         split = dry.node_seconds(since, until)
         result.spot_node_s, result.on_demand_node_s = split["spot"], split["on-demand"]
         result.joiner_waits_s = dry.joiner_waits()
+        result.joiners = summarize_joiners(dry.joiners)
+        result.below_max_s = dry.below_max(since, until)
     return result
 
 
