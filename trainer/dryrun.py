@@ -159,7 +159,7 @@ class DryRun:
     async def _launch(self, world: list[str]) -> None:
         index = len(self.generations)
         launches = [self._node_launch(index, n) for n in world]
-        at_min = self.in_place and self.scenario.start_at_min and index == 0
+        at_min = self._starts_at_min()
         if self.in_place and not at_min:
             # Before any node starts: a node missing from the last membership would join it.
             await self._push_membership(world, "relaunch", launch=index)
@@ -181,6 +181,11 @@ class DryRun:
         log.info("generation %d: world size %d on %s", index, len(self.world), ", ".join(self.world))
         if self.started_at is None:
             self.started_at = self.generation.launched_at
+
+    def _starts_at_min(self) -> bool:
+        """Whether a launch starts at min: every launch of a start-at-min job, the first and each
+        relaunch after a fallback or a crash (the supervisor starts every generation that way)."""
+        return self.in_place and self.scenario.start_at_min
 
     async def _start_at_min(self, gen: Generation, world: list[str]) -> list[str]:
         """Start at min (what the supervisor does with `spotguard.io/start-at-min`): every node's
