@@ -168,9 +168,9 @@ class BackfillDryRun(DryRun):
                 log.info("%s joins in place of %s", joiner, replaced)
                 self.world.remove(replaced)
                 self._noticed.add(replaced)
-        records = [(node, self._open_joiner(node), self._joins.ready_at(node)) for node in due]
+        records = [(self._open_joiner(node), self._joins.ready_at(node)) for node in due]
         await super()._admit(due)
-        for node, record, ready in records:
+        for record, ready in records:
             if record is not None:
                 record.ready = record.ready or ready
                 record.admitted = self.memberships[-1].t

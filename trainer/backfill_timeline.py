@@ -21,6 +21,7 @@ The survivors' pauses of each change are not here: they come from the ranks' `re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from statistics import median
 
 
@@ -61,7 +62,7 @@ def below_max(memberships: list[tuple[float, int]], records: list[JoinerRecord],
     cuts = sorted({since, until, *(t for t, _ in memberships if since < t < until),
                    *(t for b, e, _ in spans for t in (b, e) if since < t < until)})
     out = {"startup": 0.0, "startup_stopped": 0.0, "admission": 0.0, "uncovered": 0.0}
-    for begin, end in zip(cuts, cuts[1:]):
+    for begin, end in pairwise(cuts):
         size = next((n for t, n in reversed(memberships) if t <= begin), max_size)
         missing = max(0, max_size - size)
         if not missing:
