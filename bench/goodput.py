@@ -23,7 +23,9 @@ local dry-run in each mode (`trainer.goodput`):
              `--workers` extra on-demand slots): each reclaim notice starts its replacement at
              once (warm standby), a job below max for `--fallback-after` gets on-demand
              replicas, and each is swapped back for a spot one in place once spot has been
-             free for `--return-after`. Printed beside it: its on-demand share of node-hours.
+             free for `--return-after`. Printed beside it: its on-demand share of node-hours,
+             each joiner's start-up and admission wait, and the replica-seconds it ran below
+             max split by cause (`trainer.backfill_timeline`).
 Printed per mode: reclaims that hit the job, steps lost per reclaim (mean, total), steps lost
 on rescales, restarts and the time between them, wall time, goodput relative to ideal
 (completed steps per second / ideal's; and the same in samples of kept steps, which also
