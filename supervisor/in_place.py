@@ -185,17 +185,21 @@ def store_of(pod: Mapping[str, Any]) -> str:
 
 def capped(hosts: Sequence[str], previous: Sequence[str], limit: int | None,
            replaceable: Collection[str] = ()) -> tuple[str, ...]:
-    """`hosts` (stable order) cut to `limit` (None: no limit). Each joiner beyond the limit takes
-    the place of one `replaceable` previous host (a backfill job's on-demand member that a spot
-    joiner replaces: one membership, the world size kept), the last listed first, so rank 0
-    stays; joiners with no place to take wait, the last listed first."""
+    """`hosts` (stable order) cut to `limit` (None: no limit). `replaceable`: the on-demand hosts.
+    Each spot joiner beyond the limit takes the place of one on-demand previous host (the
+    swap-back: one membership, the world size kept), the last listed first, so rank 0 stays. An
+    on-demand joiner never displaces anyone: over the limit, on-demand joiners wait first, then
+    the spot joiners with no on-demand host to replace, the last listed first."""
     excess = len(hosts) - limit if limit is not None else 0
     if excess <= 0:
         return tuple(hosts)
     joiners = [h for h in hosts if h not in previous]
-    out = [h for h in reversed(hosts) if h in previous and h in replaceable][:min(excess, len(joiners))]
+    out = [h for h in reversed(joiners) if h in replaceable][:excess]  # on-demand joiners wait first
+    spot_joiners = [h for h in joiners if h not in replaceable]
     excess -= len(out)
-    out += joiners[len(joiners) - excess:] if excess > 0 else []
+    displaced = [h for h in reversed(hosts) if h in previous and h in replaceable][:min(excess, len(spot_joiners))]
+    excess -= len(displaced)
+    out += displaced + spot_joiners[::-1][:excess]
     return tuple(h for h in hosts if h not in out)
 
 

@@ -169,6 +169,8 @@ def test_start_at_min_waits_for_min_ready_pods_then_lists_exactly_those():
     (("a", "b", "s"), ("a", "b"), 2, (), ("a", "b")),  # nothing to replace: the joiner waits
     (("a", "b", "s", "t"), ("a", "b"), 3, ("a", "b"), ("a", "s", "t")),  # two joiners, one place over the limit
     (("a", "b", "s"), ("a", "b", "c"), 3, ("b",), ("a", "b", "s")),  # c left: s fills its place, nobody goes
+    (("a", "b", "o"), ("a", "b"), 2, ("b", "o"), ("a", "b")),  # an on-demand joiner displaces no one: it waits
+    (("a", "b", "o", "s"), ("a", "b"), 3, ("b", "o"), ("a", "b", "s")),  # the on-demand joiner waits first
 ])
 def test_a_membership_never_lists_more_than_max_hosts(hosts, previous, limit, replaceable, expected):
     from spotguard.supervisor.in_place import capped
