@@ -21,17 +21,15 @@ import pytest
 
 from spotguard.kube.api import Kube
 from spotguard.supervisor.controller import Controller, ControllerConfig
-from spotguard.supervisor.placement import GATE
 from spotguard.supervisor.policy import Settings
 from spotguard.wire import names
 from tests.k8s_world import add_ready_node, refusals, set_container_exit, set_pod_running, wait_until
+from tests.test_k8s_backfill import CAPACITY, POOL
+from tests.test_k8s_backfill import _job as backfill_job
 from tests.test_k8s_supervisor import _mark
 
 pytestmark = pytest.mark.k8s
 
-CAPACITY = "karpenter.sh/capacity-type"
-POOL = "spotguard-test/pool"
-INDEX = "batch.kubernetes.io/job-completion-index"
 PORT = "31000"
 MAX = 2
 FALLBACK_AFTER = 60.0  # the warm standby must not wait for it
@@ -39,25 +37,14 @@ RETURN_AFTER = 2.0
 
 
 def _job(pool: str) -> dict:
-    either = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": CAPACITY, "operator": "In", "values": ["spot", "on-demand"]}]}]}}}
-    return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": "train", "labels": {names.LABEL_MANAGED: "true"},
-                         "annotations": {names.ANN_POLICY: "elastic", names.ANN_MIN_REPLICAS: "1",
-                                         names.ANN_MAX_REPLICAS: str(MAX), names.ANN_IN_PLACE: "true",
-                                         names.ANN_START_AT_MIN: "true", names.ANN_FALLBACK: "on-demand",
-                                         names.ANN_FALLBACK_AFTER: f"{FALLBACK_AFTER:g}s",
-                                         names.ANN_RETURN_AFTER: f"{RETURN_AFTER:g}s"}},
-            "spec": {"parallelism": MAX + 1, "completions": MAX + 1, "completionMode": "Indexed",
-                     "backoffLimit": 6,
-                     "podFailurePolicy": {"rules": [{"action": "Ignore", "onExitCodes": {
-                         "containerName": "train", "operator": "In", "values": [names.EXIT_PREEMPTED]}}]},
-                     "template": {"spec": {
-                         "restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
-                         "nodeSelector": {POOL: pool}, "affinity": either, "schedulingGates": [{"name": GATE}],
-                         "containers": [{"name": "train", "image": "train:1",
-                                         "env": [{"name": names.ENV_RDZV_PORT, "value": PORT}],
-                                         "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}}
+    """test_k8s_backfill's Job with the spare: max + 1 replicas, start at min, the rendezvous port."""
+    job = backfill_job(pool)
+    job["metadata"]["annotations"].update({
+        names.ANN_MIN_REPLICAS: "1", names.ANN_MAX_REPLICAS: str(MAX), names.ANN_START_AT_MIN: "true",
+        names.ANN_FALLBACK_AFTER: f"{FALLBACK_AFTER:g}s", names.ANN_RETURN_AFTER: f"{RETURN_AFTER:g}s"})
+    job["spec"].update(parallelism=MAX + 1, completions=MAX + 1)
+    job["spec"]["template"]["spec"]["containers"][0]["env"] = [{"name": names.ENV_RDZV_PORT, "value": PORT}]
+    return job
 
 
 async def test_the_spare_is_the_warm_standby_and_swaps_an_on_demand_member_back_to_spot(
