@@ -20,7 +20,6 @@ import contextlib
 import io
 import logging
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
@@ -28,38 +27,14 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 
+from . import fsutil
 from .store import PendingCheckpoint
 
 log = logging.getLogger(__name__)
 
 
-class _ChecksumStream(io.IOBase):
-    """Write-only stream that keeps a running CRC-32 and byte count of what passes through."""
-
-    def __init__(self, raw):
-        self.raw = raw
-        self.crc = 0
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
-        written = self.raw.write(view)
-        self.size += len(view)
-        return written if written is not None else len(view)
-
-    def tell(self) -> int:
-        return self.raw.tell()
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def flush(self) -> None:
-        if not self.raw.closed:
-            self.raw.flush()
+class _ChecksumStream(fsutil.ChecksumWriter):
+    """A checksumming write stream (fsutil.ChecksumWriter) that fsyncs its file when closed."""
 
     def close(self) -> None:
         """Flushes, fsyncs and closes the file (DCP closes streams itself, before the context ends)."""
