@@ -2,7 +2,8 @@
 
 `StoreDcpWriter(pending)` is a `FileSystemWriter` (DCP's own file format, so `dcp.load` with
 `StoreDcpReader`/`FileSystemReader` reads it) that:
-- writes into `pending.dir` with several writer threads and fsync on;
+- writes into `pending.dir` with several writer threads and fsync on, each file's pages written
+  back while DCP still writes it (`fsutil.flushing_behind`), so the fsync finds little left;
 - checksums every file as it streams out and records it in the pending checkpoint, so no
   file is read back;
 - ends with `pending.finish_rank(rank)` (non-coordinators after their data, the coordinator
@@ -63,7 +64,12 @@ class _RecordingFileSystem(FileSystem):
             return
         with Path(path).open(mode) as raw:
             stream = _ChecksumStream(raw)
-            yield stream
+            behind = os.dup(raw.fileno())  # DCP fsyncs and closes the stream itself, inside the block
+            try:
+                with fsutil.flushing_behind(behind):  # the write-back runs while DCP writes
+                    yield stream
+            finally:
+                os.close(behind)
             stream.close()  # fsyncs: durability does not depend on DCP's sync_files setting
         self.pending.record(self._rel(path), stream.size, stream.crc)
 
