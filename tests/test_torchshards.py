@@ -72,10 +72,10 @@ def test_a_missing_or_foreign_shard_is_named(tmp_path):
     store = CheckpointStore(tmp_path / "ckpt")
     info = commit(store, "t", lambda pending: save_torch_shards(pending, "state", odd_tree(), shards=2))
     torch.save([torch.ones(1)], info.dir / "state-2-of-2.pt")
-    with pytest.raises(ValueError, match="state-2-of-2.pt does not hold"):
+    with pytest.raises(ValueError, match=r"state-2-of-2\.pt does not hold"):
         load_torch_shards(info.dir, "state")
     (info.dir / "state-1-of-2.pt").unlink()
-    with pytest.raises(ValueError, match="state-1-of-2.pt: a shard the index names is missing"):
+    with pytest.raises(ValueError, match=r"state-1-of-2\.pt: a shard the index names is missing"):
         load_torch_shards(info.dir, "state")
 
 

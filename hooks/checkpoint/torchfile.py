@@ -11,7 +11,7 @@ once in threads (torchshards.py writes a state's shards so).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -25,7 +25,7 @@ def save_torch_file(pending: PendingCheckpoint, relpath: str, obj: Any) -> int:
     with open(path, "wb") as file:
         stream = fsutil.ChecksumWriter(file)
         with fsutil.flushing_behind(file.fileno()):
-            torch.save(obj, stream)
+            torch.save(obj, cast(IO[bytes], stream))
             file.flush()
         os.fsync(file.fileno())
     pending.record(relpath, stream.size, stream.crc)
