@@ -1,8 +1,8 @@
 """A state tree as several `torch.save` files written at the same time, and read back.
 
-    save_torch_shards(pending, "state", state, shards=4)  # state-index.pt, state-1-of-4.pt .. state-4-of-4.pt
-    state = load_torch_shards(directory, "state")          # the tree again
-    index_file("state")                                    # "state-index.pt": is a checkpoint in this layout?
+    save_torch_shards(pending, "state", state)       # state-index.pt, state-1-of-8.pt .. state-8-of-8.pt
+    state = load_torch_shards(directory, "state")    # the tree again
+    index_file("state")                              # "state-index.pt": is a checkpoint in this layout?
 
 Contract:
 - `save_torch_shards` splits the tree (dicts, OrderedDicts with their `_metadata`, lists, tuples;
@@ -32,7 +32,7 @@ from .store import PendingCheckpoint
 from .torchfile import save_torch_file
 
 FORMAT = "spotguard.torch-shards/1"
-DEFAULT_SHARDS = 4
+DEFAULT_SHARDS = 8  # 8 vs 4 vs 6 files, 504 MB, 9 rounds: 0.92x / 1.00x / 0.98x the raw write (median)
 
 _writers = ThreadPoolExecutor(2 * DEFAULT_SHARDS, thread_name_prefix="spotguard-shard")
 
