@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows["DeepSpeed save_checkpoint (ZeRO-0) + fsync"] = (t, t)
             rounds.append(rows)
             ratios = ", ".join(f"{name.split('.')[0]} {rows[name][1] / rows[RAW][1]:.2f}x" for name in adapters)
-            print(f"round {round_no + 1} done, load {os.getloadavg()[0]:.1f}; durable / raw write: {ratios}", flush=True)
+            print(f"round {round_no + 1} done, load {os.getloadavg()[0]:.1f}; durable / raw write: {ratios}",
+                  flush=True)
     finally:
         for adapter in adapters.values():
             adapter.close()
