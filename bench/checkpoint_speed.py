@@ -247,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                 t = measure_deepspeed_save(ds_engine, work)
                 rows["DeepSpeed save_checkpoint (ZeRO-0) + fsync"] = (t, t)
             rounds.append(rows)
-            print(f"round {round_no + 1} done, load {os.getloadavg()[0]:.1f}", flush=True)
+            ratios = ", ".join(f"{name.split('.')[0]} {rows[name][1] / rows[RAW][1]:.2f}x" for name in adapters)
+            print(f"round {round_no + 1} done, load {os.getloadavg()[0]:.1f}; durable / raw write: {ratios}",
+                  flush=True)
     finally:
         for adapter in adapters.values():
             adapter.close()

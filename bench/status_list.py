@@ -5,10 +5,11 @@ controllers: the Jobs are created suspended, so nothing else writes to them), cr
 Indexed Jobs, each with a decision record and a steps-lost annotation as the supervisor writes
 them, then measures, over `--trials` runs each:
 - `list`: the command's own work in this process (the list of Jobs and of PyTorchJobs, one row
-  per job, the table), what `spotguard status` spends once started;
+  per job, the table), what `spotguard status` spends once started, through its plain HTTPS
+  reader (`spotguard.kube.rest`); `official`: the same through the official `kubernetes` client;
 - `command` / `plugin`: the whole command as a user runs it (`spotguard status --kubeconfig ...`
   / `kubectl-spotguard status ...` in a new process: Python's start and the imports included,
-  the `kubernetes` package's being the largest), wall time and the CPU time it used (the wall
+  which no longer include the `kubernetes` package), wall time and the CPU time it used (the wall
   time of a loaded machine says little; the CPU time is what an idle one would need at least).
 Prints min / median / max.
 
@@ -85,22 +86,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"created {args.jobs} managed jobs in {time.monotonic() - started:.1f}s")
         kubeconfig = str(plane.kubeconfig())
 
-        in_process = []
-        parsed = status_cli.add_arguments
+        readers = {"list": status_cli.reader,  # what the command uses: plain HTTPS GETs
+                   "official": lambda ns: Kube(status_cli.api_client(ns))}  # the official client, for comparison
+        in_process: dict[str, list[float]] = {name: [] for name in readers}
+        p = argparse.ArgumentParser()
+        status_cli.add_arguments(p)
+        ns = p.parse_args(["--kubeconfig", kubeconfig])
         for _ in range(args.trials):
-            p = argparse.ArgumentParser()
-            parsed(p)
-            ns = p.parse_args(["--kubeconfig", kubeconfig])
-            out = io.StringIO()
-            t0 = time.perf_counter()
-            kube = Kube(status_cli.api_client(ns))
-            rows = status_cli.list_rows(kube, None)
-            with redirect_stdout(out):
-                sys.stdout.write(status_cli.render(rows, "table", status_cli.now_utc()))
-            in_process.append(time.perf_counter() - t0)
-            if len(rows) != args.jobs:
-                print(f"listed {len(rows)} jobs, expected {args.jobs}", file=sys.stderr)
-                return 1
+            for name, make in readers.items():
+                out = io.StringIO()
+                t0 = time.perf_counter()
+                rows = status_cli.list_rows(make(ns), None)
+                with redirect_stdout(out):
+                    sys.stdout.write(status_cli.render(rows, "table", status_cli.now_utc()))
+                in_process[name].append(time.perf_counter() - t0)
+                if len(rows) != args.jobs:
+                    print(f"{name}: listed {len(rows)} jobs, expected {args.jobs}", file=sys.stderr)
+                    return 1
 
         entry_points = {"command": [sys.executable, "-m", "spotguard", "status"],
                         "plugin": [str(Path(sys.executable).parent / "kubectl-spotguard"), "status"]}
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
         print(f"spotguard status, {args.jobs} managed jobs, real kube-apiserver, {args.trials} trials "
               f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores):")
-        print(summary("list", in_process) + "   (in process: API lists + rows + table)")
+        print(summary("list", in_process["list"]) + "   (in process: API lists + rows + table, plain reader)")
+        print(summary("official", in_process["official"]) + "   (the same through the official kubernetes client)")
         for name in entry_points:
             print(summary(name, walls[name]) + f"   cpu median {statistics.median(cpus[name]) * 1000:7.1f} ms"
                   + ("   (spotguard status: new process)" if name == "command" else "   (kubectl-spotguard status)"))

@@ -19,7 +19,7 @@ from typing import Any
 from collections.abc import Callable, Mapping
 
 from spotguard.kube.api import EVENTS, PODS, Conflict, Kube, NotFound
-from spotguard.supervisor import conditions, membership, progress
+from spotguard.supervisor import conditions, membership, placement, progress
 from spotguard.wire import names
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, annotations_of, meta
 from spotguard.supervisor.events import event_body
@@ -153,18 +153,20 @@ class JobEffects:
         return await self.write_job(key, adapter, body)
 
     async def ensure_membership(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record,
-                                in_place: bool = False, start_at_min: int = 0) -> None:
+                                in_place: bool = False, start_at_min: int = 0, limit: int | None = None) -> None:
         """Elastic jobs the supervisor has acted on: pushes the hosts of the running replicas on
         nodes without a notice (new generation when they or the store change) to every active
-        replica pod. `in_place`: members, their stable order and the store follow in_place.py.
-        `start_at_min` (min-replicas of an in-place start-at-min job, 0: not one): the first group
-        is pushed, acted on or not, once that many pods are Ready (in_place.py `start_members`)."""
+        replica pod. `in_place`: members, their stable order and the store follow in_place.py,
+        at most `limit` (max-replicas) hosts, a joiner beyond it taking an on-demand member's
+        place (the swap-back, placement.py). `start_at_min` (min-replicas of an in-place
+        start-at-min job, 0: not one): the first group is pushed, acted on or not, once that many
+        pods are Ready (in_place.py `start_members`)."""
         if record.phase != RUNNING or adapter.suspended(obj):
             return
         if start_at_min and in_place:
             pods = self.cache.replica_pods(key, adapter)
             if not record.members or group_gone(pods, record.member_pods):
-                await self._push_start_group(key, obj, adapter, record, pods, start_at_min)
+                await self._push_start_group(key, obj, adapter, record, pods, start_at_min, limit)
                 return
         elif record.decided_at is None:
             return
@@ -176,7 +178,8 @@ class JobEffects:
                 return
             admit = self._joiners_settled(key, pods, record.members)
             hosts, store, incarnations = in_place_group(pods, record.members, self.membership_hosts,
-                                                        self.cache.on_healthy_node, admit)
+                                                        self.cache.on_healthy_node, admit, limit,
+                                                        self._on_demand_hosts(pods, adapter, obj))
             if hosts and not store:
                 return  # the first host's pod has no IP yet: its update requeues the job
             replicas = len(hosts)
@@ -218,10 +221,10 @@ class JobEffects:
         await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store))
 
     async def _push_start_group(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record,
-                                pods: list[dict], least: int) -> None:
+                                pods: list[dict], least: int, limit: int | None) -> None:
         """A start-at-min job without a running group: once `least` pods are Ready, their first
-        membership (marked `start`), as a new generation."""
-        found = start_members(pods, least, self.membership_hosts, self.cache.on_healthy_node)
+        membership (marked `start`, at most `limit` hosts), as a new generation."""
+        found = start_members(pods, least, self.membership_hosts, self.cache.on_healthy_node, limit)
         if found is None:
             return  # the pods' updates requeue the job
         hosts, store, incarnations = found
@@ -234,6 +237,14 @@ class JobEffects:
         world = len(hosts) * membership.processes_per_replica(adapter.pod_spec(obj))
         await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store,
                                                                      start=True))
+
+    def _on_demand_hosts(self, pods: list[dict], adapter: JobAdapter, obj: Mapping[str, Any]) -> frozenset[str]:
+        """Hosts of the replica pods the backfill placed on on-demand capacity (placement.py)."""
+        label = placement.capacity_label(adapter.pod_spec(obj))
+        if label is None:
+            return frozenset()
+        return frozenset(membership.host_of(p, self.membership_hosts) for p in pods
+                         if placement.placed_on(p, label) == placement.ON_DEMAND)
 
     def _joiners_settled(self, key: JobKey, pods: list[dict], previous: tuple[str, ...]) -> bool:
         """Whether the job's Ready joiners are admitted now (in_place.py `joiners_settled`: all

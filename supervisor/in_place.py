@@ -12,6 +12,10 @@ Contract (docs/protocols.md, "In-place membership"):
   survivors;
 - `store` is "<first host's pod IP>:<port>", the port being the trainer container's
   `SPOTGUARD_RDZV_PORT` value (default `names.RDZV_PORT`); "" while that pod has no IP yet.
+- at most max-replicas hosts (`capped`): a backfill job may keep a spare replica pod (its
+  replicas above max-replicas, gated until a notice or a swap-back needs it, placement.py); a
+  Ready joiner beyond max takes the place of one on-demand member in the same membership (the
+  swap-back: the spot joiner joins, the on-demand member leaves, the world size stays), or waits;
 - joiners that become Ready together are admitted together: `joiners_settled` holds Ready
   joiners back while another replacement is still starting, for at most a settle window;
 - start at min (`spotguard.io/start-at-min: "true"`, `start_members`): no group runs before the
@@ -88,10 +92,12 @@ def ready_joiners(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], ho
 def starting_joiners(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], hosts_mode: str,
                      on_healthy_node: Callable[[Mapping[str, Any]], bool]) -> list[Mapping[str, Any]]:
     """Replacements still on their way: not Ready, not a previous host, not bound to a noticed
-    node (unscheduled or on a healthy one)."""
+    node (unscheduled or on a healthy one), and not held by a scheduling gate (a gated pod waits
+    for someone to place it, a backfill job's spare for as long as the job is whole)."""
     if not previous:
         return []
     return [p for p in pods if not pod_ready(p) and membership.host_of(p, hosts_mode) not in previous
+            and not (p.get("spec") or {}).get("schedulingGates")
             and (not (p.get("spec") or {}).get("nodeName") or on_healthy_node(p))]
 
 
@@ -139,14 +145,16 @@ def fresh_members(pods: Iterable[Mapping[str, Any]], replicas: int, hosts_mode: 
 
 
 def start_members(pods: Iterable[Mapping[str, Any]], least: int, hosts_mode: str,
-                  on_healthy_node: Callable[[Mapping[str, Any]], bool]
+                  on_healthy_node: Callable[[Mapping[str, Any]], bool], limit: int | None = None
                   ) -> tuple[tuple[str, ...], str, tuple[str, ...]] | None:
     """(hosts, store, member incarnations) of a start-at-min job's first group: its Running, Ready
     replica pods on healthy nodes, once there are at least `least` (min-replicas), hosts in
-    completion-index order, the store of the lowest index's pod; None until then."""
+    completion-index order (at most `limit`, the lowest indices), the store of the lowest
+    index's pod; None until then."""
     ready = sorted((p for p in pods if (p.get("status") or {}).get("phase") == "Running" and pod_ready(p)
                     and on_healthy_node(p)), key=membership.index_of)
-    hosts = membership.hosts_of(ready, hosts_mode)
+    hosts = membership.hosts_of(ready, hosts_mode)[:limit]
+    ready = [p for p in ready if membership.host_of(p, hosts_mode) in hosts]
     if len(hosts) < least:
         return None
     store = store_of(next(p for p in ready if membership.host_of(p, hosts_mode) == hosts[0]))
@@ -175,6 +183,26 @@ def store_of(pod: Mapping[str, Any]) -> str:
     return f"[{ip}]:{rdzv_port(pod)}" if ":" in ip else f"{ip}:{rdzv_port(pod)}"
 
 
+def capped(hosts: Sequence[str], previous: Sequence[str], limit: int | None,
+           replaceable: Collection[str] = ()) -> tuple[str, ...]:
+    """`hosts` (stable order) cut to `limit` (None: no limit). `replaceable`: the on-demand hosts.
+    Each spot joiner beyond the limit takes the place of one on-demand previous host (the
+    swap-back: one membership, the world size kept), the last listed first, so rank 0 stays. An
+    on-demand joiner never displaces anyone: over the limit, on-demand joiners wait first, then
+    the spot joiners with no on-demand host to replace, the last listed first."""
+    excess = len(hosts) - limit if limit is not None else 0
+    if excess <= 0:
+        return tuple(hosts)
+    joiners = [h for h in hosts if h not in previous]
+    out = [h for h in reversed(joiners) if h in replaceable][:excess]  # on-demand joiners wait first
+    spot_joiners = [h for h in joiners if h not in replaceable]
+    excess -= len(out)
+    displaced = [h for h in reversed(hosts) if h in previous and h in replaceable][:min(excess, len(spot_joiners))]
+    excess -= len(displaced)
+    out += displaced + spot_joiners[::-1][:excess]
+    return tuple(h for h in hosts if h not in out)
+
+
 def in_place_members(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], hosts_mode: str,
                      on_healthy_node: Callable[[Mapping[str, Any]], bool],
                      admit_joiners: bool = True) -> tuple[tuple[str, ...], str]:
@@ -185,10 +213,13 @@ def in_place_members(pods: Iterable[Mapping[str, Any]], previous: Sequence[str],
 
 def in_place_group(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], hosts_mode: str,
                    on_healthy_node: Callable[[Mapping[str, Any]], bool],
-                   admit_joiners: bool = True) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
-    """`in_place_members` and the member pods' incarnations (in completion-index order)."""
+                   admit_joiners: bool = True, limit: int | None = None,
+                   replaceable: Collection[str] = ()) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
+    """`in_place_members` and the member pods' incarnations (in completion-index order), at most
+    `limit` hosts (`capped`)."""
     members = sorted(member_pods(pods, previous, hosts_mode, on_healthy_node, admit_joiners), key=membership.index_of)
-    hosts = stable_hosts(previous, membership.hosts_of(members, hosts_mode))
+    hosts = capped(stable_hosts(previous, membership.hosts_of(members, hosts_mode)), previous, limit, replaceable)
+    members = [p for p in members if membership.host_of(p, hosts_mode) in hosts]
     if not hosts:
         return (), "", ()
     first = next(p for p in members if membership.host_of(p, hosts_mode) == hosts[0])

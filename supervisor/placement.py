@@ -13,13 +13,20 @@ ServiceAccount change a pod's spec only in this way (daemonset/base/supervisor/a
 `place(settings, pods, spot_free, on_demand_free, clocks, now)` applies backfill.plan to the job's
 replica pods (`PodFacts`) and names the gated pods to place on spot and on-demand, lowest
 completion index first: spot for every free spot slot at once, on-demand once the job has been
-below max for `fallback-after` (or at once for a pod replacing one with a notice).
+below max for `fallback-after` (or at once for a pod replacing one with a notice), and for a
+swap-back one spot pod.
 
-Not wired on the API server yet (the dry-run has them, trainer/backfill_run.py): the swap-back
-and the warm standby need a spare gated pod (the job asks max + 1 replicas, the membership
-capped at max, the spare placed at a notice or for a swap and the replaced member dropped from
-the membership in the same change, its index re-created gated as the next spare). `place`
-therefore ignores the plan's swap.
+The spare: the warm standby and the swap-back need a pod that exists before the member it
+replaces is gone, so such a job asks for one replica more than `spotguard.io/max-replicas`
+(Indexed Job: parallelism = completions = max + 1; PyTorchJob: Worker replicas). The membership
+never lists more than max hosts (in_place.py `capped`), so the extra pod is a spare: it stays
+gated while the job is whole, is placed at once when a member gets a notice (spot where a slot
+is free, else on-demand) or for a swap-back (spot), and joins in place when Ready; in a swap it
+takes one on-demand member's place in the same membership, and that member's ranks leave and
+exit 83, after which the Job controller (podFailurePolicy Ignore on 83) re-creates its index
+gated: the next spare. Ranks then come from the supervisor's memberships, not from completion
+indices, so a job with a spare must start at min (`spotguard.io/start-at-min`; policy.py
+refuses it otherwise).
 """
 from __future__ import annotations
 
@@ -112,6 +119,8 @@ def place(settings: BackfillSettings, pods: Sequence[PodFacts], spot_free: int, 
     spot_count = step.add_spot
     chosen = [(p.name, SPOT) for p in waiting[:spot_count]]
     chosen += [(p.name, ON_DEMAND) for p in waiting[spot_count:spot_count + step.add_on_demand]]
+    if step.swap and len(waiting) > len(chosen):  # the spare, on spot, to take an on-demand member's place
+        chosen.append((waiting[len(chosen)].name, SPOT))
     split = {SPOT: sum(p.capacity == SPOT for p in pods) + sum(w == SPOT for _, w in chosen),
              ON_DEMAND: sum(p.capacity == ON_DEMAND for p in pods) + sum(w == ON_DEMAND for _, w in chosen)}
     return Placement(tuple(chosen), step, split)

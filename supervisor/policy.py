@@ -141,6 +141,18 @@ def check_template(policy: Policy, directives: Mapping[str, Mapping], record: Re
                                               f"capacity-type label ({labels}): nothing tells spot from on-demand")
 
 
+def check_spare(policy: Policy, replicas: int, places_pods: bool) -> None:
+    """PolicyError naming `spotguard.io/start-at-min` when a job asks for more replicas than
+    max-replicas without starting at min. The replicas above max are spares (placement.py) only
+    for a job whose pods the supervisor places (in place, fallback on, gated template) and whose
+    ranks come from the supervisor's memberships (start at min); elsewhere the launcher would
+    number the ranks by completion index, and a spare's index is any."""
+    if replicas > policy.max_replicas and places_pods and not policy.start_at_min:
+        raise PolicyError(names.ANN_START_AT_MIN, f"{replicas} replicas, above {names.ANN_MAX_REPLICAS} "
+                                                  f"({policy.max_replicas}): a spare replica needs "
+                                                  f"{names.ANN_START_AT_MIN}: \"true\"")
+
+
 @dataclass(frozen=True)
 class NoticeHit:
     """A live notice on a node that runs at least one of the job's replicas."""

@@ -34,8 +34,8 @@ from spotguard.supervisor.jobs.base import merge
 from spotguard.supervisor.metrics import SupervisorMetrics
 from spotguard.supervisor.placer import Placer
 from spotguard.supervisor.policy import (ELASTIC, MOVE, RESUME, SCALE, SUSPEND, Decision, JobState, NoticeHit,
-                                         Policy, PolicyError, Settings, check_template, decide, needs_capacity,
-                                         parse_policy)
+                                         Policy, PolicyError, Settings, check_spare, check_template, decide,
+                                         needs_capacity, parse_policy)
 from spotguard.supervisor.record import CHECKPOINTING, Record, RecordError, parse_record
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class Reconciler:
         try:
             policy = parse_policy(annotations, adapter.default_max(obj), adapter.default_min(obj))
             check_template(policy, adapter.directives(obj), record)
+            check_spare(policy, adapter.replicas(obj), self.placer.wants(policy, obj, adapter))
         except PolicyError as exc:
             await self.effects.report_invalid(key, obj, exc)
             return None
@@ -111,7 +112,8 @@ class Reconciler:
             current = await self.effects.ensure_steps_lost(key, current, adapter)
         if current is not None and policy.mode == ELASTIC:
             await self.effects.ensure_membership(key, current, adapter, record, in_place=policy.in_place,
-                                                 start_at_min=policy.min_replicas if policy.start_at_min else 0)
+                                                 start_at_min=policy.min_replicas if policy.start_at_min else 0,
+                                                 limit=policy.max_replicas)
         if current is not None and self.placer.wants(policy, current, adapter):
             recheck = await self.placer.ensure(key, current, adapter, policy, record)
             if recheck is not None:

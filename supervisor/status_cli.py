@@ -3,7 +3,8 @@ managed jobs as a table like `kubectl get`, as `-o json|yaml`, or one job in det
 
 It reads only what the supervisor writes on the jobs (spec, status, the `spotguard.io/status`
 record and `spotguard.io/steps-lost`) and the supervisor's Events, with the caller's own
-credentials: one list of Jobs and one of PyTorchJobs (skipped where the CRD is not served) for the
+credentials (plain HTTPS GETs, `spotguard.kube.rest`; the official client only for a kubeconfig
+that needs it): one list of Jobs and one of PyTorchJobs (skipped where the CRD is not served) for the
 table; one job and its Events for the detail. RBAC it needs: list on jobs, pytorchjobs and
 events (Kubernetes' built-in `view` role has jobs and events; without pytorchjobs they are left
 out with a warning).
@@ -19,10 +20,11 @@ import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from spotguard.config import ConfigError
-from spotguard.kube.api import EVENTS, ApiError, Kube, NotFound
+from spotguard.kube import rest
+from spotguard.kube.api import EVENTS, ApiError, Kube, NotFound, Resource
 from spotguard.wire import names
 from spotguard.wire.notice import now_utc
 from spotguard.supervisor import status_render
@@ -88,7 +90,33 @@ def api_client(args: argparse.Namespace, environ=os.environ):
     return kubernetes.client.ApiClient(cfg)
 
 
-def list_rows(kube: Kube, namespace: str | None, kinds: Sequence[JobAdapter] = ADAPTERS) -> list[JobRow]:
+class Reader(Protocol):
+    """What the command needs of an API client: `Kube` and `rest.RestReader` both answer it."""
+
+    def list(self, res: Resource, namespace: str | None = None, *, label_selector: dict[str, str] | None = None,
+             field_selector: str | None = None) -> tuple[list[dict], str]: ...
+
+
+def reader(args: argparse.Namespace, environ=os.environ) -> Reader:
+    """The caller's API reader: plain HTTPS GETs (`spotguard.kube.rest`, no import of the official
+    client, which costs most of a cold start), or the official client for a kubeconfig that
+    needs what the plain reader does not do (a legacy auth-provider, a proxy)."""
+    timeout = args.request_timeout
+    try:
+        if args.kube_host:
+            return rest.RestReader(rest.Endpoint(server=args.kube_host.rstrip("/")), timeout)
+        path = kubeconfig_path(args.kubeconfig, environ)
+        if path is not None:
+            return rest.RestReader(rest.from_kubeconfig(path, args.context, environ), timeout)
+        if environ.get("KUBERNETES_SERVICE_HOST"):
+            return rest.RestReader(rest.in_cluster(environ), timeout)
+    except rest.Unsupported:
+        return Kube(api_client(args, environ), request_timeout=timeout)
+    raise ConfigError("--kubeconfig", "no kubeconfig: pass --kubeconfig FILE or set KUBECONFIG "
+                                      "(~/.kube/config does not exist and this is not a pod)")
+
+
+def list_rows(kube: Reader, namespace: str | None, kinds: Sequence[JobAdapter] = ADAPTERS) -> list[JobRow]:
     """Every managed job's row, sorted by namespace, kind and name. An optional kind whose resource
     the server does not serve (404: no PyTorchJob CRD) is skipped, and one the caller may not
     list (403) too, with a warning on stderr; other API errors propagate."""
@@ -111,7 +139,7 @@ def list_rows(kube: Kube, namespace: str | None, kinds: Sequence[JobAdapter] = A
     return sorted(rows, key=lambda r: (r.namespace, r.kind, r.name))
 
 
-def job_events(kube: Kube, row: JobRow) -> list[dict[str, Any]]:
+def job_events(kube: Reader, row: JobRow) -> list[dict[str, Any]]:
     selector = f"involvedObject.name={row.name},involvedObject.kind={row.kind}"
     items, _ = kube.list(EVENTS, row.namespace, field_selector=selector)
     return [e for e in items if (e.get("involvedObject") or {}).get("name") == row.name]
@@ -125,8 +153,10 @@ def render(rows: list[JobRow], output: str, now: datetime) -> str:
     return status_render.table(rows, now)
 
 
-def _server(kube: Kube) -> str:
-    return str(getattr(kube.api_client.configuration, "host", "") or "the API server")
+def _server(kube: Reader) -> str:
+    if isinstance(kube, Kube):
+        return str(getattr(kube.api_client.configuration, "host", "") or "the API server")
+    return str(getattr(kube, "server", "") or "the API server")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--output", f"expected one of {', '.join(OUTPUTS)}, got {args.output!r}")
     if args.request_timeout <= 0:
         raise ConfigError("--request-timeout", f"expected seconds > 0, got {args.request_timeout!r}")
-    kube = Kube(api_client(args), request_timeout=args.request_timeout)
+    kube = reader(args)
     now = now_utc()
     kinds = [BY_KIND[args.kind]] if args.kind else list(ADAPTERS)
     try:

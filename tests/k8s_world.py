@@ -42,12 +42,16 @@ def add_ready_node(plane, name: str, labels: dict | None = None, gpus: int = 1, 
 
 
 def set_container_exit(plane, namespace: str, pod: str, exit_code: int, container: str | None = None,
-                       finished_at: datetime | None = None, restarted: bool = False, message: str = "") -> None:
+                       finished_at: datetime | None = None, restarted: bool = False, message: str = "",
+                       uid: str | None = None) -> None:
     """Write a terminated container status with `exit_code` at `finished_at` (default now) and the
     termination `message` through `pods/status`, as a kubelet would; `restarted`: the container
-    runs again and the exit is its lastState (restartPolicy OnFailure)."""
+    runs again and the exit is its lastState (restartPolicy OnFailure). With `uid`, a pod of that
+    name that is not that one (deleted and made again) raises a 404 ApiException, as a gone pod does."""
     core = kubernetes.client.CoreV1Api(plane.api_client())
     current = core.read_namespaced_pod(pod, namespace)
+    if uid is not None and current.metadata.uid != uid:
+        raise kubernetes.client.ApiException(status=404, reason=f"pod {pod} was made again (uid {uid} is gone)")
     name = container or current.spec.containers[0].name
     when = (finished_at or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
     term = {"terminated": {"exitCode": exit_code, "startedAt": when, "finishedAt": when,

@@ -5,8 +5,8 @@ a trial costs milliseconds, not a torch import). Each child opens the store (whi
 cleans up what the previous, killed child left), resolves the newest checkpoint that verifies,
 checks that every tensor in it carries the step it claims and that `latest` names it, then saves
 step after step until it is SIGKILLed. Trials alternate between the snapshot engine (a copy into
-buffers allocated once, then `torch.save` of the copy persisted and committed in the background,
-as every adapter saves) and plain multi-file `write_bytes` saves. Two lanes:
+buffers allocated once, then the copy persisted as `torch.save` shards written by threads at once
+and committed in the background, as the plain adapter saves) and plain multi-file `write_bytes` saves. Two lanes:
 - `unique`: every step is a new tag;
 - `recommit`: most steps re-commit the one tag `rolling` (every fifth step a new tag, so
   retention runs beside the re-commits).
@@ -59,7 +59,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import torch
 from spotguard.hooks.checkpoint import CheckpointStore
 from spotguard.hooks.checkpoint.engine import SnapshotEngine
-from spotguard.hooks.checkpoint.torchfile import save_torch_file
+from spotguard.hooks.checkpoint.torchshards import load_torch_shards, save_torch_shards
 
 ROLLING = "rolling"
 PHASE = ["start"]
@@ -125,7 +125,7 @@ def trial(root, mode, lane, max_steps):
     if info is not None:
         step = info.step
         if info.metadata["mode"] == "fast":
-            state = torch.load(info.dir / "state.pt", weights_only=True)
+            state = load_torch_shards(info.dir, "state")
         else:
             state = {"model": {}, "step": info.metadata["step"]}
             for name in sorted(info.files):
@@ -142,7 +142,7 @@ def trial(root, mode, lane, max_steps):
 
     def persist(copy, tag, meta):
         pending = store.begin(tag)
-        save_torch_file(pending, "state.pt", copy)
+        save_torch_shards(pending, "state", copy, shards=3)  # files written by threads at once
         pending.finish_rank(0)
         return store.commit(tag, world_size=1, metadata=meta)
     PHASE[0] = "save"

@@ -20,6 +20,7 @@ from spotguard.hooks.checkpoint import CheckpointStore, InsufficientHostMemory, 
 from spotguard.hooks.checkpoint.engine import SnapshotEngine
 from spotguard.hooks.checkpoint.memory import available_host_memory
 from spotguard.hooks.checkpoint.torchfile import save_torch_file
+from spotguard.hooks.checkpoint.torchshards import load_torch_shards
 
 
 def training_state(seed: int = 0):
@@ -182,8 +183,10 @@ def test_plain_adapter_saves_through_the_engine_and_loads_the_old_format(tmp_pat
         assert parts.snapshot is not None and parts.persist is not None
         assert adapter.estimate_save_seconds() == pytest.approx(1.25 * parts.fresh)
         assert adapter.snapshot_step == 4 and adapter.snapshot_engine.buffers.allocations == 1
-        saved = torch.load(info.dir / "state.pt", weights_only=True)  # still plain torch.save
+        assert "state.pt" not in info.files and "state-index.pt" in info.files  # the shards' layout now
+        saved = load_torch_shards(info.dir, "state")
         assert saved["step"] == 4 and info.metadata["extra"] == {"pos": 9}
+        assert_same_tensors(saved["model"], fresh.state_dict())
         adapter.save_async(5)
         adapter.wait(60)
         assert adapter.async_error is None and adapter.store.latest().step == 5

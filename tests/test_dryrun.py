@@ -62,8 +62,10 @@ def assert_consistent_save(entry: dict, world_size: int) -> None:
 
 
 def test_default_dry_run_changes_membership_in_place(tmp_path):
-    """The default path: the survivor never restarts, the returning node joins from a live peer."""
-    scenario = SHORT_DEFAULT.replace("steps: 300", "steps: 450") \
+    """The default path: the survivor never restarts, the returning node joins from a live peer.
+    The notice is short (6 s) and training long enough (21 s of steps) that the returning node's
+    process, started once the reclaimed rank left, joins before training ends even at load 15."""
+    scenario = SHORT_DEFAULT.replace("steps: 300", "steps: 700").replace("lead: 15", "lead: 6") \
         .replace("at: 8, kind: capacity", "at: 5, kind: capacity")
     code, report, output = dry_run(tmp_path, scenario)
     assert report is not None, output[-3000:]
@@ -80,7 +82,7 @@ def test_default_dry_run_changes_membership_in_place(tmp_path):
     assert len(report["generations"]) == 1  # nobody was relaunched
     assert report["survivors"]["node-0"]["pid_kept"] is True, report["survivors"]
     assert report["survivors"]["node-1"]["joined"] is True, report["survivors"]
-    assert report["steps_completed"] == 450 and report["steps_lost"] == 0
+    assert report["steps_completed"] == 700 and report["steps_lost"] == 0
     assert "in-place: world 2 -> 1" in output and "node-0: same process throughout" in output
 
 

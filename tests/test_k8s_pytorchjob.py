@@ -308,10 +308,16 @@ async def test_fixed_policy_suspends_pytorchjob_after_exit_83_and_resumes(contro
 
 def _drain(plane, world: World, pods: list) -> None:
     """Each replica exits 83 after its checkpoint, reporting 0 steps lost, and the kubelet
-    restarts it in place (restartPolicy OnFailure)."""
+    restarts it in place (restartPolicy OnFailure). The supervisor acts on the first replica's
+    exit (all ranks checkpointed one agreed step), so the operator may delete the others before
+    their exits are written: a pod gone (or made again) by then has nothing left to report."""
     for pod in pods:
-        set_container_exit(plane, world.ns, pod.metadata.name, names.EXIT_PREEMPTED, restarted=True,
-                           message=json.dumps({"v": 1, "steps_lost": 0}))
+        try:
+            set_container_exit(plane, world.ns, pod.metadata.name, names.EXIT_PREEMPTED, restarted=True,
+                               message=json.dumps({"v": 1, "steps_lost": 0}), uid=pod.metadata.uid)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 404:
+                raise
 
 
 def _selectors(job: dict) -> dict[str, dict]:

@@ -119,3 +119,70 @@ def test_as_a_kubectl_plugin_and_with_the_view_role(control_plane, jobs):
     assert "Events:" in plugin.stdout and "SpotguardSuspended" in plugin.stdout
     direct = status("-n", ns, "--kubeconfig", reader, program=[str(VENV_BIN / "kubectl-spotguard")])
     assert direct.returncode == 0 and " llm " in direct.stdout
+
+
+def client_certificate(plane, folder: Path, user: str, group: str) -> tuple[Path, Path]:
+    """A client certificate for `user` in `group`, signed by the test CA (the API server's client CA)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_cert = x509.load_pem_x509_certificate(plane.pki.ca_cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(plane.pki.ca_key.read_bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, user),
+                                     x509.NameAttribute(NameOID.ORGANIZATION_NAME, group)]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(hours=1))
+            .sign(ca_key, hashes.SHA256()))
+    cert_path, key_path = folder / "client.crt", folder / "client.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_the_plain_reader_authenticates_as_kubectl_does(control_plane, jobs, tmp_path):
+    """Client certificates, an exec plugin, a token file and `tls-server-name`, each against the real
+    server; a wrong token and a wrong server name are refused with the server and the reason."""
+    ns = jobs
+    shutil.copy(control_plane.pki.ca_cert, tmp_path / "ca.crt")
+    client_certificate(control_plane, tmp_path, "cert-admin", "system:masters")
+    (tmp_path / "token").write_text(control_plane.admin_token)
+    (tmp_path / "plugin.py").write_text(
+        "import json, os\nassert json.loads(os.environ['KUBERNETES_EXEC_INFO'])['kind'] == 'ExecCredential'\n"
+        "print(json.dumps({'apiVersion': 'client.authentication.k8s.io/v1', 'kind': 'ExecCredential',"
+        f" 'status': {{'token': {control_plane.admin_token!r}}}}}))\n")
+    users = {
+        "cert": {"client-certificate": "client.crt", "client-key": "client.key"},
+        "exec": {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": sys.executable,
+                          "args": [str(tmp_path / "plugin.py")], "interactiveMode": "Never"}},
+        "token-file": {"tokenFile": "token"},
+        "wrong-token": {"token": "not-a-token"},
+    }
+    clusters = {"right": {"server": control_plane.url, "certificate-authority": "ca.crt",
+                          "tls-server-name": "kubernetes.default"},
+                "wrong-name": {"server": control_plane.url, "certificate-authority": "ca.crt",
+                               "tls-server-name": "elsewhere.example"}}
+    contexts = [{"name": user, "context": {"cluster": "right", "user": user}} for user in users]
+    contexts.append({"name": "wrong-name", "context": {"cluster": "wrong-name", "user": "token-file"}})
+    config = tmp_path / "kubeconfig"
+    config.write_text(json.dumps({  # JSON is YAML: kubectl reads it too
+        "apiVersion": "v1", "kind": "Config", "current-context": "cert",
+        "clusters": [{"name": n, "cluster": c} for n, c in clusters.items()],
+        "users": [{"name": n, "user": u} for n, u in users.items()], "contexts": contexts}))
+
+    for context in ("cert", "exec", "token-file"):
+        result = status("-n", ns, "--kubeconfig", str(config), "--context", context, "-o", "json")
+        assert result.returncode == 0, (context, result.stderr)
+        assert {i["name"] for i in json.loads(result.stdout)["items"]} == {"llm", "fresh"}, context
+    refused = status("-n", ns, "--kubeconfig", str(config), "--context", "wrong-token")
+    assert refused.returncode == 1 and "401" in refused.stderr and control_plane.url in refused.stderr
+    mismatch = status("-n", ns, "--kubeconfig", str(config), "--context", "wrong-name")
+    assert mismatch.returncode == 1 and "cannot reach it" in mismatch.stderr
+    assert "elsewhere.example" in mismatch.stderr or "CERTIFICATE_VERIFY_FAILED" in mismatch.stderr

@@ -132,3 +132,43 @@ def test_placement_places_gated_pods_lowest_index_first_and_counts_placed_ones_a
     other = {"name": "example.com/quota"}
     assert placement_patch(label, SPOT, [other, {"name": "spotguard.io/capacity"}])["spec"] == {
         "nodeSelector": {label.key: "spot"}, "schedulingGates": [other]}
+
+
+def test_the_spare_stays_gated_while_the_job_is_whole_and_is_placed_at_a_notice_or_for_a_swap():
+    from spotguard.supervisor.placement import ON_DEMAND, SPOT, PodFacts, place
+
+    whole = [PodFacts("p0", 0, SPOT, member=True), PodFacts("p1", 1, ON_DEMAND, member=True),
+             PodFacts("p2", 2, SPOT, member=True), PodFacts("p3", 3, SPOT, member=True), PodFacts("p4", 4)]
+    assert place(SETTINGS, whole, spot_free=0, on_demand_free=4, clocks=BackfillClocks(), now=T0).pods == ()
+    # a notice on p0's node: the spare is the warm standby, on spot where a slot is free, else on-demand
+    noticed = [PodFacts("p0", 0, SPOT, leaving=True), *whole[1:]]
+    assert place(SETTINGS, noticed, spot_free=0, on_demand_free=4, clocks=BackfillClocks(),
+                 now=T0).pods == (("p4", ON_DEMAND),)
+    assert place(SETTINGS, noticed, spot_free=1, on_demand_free=4, clocks=BackfillClocks(),
+                 now=T0).pods == (("p4", SPOT),)
+    # spot free for return-after: the spare goes to spot to take p1's (on-demand) place
+    clocks = place(SETTINGS, whole, spot_free=1, on_demand_free=4, clocks=BackfillClocks(), now=T0).step.clocks
+    assert place(SETTINGS, whole, spot_free=1, on_demand_free=4, clocks=clocks, now=at(299)).pods == ()
+    swap = place(SETTINGS, whole, spot_free=1, on_demand_free=4, clocks=clocks, now=at(300))
+    assert swap.pods == (("p4", SPOT),) and swap.step.swap
+    # the spare placed and starting: no second swap until it is done
+    started = [*whole[:4], PodFacts("p4", 4, SPOT)]
+    assert place(SETTINGS, started, spot_free=1, on_demand_free=4, clocks=clocks, now=at(301)).pods == ()
+
+
+def test_a_spare_needs_start_at_min():
+    from spotguard.supervisor.policy import PolicyError, check_spare, parse_policy
+    from spotguard.wire import names
+
+    base = {names.ANN_POLICY: "elastic", names.ANN_IN_PLACE: "true", names.ANN_FALLBACK: "on-demand",
+            names.ANN_MAX_REPLICAS: "4"}
+    policy = parse_policy(base, default_max=5)
+    check_spare(policy, 4, places_pods=True)  # no spare
+    check_spare(policy, 5, places_pods=False)  # the supervisor does not place its pods: not a spare
+    try:
+        check_spare(policy, 5, places_pods=True)
+    except PolicyError as exc:
+        assert exc.field == names.ANN_START_AT_MIN and "5 replicas" in exc.message
+    else:
+        raise AssertionError("a spare without start-at-min passed")
+    check_spare(parse_policy({**base, names.ANN_START_AT_MIN: "true"}, default_max=5), 5, places_pods=True)

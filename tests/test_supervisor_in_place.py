@@ -160,3 +160,28 @@ def test_start_at_min_waits_for_min_ready_pods_then_lists_exactly_those():
     assert parse_policy({names.ANN_POLICY: "elastic", names.ANN_IN_PLACE: "true",
                          names.ANN_START_AT_MIN: "true"}, 4).start_at_min
     assert parse_record(Record(generation=3, start_generation=3).to_json()).start_generation == 3
+
+
+@pytest.mark.parametrize("hosts,previous,limit,replaceable,expected", [
+    (("a", "b", "c"), ("a", "b", "c"), None, (), ("a", "b", "c")),  # no limit
+    (("a", "b", "s"), ("a", "b"), 2, ("b",), ("a", "s")),  # the swap: s takes b's place, one membership
+    (("a", "b", "s"), ("a", "b"), 2, ("a", "b"), ("a", "s")),  # the last listed on-demand host goes: rank 0 stays
+    (("a", "b", "s"), ("a", "b"), 2, (), ("a", "b")),  # nothing to replace: the joiner waits
+    (("a", "b", "s", "t"), ("a", "b"), 3, ("a", "b"), ("a", "s", "t")),  # two joiners, one place over the limit
+    (("a", "b", "s"), ("a", "b", "c"), 3, ("b",), ("a", "b", "s")),  # c left: s fills its place, nobody goes
+    (("a", "b", "o"), ("a", "b"), 2, ("b", "o"), ("a", "b")),  # an on-demand joiner displaces no one: it waits
+    (("a", "b", "o", "s"), ("a", "b"), 3, ("b", "o"), ("a", "b", "s")),  # the on-demand joiner waits first
+])
+def test_a_membership_never_lists_more_than_max_hosts(hosts, previous, limit, replaceable, expected):
+    from spotguard.supervisor.in_place import capped
+
+    assert capped(hosts, previous, limit, replaceable) == expected
+
+
+def test_a_gated_spare_is_not_a_replacement_on_its_way():
+    spare = pod(4, "")
+    spare["spec"]["schedulingGates"] = [{"name": "spotguard.io/capacity"}]
+    spare["status"] = {"phase": "Pending"}
+    assert starting_joiners([pod(0, "n0"), spare], ("n0",), "node", healthy_except()) == []
+    del spare["spec"]["schedulingGates"]  # placed: on its way now
+    assert starting_joiners([pod(0, "n0"), spare], ("n0",), "node", healthy_except()) == [spare]

@@ -2,7 +2,8 @@
 
 `StoreDcpWriter(pending)` is a `FileSystemWriter` (DCP's own file format, so `dcp.load` with
 `StoreDcpReader`/`FileSystemReader` reads it) that:
-- writes into `pending.dir` with several writer threads and fsync on;
+- writes into `pending.dir` with several writer threads and fsync on, each file's pages written
+  back while DCP still writes it (`fsutil.flushing_behind`), so the fsync finds little left;
 - checksums every file as it streams out and records it in the pending checkpoint, so no
   file is read back;
 - ends with `pending.finish_rank(rank)` (non-coordinators after their data, the coordinator
@@ -20,7 +21,6 @@ import contextlib
 import io
 import logging
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
@@ -28,38 +28,14 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 
+from . import fsutil
 from .store import PendingCheckpoint
 
 log = logging.getLogger(__name__)
 
 
-class _ChecksumStream(io.IOBase):
-    """Write-only stream that keeps a running CRC-32 and byte count of what passes through."""
-
-    def __init__(self, raw):
-        self.raw = raw
-        self.crc = 0
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
-        written = self.raw.write(view)
-        self.size += len(view)
-        return written if written is not None else len(view)
-
-    def tell(self) -> int:
-        return self.raw.tell()
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def flush(self) -> None:
-        if not self.raw.closed:
-            self.raw.flush()
+class _ChecksumStream(fsutil.ChecksumWriter):
+    """A checksumming write stream (fsutil.ChecksumWriter) that fsyncs its file when closed."""
 
     def close(self) -> None:
         """Flushes, fsyncs and closes the file (DCP closes streams itself, before the context ends)."""
@@ -88,7 +64,12 @@ class _RecordingFileSystem(FileSystem):
             return
         with Path(path).open(mode) as raw:
             stream = _ChecksumStream(raw)
-            yield stream
+            behind = os.dup(raw.fileno())  # DCP fsyncs and closes the stream itself, inside the block
+            try:
+                with fsutil.flushing_behind(behind):  # the write-back runs while DCP writes
+                    yield stream
+            finally:
+                os.close(behind)
             stream.close()  # fsyncs: durability does not depend on DCP's sync_files setting
         self.pending.record(self._rel(path), stream.size, stream.crc)
 

@@ -7,6 +7,7 @@ runs at several GB/s here and detects torn or damaged files; it is not a cryptog
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import threading
 import uuid
@@ -94,6 +95,37 @@ def file_crc32(path: Path) -> tuple[int, int]:
             crc = zlib.crc32(view[:n], crc)
             size += n
     return size, crc
+
+
+class ChecksumWriter(io.RawIOBase):
+    """A write-only stream over the binary file `raw` that keeps the CRC-32 (`crc`) and byte count
+    (`size`) of everything written through it: a file's checksum as it streams out, never read back."""
+
+    def __init__(self, raw):
+        super().__init__()
+        self.raw = raw
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        written = self.raw.write(view)
+        self.size += len(view)
+        return written if written is not None else len(view)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        if not self.raw.closed:
+            self.raw.flush()
 
 
 def fsync_path(path: Path) -> None:

@@ -86,8 +86,12 @@ class MalformedResponse(ApiError):
 
 def _error(exc: Exception) -> ApiError:
     status = int(getattr(exc, "status", 0) or 0)
-    body = getattr(exc, "body", None) or str(exc)
-    message = str(body)[:300]
+    return error_for_status(status, str(getattr(exc, "body", None) or exc))
+
+
+def error_for_status(status: int, body: str) -> ApiError:
+    """The error for a non-2xx answer: NotFound (404), Conflict (409), else ApiError."""
+    message = body[:300]
     if status == 404:
         return NotFound(status, message)
     if status == 409:
