@@ -3,16 +3,20 @@
     python bench/_membership_worker.py --framework ddp|fsdp2|deepspeed --ckpt DIR --out DIR
 
 The job of `spotguard.trainer.elastic_job` (DeepSpeed: the same model under ZeRO-1), with a
-synthetic compute time per step (`--step-sleep`). The environment is the launcher's: torchrun's
-variables, plus spotguard launch's in-place ones for the in-place path (then memberships are
-pushed by writing `<out>/membership.json`). Without SPOTGUARD_IN_PLACE the Guard drains on a
-notice as today: every rank checkpoints the agreed step and exits 83.
+synthetic compute time per step (`--step-sleep`). With `--dim D --layers L` (FSDP2 only) the
+model is the memory bench's instead (`_memory_worker.builder`: L x Linear(D, D), made on the meta
+device, only the shards materialised; ~1.1 GiB of parameters + AdamW moments at 4096 x 6), with
+`adapter.prepare()` after the first step and after each resize, as the README tells users.
+The environment is the launcher's: torchrun's variables, plus spotguard launch's in-place ones
+for the in-place path (then memberships are pushed by writing `<out>/membership.json`).
+Without SPOTGUARD_IN_PLACE the Guard drains on a notice as today: every rank checkpoints the agreed step and exits 83.
 
 Files written into --out, appended to by every process that runs as host SPOTGUARD_NODE:
 - steps-<node>.jsonl: {"step", "t" (time.monotonic(), the same clock in every process of the
-  machine), "world", "pid"} once each step is complete, before the Guard's boundary;
-- resize-<node>.jsonl: one line per in-place change, the Guard's record ("pause", "phases")
-  plus "save", the seconds of the shrink's durable checkpoint before it.
+  machine), "wall" (time.time(), the clock of the Guard's records), "world", "pid"} once each
+  step is complete, before the Guard's boundary;
+- resize-<node>.jsonl: one line per in-place change, the Guard's record ("pause", "phases",
+  "started": time.time() at the agreement) plus "save", the seconds of its durable checkpoint.
 The job ends, exit 0, after the step named in `<out>/stop-at` (written by the bench well ahead
 of every rank, so all ranks stop at the same step).
 """
@@ -42,6 +46,8 @@ def parse(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--max-steps", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=0, help="FSDP2 at size: width of each Linear (0: the small model)")
+    p.add_argument("--layers", type=int, default=6)
     return p.parse_args(argv)
 
 
@@ -57,6 +63,24 @@ def torch_job(framework: str, ckpt: str):
         adapter.optimizer.zero_grad()
         torch.nn.functional.mse_loss(adapter.model(x), y).backward()
         adapter.optimizer.step()
+    return adapter, one_step
+
+
+def sized_job(ckpt: str, dim: int, layers: int):
+    """(adapter, one_step(x, y)) for FSDP2 at the memory bench's size (the inputs are made here)."""
+    from _memory_worker import builder
+
+    from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
+
+    build = builder(dim, layers)
+    adapter = TorchDCPAdapter(*build(), checkpoint_dir=ckpt, build=build)
+
+    def one_step(_x, _y) -> None:
+        x = torch.full((2, dim), 0.01)
+        adapter.optimizer.zero_grad(set_to_none=True)
+        adapter.model(x).square().mean().backward()
+        adapter.optimizer.step()
+        adapter.optimizer.zero_grad(set_to_none=True)
     return adapter, one_step
 
 
@@ -88,12 +112,12 @@ def stop_step(path: Path) -> int | None:
         return None
 
 
-def resize_line(guard: Guard, record) -> str:
-    drain = guard.last_drain
-    saved = drain.checkpoint_seconds if drain is not None and drain.step == record.step else 0.0
+def resize_line(record) -> str:
+    drain = record.drain  # the change's durable checkpoint: the shrink's drain or the grow's save
+    saved = drain.checkpoint_seconds if drain is not None else 0.0
     return json.dumps({"step": record.step, "outcome": record.outcome.value, "world": record.new_world_size,
                        "pause": record.pause_seconds, "save": saved, "phases": record.phases,
-                       "pid": os.getpid()}) + "\n"
+                       "started": record.started_at, "pid": os.getpid()}) + "\n"
 
 
 def main(argv=None) -> int:
@@ -103,7 +127,9 @@ def main(argv=None) -> int:
     node = os.environ["SPOTGUARD_NODE"]
     read_membership = membership_reader(out / "membership.json")
     init_process_group(memberships=read_membership, join_timeout=120)
-    if args.framework == "deepspeed":
+    if args.dim:
+        adapter, one_step = sized_job(args.ckpt, args.dim, args.layers)
+    elif args.framework == "deepspeed":
         adapter, one_step = deepspeed_job(args.ckpt)
     else:
         adapter, one_step = torch_job(args.framework, args.ckpt)
@@ -111,20 +137,23 @@ def main(argv=None) -> int:
     if guard.view is not None:
         watch_memberships(read_membership, guard.view)
     start = guard.resume()
-    stop_at = None
+    stop_at, prepared = None, False
     with open(out / f"steps-{node}.jsonl", "a", buffering=1) as steps:
         for step in range(start, args.max_steps):
             one_step(*batch(step, guard.rank, guard.world_size))
             time.sleep(args.step_sleep)
-            steps.write(json.dumps({"step": step, "t": time.monotonic(), "world": guard.world_size,
-                                    "pid": os.getpid()}) + "\n")
+            steps.write(json.dumps({"step": step, "t": time.monotonic(), "wall": time.time(),
+                                    "world": guard.world_size, "pid": os.getpid()}) + "\n")
             stop_at = stop_step(out / "stop-at") if stop_at is None else stop_at
             if stop_at is not None and step >= stop_at:
                 break
             result = guard.step(step)  # a drain exits 83 here; an in-place change returns in the new group
+            if args.dim and not prepared:  # the snapshot buffers, before any notice (a resize re-shards)
+                adapter.prepare()
+            prepared = not result.resized
             if result.resized:
                 with open(out / f"resize-{node}.jsonl", "a") as f:
-                    f.write(resize_line(guard, result.resize))
+                    f.write(resize_line(result.resize))
     guard.close()
     dist.destroy_process_group()
     return 0

@@ -14,6 +14,12 @@ Per framework, in one run:
   83; then new processes (interpreter, torch import, group init, load from the checkpoint) start
   at 3; a second notice -> every rank exits 83 -> new processes at 4 with e.
 DeepSpeed ZeRO-1 runs the restart path only (it is not resized in place).
+At size (`--dim 4096 --layers 6`: FSDP2 only, the model of bench/membership_memory.py, ~1.1 GiB of
+parameters + AdamW moments, made on the meta device; `--step-sleep 0 --steps-between 3` suit it)
+the same run also prints each change's pause split into the state machine's phases on the
+slowest survivor: agreed (its last step complete -> the agreement), checkpointed (the durable
+checkpoint of the agreed step), handover, left, formed, rebuilt, transferred, committed, and
+the first step after (one ordinary step and the Guard's return).
 Survivors' pause = over the survivors b, c, d, the longest time from their last step completed
 before the change to their first step completed after it, from the workers' own per-step
 timestamps; it contains one ordinary step (the median step is printed). For the in-place path the
@@ -38,6 +44,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from spotguard.hooks.elastic.reformer import PHASES
 from spotguard.hooks.launch import LaunchConfig, worker_env
 from spotguard.processes import die_with_parent, free_port
 from spotguard.wire import names
@@ -61,6 +68,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps-between", type=int, default=15, help="steps every rank trains between two changes")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds any one wait may take")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this file")
+    p.add_argument("--dim", type=int, default=0, help="FSDP2 at size: width of each Linear (0: the small model)")
+    p.add_argument("--layers", type=int, default=6, help="with --dim: the number of Linear layers")
     p.add_argument("--keep", type=Path, default=None, help="run in this folder and keep it (logs, step files)")
     args = p.parse_args(argv)
     args.frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
@@ -69,6 +78,10 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--frameworks: {', '.join(unknown) or 'none given'}; choose from {', '.join(FRAMEWORKS)}")
     if args.step_sleep < 0 or args.steps_between < 1 or args.timeout <= 0:
         p.error("--step-sleep must be >= 0, --steps-between >= 1, --timeout > 0")
+    if args.dim < 0 or args.layers < 1:
+        p.error("--dim must be >= 0, --layers >= 1")
+    if args.dim and args.frameworks != ["fsdp2"]:
+        p.error("--dim: the model at size is FSDP2's: use --frameworks fsdp2")
     return args
 
 
@@ -88,7 +101,8 @@ class Job:
 
     def start(self, node: str, env: dict[str, str]) -> None:
         command = [sys.executable, str(WORKER), "--framework", self.framework, "--ckpt", str(self.out / "ckpt"),
-                   "--out", str(self.out), "--step-sleep", str(self.args.step_sleep)]
+                   "--out", str(self.out), "--step-sleep", str(self.args.step_sleep),
+                   "--dim", str(self.args.dim), "--layers", str(self.args.layers)]
         with open(self.out / f"log-{node}", "a") as log:
             proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     preexec_fn=die_with_parent(signal.SIGKILL))
@@ -243,6 +257,26 @@ def step_gap(job: Job, step: int) -> float:
     return max(after - before for before, after in around(job, step))
 
 
+def phase_split(job: Job, step: int, index: int) -> dict[str, float]:
+    """The slowest survivor's gap around change `index` (agreed at `step`) by phase, in seconds:
+    agreed (its step complete -> the agreement), each phase of the Guard's record, and the first
+    step after (the rest of the gap: one ordinary step and the Guard's return)."""
+    splits = []
+    for node, (before, after) in zip(SURVIVORS, around(job, step)):
+        record = job.resizes(node)[index]
+        walls: dict[int, float] = {}
+        for line in job.steps(node):
+            walls.setdefault(line["step"], line["wall"])
+        split, previous = {"agreed": record["started"] - walls[step]}, 0.0
+        for phase in PHASES:
+            if phase in record["phases"]:
+                split[phase] = record["phases"][phase] - previous
+                previous = record["phases"][phase]
+        split["first step"] = (after - before) - split["agreed"] - previous
+        splits.append((after - before, split))
+    return max(splits, key=lambda pair: pair[0])[1]
+
+
 def median_step(job: Job) -> float:
     """The median time between consecutive steps of one process (ordinary steps)."""
     diffs = []
@@ -264,10 +298,19 @@ class Row:
     restart_gap_s: float
     restart_exit_s: float  # last step before -> every rank exited
     restart_start_s: float  # every rank exited -> the slowest survivor's first step after
+    phases: dict[str, float] | None = None  # in place: the slowest survivor's gap by phase
 
     @property
     def ratio(self) -> float | None:
         return self.restart_gap_s / self.in_place_gap_s if self.in_place_gap_s else None
+
+    @property
+    def ratio_less_step(self) -> float | None:
+        """The restart path's gap over the in-place one, one ordinary step taken off both (the
+        goal at size: the pause itself, without the step every gap contains)."""
+        if self.in_place_gap_s is None or self.in_place_gap_s <= self.step_s:
+            return None
+        return (self.restart_gap_s - self.step_s) / (self.in_place_gap_s - self.step_s)
 
     @property
     def pause_met(self) -> bool | None:
@@ -278,7 +321,8 @@ class Row:
         return None if self.ratio is None else self.ratio >= RATIO_GOAL
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "ratio": self.ratio, "pause_goal_met": self.pause_met, "ratio_goal_met": self.ratio_met}
+        return {**asdict(self), "ratio": self.ratio, "ratio_less_step": self.ratio_less_step,
+                "pause_goal_met": self.pause_met, "ratio_goal_met": self.ratio_met}
 
 
 def measure(framework: str, root: Path, args: argparse.Namespace) -> list[Row]:
@@ -300,14 +344,15 @@ def measure(framework: str, root: Path, args: argparse.Namespace) -> list[Row]:
         before_after = around(restart, step)
         exit_s = exited - max(before for before, _ in before_after)
         start_s = max(after for _, after in before_after) - exited
-        gap = pause = save = None
+        gap = pause = save = phases = None
         if in_place is not None:
             gap = step_gap(in_place, in_place_steps[i])
             records = [in_place.resizes(n)[i] for n in SURVIVORS]
             pause = max(r["pause"] for r in records)
             save = max(r["save"] for r in records)
+            phases = phase_split(in_place, in_place_steps[i], i)
         rows.append(Row(framework, change, median_step(in_place or restart), gap, pause, save,
-                        step_gap(restart, step), exit_s, start_s))
+                        step_gap(restart, step), exit_s, start_s, phases))
     return rows
 
 
@@ -319,14 +364,24 @@ def render(rows: list[Row]) -> str:
         return "-" if value is None else ("met" if value else "MISSED")
 
     head = (f"{'framework':<10} {'change':<7} {'step':>6} {'in-place gap':>12} {'Guard pause':>11} {'save':>6} "
-            f"{'restart gap':>11} {'(exit + start)':>15} {'restart/in-place':>16}  {'<= 0.5 s':<8} {'<= 1/5':<6}")
+            f"{'restart gap':>11} {'(exit + start)':>15} {'restart/in-place':>16} {'less a step':>11}  "
+            f"{'<= 0.5 s':<8} {'<= 1/5':<6}")
     out = [head, "-" * len(head)]
     for r in rows:
         ratio = "-" if r.ratio is None else f"{r.ratio:.1f}x"
+        less = "-" if r.ratio_less_step is None else f"{r.ratio_less_step:.1f}x"
         out.append(f"{r.framework:<10} {r.change:<7} {s(r.step_s):>6} {s(r.in_place_gap_s):>12} "
                    f"{s(r.guard_pause_s):>11} {s(r.save_s):>6} {s(r.restart_gap_s):>11} "
-                   f"{r.restart_exit_s:>6.2f} + {r.restart_start_s:>6.2f} {ratio:>16}  "
+                   f"{r.restart_exit_s:>6.2f} + {r.restart_start_s:>6.2f} {ratio:>16} {less:>11}  "
                    f"{met(r.pause_met):<8} {met(r.ratio_met):<6}")
+    split = [r for r in rows if r.phases]
+    if split:
+        names = list(split[0].phases)
+        out += ["", "in-place gap by phase (s), the slowest survivor: " + ", ".join(names)]
+        for r in split:
+            assert r.phases is not None
+            out.append(f"{r.framework:<10} {r.change:<7} " + "  ".join(
+                f"{name} {r.phases.get(name, 0.0):.3f}" for name in names))
     return "\n".join(out)
 
 
@@ -342,15 +397,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
+    size = f", FSDP2 {args.layers} x Linear({args.dim})" if args.dim else ""
     print(f"survivors' pause (s), 4 ranks on 127.0.0.1, gloo, step sleep {args.step_sleep:g} s, "
-          f"{args.steps_between} steps between changes")
+          f"{args.steps_between} steps between changes{size}")
     print(render(rows))
     print("gap: last step before -> first step after the change (includes one ordinary step, 'step' = median); "
           "Guard pause: its record, agreement -> committed; save: the shrink's durable checkpoint, inside the gap; "
-          "restart exit: last step -> every rank exited 83, start: -> first step of the new processes")
+          "restart exit: last step -> every rank exited 83, start: -> first step of the new processes; "
+          "less a step: both gaps less the median step (the goal at size)")
     if args.json:
         args.json.write_text(json.dumps({"config": {"frameworks": args.frameworks, "step_sleep": args.step_sleep,
-                                                    "steps_between": args.steps_between},
+                                                    "steps_between": args.steps_between, "dim": args.dim,
+                                                    "layers": args.layers},
                                          "rows": [r.as_dict() for r in rows]}, indent=2))
     return 0
 

@@ -19,7 +19,9 @@ Contract:
 - Notices arrive on a background thread (the sidecar's stream, `SPOTGUARD_SIDECAR_URL`) and from
   SIGTERM / extra signals (a `drain` notice, deadline = received + grace). Until one arrives the
   loop pays one `all_reduce(MAX)` of a preallocated 4-element CPU tensor every `agree_every`
-  steps, on the Guard's own gloo group (nothing at all in a single-process job). With
+  steps, on the formation's gloo control group (nothing at all in a single-process job;
+  `agreement.control_group`: spotguard makes it with the adapters' checkpoint group once per
+  formation, so no user code makes a group for spotguard, in whatever order). With
   `pipeline=True` that all_reduce runs in the background during the next step and is read at
   the next agreement (cost ~0; a notice is then acted on one agreement later).
 - `piggyback_on(ddp_model)` (done by `attach` when the adapter's `gradient_carrier()` is a DDP

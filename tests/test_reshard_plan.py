@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spotguard.hooks.elastic.reshard_plan import (REPLICATE, SHARD0, Keep, Layout, Move, ReshardError,
+from spotguard.hooks.elastic.reshard_plan import (REPLICATE, SHARD0, Keep, Layout, Move, Relay, ReshardError,
                                                   ReshardPlan, TensorSpec, held_rows)
 
 
@@ -69,9 +69,12 @@ def test_hsdp_grow_adds_a_replica_and_keeps_the_shard_count():
     assert plan.moves == (Move(0, 0, 2, 0, 4), Move(0, 1, 3, 4, 8))
 
 
-def test_replacement_sends_a_leavers_rows_to_a_joiner_is_refused():
-    with pytest.raises(ReshardError, match=r"'w'.*held only by leaving ranks \[1\]"):
-        ReshardPlan.make([spec(4, Layout.sharded(2))], 2, 2, {0: 0})
+def test_replacement_relays_a_leavers_rows_to_the_joiner_through_a_survivor():
+    # 2 -> 2: old rank 1 leaves, new rank 1 joins and needs exactly the rows only it held
+    plan = ReshardPlan.make([spec(4, Layout.sharded(2))], 2, 2, {0: 0})
+    assert plan.keeps == (Keep(0, 0, 0, 0, 2),) and plan.moves == ()
+    assert plan.relays == (Relay(0, 1, 0, 1, 2, 4),)  # from old rank 1, via old rank 0, to new rank 1
+    assert plan.minimum_bytes() == 2 * 4 and plan.moved_bytes() == 2 * plan.minimum_bytes()
 
 
 def test_replacement_of_a_replica_comes_from_a_survivor():
@@ -113,16 +116,30 @@ def test_every_needed_row_arrives_exactly_once(rows, old, new):
     for m in plan.moves:
         a, b = plan.old_rows(0, m.src)
         assert a <= m.start < m.stop <= b
-    assert plan.moved_bytes() == plan.minimum_bytes()
+    assert plan.moved_bytes() == plan.minimum_bytes() and plan.relays == ()
+
+
+@pytest.mark.parametrize("rows, old, new", [(n, a, b) for n in (1, 7, 16) for a in (2, 3, 4) for b in (2, 3, 4)])
+def test_a_replacement_delivers_every_row_once_relaying_only_what_leaving_ranks_alone_held(rows, old, new):
+    survivors = {r: r - 1 for r in range(1, min(old, new))}  # old rank 0 leaves, joiners take the top ranks
+    plan = ReshardPlan.make([spec(rows, Layout.sharded(old))], old, new, survivors)
+    for dst in range(new):
+        got = sorted([(k.start, k.stop) for k in plan.keeps if k.new_rank == dst]
+                     + [(m.start, m.stop) for m in (*plan.moves, *plan.relays) if m.dst == dst])
+        assert [r for a, b in got for r in range(a, b)] == list(range(*plan.new_rows(0, dst)))
+    for relay in plan.relays:
+        assert relay.src not in survivors and relay.via in survivors and relay.dst not in survivors.values()
+        assert plan.old_rows(0, relay.src)[0] <= relay.start < relay.stop <= plan.old_rows(0, relay.src)[1]
+    assert plan.moved_bytes() == plan.minimum_bytes() + plan.relayed_bytes()
 
 
 def test_transfer_rounds_keep_every_rank_within_one_bucket_and_the_plan_order():
-    from spotguard.hooks.elastic.reshard_transfer import _pieces, _rounds
+    from spotguard.hooks.elastic.reshard_transfer import _pieces, _rounds, move_hops
 
     plan = ReshardPlan.make([spec(100, Layout.sharded(4), row_bytes=32), spec(7, Layout.sharded(4), row_bytes=4)],
                             4, 3, {0: 0, 1: 1, 2: 2})
-    pieces = _pieces(plan, plan.moves, lambda old: old, lambda new: new, 160)
-    assert all(p.stop - p.start <= 160 and (p.start - p.move.start * plan.tensors[p.move.tensor].row_bytes) % 16 == 0
+    pieces = _pieces(plan, move_hops(plan, plan.moves, lambda old: old, lambda new: new), 160)
+    assert all(p.stop - p.start <= 160 and (p.start - p.hop.start * plan.tensors[p.hop.tensor].row_bytes) % 16 == 0
                for p in pieces)
     assert sum(p.stop - p.start for p in pieces) == plan.moved_bytes()
     rounds = _rounds(pieces, 160)

@@ -48,13 +48,16 @@ def run_change(tmp_path: Path, mode: str, old: list[str], new: list[str], *extra
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("old, new", [(["a", "b", "c"], ["b", "c"]),    # rank 0 leaves, the others renumbered
-                                      (["b", "c"], ["b", "c", "d"])],  # grow 2 -> 3
-                         ids=["shrink-3-2", "grow-2-3"])
+                                      (["b", "c"], ["b", "c", "d"]),   # grow 2 -> 3
+                                      (["a", "b"], ["a", "c"])],       # b replaced by c in one change
+                         ids=["shrink-3-2", "grow-2-3", "replace-2-2"])
 def test_state_after_the_transfer_is_the_agreed_state(tmp_path, mode, old, new):
     sent = run_change(tmp_path, mode, old, new)
     assert_same_state(torch.load(tmp_path / "state-before.pt"), torch.load(tmp_path / "state-after.pt"))
     moved, minimum = json.loads((tmp_path / "planned").read_text())
-    assert sum(sent.values()) == moved == minimum
+    replacing_shards = mode == "fsdp2" and set(old) - set(new) and set(new) - set(old)
+    assert sum(sent.values()) == moved  # the relayed rows (b's, through a) travel twice
+    assert moved > minimum if replacing_shards else moved == minimum
     if mode == "ddp" and not set(new) - set(old):
         assert minimum == 0  # replicas: a shrink moves nothing
     else:

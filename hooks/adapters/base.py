@@ -143,15 +143,17 @@ class StoreAdapter:
     def _on_engine(self) -> bool:
         return type(self)._state is not StoreAdapter._state
 
-    # ---- collectives: the adapter's own gloo group (created in the same order on every rank) --
+    # ---- collectives: the formation's checkpoint group, which spotguard makes (control_group) --
     def _setup_group(self) -> None:
         import torch.distributed as dist
+
+        from spotguard.hooks.agreement.control_group import control_groups
 
         self.rank, self.world_size, self._group = 0, 1, None
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-            if self.world_size > 1:
-                self._group = dist.new_group(backend="gloo")
+            groups = control_groups()
+            self._group = groups.checkpoint if groups is not None else None
 
     def _all_ok(self, ok: bool) -> bool:
         """True on every rank when `ok` is true on every rank (one all_reduce MIN)."""

@@ -16,9 +16,10 @@ Contract:
 - Every save runs on the snapshot engine (checkpoint/engine.py): `get_state_dict` is copied into
   host buffers allocated once (DTensors keep their spec over a host copy of the local shard;
   pinned, on a side stream, for GPU tensors), then `dcp.save` writes that copy in the background.
-  Every DCP collective runs on the adapter's own gloo group, so a persist in flight never mixes
-  with training's collectives. `save_async(step)` copies now and commits in the background (one
-  in flight; the next save or snapshot waits for it). A notice's `save()` is the same copy, then
+  Every DCP collective runs on the formation's checkpoint group (`agreement.control_group`, made
+  by spotguard), so a persist in flight never mixes with training's or the Guard's collectives.
+  `save_async(step)` copies now and commits in the background (one in flight; the next save or
+  snapshot waits for it). A notice's `save()` is the same copy, then
   waits until the commit: durable when it returns.
 - `gradient_carrier()` is the model when it is DDP and `piggyback` is on: the Guard then carries
   its agreement inside the model's gradient all_reduce.
@@ -26,10 +27,9 @@ Contract:
   default process group, the same function every rank and every joiner uses): `full_state()`
   (collective on the current group) is the whole model and optimizer state, gathered from every
   rank's shards under FSDP2, on every rank; after the group was re-formed, `rebuild()` makes the
-  model, optimizer and the adapter's own group anew (collective on the new group: the model is
-  built first, then the group, the same order in which a joiner builds them before it makes its
-  adapter) and `load_full_state(state)` loads it, sharding it to the new mesh. `model` and
-  `optimizer` then name the new objects: training code reads them again after a resize.
+  model and optimizer anew (collective on the new group, as a joiner's `build()`; the group's
+  checkpoint group was made when it formed) and `load_full_state(state)` loads it, sharding it
+  to the new mesh. `model` and `optimizer` then name the new objects: training code reads them again after a resize.
   The peer-to-peer transfer (`hooks/elastic/transfer.py`, the default) uses `shard_state()`
   (this rank's pieces and their layouts, local) and `load_shards(manifest, pieces)` instead of
   the full state: no rank then holds more than its old and new pieces. A `build` that makes the
@@ -117,7 +117,8 @@ class TorchDCPAdapter(StoreAdapter):
         install(self.model, self.optimizer, manifest, pieces)
 
     def rebuild(self) -> None:
-        """A fresh model, optimizer and adapter group on the current default group (collective)."""
+        """A fresh model and optimizer on the current default group (collective); the adapter's
+        collectives move to the new formation's checkpoint group."""
         if self.build is None:
             raise RuntimeError("this adapter was made without build=: it cannot be resized in place")
         self.wait()

@@ -124,14 +124,21 @@ class GroupCollectives(Collectives):
 
 
 def join_collectives(process_group: Any = None) -> Collectives:
-    """The Guard's collectives: on a group when torch.distributed runs more than one rank, else
-    local. Raises RuntimeError when WORLD_SIZE > 1 but no process group exists yet."""
+    """The Guard's collectives: on a group when torch.distributed runs more than one rank (the
+    formation's control group, `control_group.control_groups()`, unless `process_group` is given),
+    else local. Raises RuntimeError when WORLD_SIZE > 1 but no process group exists yet."""
     try:
         import torch.distributed as dist
     except ImportError:
         return Collectives()
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() > 1:
+            if process_group is None:
+                from spotguard.hooks.agreement.control_group import control_groups
+
+                groups = control_groups()
+                assert groups is not None
+                process_group = groups.control
             return GroupCollectives(process_group)
     elif int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise RuntimeError("create the Guard after torch.distributed.init_process_group (WORLD_SIZE > 1)")

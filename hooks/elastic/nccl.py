@@ -15,8 +15,9 @@ Contract:
   eagerly at the formation (where a missing peer costs the re-form timeout), not at first use.
 - `quiesce_and_abort()`: synchronises this device's stream, then aborts every group
   (`torch_private.abort_groups`): never a blocking destroy while a peer may be gone.
-The Guard's control traffic (agreement, votes, host lists) stays on its own gloo group
-(`agreement.collectives.GroupCollectives`); each formation uses a fresh store prefix (`rendezvous`).
+The Guard's control traffic (agreement, votes, host lists) stays on the formation's gloo control
+group (`agreement.control_group`), the adapters' on its gloo checkpoint group; each formation
+uses a fresh store prefix (`rendezvous`).
 """
 from __future__ import annotations
 

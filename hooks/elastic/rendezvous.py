@@ -16,7 +16,8 @@ Contract:
   `backend="nccl"`: synchronises the stream and aborts them, `nccl.quiesce_and_abort`) and
   initialises a new default group of `backend` (NCCL: communicators made eagerly, `device_id`)
   of `world_size` at `prefix` on the store at
-  `store_address` (served by this process when `rank` is 0). It raises `ReformError` when the
+  `store_address` (served by this process when `rank` is 0), then the formation's gloo control
+  groups (`agreement.control_group`: the Guard's and the adapters'). It raises `ReformError` when the
   group is not complete within the timeout; the caller falls back. The group, and every group
   made after it, keep the re-form timeout per operation until the change commits
   (`bound.release_groups()`, done by the Guard), so a peer lost at any point of a change costs
@@ -37,6 +38,7 @@ from datetime import timedelta
 from typing import Any
 
 from spotguard.config import ConfigError, positive_float, positive_int
+from spotguard.hooks.agreement.control_group import control_groups
 from spotguard.hooks.elastic.bound import bound_groups
 from spotguard.hooks.elastic.caches import forget_mesh_caches
 from spotguard.wire import names
@@ -125,6 +127,7 @@ class Rendezvous:
             bound_groups(self.timeout)  # until the change commits (`bound.release_groups`)
             dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=self.timeout), **extra)
+            control_groups()  # the formation's gloo groups, before any code of the user's runs
         except Exception as exc:
             destroy_groups()
             raise ReformError(f"forming {prefix} (rank {rank} of {world_size}) on {store_address} failed: {exc}") \

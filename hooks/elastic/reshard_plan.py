@@ -16,13 +16,17 @@ every rank:
 - `moves`: every other row a new rank needs, from one holder: a leaving rank's rows come from it
   (it sends while still in the old group), a joiner's from a staying rank; a replica comes whole
   from one peer. Ordered the same on every rank (tensor order, then destination, then rows).
+- `relays`: rows a joiner needs that only leaving ranks hold (a replacement of hosts in one
+  change: the leaving rank is gone before the joiner arrives). They travel through a staying
+  rank (`via`): the leaving rank sends them to it in the old group, it forwards them to the
+  joiner in the new one. Same order rule as `moves`.
 - `minimum_bytes()`: what the two layouts require to move at least (every byte a new rank needs
-  and did not hold), `moved_bytes()` what the moves carry (equal, by construction).
+  and did not hold), `moved_bytes()` what the moves and relays carry (the minimum, plus the
+  relayed bytes once more for their second hop).
 The new layout is the old one at the new size (`resized`): a 1-D mesh takes any size, a 2-D one
 keeps its shard count and changes its replica count. Refused with `ReshardError` naming the
 tensor and its placement, before anything moves: an unknown placement, more than one sharded
-mesh dimension, a mesh that is not the group, a world size the mesh cannot take, and rows only a
-leaving rank holds that a joiner needs (the leaving rank is gone before the joiner arrives).
+mesh dimension, a mesh that is not the group, a world size the mesh cannot take.
 """
 from __future__ import annotations
 
@@ -78,6 +82,16 @@ class Move:
     tensor: int
     src: int  # old rank of the sender
     dst: int  # new rank of the receiver
+    start: int  # global rows [start, stop)
+    stop: int
+
+
+@dataclass(frozen=True)
+class Relay:
+    tensor: int
+    src: int  # old rank of the leaving sender
+    via: int  # old rank of the staying rank that holds the rows between the two hops
+    dst: int  # new rank of the joiner
     start: int  # global rows [start, stop)
     stop: int
 
@@ -162,6 +176,7 @@ class ReshardPlan:
     survivors: Mapping[int, int]  # old rank -> new rank
     keeps: tuple[Keep, ...]
     moves: tuple[Move, ...]
+    relays: tuple[Relay, ...] = ()
 
     @classmethod
     def make(cls, tensors: Sequence[TensorSpec], old_world: int, new_world: int,
@@ -176,6 +191,8 @@ class ReshardPlan:
         old_of = {new: old for old, new in survivors.items()}
         keeps: list[Keep] = []
         moves: list[Move] = []
+        relays: list[Relay] = []
+        vias = sorted(survivors)
         new_layouts = []
         for spec in tensors:  # every layout first: a refusal names the tensor that cannot be mapped
             _check(spec, spec.layout, old_world)
@@ -196,13 +213,14 @@ class ReshardPlan:
                         if lo >= hi:
                             continue
                         staying = [h for h in holders if h in survivors]
-                        if old is None and not staying:
-                            raise _fail(spec, spec.layout, f"rows {lo}..{hi} are held only by leaving ranks "
-                                        f"{holders}, and new rank {dst} joins after they left")
+                        if old is None and not staying:  # the leaving holders are gone when dst joins
+                            relays.append(Relay(index, holders[dst % len(holders)], vias[(dst + lo) % len(vias)],
+                                                dst, lo, hi))
+                            continue
                         pool = staying or holders
                         moves.append(Move(index, pool[dst % len(pool)], dst, lo, hi))
         return cls(tuple(tensors), tuple(new_layouts), old_world, new_world, dict(survivors), tuple(keeps),
-                   tuple(moves))
+                   tuple(moves), tuple(relays))
 
     def leaves(self, old_rank: int) -> bool:
         return old_rank not in self.survivors
@@ -214,7 +232,12 @@ class ReshardPlan:
         return held_rows(self.tensors[tensor].layout, self.tensors[tensor].rows, old_rank)
 
     def moved_bytes(self) -> int:
-        return sum((m.stop - m.start) * self.tensors[m.tensor].row_bytes for m in self.moves)
+        """Bytes sent by all ranks: the moves once, the relays twice (two hops)."""
+        return sum((m.stop - m.start) * self.tensors[m.tensor].row_bytes for m in self.moves) + \
+            2 * self.relayed_bytes()
+
+    def relayed_bytes(self) -> int:
+        return sum((r.stop - r.start) * self.tensors[r.tensor].row_bytes for r in self.relays)
 
     def minimum_bytes(self) -> int:
         """Bytes every new rank needs and did not hold before (computed apart from the moves)."""

@@ -15,13 +15,14 @@ Contract, on every rank of a change:
    `SPOTGUARD_RESHARD_BUCKET_MB` is not a positive number, every rank raises here, before any byte moved,
    and the change falls back to the checkpoint it wrote. Then each staying rank allocates its new
    pieces and copies the rows it keeps, and the leaving ranks send their rows to the staying ranks
-   (they are gone before the new group forms). Returns the `HeldState` a staying rank carries
-   into the new group (a leaving rank drops it).
+   (they are gone before the new group forms), and the rows a joiner needs that only they hold
+   (a replacement of hosts) to the staying rank that relays them (`plan.relays`). Returns the
+   `HeldState` a staying rank carries into the new group (a leaving rank drops it).
 2. `receive(collectives, adapter, held)` in the NEW group (`held` None on a joiner): the lowest
    rank holding state broadcasts the manifest (step, extras, old world, survivors, tensor names,
    shapes, layouts; JSON, a few bytes per tensor), every rank makes the same plan, joiners allocate
    their pieces, and the staying ranks send joiners and each other the rows that moved between
-   them. Returns the `HeldState` every rank then loads.
+   them, then the relayed rows on to their joiners. Returns the `HeldState` every rank then loads.
 3. `load(adapter, held)`: the pieces become the rebuilt model's and optimizer's state
    (`adapter.load_shards`); with the gather transfer, `adapter.load_full_state`.
 `held.sent_bytes` counts the bytes this rank sent, `held.plan` is the plan (tests, bench).
@@ -58,6 +59,7 @@ class HeldState:
     survivors: dict[int, int] = field(default_factory=dict)  # old rank -> new rank
     sources: dict[int, Any] = field(default_factory=dict)  # tensor index -> this rank's old piece
     targets: dict[int, Any] = field(default_factory=dict)  # tensor index -> this rank's new piece
+    relayed: dict[int, Any] = field(default_factory=dict)  # relay index -> rows held for a joiner
     plan: ReshardPlan | None = None
     sent_bytes: int = 0
 
@@ -103,7 +105,8 @@ def hand_over(collectives: Collectives, adapter: Any, step: int, extra: dict[str
     """Step 1 of the module docstring (old group)."""
     if gathering(adapter):
         return HeldState(step, adapter.full_state(), extra)
-    from spotguard.hooks.elastic.reshard_transfer import copy_keeps, run_moves
+    from spotguard.hooks.elastic.reshard_state import empty_piece
+    from spotguard.hooks.elastic.reshard_transfer import copy_keeps, relay_hops, run_hops, run_moves
 
     shards = adapter.shard_state()
     survivors = {old: reform.new_rank(old) for old in reform.survivors}
@@ -127,6 +130,11 @@ def hand_over(collectives: Collectives, adapter: Any, step: int, extra: dict[str
     from_leavers = [m for m in plan.moves if plan.leaves(m.src)]
     held.sent_bytes = run_moves(plan, from_leavers, me, lambda old: old, lambda new: old_of[new], held.sources,
                                 held.targets, bucket)
+    if plan.relays:  # a joiner's rows that only leaving ranks hold: to a staying rank now
+        entries = shards.manifest["entries"]
+        held.relayed = {i: empty_piece(entries[r.tensor], r.stop - r.start, shards.device)
+                        for i, r in enumerate(plan.relays) if r.via == me}
+        held.sent_bytes += run_hops(plan, relay_hops(plan, second=False), me, held.sources, held.relayed, bucket)
     return held
 
 
@@ -141,7 +149,7 @@ def receive(collectives: Collectives, adapter: Any, held: HeldState | None, *, s
         if share_first or held is None:
             held, _source = share(collectives, held)
         return held
-    from spotguard.hooks.elastic.reshard_transfer import run_moves
+    from spotguard.hooks.elastic.reshard_transfer import relay_hops, run_hops, run_moves
 
     world, me = collectives.world_size, collectives.rank
     mine = -float(me) if held is not None else -float(world)
@@ -159,6 +167,10 @@ def receive(collectives: Collectives, adapter: Any, held: HeldState | None, *, s
     from_staying = [m for m in held.plan.moves if not held.plan.leaves(m.src)]
     held.sent_bytes += run_moves(held.plan, from_staying, me, lambda old: survivors[old], lambda new: new,
                                  held.sources, held.targets, _bucket_bytes())
+    if held.plan.relays:  # the relayed rows, on to their joiners
+        held.sent_bytes += run_hops(held.plan, relay_hops(held.plan, second=True), me, held.relayed, held.targets,
+                                    _bucket_bytes())
+        held.relayed.clear()
     return held
 
 

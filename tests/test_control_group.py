@@ -1,0 +1,97 @@
+"""The formation's gloo groups (`hooks/agreement/control_group.py`) across 2 real gloo ranks:
+a job that calls torch's `init_process_group` and makes the Guard before its adapter gets the
+two groups once (the Guard's control group, the adapter's checkpoint group; a save and the
+Guard's agreement work on them), and a spotguard formation (`Rendezvous.form`) makes the new
+group's before any user code runs; the adapter and the Guard move to them.
+
+Run as `python -m tests.test_control_group <out file> <port>`, the module is one rank."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spotguard.processes import free_port
+from tests.workers.launch import ROOT, base_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_one_set_of_groups_per_formation_shared_by_the_guard_and_the_adapter(tmp_path):
+    port, rdzv = str(free_port()), str(free_port())
+    procs = []
+    for rank in range(2):
+        env = base_env()
+        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.test_control_group",
+                                       str(tmp_path / f"rank{rank}.json"), rdzv, str(tmp_path / "ckpt")],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen == {"groups_made": 2, "guard_on_control": True, "adapter_on_checkpoint": True,
+                        "distinct": True, "saved": True, "made_at_formation": True, "groups_made_after": 4,
+                        "moved": True}, seen
+
+
+def _worker(out: str, rdzv_port: int, ckpt: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
+    from spotguard.hooks.agreement import control_group
+    from spotguard.hooks.elastic.rendezvous import Rendezvous
+    from spotguard.hooks.guard import Guard
+
+    made = []
+    real_new_group = dist.new_group
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return real_new_group(*args, **kwargs)
+
+    dist.new_group = counting
+    dist.init_process_group("gloo")  # torch's own, as a job that is not in place calls it
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(install_signals=False, in_place=False, exit_on_drain=False)  # the Guard first
+    adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=ckpt)
+    guard.attach(adapter)
+    groups = control_group.control_groups()
+    seen = {"groups_made": len(made), "guard_on_control": guard.collectives.group is groups.control,
+            "adapter_on_checkpoint": adapter._group is groups.checkpoint,
+            "distinct": groups.control is not groups.checkpoint}
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    guard.step(0)
+    adapter.save(0)
+    guard.step(1)
+    seen["saved"] = adapter.last_info is not None or dist.get_rank() != 0
+    rank = dist.get_rank()
+    Rendezvous("127.0.0.1", rdzv_port).form(f"127.0.0.1:{rdzv_port}", "m1/", rank, 2)  # a re-form
+    seen["made_at_formation"] = (control_group._made is not None
+                                 and control_group._made[0] is dist.group.WORLD)
+    seen["groups_made_after"] = len(made)
+    adapter._setup_group()
+    guard.bind_group()
+    after = control_group.control_groups()
+    seen["moved"] = (after is not groups and guard.collectives.group is after.control
+                     and adapter._group is after.checkpoint and len(made) == 4)
+    guard.step(2)
+    Path(out).write_text(json.dumps(seen))
+    guard.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3])
