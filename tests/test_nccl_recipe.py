@@ -52,3 +52,31 @@ def test_this_torch_has_every_private_api_spotguard_reaches():
     assert torch_private.missing() == []
     torch_private.forget_mesh_caches()
     torch_private.abort_groups()  # no group: nothing happens
+
+
+def test_forgetting_mesh_caches_loads_no_dtensor_where_none_was_used(tmp_path):
+    """A DDP process without DTensor loads none (seconds of imports on a joiner's path); with
+    DTensor loaded, its sharding-propagation cache is emptied without importing its debug module."""
+    import subprocess
+    import sys
+
+    code = f"""import sys, torch, torch.distributed as dist
+from spotguard.hooks.elastic import torch_private
+torch_private.forget_mesh_caches()
+assert 'torch.distributed.tensor' not in sys.modules
+dist.init_process_group('gloo', init_method='file://{tmp_path / "store"}', rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+x = distribute_tensor(torch.ones(4, 4), init_device_mesh('cpu', (1,)), [Shard(0)])
+stats = torch._C._get_DTensor_sharding_propagator_cache_stats  # (hits, misses) of the cache
+x + x
+x + x
+assert stats() == (1, 1), stats()
+torch_private.forget_mesh_caches()
+x + x
+assert stats() == (0, 1), stats()  # the plan was forgotten: a miss
+assert 'torch.distributed.tensor.debug' not in sys.modules
+dist.destroy_process_group()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

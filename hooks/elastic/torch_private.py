@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +26,8 @@ PRIVATE = (
     ("torch.distributed.distributed_c10d", "_rank_not_in_group"),
     ("torch.distributed.distributed_c10d", "_world"),
     ("torch.distributed.distributed_c10d", "_abort_process_group"),
-    ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
+    ("torch._C", "_clear_DTensor_sharding_propagator_cache"),
+    ("torch.distributed.tensor._api", "DTensor"),
     ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
     ("torch.distributed._state_dict_utils", "_copy_state_dict"),
 )
@@ -39,9 +41,24 @@ def _lookup(module: str, name: str) -> Any:
         return None
 
 
+PROP_CACHE = "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear"
+
+
+def _python_prop_cache_clear(dtensor_api: Any) -> Any:
+    """DTensor's Python sharding-propagation cache's `cache_clear`, or None (`PROP_CACHE`)."""
+    found: Any = getattr(dtensor_api, "DTensor", None)
+    for name in PROP_CACHE.split(".")[1:]:
+        found = getattr(found, name, None)
+    return found
+
+
 def missing() -> list[str]:
     """`module.name` of every private API this torch lacks."""
-    return [f"{m}.{n}" for m, n in PRIVATE if _lookup(m, n) is None]
+    absent = [f"{m}.{n}" for m, n in PRIVATE if _lookup(m, n) is None]
+    api = _lookup("torch.distributed.tensor", "_api")
+    if api is not None and _python_prop_cache_clear(api) is None:
+        absent.append(f"torch.distributed.tensor._api.{PROP_CACHE}")
+    return absent
 
 
 def _once(what: str) -> None:
@@ -68,10 +85,22 @@ def set_live_group_timeouts(timeout: timedelta) -> None:
 
 
 def forget_mesh_caches() -> None:
-    clear_props = _lookup("torch.distributed.tensor.debug", "_clear_sharding_prop_cache")
-    if clear_props is None:
-        return  # no DTensor in this build: nothing cached
-    clear_props()
+    api = sys.modules.get("torch.distributed.tensor._api")
+    if api is None:
+        return  # DTensor never loaded in this process: nothing cached
+    # torch.distributed.tensor.debug._clear_sharding_prop_cache does the same two calls, but
+    # importing that module costs most of a second on a joiner's path.
+    clear_python = _python_prop_cache_clear(api)
+    clear_fast = _lookup("torch._C", "_clear_DTensor_sharding_propagator_cache")
+    if clear_python is not None and clear_fast is not None:
+        clear_python()
+        clear_fast()
+    else:
+        clear_props = _lookup("torch.distributed.tensor.debug", "_clear_sharding_prop_cache")
+        if clear_props is None:
+            _once(f"{PROP_CACHE} (sharding plans may outlive a re-form)")
+            return
+        clear_props()
     clear_plans = _lookup("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache")
     if clear_plans is not None:
         clear_plans()
