@@ -8,35 +8,23 @@ Run as `python -m tests.test_control_group <out file> <port>`, the module is one
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from spotguard.processes import free_port
-from tests.workers.launch import ROOT, base_env
+from tests.workers.launch import run_ranks
 
 pytestmark = pytest.mark.slow
 
 
 def test_one_set_of_groups_per_formation_shared_by_the_guard_and_the_adapter(tmp_path):
-    port, rdzv = str(free_port()), str(free_port())
-    procs = []
-    for rank in range(2):
-        env = base_env()
-        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.test_control_group",
-                                       str(tmp_path / f"rank{rank}.json"), rdzv, str(tmp_path / "ckpt")],
-                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    rdzv = str(free_port())
+    codes, tail = run_ranks(2, [str(tmp_path / "rank{rank}.json"), rdzv, str(tmp_path / "ckpt")], tmp_path / "logs",
+                            timeout=300, module="tests.test_control_group")
+    assert codes == [0, 0], tail
     for rank in range(2):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen == {"groups_made": 2, "guard_on_control": True, "adapter_on_checkpoint": True,
@@ -94,4 +82,4 @@ def _worker(out: str, rdzv_port: int, ckpt: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    _worker(sys.argv[1].format(rank=os.environ["RANK"]), int(sys.argv[2]), sys.argv[3])
