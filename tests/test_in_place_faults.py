@@ -109,10 +109,12 @@ def test_a_joiner_dying_after_forming_costs_the_fsdp2_survivors_at_most_the_refo
 
 
 def test_no_worker_outlives_a_launcher_killed_while_it_is_blocked_in_a_change(tmp_path):
-    """The survivors wait in the change (re-form timeout 120 s) for a joiner that died after
-    forming; b's launcher is SIGKILLed: b's worker leaves within its grace (2 s, plus slack)."""
+    """The survivors wait in the change (re-form timeout 120 s) for a joiner that hangs after
+    forming (alive, so its connections stay open: a joiner that exits can make their next
+    collective fail at once instead); b's launcher is SIGKILLed: b's worker leaves within its
+    grace (2 s, plus slack)."""
     env = {"SPOTGUARD_REFORM_TIMEOUT": "120", "SPOTGUARD_GRACE_SECONDS": "2", "FAIL_AT": "formed-joiner",
-           "FAIL_NODE": "d", "FAIL_HOW": "exit"}
+           "FAIL_NODE": "d", "FAIL_HOW": "hang"}
     with Hosts(tmp_path / "run", "fsdp2", tmp_path / "ckpt", LONG, env=env, launched=True) as hosts:
         hosts.start(["b", "c"])
         hosts.join("d")
@@ -120,7 +122,7 @@ def test_no_worker_outlives_a_launcher_killed_while_it_is_blocked_in_a_change(tm
         hosts.wait_step("b", 2)
         worker_b = hosts.pid("b")
         hosts.push(1, ["b", "c", "d"])
-        hosts.wait(["d"], timeout=240)  # d's worker died after the group formed: b and c are in the change
+        hosts.wait_for("hung-d", timeout=240)  # d's worker hangs after the group formed: b and c wait in the change
         assert hosts.procs["b"].poll() is None and alive(worker_b), hosts.tail()
         hosts.procs["b"].kill()
         hosts.procs["b"].wait(10)

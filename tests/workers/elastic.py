@@ -13,7 +13,8 @@ Files written into --out (the tests read them):
   after loading a checkpoint), `save` (the agreed step) and `final`;
 - resize-<node>.jsonl: one line per change (outcome, ranks, pause, phases);
 - exit-<node>: the exit status.
-Fault injection (tests only): FAIL_AT=<phase>, FAIL_NODE=<node>, FAIL_HOW=raise|exit.
+Fault injection (tests only): FAIL_AT=<phase>, FAIL_NODE=<node>, FAIL_HOW=raise|exit|hang (hang: until
+its parent, the launcher, is gone, or 600 s).
 """
 from __future__ import annotations
 
@@ -74,6 +75,12 @@ def main(argv=None) -> int:
     def maybe_fail(phase: str) -> None:
         if phase == fail_at and NODE == fail_node:
             if fail_how == "exit":
+                os._exit(1)
+            if fail_how == "hang":  # alive, its connections open, doing nothing: its peers wait on it
+                (out / f"hung-{NODE}").write_text(str(os.getpid()))
+                parent, deadline = os.getppid(), time.monotonic() + 600
+                while os.getppid() == parent and time.monotonic() < deadline:
+                    time.sleep(0.2)
                 os._exit(1)
             raise RuntimeError(f"injected failure at {phase}")
 
