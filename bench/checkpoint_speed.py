@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/checkpoint_speed.py                      # ~1 GB of state (default)
     .venv/bin/python bench/checkpoint_speed.py --size-mb 256 --repeat 3 --dir /mnt/pvc/tmp
+    python3 bench/checkpoint_speed.py --device cuda --skip-deepspeed   # the state on a GPU
 
 The state is a model (Linear layers) plus its AdamW state after one step, ~--size-mb in all. In
 one run, each round saves these same bytes once per method:
@@ -15,6 +16,18 @@ one run, each round saves these same bytes once per method:
   fsync of the same bytes.
 Goals (issue 21), for every adapter: stall <= 2x memcpy, durable <= 1.25x the raw write. Files go
 to a temporary directory (under /tmp unless --dir) removed at the end.
+
+With `--device cuda` the model and its optimizer state live on the GPU, and the engine's buffers
+are pinned host memory filled on a side stream. The memcpy limit is then a device-to-host copy
+into preallocated pinned buffers (synchronised); the stall has two rows per adapter: the host's (the time
+`adapter.save` holds the loop before queueing the copy), and "GPU stall", the time the training
+stream waits for that same save's snapshot (its copy into the pinned buffers, timed with CUDA
+events on the GPU). Each adapter's buffers must be allocated once, at `prepare()`: the bench
+prints how many allocations each made (1 expected). Extra
+rows: `tensor.cpu()` of the state (pageable, allocating) and a copy into pageable preallocated
+buffers, the two ways a snapshot is usually written. After the rounds every adapter saves once
+more, the model and optimizer are zeroed, `adapter.resume()` loads the checkpoint back onto the
+device, and the bench checks every tensor is bit-identical to what was saved ("verify" lines).
 """
 from __future__ import annotations
 
@@ -41,12 +54,12 @@ ADAPTERS = ("PlainTorchAdapter.save (notice)", "TorchDCPAdapter.save (notice)",
             "DeepSpeedAdapter.save (notice, ZeRO-0)")
 
 
-def build_state(size_mb: int):
+def build_state(size_mb: int, device: str = "cpu"):
     """A Linear stack + AdamW (one step taken): parameters are a third of the bytes."""
     params_bytes = size_mb * (1 << 20) // 3
     width = 2048
     layers = max(1, params_bytes // (width * width * 4))
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -60,18 +73,49 @@ def tensors_of(state) -> list[torch.Tensor]:
     return [t for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
 
 
-def measure_memcpy(state) -> float:
+def on_gpu(state) -> bool:
+    return any(t.is_cuda for t in tensors_of(state))
+
+
+def sync(state) -> None:
+    if on_gpu(state):
+        torch.cuda.synchronize()
+
+
+def measure_memcpy(state, pinned: bool | None = None) -> float:
+    """A copy into preallocated host buffers (pinned ones when the state is on a GPU, unless
+    `pinned` says otherwise), synchronised."""
     tensors = tensors_of(state)
-    dst = [torch.empty_like(t) for t in tensors]
+    pin = on_gpu(state) if pinned is None else pinned
+    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.numel() > 0) for t in tensors]
     for d in dst:
         d.zero_()  # fault the pages in first, as the engine does when it allocates
+    sync(state)
     started = time.perf_counter()
     for d, t in zip(dst, tensors):
-        d.copy_(t)
+        d.copy_(t, non_blocking=pin)
+    sync(state)
     return time.perf_counter() - started
 
 
+def measure_cpu_copy(state) -> float:
+    """`tensor.cpu()` of every tensor: pageable host memory allocated by the copy."""
+    sync(state)
+    started = time.perf_counter()
+    copies = [t.cpu() for t in tensors_of(state)]
+    elapsed = time.perf_counter() - started
+    del copies
+    return elapsed
+
+
+def gpu_stall(adapter) -> float | None:
+    """What the training stream waited for in the adapter's last save: its snapshot's copy into
+    the pinned buffers, timed on the GPU by CUDA events (None on CPU)."""
+    return adapter.snapshot_engine.buffers.gpu_copy_seconds()
+
+
 def measure_raw_write(state, directory: Path) -> float:
+    """One sequential write + fsync of the state's bytes (host tensors: a GPU state's host copy)."""
     started = time.perf_counter()
     fd = os.open(directory / "raw.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -130,7 +174,7 @@ def measure_adapter(adapter, step: int) -> tuple[float, float]:
     return adapter.snapshot_engine.snapshot_seconds[-1], durable
 
 
-def init_gloo() -> None:
+def init_gloo(with_deepspeed: bool = True) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -139,9 +183,33 @@ def init_gloo() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not with_deepspeed:
+        dist.init_process_group("gloo")
+        return
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
+
+
+def verify_resume(adapters: dict, model, opt, step: int) -> bool:
+    """Each adapter saves `step`, the state is zeroed, `resume()` loads it back: bit-identical?"""
+    reference = [t.detach().cpu().clone() for t in tensors_of({"m": model.state_dict(), "o": opt.state_dict()})]
+    ok = True
+    for name, adapter in adapters.items():
+        adapter.save(step, reason="notice")
+        with torch.no_grad():
+            for t in tensors_of({"m": model.state_dict(), "o": opt.state_dict()}):
+                if t.is_floating_point():
+                    t.zero_()
+        start = adapter.resume()  # the step to start from: the saved one + 1
+        now = tensors_of({"m": model.state_dict(), "o": opt.state_dict()})
+        same = len(now) == len(reference) and all(torch.equal(a.cpu(), b) for a, b in zip(now, reference))
+        devices = sorted({str(t.device) for t in now})
+        passed = same and start == step + 1
+        print(f"verify {name}: resume() -> start {start}, {len(now)} tensors on {devices}, "
+              f"{'bit-identical' if passed else 'MISMATCH'}", flush=True)
+        ok &= passed
+    return ok
 
 
 def settle(directory: Path) -> None:
@@ -180,8 +248,12 @@ def print_table(label: str, rows: dict, nbytes: int) -> None:
         if name not in rows:
             continue
         stall, durable = rows[name]
-        print(f"  {name}: stall {stall / memcpy:.2f}x {'MET' if stall <= 2 * memcpy else 'NOT MET'}; "
-              f"durable {durable / raw:.2f}x {'MET' if durable <= 1.25 * raw else 'NOT MET'}")
+        gpu_stall = rows.get(f"{name.split('.')[0]} GPU stall (pinned copy-in)", (None,))[0]
+        stall_text = f"stall {stall / memcpy:.2f}x {'MET' if stall <= 2 * memcpy else 'NOT MET'}"
+        if gpu_stall is not None:  # on a GPU the training stream's wait is the stall that counts
+            stall_text = (f"host stall {stall / memcpy:.2f}x, GPU stall {gpu_stall / memcpy:.2f}x "
+                          f"{'MET' if max(stall, gpu_stall) <= 2 * memcpy else 'NOT MET'}")
+        print(f"  {name}: {stall_text}; durable {durable / raw:.2f}x {'MET' if durable <= 1.25 * raw else 'NOT MET'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,7 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="parent directory for the temporary files (default /tmp)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds over all methods; medians shown (default 3)")
     parser.add_argument("--skip-deepspeed", action="store_true", help="leave out the DeepSpeed rows")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model and optimizer state live (default cpu)")
+    parser.add_argument("--no-verify", action="store_true", help="skip the save / zero / resume check")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no GPU visible to torch", file=sys.stderr)
+        return 1
     wall = time.perf_counter()
     parent = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     free = shutil.disk_usage(parent).free
@@ -202,10 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
     from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 
-    init_gloo()
-    model, opt = build_state(args.size_mb)
+    init_gloo(with_deepspeed=not args.skip_deepspeed)
+    model, opt = build_state(args.size_mb, args.device)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
+    gpu = args.device == "cuda"
+    host_state = [t.detach().cpu() for t in tensors_of(state)] if gpu else state  # the raw write's bytes
     work = Path(tempfile.mkdtemp(prefix="spotguard-bench-", dir=parent))
     adapters = {ADAPTERS[0]: PlainTorchAdapter(model, opt, store=CheckpointStore(work / "store-plain", keep_last=1)),
                 ADAPTERS[1]: TorchDCPAdapter(model, opt, store=CheckpointStore(work / "store-dcp", keep_last=1))}
@@ -221,21 +301,28 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, tuple[float | None, float | None]]] = []
     try:
         load = os.getloadavg()
-        print(f"state: {nbytes / 1e6:.0f} MB in {len(tensors_of(state))} tensors; dir {work} "
+        where = torch.cuda.get_device_name() if gpu else "cpu"
+        print(f"state: {nbytes / 1e6:.0f} MB in {len(tensors_of(state))} tensors on {where}; dir {work} "
               f"({free / 2**30:.0f} GiB free); {os.cpu_count()} CPUs, load {load[0]:.1f} / {load[1]:.1f}; "
               f"{args.repeat} round(s)", flush=True)
         for adapter in adapters.values():
             adapter.prepare()  # the buffers, allocated before any notice
-        measure_raw_write(state, work)  # warm-up: the first write to fresh disk blocks is slower here
+        measure_raw_write(host_state, work)  # warm-up: the first write to fresh disk blocks is slower here
         for round_no in range(args.repeat):
             rows: dict[str, tuple[float | None, float | None]] = {}
             settle(work)
             rows[MEMCPY] = (measure_memcpy(state), None)
             settle(work)
-            rows[RAW] = (None, measure_raw_write(state, work))
+            rows[RAW] = (None, measure_raw_write(host_state, work))
+            if gpu:
+                rows["copy into pageable preallocated buffers"] = (measure_memcpy(state, pinned=False), None)
+                rows["tensor.cpu() (pageable, allocating)"] = (measure_cpu_copy(state), None)
             for name, adapter in adapters.items():
                 settle(work)
+                sync(state)
                 rows[name] = measure_adapter(adapter, round_no + 1)
+                if gpu:
+                    rows[f"{name.split('.')[0]} GPU stall (pinned copy-in)"] = (gpu_stall(adapter), None)
             settle(work)
             t = measure_torch_save(state, work)
             rows["torch.save + fsync"] = (t, t)
@@ -250,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
             ratios = ", ".join(f"{name.split('.')[0]} {rows[name][1] / rows[RAW][1]:.2f}x" for name in adapters)
             print(f"round {round_no + 1} done, load {os.getloadavg()[0]:.1f}; durable / raw write: {ratios}",
                   flush=True)
+        allocations = {name.split(".")[0]: a.snapshot_engine.buffers.allocations for name, a in adapters.items()}
+        print(f"snapshot buffer allocations over the rounds (1 expected): {allocations}", flush=True)
+        verified = True if args.no_verify else verify_resume(adapters, model, opt, args.repeat + 1)
     finally:
         for adapter in adapters.values():
             adapter.close()
@@ -261,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         print_table(label, rows, nbytes)
     print(f"\nsize {nbytes / 1e6:.0f} MB; load at the end {os.getloadavg()[0]:.1f}; "
           f"bench wall time {time.perf_counter() - wall:.1f}s")
-    return 0
+    if not verified:
+        print("a resumed state differs from the saved one (see the verify lines)", file=sys.stderr)
+    return 0 if verified else 1
 
 
 if __name__ == "__main__":

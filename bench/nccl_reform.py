@@ -50,6 +50,17 @@ def form_and_check(rdzv, prefix: str, rank: int, world: int, report, backend: st
     report.put((prefix, rank, world, float(ones.item()) == world and voted, formed))
 
 
+def finish(backend: str) -> None:
+    """The walk's last formation ends as a job does, every peer alive: a plain destroy."""
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.synchronize()
+    dist.destroy_process_group()
+
+
 def member(rank: int, world: int, port: int, backend: str, report, plan: str) -> None:
     """`plan`: "walk" (ranks of g0; the last leaves after g0 unless alone), or "join" (g2 only)."""
     os.environ.update(RECIPE_ENV)
@@ -64,6 +75,7 @@ def member(rank: int, world: int, port: int, backend: str, report, plan: str) ->
             nccl.check(rdzv.timeout)
         if plan == "join":
             form_and_check(rdzv, "g2/", rank, world, report, backend)
+            finish(backend)
             return
         form_and_check(rdzv, "g0/", rank, world, report, backend)
         t0 = time.monotonic()
@@ -80,6 +92,7 @@ def member(rank: int, world: int, port: int, backend: str, report, plan: str) ->
         form_and_check(rdzv, "g1/", rank, max(world - 1, 1), report, backend)
         if world > 1:
             form_and_check(rdzv, "g2/", rank, world, report, backend)
+        finish(backend)
     except Exception as exc:  # every failure is a line of the report
         report.put(("error", rank, world, False, f"{type(exc).__name__}: {exc}"))
 

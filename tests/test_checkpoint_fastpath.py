@@ -97,7 +97,8 @@ def test_buffers_are_allocated_once_and_hold_the_state_of_the_step(tmp_path):
         snap = engine.snapshot(state_of(model, opt, 5), step=5)
         assert not first.valid and snap.valid
         assert [t.data_ptr() for t in snap.state["model"].values()] == pointers  # no new allocation
-        assert engine.buffers.allocations == 1
+        assert engine.buffers.allocations == 1 and not engine.buffers.pinned
+        assert engine.buffers.gpu_copy_seconds() is None  # timed by CUDA events only for a GPU state
         assert all(t.data_ptr() != b.data_ptr() for t, b in zip(model.state_dict().values(),
                                                                 snap.state["model"].values()))
         with torch.no_grad():

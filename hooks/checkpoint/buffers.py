@@ -16,6 +16,8 @@ same spec over it, so a sharded writer (DCP) sees the same layout.
   stream: `copy_in` returns once they are queued, the training stream waits for them before
   its next kernel (so the state cannot change under the copy), and `ready()` blocks the reader
   (the writer) until the bytes are on the host. On CPU `copy_in` is the copy itself.
+  `gpu_copy_seconds()` is how long the last GPU copy ran on the device (CUDA events): the time
+  the training stream waits for a snapshot, which the host-side time of `copy_in` does not show.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class SnapshotBuffers:
         self._pinned = False
         self._stream: Any = None
         self._copied: Any = None  # the CUDA event of the last copy (GPU only)
+        self._copy_started: Any = None  # the CUDA event recorded before it
         self.allocations = 0
 
     @property
@@ -106,10 +109,13 @@ class SnapshotBuffers:
         if self._pinned:
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream())
+            self._copy_started = torch.cuda.Event(enable_timing=True)
+            self._copy_started.record(stream)
             with torch.cuda.stream(stream):
                 for buffer, source in pairs:
                     buffer.copy_(source, non_blocking=True)
-            self._copied = stream.record_event()
+            self._copied = torch.cuda.Event(enable_timing=True)
+            self._copied.record(stream)
             torch.cuda.current_stream().wait_event(self._copied)
         else:
             for buffer, source in pairs:
@@ -122,6 +128,13 @@ class SnapshotBuffers:
         """Returns once the last copy's bytes are in the buffers (at once on CPU)."""
         if self._copied is not None:
             self._copied.synchronize()
+
+    def gpu_copy_seconds(self) -> float | None:
+        """Seconds the last copy ran on the GPU (waits for it); None on CPU or before a copy."""
+        if self._copied is None or self._copy_started is None:
+            return None
+        self._copied.synchronize()
+        return self._copy_started.elapsed_time(self._copied) / 1000.0
 
 
 def _kept_whole(node: Any) -> bool:
