@@ -108,9 +108,9 @@ def _digests(piece: torch.Tensor) -> list[str]:
 
 def row_digests(adapter) -> dict[str, dict]:
     """{tensor name: {"start": global index of this rank's first row, "rows": [digest per row],
-    "total": the tensor's rows, "replica": bool}} for every parameter and optimizer state tensor this rank holds (read from
-    the live model and optimizer; a Shard(0) piece's first row by FSDP2's rule: torch.chunk's
-    ceil(rows / world) rows per rank)."""
+    "total": the tensor's rows, "replica": bool}} for every parameter and optimizer state tensor
+    this rank holds (read from the live model and optimizer; a Shard(0) piece's first row by
+    FSDP2's rule: torch.chunk's ceil(rows / world) rows per rank)."""
     from torch.distributed.tensor import DTensor, Shard
 
     out: dict[str, dict] = {}
