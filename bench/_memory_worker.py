@@ -126,8 +126,8 @@ def row_digests(adapter) -> dict[str, dict]:
                 raise ValueError(f"{name}: {piece.shape[0]} local rows at rank {rank} of {world}, {rows} rows")
             out[name] = {"start": start, "rows": _digests(piece), "total": rows, "replica": False}
         else:
-            rows = _digests(value)
-            out[name] = {"start": 0, "rows": rows, "total": len(rows), "replica": True}
+            whole = _digests(value)
+            out[name] = {"start": 0, "rows": whole, "total": len(whole), "replica": True}
 
     for name, param in adapter.model.named_parameters():
         add(f"model/{name}", param)
