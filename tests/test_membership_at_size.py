@@ -15,13 +15,12 @@ It costs ~45-60 s on 2 loaded cores (five torch processes, two real steps over 1
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.slow
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "membership_memory.py"
 DIM = 9460  # 12 bytes (a parameter and two moments) x (9460^2 + 9460) = 1.0003 GiB
@@ -36,6 +35,7 @@ def bench_module():
     return module
 
 
+@pytest.mark.slow
 def test_shrink_and_grow_at_size_keep_the_state_bit_identical_within_a_shards_memory(tmp_path):
     bench = bench_module()
     args = bench.parse(["--dim", str(DIM), "--layers", "1", "--transfers", "shards", "--check", "--timeout", "240"])
@@ -67,3 +67,37 @@ def test_shrink_and_grow_at_size_keep_the_state_bit_identical_within_a_shards_me
         print(f"{change}: peak extra / new shard " + ", ".join(f"{h} {r['ratio']:.2f}x" for h, r in staying.items())
               + f"; seconds {max(r['seconds'] for r in staying.values()):.1f}")
     assert agreed == 1  # the grow took the step the shrink's new group trained
+
+
+def write_digests(folder: Path, change: str, when: str, pieces: dict[str, dict[str, dict]]) -> None:
+    for host, tensors in pieces.items():
+        (folder / f"{host}-{change}-{when}.json").write_text(json.dumps(tensors))
+
+
+def sharded(start: int, rows: list[str], total: int) -> dict:
+    return {"start": start, "rows": rows, "total": total, "replica": False}
+
+
+def test_the_digest_check_sees_a_moved_row_a_missing_row_and_differing_replicas(tmp_path):
+    """The checker the size test relies on, on hand-made row digests: the same rows cut at
+    another world size are the same tensor; a row out of place, a row nobody holds, or two
+    replicas that differ are not."""
+    bench = bench_module()
+    step = {"start": 0, "rows": ["s"], "total": 1, "replica": True}
+    write_digests(tmp_path, "shrink", "before", {"a": {"w": sharded(0, ["r0", "r1"], 3), "step": step},
+                                                 "b": {"w": sharded(2, ["r2"], 3), "step": step}})
+    write_digests(tmp_path, "shrink", "after", {"a": {"w": sharded(0, ["r0"], 3), "step": step},
+                                                "b": {"w": sharded(1, ["r1", "r2"], 3), "step": step}})
+    assert bench.changed_tensors(tmp_path, "shrink") == []
+    write_digests(tmp_path, "grow", "before", {"a": {"w": sharded(0, ["r0", "r1", "r2"], 3), "step": step}})
+    write_digests(tmp_path, "grow", "after", {"a": {"w": sharded(0, ["r1", "r0"], 3), "step": step},
+                                              "b": {"w": sharded(2, ["r2"], 3), "step": dict(step, rows=["t"])}})
+    with pytest.raises(ValueError, match="step: the replicas differ"):
+        bench.merged_digests(tmp_path, "grow", "after")
+    write_digests(tmp_path, "grow", "after", {"a": {"w": sharded(0, ["r1", "r0"], 3), "step": step},
+                                              "b": {"w": sharded(2, ["r2"], 3), "step": step}})
+    assert bench.changed_tensors(tmp_path, "grow") == ["w"]  # rows 0 and 1 swapped
+    write_digests(tmp_path, "grow", "after", {"a": {"w": sharded(0, ["r0"], 3), "step": step},
+                                              "b": {"w": sharded(2, ["r2"], 3), "step": step}})
+    with pytest.raises(ValueError, match="w: rows from 2 follow 1 rows"):
+        bench.merged_digests(tmp_path, "grow", "after")
