@@ -7,16 +7,18 @@ chosen by SPOTGUARD_RESHARD (shards | gather).
 
 Hosts a, b, c, d start at 4 (port P1); d leaves (4 -> 3, port P2); e joins (3 -> 4, port P3),
 starting when the bench starts it. The old group's ranks take one optimizer step on gradients
-of their own (no collective: it only gives the AdamW moments their values), then each change is
-followed by one real training step (FSDP2 forward, backward, optimizer) in the new group.
+of their own (no collective: it only gives the AdamW moments their values); the shrink is
+followed by another such step, the grow by one real training step (FSDP2 forward, backward,
+optimizer) in the new group (a real step over 1 GiB of state costs ~10 s on 2 loaded cores).
 Writes <out>/<host>.jsonl lines: {"event": "begin"|"end", "change": "shrink"|"grow",
 "t": time.monotonic()} around each change this host takes part in, and at each end
 "new_shard_bytes" (its pieces' bytes after the change), "sent_bytes", "planned_bytes"/
 "minimum_bytes" (the shards plan's), "seconds", "agreed_step" / "held_step" (the step handed
-over and the one received); then a "trained" line with the loss and AdamW's step count of the
-training step that follows. With --digests, also <out>/<host>-<change>-before.json (old group,
-before the change) and -after.json (new group, after the load, before training): `row_digests`
-of the live model and optimizer, read independently of the reshard code.
+over and the one received); then a "trained" line with AdamW's step count after the step that
+follows and the loss of a real step (None after the optimizer-only one). With --digests, also
+<out>/<host>-<change>-before.json (old group, before the change) and -after.json (new group,
+after the load, before training): `row_digests` of the live model and optimizer, read
+independently of the reshard code.
 """
 from __future__ import annotations
 
@@ -226,7 +228,11 @@ def main() -> int:
         digests(change, "after")
         dist.barrier()
         time.sleep(0.1)
-        loss = train_step(adapter, args.dim)  # the new state trains on, from the step it received
+        loss = None  # the new state trains on from the step it received
+        if change == "grow":
+            loss = train_step(adapter, args.dim)
+        else:
+            moments_step(adapter)
         step += 1
         note(event="trained", change=change, step=step, loss=loss, adam_step=adam_step(adapter))
     dist.destroy_process_group()

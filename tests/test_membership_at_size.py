@@ -10,8 +10,10 @@ runs it (the bench's workers and its RSS sampler). Checked from outside the chan
   rank) holds on every rank by construction;
 - only the bytes the layouts require move;
 - training goes on from the step handed over: every rank of the new group received the agreed
-  step, and the next real FSDP2 step (forward, backward, AdamW) in the new group counts on from it.
-It costs ~45-60 s on 2 loaded cores (five torch processes, two real steps over 1 GiB of state)."""
+  step, and the next step counts on from it (after the shrink an optimizer step, after the grow
+  a real FSDP2 step: forward, backward, AdamW, joiner included).
+It costs 60-100 s on 2 cores at load 7-13 (five torch processes started at once, a real step over
+1 GiB of state ~10 s, each change 3-5 s)."""
 from __future__ import annotations
 
 import importlib.util
@@ -63,7 +65,8 @@ def test_shrink_and_grow_at_size_keep_the_state_bit_identical_within_a_shards_me
         for host, row in staying.items():
             assert row["held_step"] == agreed, (change, host, row)
             assert row["trained_step"] == agreed + 1 and row["adam_step"] == agreed + 2, (change, host, row)
-            assert math.isfinite(row["loss"])
+            if change == "grow":  # a real step
+                assert math.isfinite(row["loss"]), (host, row)
         print(f"{change}: peak extra / new shard " + ", ".join(f"{h} {r['ratio']:.2f}x" for h, r in staying.items())
               + f"; seconds {max(r['seconds'] for r in staying.values()):.1f}")
     assert agreed == 1  # the grow took the step the shrink's new group trained
