@@ -12,7 +12,7 @@ runs it (the bench's workers and its RSS sampler). Checked from outside the chan
 - training goes on from the step handed over: every rank of the new group received the agreed
   step, and the next step counts on from it (after the shrink an optimizer step, after the grow
   a real FSDP2 step: forward, backward, AdamW, joiner included).
-It costs 51-71 s on 2 cores at load 9-13 (five torch processes started at once, the real step
+It costs 36-96 s on 2 cores at load 6-13 (five torch processes started at once, the real step
 over 1 GiB of state ~10 s, each change 2-4 s); a transfer that skips one tensor's kept rows fails
 it (checked by hand)."""
 from __future__ import annotations
