@@ -13,8 +13,8 @@ Without SPOTGUARD_IN_PLACE the Guard drains on a notice as today: every rank che
 
 Files written into --out, appended to by every process that runs as host SPOTGUARD_NODE:
 - steps-<node>.jsonl: {"step", "t" (time.monotonic(), the same clock in every process of the
-  machine), "wall" (time.time(), the clock of the Guard's records), "world", "pid"} once each
-  step is complete, before the Guard's boundary;
+  machine), "wall" (time.time(), the clock of the Guard's records), "world", "pid", "optimizer"
+  (seconds of the step's optimizer step)} once each step is complete, before the Guard's boundary;
 - resize-<node>.jsonl: one line per in-place change, the Guard's record ("pause", "phases",
   "started": time.time() at the agreement) plus "save", the seconds of its durable checkpoint.
 The job ends, exit 0, after the step named in `<out>/stop-at` (written by the bench well ahead
@@ -51,6 +51,12 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def timed(call) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
 def torch_job(framework: str, ckpt: str):
     """(adapter, one_step(x, y)) for DDP / FSDP2 through the DCP adapter, resizable in place."""
     from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
@@ -59,10 +65,10 @@ def torch_job(framework: str, ckpt: str):
     model, optimizer = build()
     adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=ckpt, build=build)
 
-    def one_step(x, y) -> None:
+    def one_step(x, y) -> float:
         adapter.optimizer.zero_grad()
         torch.nn.functional.mse_loss(adapter.model(x), y).backward()
-        adapter.optimizer.step()
+        return timed(adapter.optimizer.step)
     return adapter, one_step
 
 
@@ -75,12 +81,13 @@ def sized_job(ckpt: str, dim: int, layers: int):
     build = builder(dim, layers)
     adapter = TorchDCPAdapter(*build(), checkpoint_dir=ckpt, build=build)
 
-    def one_step(_x, _y) -> None:
+    def one_step(_x, _y) -> float:
         x = torch.full((2, dim), 0.01)
         adapter.optimizer.zero_grad(set_to_none=True)
         adapter.model(x).square().mean().backward()
-        adapter.optimizer.step()
+        seconds = timed(adapter.optimizer.step)
         adapter.optimizer.zero_grad(set_to_none=True)
+        return seconds
     return adapter, one_step
 
 
@@ -99,9 +106,9 @@ def deepspeed_job(ckpt: str):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                                            config=config)
 
-    def one_step(x, y) -> None:
+    def one_step(x, y) -> float:
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-        engine.step()
+        return timed(engine.step)
     return DeepSpeedAdapter(engine, checkpoint_dir=ckpt), one_step
 
 
@@ -140,10 +147,10 @@ def main(argv=None) -> int:
     stop_at, prepared = None, False
     with open(out / f"steps-{node}.jsonl", "a", buffering=1) as steps:
         for step in range(start, args.max_steps):
-            one_step(*batch(step, guard.rank, guard.world_size))
+            optimizer = one_step(*batch(step, guard.rank, guard.world_size))
             time.sleep(args.step_sleep)
             steps.write(json.dumps({"step": step, "t": time.monotonic(), "wall": time.time(),
-                                    "world": guard.world_size, "pid": os.getpid()}) + "\n")
+                                    "world": guard.world_size, "pid": os.getpid(), "optimizer": optimizer}) + "\n")
             stop_at = stop_step(out / "stop-at") if stop_at is None else stop_at
             if stop_at is not None and step >= stop_at:
                 break

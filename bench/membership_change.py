@@ -260,7 +260,9 @@ def step_gap(job: Job, step: int) -> float:
 def phase_split(job: Job, step: int, index: int) -> dict[str, float]:
     """The slowest survivor's gap around change `index` (agreed at `step`) by phase, in seconds:
     agreed (its step complete -> the agreement), each phase of the Guard's record, and the first
-    step after (the rest of the gap: one ordinary step and the Guard's return)."""
+    step after (the rest of the gap: one ordinary step and the Guard's return; "of which
+    optimizer.step": that step's optimizer step, which re-plans DTensor's sharding of every
+    optimizer op on the new mesh)."""
     splits = []
     for node, (before, after) in zip(SURVIVORS, around(job, step)):
         record = job.resizes(node)[index]
@@ -273,8 +275,15 @@ def phase_split(job: Job, step: int, index: int) -> dict[str, float]:
                 split[phase] = record["phases"][phase] - previous
                 previous = record["phases"][phase]
         split["first step"] = (after - before) - split["agreed"] - previous
+        first = next(line for line in job.steps(node) if line["step"] == step + 1)
+        split["of which optimizer.step"] = first.get("optimizer", 0.0)
         splits.append((after - before, split))
     return max(splits, key=lambda pair: pair[0])[1]
+
+
+def median_optimizer(job: Job) -> float:
+    """The median seconds of one optimizer step (every survivor's steps)."""
+    return statistics.median(line.get("optimizer", 0.0) for node in SURVIVORS for line in job.steps(node))
 
 
 def median_step(job: Job) -> float:
@@ -299,6 +308,7 @@ class Row:
     restart_exit_s: float  # last step before -> every rank exited
     restart_start_s: float  # every rank exited -> the slowest survivor's first step after
     phases: dict[str, float] | None = None  # in place: the slowest survivor's gap by phase
+    optimizer_s: float | None = None  # in place: the median optimizer step
 
     @property
     def ratio(self) -> float | None:
@@ -344,15 +354,16 @@ def measure(framework: str, root: Path, args: argparse.Namespace) -> list[Row]:
         before_after = around(restart, step)
         exit_s = exited - max(before for before, _ in before_after)
         start_s = max(after for _, after in before_after) - exited
-        gap = pause = save = phases = None
+        gap = pause = save = phases = optimizer = None
         if in_place is not None:
+            optimizer = median_optimizer(in_place)
             gap = step_gap(in_place, in_place_steps[i])
             records = [in_place.resizes(n)[i] for n in SURVIVORS]
             pause = max(r["pause"] for r in records)
             save = max(r["save"] for r in records)
             phases = phase_split(in_place, in_place_steps[i], i)
         rows.append(Row(framework, change, median_step(in_place or restart), gap, pause, save,
-                        step_gap(restart, step), exit_s, start_s, phases))
+                        step_gap(restart, step), exit_s, start_s, phases, optimizer))
     return rows
 
 
@@ -381,7 +392,8 @@ def render(rows: list[Row]) -> str:
         for r in split:
             assert r.phases is not None
             out.append(f"{r.framework:<10} {r.change:<7} " + "  ".join(
-                f"{name} {r.phases.get(name, 0.0):.3f}" for name in names))
+                f"{name} {r.phases.get(name, 0.0):.3f}" for name in names)
+                + f"  (median optimizer.step {r.optimizer_s or 0.0:.3f})")
     return "\n".join(out)
 
 

@@ -4,6 +4,7 @@ gathered on every rank, pickled, broadcast) and the new one (shards peer to peer
 
     .venv/bin/python bench/membership_memory.py                  # both transfers, dim 4096 x 6 layers
     .venv/bin/python bench/membership_memory.py --dim 1024 --layers 2 --transfers shards   # quick
+    .venv/bin/python bench/membership_memory.py --dim 9460 --layers 1 --transfers shards --check   # the test's
 
 Each rank is its own process (`bench/_memory_worker.py`, gloo on 127.0.0.1, one CPU thread),
 running the transfer exactly as the reformer runs it (`hooks.elastic.transfer`: `hand_over` in
@@ -18,12 +19,18 @@ transfers alike. Bytes: what the shards transfer sent, summed over ranks, agains
 two layouts require (every byte a new rank needs and did not hold); for the gather transfer the
 bytes are estimated (the all-gather of the full state on every old rank, plus the pickled state
 broadcast to every other new rank when anybody joins).
+`--check`: the workers also write a digest of every row of every parameter and AdamW state
+tensor they hold before and after each change (`_memory_worker.row_digests`, read from the live
+model and optimizer), merged here into one digest per tensor of the whole job (`merged_digests`),
+and the bench fails unless the state after each change is bit-identical to the state before it
+(tests/test_membership_at_size.py runs it so, at 1.0 GiB).
 Goals (issue 19): peak extra <= 1.5x the new shard (the gather transfer: ~4.7x); bytes <= 1.1x the
 minimum.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -49,6 +56,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--transfers", default="gather,shards", help="comma-separated: gather, shards")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--check", action="store_true", help="fail unless each change leaves the state bit-identical")
     args = p.parse_args(argv)
     args.transfers = [t.strip() for t in args.transfers.split(",") if t.strip()]
     if not args.transfers or set(args.transfers) - {"gather", "shards"}:
@@ -78,12 +86,20 @@ class Sampler(threading.Thread):
             time.sleep(self.period)
 
 
+def state_bytes(args: argparse.Namespace) -> int:
+    """Parameters + AdamW's two moments of the model (float32)."""
+    return 3 * 4 * args.layers * (args.dim * args.dim + args.dim)
+
+
 def run_transfer(transfer: str, args: argparse.Namespace, folder: Path) -> dict:
+    """Runs the five hosts' workers in `folder` (their logs, events and digests stay there);
+    `measure`'s figures."""
     folder.mkdir(parents=True)
     ports = ",".join(str(free_port()) for _ in range(3))
     env = {**os.environ, "SPOTGUARD_RESHARD": transfer, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     procs = {host: subprocess.Popen([sys.executable, str(WORKER), "--out", str(folder), "--host", host,
-                                     "--ports", ports, "--dim", str(args.dim), "--layers", str(args.layers)],
+                                     "--ports", ports, "--dim", str(args.dim), "--layers", str(args.layers),
+                                     *(["--digests"] if args.check else [])],
                                     env=env, stdout=open(folder / f"{host}.log", "w"), stderr=subprocess.STDOUT)
              for host in HOSTS}
     sampler = Sampler({host: proc.pid for host, proc in procs.items()})
@@ -114,10 +130,47 @@ def measure(folder: Path, samples: dict[str, list[tuple[float, int]]]) -> dict:
             extra = max(during) - before[-1]
             row = {"extra_bytes": extra, "sent_bytes": end.get("sent_bytes"), "left": bool(end.get("left"))}
             if not end.get("left"):
+                trained = next(e for e in events if e["event"] == "trained" and e["change"] == begin["change"])
                 row.update(new_shard_bytes=end["new_shard_bytes"], ratio=extra / end["new_shard_bytes"],
-                           seconds=end["seconds"], minimum_bytes=end.get("minimum_bytes"))
+                           seconds=end["seconds"], minimum_bytes=end.get("minimum_bytes"),
+                           agreed_step=end.get("agreed_step"), held_step=end.get("held_step"),
+                           trained_step=trained["step"], adam_step=trained["adam_step"], loss=trained["loss"])
             out.setdefault(begin["change"], {})[host] = row
     return out
+
+
+def merged_digests(folder: Path, change: str, when: str) -> dict[str, str]:
+    """{tensor name: one digest of the whole tensor} from every host's row digests of `change`
+    (`when`: "before" or "after"); ValueError when the hosts' rows do not cover a tensor exactly
+    once in order, or two replicas differ."""
+    parts: dict[str, list[dict]] = {}
+    for path in sorted(folder.glob(f"*-{change}-{when}.json")):
+        for name, piece in json.loads(path.read_text()).items():
+            parts.setdefault(name, []).append(piece)
+    if not parts:
+        raise ValueError(f"no digests of the {change} ({when}) in {folder}")
+    out = {}
+    for name, pieces in parts.items():
+        if all(p["replica"] for p in pieces):
+            if any(p["rows"] != pieces[0]["rows"] for p in pieces):
+                raise ValueError(f"{name}: the replicas differ between ranks")
+            rows = pieces[0]["rows"]
+        else:
+            rows = []
+            for piece in sorted(pieces, key=lambda p: p["start"]):
+                if piece["replica"] or piece["start"] != len(rows):
+                    raise ValueError(f"{name}: rows from {piece['start']} follow {len(rows)} rows")
+                rows += piece["rows"]
+        if len(rows) != pieces[0]["total"]:
+            raise ValueError(f"{name}: {len(rows)} of its {pieces[0]['total']} rows held")
+        out[name] = hashlib.sha256("".join(rows).encode()).hexdigest()
+    return out
+
+
+def changed_tensors(folder: Path, change: str) -> list[str]:
+    """The tensors whose whole value after `change` differs from before it (empty: bit-identical)."""
+    before, after = merged_digests(folder, change, "before"), merged_digests(folder, change, "after")
+    return sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
 
 
 def gather_bytes(total: int, old: int, new: int, joiners: int) -> int:
@@ -126,7 +179,7 @@ def gather_bytes(total: int, old: int, new: int, joiners: int) -> int:
 
 def report(results: dict, args: argparse.Namespace) -> bool:
     ok = True
-    total = 3 * 4 * args.layers * (args.dim * args.dim + args.dim)
+    total = state_bytes(args)
     print(f"FSDP2, {args.layers} x Linear({args.dim}, {args.dim}), parameters + AdamW moments = "
           f"{total / 2**30:.2f} GiB; RSS sampled from outside every 10 ms")
     for transfer, changes in results.items():
@@ -161,11 +214,18 @@ def report(results: dict, args: argparse.Namespace) -> bool:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    results = {}
+    results, changed = {}, {}
     with tempfile.TemporaryDirectory(prefix="membership-memory-") as tmp:
         for transfer in args.transfers:
             results[transfer] = run_transfer(transfer, args, Path(tmp) / transfer)
+            if args.check:
+                changed[transfer] = {c: changed_tensors(Path(tmp) / transfer, c) for c in results[transfer]}
     ok = report(results, args)
+    for transfer, changes in changed.items():
+        for change, names in changes.items():
+            print(f"[{transfer}] {change}: the state after it is "
+                  f"{'bit-identical to the state before' if not names else 'DIFFERENT in ' + ', '.join(names)}")
+            ok = ok and not names
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0 if ok else 1

@@ -21,8 +21,10 @@ Contract, on every rank of a change:
 2. `receive(collectives, adapter, held)` in the NEW group (`held` None on a joiner): the lowest
    rank holding state broadcasts the manifest (step, extras, old world, survivors, tensor names,
    shapes, layouts; JSON, a few bytes per tensor), every rank makes the same plan, joiners allocate
-   their pieces, and the staying ranks send joiners and each other the rows that moved between
-   them, then the relayed rows on to their joiners. Returns the `HeldState` every rank then loads.
+   their pieces (a parameter or buffer of the model the joiner built, of the plan's shape, is
+   received straight into that model's own piece: no second copy of the parameters), and the
+   staying ranks send joiners and each other the rows that moved between them, then the relayed
+   rows on to their joiners. Returns the `HeldState` every rank then loads.
 3. `load(adapter, held)`: the pieces become the rebuilt model's and optimizer's state
    (`adapter.load_shards`); with the gather transfer, `adapter.load_full_state`.
 `held.sent_bytes` counts the bytes this rank sent, `held.plan` is the plan (tests, bench).
@@ -92,13 +94,26 @@ def _plan(manifest: dict[str, Any], old_world: int, new_world: int, survivors: d
     return ReshardPlan.make(specs(manifest), old_world, new_world, survivors)
 
 
-def _allocate(held: HeldState, new_rank: int, device: Any) -> None:
-    from spotguard.hooks.elastic.reshard_state import empty_piece
+def _allocate(held: HeldState, new_rank: int, device: Any, own: dict[str, Any] | None = None) -> None:
+    """This rank's new pieces: `own[name]` (a piece this rank's model already holds) where it has
+    the plan's shape and dtype and is contiguous, else a new empty piece."""
+    from spotguard.hooks.elastic.reshard_state import empty_piece, local_shape
 
     assert held.plan is not None and held.manifest is not None
     for index, entry in enumerate(held.manifest["entries"]):
         start, stop = held.plan.new_rows(index, new_rank)
-        held.targets[index] = empty_piece(entry, stop - start, device)
+        piece = (own or {}).get(entry["name"])
+        if piece is None or not piece.is_contiguous() or list(piece.shape) != local_shape(entry, stop - start) \
+                or str(piece.dtype).removeprefix("torch.") != entry["dtype"]:
+            piece = empty_piece(entry, stop - start, device)
+        held.targets[index] = piece
+
+
+def _model_pieces(adapter: Any) -> dict[str, Any]:
+    """The parameters' and buffers' local pieces of the model `adapter` holds, by manifest name."""
+    mine = adapter.shard_state()
+    return {entry["name"]: piece for entry, piece in zip(mine.manifest["entries"], mine.pieces)
+            if entry["name"].startswith(("model/", "buffer/"))}
 
 
 def hand_over(collectives: Collectives, adapter: Any, step: int, extra: dict[str, Any], reform: Any) -> HeldState:
@@ -162,7 +177,7 @@ def receive(collectives: Collectives, adapter: Any, held: HeldState | None, *, s
         held = HeldState(int(header["step"]), None, dict(header["extra"] or {}), header["manifest"],
                          int(header["old_world"]), survivors)
         held.plan = _plan(header["manifest"], held.old_world, world, survivors)
-        _allocate(held, me, adapter.shard_device())
+        _allocate(held, me, adapter.shard_device(), _model_pieces(adapter))
     assert held.plan is not None and held.plan.new_world == world, "the plan was made for another world size"
     from_staying = [m for m in held.plan.moves if not held.plan.leaves(m.src)]
     held.sent_bytes += run_moves(held.plan, from_staying, me, lambda old: survivors[old], lambda new: new,
