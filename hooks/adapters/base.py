@@ -362,6 +362,8 @@ class StoreAdapter:
             log.exception("rank %d could not write its part of checkpoint %s", self.rank, tag)
             ok = False
         if not self._all_ok(ok):
+            if pending is not None:  # every rank stopped writing: the next open's cleanup may remove it
+                pending.close()
             raise CheckpointFailed(f"checkpoint {tag}: a rank failed to write its part")
         info, ok = None, True
         if self.rank == 0:
