@@ -3,7 +3,8 @@
 For the Trainer, Accelerate and Lightning, one test each, three runs of the reference script:
 1. two ranks; a notice delivered to ONE rank mid-epoch (the stand-in sidecar only rank 1
    connects to, or SIGTERM to rank 1 alone) makes every rank save the same global step through
-   the one snapshot engine in the framework's own format (the store's commit); both exit 83; the framework's own resume picks that checkpoint;
+   the one snapshot engine, in the framework's own format, committed by the store; both exit 83;
+   the framework's own resume picks that checkpoint;
 2. two ranks resume from it with rank 0's save failing (`--fail-save`): a second notice ends the
    run with 84 on every rank (no rank left waiting) and the previous checkpoint stays the newest,
    nothing staged left behind;
@@ -42,7 +43,8 @@ def staged_leftovers(ckpt) -> list[str]:
     """What a failed or killed save left, once the store was opened again (as the next run does): the
     pending directory of a dead writer is removed then; nothing else may be left."""
     CheckpointStore(ckpt)
-    return [p.name for p in ckpt.iterdir() if "spotguard-tmp" in p.name or p.name.startswith((".pending-", ".spotguard-"))]
+    return [p.name for p in ckpt.iterdir()
+            if "spotguard-tmp" in p.name or p.name.startswith((".pending-", ".spotguard-"))]
 
 
 def engine_checkpoint(ckpt, step: int) -> dict:
