@@ -21,10 +21,11 @@ Contract:
 - `write_captured(pending, state, root)` makes them this rank's files of a pending checkpoint,
   at the same paths relative to `root`: each file the framework wrote under `root`
   is renamed into the pending directory and fsynced; each recorded object is written in the
-  framework's format (`torch.save` through `save_torch_file`: CRC-32 kept as it streams out,
-  written back behind; safetensors through `safetensors.torch.save_file`, then checksummed and
-  fsynced), all files at once, one thread each. It returns once every file is durable and
-  recorded; on an error it waits for the other writers, then raises the first error.
+  framework's format (`torch.save` through `save_torch_file_spread`: the file's pieces written by
+  several threads at once, its CRC-32 computed beside them, written back behind; safetensors
+  through `safetensors.torch.save_file`, then checksummed and fsynced), all files at once. It
+  returns once every file is durable and recorded; on an error it waits for the other writers,
+  then raises the first error.
 - `loose_bytes(root)`: bytes of the files lying under `root` (the integrations warn when a
   framework wrote a large file there directly: a save path this capture does not know).
 """
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 
 from spotguard.hooks.checkpoint.store import PendingCheckpoint
-from spotguard.hooks.checkpoint.torchfile import save_torch_file
+from spotguard.hooks.checkpoint.torchfile import save_torch_file_spread
 
 TORCH, SAFETENSORS = "torch", "safetensors"
 # module -> attribute bound at import to safetensors.torch.save_file (the frameworks call it by that name)
@@ -142,7 +143,7 @@ def write_captured(pending: PendingCheckpoint, state: dict[str, Any], root: str 
             jobs.append(lambda relpath=relpath, obj=obj, metadata=metadata:
                         _safetensors_file(pending, relpath, obj, metadata))
         else:
-            jobs.append(lambda relpath=relpath, obj=obj: save_torch_file(pending, relpath, obj))
+            jobs.append(lambda relpath=relpath, obj=obj: save_torch_file_spread(pending, relpath, obj))
     futures = [_writers.submit(job) for job in jobs]
     wait(futures)
     return sum(future.result() for future in futures)

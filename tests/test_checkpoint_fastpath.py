@@ -330,6 +330,26 @@ def test_a_torch_file_written_with_flush_behind_is_whole_and_its_checksum_is_of_
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"]) and loaded["step"] == 7
 
 
+def test_a_torch_file_written_in_pieces_by_several_threads_is_the_same_file_and_record(tmp_path):
+    """`save_torch_file_spread` (pieces cut small here, so that the threads interleave) writes the bytes
+    `torch.save` makes, and records the same size and CRC-32 as the streaming writer."""
+    import io
+    import zlib
+
+    from spotguard.hooks.checkpoint import torchfile
+
+    store = CheckpointStore(tmp_path / "ckpt")
+    state = {"w": torch.randn(1 << 16), "parts": [torch.arange(5000), torch.ones(3)], "step": 7, "name": "x"}
+    expected = io.BytesIO()
+    torch.save(state, expected)
+    pending = store.begin("step-7")
+    size = torchfile.save_torch_file_spread(pending, "state.pt", state, min_kept=4096, chunk=8192)
+    assert size == len(expected.getvalue())
+    assert pending.path("state.pt").read_bytes() == expected.getvalue()
+    assert pending.files["state.pt"] == {"size": len(expected.getvalue()),
+                                         "crc32": f"{zlib.crc32(expected.getvalue()):08x}"}
+
+
 def test_a_write_back_error_behind_the_writer_is_raised_not_swallowed():
     """Linux reports a write-back error to one fsync only: the flusher's error must surface."""
     from spotguard.hooks.checkpoint import fsutil

@@ -7,13 +7,22 @@ thread writes the file's pages back behind it (`fsutil.flushing_behind`: the wri
 overlap); then fsyncs it and records it in the pending checkpoint. It returns only once the file
 is durable; the format is plain `torch.save`, so `torch.load` reads it. Several calls may run at
 once in threads (torchshards.py writes a state's shards so).
+
+`save_torch_file_spread(pending, relpath, obj)` makes the same file (same bytes, same record) with
+several threads writing its pieces at once: for one large file a framework's format requires (a
+Lightning `.ckpt`, the Trainer's `optimizer.pt`), where `save_torch_file` is one serial stream.
 """
 from __future__ import annotations
 
+import io
 import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import IO, Any, cast
 
+import numpy
 import torch
+from torch.utils._pytree import tree_leaves
 
 from . import fsutil
 from .store import PendingCheckpoint
@@ -30,3 +39,101 @@ def save_torch_file(pending: PendingCheckpoint, relpath: str, obj: Any) -> int:
         os.fsync(file.fileno())
     pending.record(relpath, stream.size, stream.crc)
     return stream.size
+
+
+SPREAD_MIN = 1 << 20  # a write at least this large that lies in a tensor of the object is written later, in place
+SPREAD_CHUNK = 16 << 20  # the pieces the writer threads take
+SPREAD_THREADS = 8
+_spreaders = ThreadPoolExecutor(SPREAD_THREADS, thread_name_prefix="spotguard-spread")
+
+
+class _LaidOut(io.RawIOBase):
+    """A write-only stream that lays `torch.save`'s output out instead of writing it: the file as
+    (offset, bytes-like) segments. A write of >= `min_kept` bytes that lies wholly inside the memory
+    of one of the object's CPU tensors is kept by reference (torch.save hands a tensor's storage over
+    without copying it); every other write is copied (it may be a temporary)."""
+
+    def __init__(self, obj: Any, min_kept: int):
+        super().__init__()
+        self.min_kept = min_kept
+        self.size = 0
+        self.segments: list[tuple[int, Any]] = []
+        storages = [t.untyped_storage() for t in tree_leaves(obj)
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+        self._owned = sorted((s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages)
+
+    def writable(self) -> bool:
+        return True
+
+    def _inside_a_tensor(self, view: memoryview) -> bool:
+        start = numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
+        end = start + len(view)
+        return any(low <= start and end <= high for low, high in self._owned)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        kept = view if len(view) >= self.min_kept and self._inside_a_tensor(view) else bytes(view)
+        self.segments.append((self.size, kept))
+        self.size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+
+def _pieces(segments: list[tuple[int, Any]], chunk: int) -> list[tuple[int, Any]]:
+    """The segments as pwrite pieces: consecutive copied ones joined, those kept by reference cut to `chunk`."""
+    pieces: list[tuple[int, Any]] = []
+    small: list[bytes] = []
+    small_at = 0
+    for offset, data in segments:
+        if isinstance(data, bytes):
+            if not small:
+                small_at = offset
+            small.append(data)
+            continue
+        if small:
+            pieces.append((small_at, b"".join(small)))
+            small = []
+        view = memoryview(data)
+        pieces += [(offset + at, view[at:at + chunk]) for at in range(0, len(view), chunk)]
+    if small:
+        pieces.append((small_at, b"".join(small)))
+    return pieces
+
+
+def _pwrite_all(fd: int, pieces: list[tuple[int, Any]]) -> None:
+    for offset, data in pieces:
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+
+
+def save_torch_file_spread(pending: PendingCheckpoint, relpath: str, obj: Any, *, min_kept: int = SPREAD_MIN,
+                           chunk: int = SPREAD_CHUNK) -> int:
+    """`save_torch_file` for one large file written by several threads at once: `torch.save` lays the
+    file out without writing it (its tensors' bytes kept by reference: they must not change until this
+    returns, as the snapshot engine's buffers do not), then SPREAD_THREADS threads write its pieces in
+    place (pwrite) while one more computes its CRC-32 in order and the pages are written back behind
+    them; fsynced and recorded like `save_torch_file`. Returns the file's size. `min_kept`: the
+    smallest write kept by reference; `chunk`: the size of the pieces the threads take."""
+    laid_out = _LaidOut(obj, min_kept)
+    torch.save(obj, cast(IO[bytes], laid_out))
+    pieces = _pieces(laid_out.segments, chunk)
+    path = pending.path(relpath)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        with fsutil.flushing_behind(fd):
+            jobs = [_spreaders.submit(_pwrite_all, fd, pieces[k::SPREAD_THREADS]) for k in range(SPREAD_THREADS)]
+            crc = 0
+            for _offset, data in laid_out.segments:
+                crc = zlib.crc32(data, crc)
+            wait(jobs)
+            for job in jobs:
+                job.result()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    pending.record(relpath, laid_out.size, crc)
+    return laid_out.size
