@@ -9,12 +9,13 @@ saves these same bytes once per method:
 - spotguard's notice path, `adapter.save(step, reason="notice")` as the Guard's drain calls it, after
   `adapter.prepare()` (buffers allocated before the notice, as the integrations do at a run's first
   step): "stall" is the snapshot engine's part at the step boundary (the framework's save call with
-  its writes captured, and the copy into the buffers), "durable" the whole call (the store's commit);
+  its writes captured, and the copy into the buffers, until it landed: with `--device cuda` a copy
+  into pinned buffers on a side stream), "durable" the whole call (the store's commit);
 - the framework's own save of the same state into a fresh directory, then an fsync of every file it
   wrote (Trainer._save_checkpoint, accelerator.save_state, trainer.save_checkpoint): synchronous, so
   its stall is its time to durable;
-- the raw limits: a memcpy of the state's tensors into preallocated buffers, and one sequential
-  write + fsync of the same bytes.
+- the raw limits: a memcpy of the state's tensors into preallocated host buffers (pinned, from a
+  GPU), and one sequential write + fsync of the same bytes.
 Goals (issue 21), for every adapter's notice path: stall <= 2x memcpy, durable <= 1.25x the raw
 write. Printed per framework: the median of each method over the rounds, and its ratio to the limit.
 Files go to a temporary directory (under /tmp unless --dir), removed at the end.
@@ -44,6 +45,7 @@ def parse(argv=None):
     p.add_argument("--size-mb", type=int, default=256, help="bytes of state (parameters + AdamW moments)")
     p.add_argument("--repeat", type=int, default=3, help="rounds (each method once per round)")
     p.add_argument("--dir", default=None, help="where the files go (a temporary directory under it)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model trains")
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -74,18 +76,43 @@ def tensors(model, optimizer) -> list:
 
 
 def memcpy_seconds(sources: list) -> float:
+    """A copy of `sources` into host buffers allocated (and touched) first: pinned, from a GPU."""
     import torch
 
-    targets = [torch.empty_like(t) for t in sources]
+    on_gpu = any(t.is_cuda for t in sources)
+    targets = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu) for t in sources]
     for t in targets:
         t.zero_()  # pages faulted in first, as the engine's buffers are
     started = time.perf_counter()
     for target, source in zip(targets, sources):
-        target.copy_(source)
+        target.copy_(source, non_blocking=on_gpu)
+    if on_gpu:
+        torch.cuda.synchronize()
     return time.perf_counter() - started
 
 
+def timed_stalls(engine) -> list[float]:
+    """Seconds of each of `engine`'s snapshots, until their copies landed (on a GPU the snapshot
+    returns once they are queued, and the training stream waits for them): the step's stall."""
+    import torch
+
+    stalls: list[float] = []
+    real = engine.snapshot
+
+    def snapshot(*args, **kwargs):
+        started = time.perf_counter()
+        snap = real(*args, **kwargs)
+        if engine.buffers.pinned:
+            torch.cuda.current_stream().synchronize()
+        stalls.append(time.perf_counter() - started)
+        return snap
+
+    engine.snapshot = snapshot
+    return stalls
+
+
 def raw_write_seconds(sources: list, directory: Path) -> float:
+    """One sequential write + fsync of the bytes of `sources` (host tensors)."""
     import torch
 
     started = time.perf_counter()
@@ -125,7 +152,7 @@ def settle(work: Path, store_root: Path) -> None:
 
 
 # ---- one framework's set-up: (adapter, own save of a directory, model, optimizer) ---------------
-def hf_setup(size_mb: int, work: Path):
+def hf_setup(size_mb: int, work: Path, device: str):
     import torch
     from transformers import Trainer, TrainingArguments
 
@@ -139,8 +166,8 @@ def hf_setup(size_mb: int, work: Path):
             return {"x": torch.randn(WIDTH)}
 
     args = TrainingArguments(output_dir=str(work / "store"), per_device_train_batch_size=4, max_steps=1,
-                             save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
-                             remove_unused_columns=False, disable_tqdm=True)
+                             save_strategy="no", logging_strategy="no", report_to=[],
+                             remove_unused_columns=False, disable_tqdm=True, use_cpu=device == "cpu")
     trainer = Trainer(model=linear_stack(size_mb), args=args, train_dataset=Rows())
     trainer.train()
 
@@ -154,24 +181,24 @@ def hf_setup(size_mb: int, work: Path):
     return TrainerSave(trainer), own, trainer.model, trainer.optimizer
 
 
-def accelerate_setup(size_mb: int, work: Path):
+def accelerate_setup(size_mb: int, work: Path, device: str):
     import torch
     from accelerate import Accelerator
 
     from spotguard.integrations.accelerate import AcceleratorSave
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=device == "cpu")
     model = linear_stack(size_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.backward(model(torch.randn(4, WIDTH))["loss"])
+    accelerator.backward(model(torch.randn(4, WIDTH, device=accelerator.device))["loss"])
     optimizer.step()
     optimizer.zero_grad()
     return (AcceleratorSave(accelerator, work / "store"), lambda d: accelerator.save_state(str(d)), model,
             optimizer.optimizer)
 
 
-def lightning_setup(size_mb: int, work: Path):
+def lightning_setup(size_mb: int, work: Path, device: str):
     import lightning.pytorch as pl
     import torch
 
@@ -188,8 +215,8 @@ def lightning_setup(size_mb: int, work: Path):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     module = Module()
     trainer.fit(module, torch.utils.data.DataLoader(torch.randn(8, WIDTH), batch_size=4))
     return (LightningSave(trainer, work / "store"), lambda d: trainer.save_checkpoint(str(d / "last.ckpt")), module,
@@ -200,32 +227,34 @@ def worker(args) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"spotguard-bench-{args.worker}-", dir=args.dir))
     try:
         setup = {"hf": hf_setup, "accelerate": accelerate_setup, "lightning": lightning_setup}[args.worker]
-        adapter, own, model, optimizer = setup(args.size_mb, work)
+        adapter, own, model, optimizer = setup(args.size_mb, work, args.device)
         store_root = adapter.store.root
         adapter.prepare()
         engine = adapter.snapshot_engine
+        stalls = timed_stalls(engine)
         sources = tensors(model, optimizer)
+        host = [t.cpu() for t in sources]
         rows: dict[str, list[list[float]]] = {NOTICE: [], OWN: [], MEMCPY: [], RAW: []}
         persist: list[float] = []
-        raw_write_seconds(sources, work)  # warm-up: the first write to fresh disk blocks is slower here
+        raw_write_seconds(host, work)  # warm-up: the first write to fresh disk blocks is slower here
         adapter.save(0, reason="notice")  # warm-up: the writer threads, the serializers' imports
         own(work / "own-warm-up")
         for round_no in range(args.repeat):
             settle(work, store_root)
             started = time.perf_counter()
             adapter.save(round_no + 1, reason="notice")
-            rows[NOTICE].append([engine.snapshot_seconds[-1], time.perf_counter() - started])
+            rows[NOTICE].append([stalls[-1], time.perf_counter() - started])
             persist.append(engine.persist_seconds[-1])
             settle(work, store_root)
             seconds = own_save_seconds(own, work / f"own-{round_no}")
             rows[OWN].append([seconds, seconds])
             rows[MEMCPY].append([memcpy_seconds(sources), None])
             settle(work, store_root)
-            rows[RAW].append([None, raw_write_seconds(sources, work)])
+            rows[RAW].append([None, raw_write_seconds(host, work)])
         Path(args.result).write_text(json.dumps({
             "bytes": engine.buffers.nbytes, "state_bytes": sum(t.nbytes for t in sources), "rows": rows,
             "persist": persist, "load": os.getloadavg()[0],
-            "allocations": engine.buffers.allocations}))
+            "allocations": engine.buffers.allocations, "pinned": engine.buffers.pinned}))
         adapter.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -237,7 +266,8 @@ def run_framework(framework: str, args) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
         env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), DS_ACCELERATOR="cpu")
         command = [sys.executable, __file__, "--worker", framework, "--result", str(result), "--size-mb",
-                   str(args.size_mb), "--repeat", str(args.repeat)] + (["--dir", args.dir] if args.dir else [])
+                   str(args.size_mb), "--repeat", str(args.repeat), "--device", args.device] + (
+                       ["--dir", args.dir] if args.dir else [])
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode:
             raise SystemExit(f"{framework}: the worker failed ({done.returncode}): {done.stderr[-3000:]}")
@@ -266,7 +296,7 @@ def report(framework: str, r: dict) -> None:
           f"durable {durable / raw:.2f}x the raw write ({'MET' if durable <= 1.25 * raw else 'NOT MET'}); the "
           f"engine's persist {median(r['persist']):.3f} s; framework's own save {rows[OWN][1] / durable:.2f}x the "
           f"notice path's time to durable, {rows[OWN][0] / stall:.1f}x its stall; buffers allocated "
-          f"{r['allocations']}x", flush=True)
+          f"{r['allocations']}x{' (pinned)' if r['pinned'] else ''}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -274,8 +304,8 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    print(f"integration_checkpoint: ~{args.size_mb} MB of state, {args.repeat} rounds; goals: stall <= 2x memcpy, "
-          f"durable <= 1.25x the raw write")
+    print(f"integration_checkpoint: ~{args.size_mb} MB of state on {args.device}, {args.repeat} rounds; goals: "
+          f"stall <= 2x memcpy, durable <= 1.25x the raw write")
     for framework in args.frameworks:
         report(framework, run_framework(framework, args))
     return 0
