@@ -53,8 +53,9 @@ class _LaidOut(io.RawIOBase):
     of one of the object's CPU tensors is kept by reference (torch.save hands a tensor's storage over
     without copying it); every other write is copied (it may be a temporary)."""
 
-    def __init__(self, obj: Any, min_kept: int):
+    def __init__(self, obj: Any, min_kept: int, name: str):
         super().__init__()
+        self.name = name  # the file it lays out (as an open file's `name`)
         self.min_kept = min_kept
         self.size = 0
         self.segments: list[tuple[int, Any]] = []
@@ -118,10 +119,10 @@ def save_torch_file_spread(pending: PendingCheckpoint, relpath: str, obj: Any, *
     place (pwrite) while one more computes its CRC-32 in order and the pages are written back behind
     them; fsynced and recorded like `save_torch_file`. Returns the file's size. `min_kept`: the
     smallest write kept by reference; `chunk`: the size of the pieces the threads take."""
-    laid_out = _LaidOut(obj, min_kept)
+    path = pending.path(relpath)
+    laid_out = _LaidOut(obj, min_kept, str(path))
     torch.save(obj, cast(IO[bytes], laid_out))
     pieces = _pieces(laid_out.segments, chunk)
-    path = pending.path(relpath)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         with fsutil.flushing_behind(fd):
