@@ -21,8 +21,8 @@ Contract:
 - `write_captured(pending, state, root)` makes them this rank's files of a pending checkpoint,
   at the same paths relative to `root`: each file the framework wrote under `root`
   is renamed into the pending directory and fsynced; each recorded object is written in the
-  framework's format (`torch.save` through `save_torch_file_spread`: the file's pieces written by
-  several threads at once, its CRC-32 computed beside them, written back behind; safetensors
+  framework's format (`torch.save` through `save_torch_file_spread`: laid out without a copy, written
+  while its CRC-32 is computed beside the writer, written back behind; safetensors
   through `safetensors.torch.save_file`, then checksummed and fsynced), all files at once. It
   returns once every file is durable and recorded; on an error it waits for the other writers,
   then raises the first error.
