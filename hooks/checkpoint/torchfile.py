@@ -46,8 +46,8 @@ def save_torch_file(pending: PendingCheckpoint, relpath: str, obj: Any) -> int:
 
 SPREAD_MIN = 1 << 20  # a write at least this large that lies in a tensor of the object is written later, in place
 SPREAD_CHUNK = 16 << 20  # the pieces the writer threads take
-# Writer threads per file: 1, because here buffered writes to one file serialize on its inode (8 threads
-# measured 1.12-2.12x the raw write against 0.95-1.57x for 1, 3 rounds of 500 MB at load 6-7).
+# Writer threads per file: 1. Here buffered writes to one file serialize on its inode: 500 MB, quiet, 3
+# rounds: 1 writer 1.00-1.58x the raw write, 2: 1.11-1.32x, 4: 1.25-1.34x, 8: 1.28-1.42x (noisy, no gain).
 SPREAD_WRITERS = 1
 _spreaders = ThreadPoolExecutor(16, thread_name_prefix="spotguard-spread")
 
