@@ -11,11 +11,15 @@ Contract:
 - Made on every rank after `prepare` (same order), it checks the accelerate version
   (UnsupportedFramework naming the versions needed) and makes the Guard; with `model=` (the
   prepared DDP model) the agreement rides on DDP's gradient all_reduce.
-- Saves are `accelerator.save_state(dir)` (model, optimizer, scheduler, RNG, and every object
-  given to `register_for_checkpointing`) written into the checkpoint store's pending directory
-  and committed by the store: a checkpoint is complete or invisible (`hooks/checkpoint/store.py`,
-  manifest with checksums, `latest`, retention of `keep_last` plus every notice's checkpoint).
-  `path_of_latest()` is an ordinary `save_state` directory: `accelerator.load_state(path)` reads it.
+- Saves run through the one engine (core.py), as every adapter's do: at the step boundary
+  `accelerator.save_state(dir)` (model, optimizer, scheduler, RNG, and every object given to
+  `register_for_checkpointing`) runs with its `torch.save` / safetensors writes captured and the
+  engine copies the captured tensors into its buffers (allocated at the first `step()` of a run,
+  before any notice); the engine then writes those files, in Accelerate's format, into the
+  checkpoint store's pending directory in the background, and the store commits them: a
+  checkpoint is complete or invisible (`hooks/checkpoint/store.py`, manifest with checksums,
+  `latest`, retention of `keep_last` plus every notice's checkpoint). `path_of_latest()` is an
+  ordinary `save_state` directory: `accelerator.load_state(path)` reads it.
 - `resume()` loads the newest complete checkpoint with `accelerator.load_state` and returns the
   number of steps done; `batches(loader, start, total)` yields `(step, batch)` from that step on,
   skipping the batches already consumed in the current epoch (`skip_first_batches`), so the data
@@ -24,27 +28,19 @@ Contract:
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from spotguard.config import ConfigError
 from spotguard.hooks import Guard
-from spotguard.hooks.adapters.base import StoreAdapter
 from spotguard.hooks.adapters.store import CheckpointInfo
 from spotguard.integrations import versions
-from spotguard.integrations.core import guard_for
+from spotguard.integrations.core import FrameworkAdapter, guard_for
 
 
-class AcceleratorSave(StoreAdapter):
-    """`save_state` / `load_state` through the checkpoint store (see the module docstring). It takes
-    no in-memory snapshots (the Guard's `snapshot_every` is 0), so the drain saves fresh without a vote."""
-
-    takes_snapshots = False
-
-    def snapshot(self, step: int) -> None:
-        raise NotImplementedError("the framework integrations take no in-memory snapshots")
+class AcceleratorSave(FrameworkAdapter):
+    """`save_state` through the snapshot engine and the store, `load_state` to resume (module docstring)."""
 
     def __init__(self, accelerator: Any, checkpoint_dir: str | os.PathLike, *, model: Any = None,
                  keep_last: int = 3):
@@ -53,26 +49,10 @@ class AcceleratorSave(StoreAdapter):
                               "checkpoint directories itself")
         self.accelerator = accelerator
         self.model = model
-        self.save_started_at: float | None = None  # time.time() when the last save began (the reaction bench)
-        super().__init__(checkpoint_dir=checkpoint_dir, keep_last=keep_last)
+        super().__init__(checkpoint_dir, keep_last=keep_last)
 
-    def save(self, step: int, *, reason: str = "periodic", notice=None):
-        self.save_started_at = time.time()
-        return super().save(step, reason=reason, notice=notice)
-
-    def _write(self, pending, step: int) -> None:
-        failure = None
-        try:
-            self.accelerator.save_state(str(pending.dir))
-        except Exception as exc:
-            failure = exc
-        if not self._all_ok(failure is None):  # rank 0 records the files only once every rank wrote its own
-            raise RuntimeError(f"save_state of step {step} failed on a rank") from failure
-        if self.rank == 0:
-            for path in sorted(p for p in Path(pending.dir).rglob("*") if p.is_file()):
-                name = str(path.relative_to(pending.dir))
-                if not name.startswith(".spotguard-part-"):
-                    pending.adopt(name)
+    def _framework_save(self, root: Path, step: int) -> None:
+        self.accelerator.save_state(str(root))
 
     def _load(self, info: CheckpointInfo) -> None:
         self.accelerator.load_state(str(info.dir))
@@ -121,7 +101,10 @@ class AccelerateGuard:
                     return
 
     def step(self, step: int) -> bool:
-        """After step `step` on every rank: drains here (exit 83) when the ranks agree on a notice."""
+        """After step `step` on every rank: drains here (exit 83) when the ranks agree on a notice.
+        The first call of a run allocates the engine's buffers (every rank: it is collective)."""
+        if not self.adapter.prepared:
+            self.adapter.prepare()
         return self.guard.step(step)
 
     def close(self) -> None:

@@ -1,47 +1,51 @@
-"""What the framework integrations share: a Guard whose checkpoint is the framework's own save.
+"""What the framework integrations share: an adapter on the one snapshot engine whose checkpoint is
+the framework's own format, and the Guard they drive.
 
-`FrameworkSave` is a `CheckpointAdapter` (hooks/adapters/base.py) for frameworks that write
-their own checkpoint format. Its `save(step)` runs on every rank at the agreed step:
-1. `_write(step, notice)`: the framework's save call, into a staging place the framework's
-   resume code never looks at;
-2. every rank agrees that its part succeeded (one all_reduce on the adapter's own gloo group);
-3. rank 0 `_publish(step, notice)`es: fsyncs what was written and renames it to the name the
-   framework resumes from (`publish_dir` / `publish_file`: complete or invisible);
-4. every rank learns the outcome. Any failure raises `CheckpointFailed` on every rank, so the
-   Guard drains with exit 84 and the previous checkpoint stays the newest (the staging copy is
-   removed, never renamed).
-A failing rank still joins the collectives the framework's save makes after its write
-(`_rejoin_after_failure`), so the other ranks are never left waiting in them.
+`FrameworkAdapter` is a `StoreAdapter` (hooks/adapters/base.py) on the snapshot engine
+(hooks/checkpoint/engine.py), as the DDP/FSDP2, DeepSpeed and plain-torch adapters are:
+- at the step boundary (the stall) `_state(step)` runs the framework's own save call
+  (`_framework_save`) aimed at this rank's scratch directory `<checkpoint_dir>/.spotguard-boundary-<rank>`
+  with its heavy writes captured (capture.py: `torch.save` and safetensors' `save_file` record the
+  object instead of writing it), and the engine copies the captured objects' tensors into its
+  buffers (allocated once: `prepare()`, which each integration calls at the first step boundary of
+  a run, before any notice);
+- in the background the engine persists that copy through the store's complete-or-invisible
+  commit (begin, this rank's files written in the framework's format by `write_captured`,
+  finish_rank, every rank agrees, rank 0 commits), named `_tag(step, reason)`; `_after_commit`
+  (rank 0) may then make it visible under the name the framework resumes from. Any failure
+  raises `CheckpointFailed` on every rank, so the Guard drains with exit 84 and the previous
+  checkpoint stays the newest.
+- The engine measures each part (`save_parts()`: snapshot, persist), and the deadline logic
+  prices a save from them (`estimate_save_seconds`).
+The framework's format is kept byte for byte where it matters (the same objects through the same
+serializers), so the framework's own resume call reads the checkpoint, as do its tools.
 
 `guard_for(adapter, ...)` makes the Guard every integration uses: configured from SPOTGUARD_*
 (sidecar, grace, agree_every), restart path only (`in_place=False`: in-place membership
-changes through these frameworks are for later), no in-memory snapshots (the framework owns
-the state layout). SIGTERM is a notice, as with the plain Guard.
+changes through these frameworks are for later), no periodic in-memory snapshots (a notice saves
+fresh: snapshot, then persist). SIGTERM is a notice, as with the plain Guard.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import shutil
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 from spotguard.hooks import Guard
-from spotguard.hooks.adapters.base import CheckpointFailed, reraise_interrupts
-from spotguard.hooks.agreement.collectives import join_collectives
-from spotguard.hooks.checkpoint import fsutil
+from spotguard.hooks.adapters.base import StoreAdapter
+from spotguard.hooks.adapters.store import CheckpointInfo
+from spotguard.integrations import capture
 from spotguard.wire.notice import Notice
 
 log = logging.getLogger("spotguard.integrations")
 
-MARKER = "spotguard.json"  # inside a published checkpoint directory: the step and notice it answers
+SCRATCH_PREFIX = ".spotguard-boundary-"  # <checkpoint_dir>/.spotguard-boundary-<rank>: invisible to every framework
+LOOSE_WARNING_BYTES = 16 << 20  # a framework that wrote this much past the capture: a save path it does not know
 
 
-def guard_for(adapter: FrameworkSave, **guard_options: Any) -> Guard:
+def guard_for(adapter: FrameworkAdapter, **guard_options: Any) -> Guard:
     """The Guard of an integration (every rank, same order): see the module docstring."""
     for fixed in ("adapter", "in_place", "snapshot_every"):
         if fixed in guard_options:
@@ -49,132 +53,58 @@ def guard_for(adapter: FrameworkSave, **guard_options: Any) -> Guard:
     return Guard.from_env(adapter=adapter, in_place=False, snapshot_every=0, **guard_options)
 
 
-class FrameworkSave:
+class FrameworkAdapter(StoreAdapter):
     """Base of the integrations' adapters; see the module docstring. Subclasses implement
-    `_write`, `_publish` and `_discard`, and may override `gradient_carrier` and `_rejoin_after_failure`."""
+    `_framework_save(root, step)` and `_load` (or `resume`), and may override `_capture_root`,
+    `_tag`, `_after_commit` and `gradient_carrier`."""
 
-    snapshot_step: int | None = None
-    takes_snapshots = False  # the drain saves fresh without the save decision's vote (hooks/drain.py)
+    takes_snapshots = False  # no periodic snapshots: the drain saves fresh without the vote (hooks/drain.py)
 
-    def __init__(self) -> None:
-        self.collectives = join_collectives(None)  # its own gloo group, made in the same order on every rank
-        self.rank = self.collectives.rank
-        self.save_seconds: deque[float] = deque(maxlen=5)
-        self.last_saved_step: int | None = None
+    def __init__(self, checkpoint_dir: str | os.PathLike, *, keep_last: int = 3):
+        super().__init__(checkpoint_dir=checkpoint_dir, keep_last=keep_last)
+        self.scratch = self.store.root / f"{SCRATCH_PREFIX}{self.rank}"
+        capture.clear(self.scratch)  # a killed save's leftovers: never part of a checkpoint
+        self.prepared = False
         self.save_started_at: float | None = None  # time.time() when the last save began (the reaction bench)
 
     # ---- subclass hooks ---------------------------------------------------------------------
-    def _write(self, step: int, notice: Notice | None) -> None:
+    def _framework_save(self, root: Path, step: int) -> None:
+        """The framework's own save of everything its resume needs, aimed at the directory `root`."""
         raise NotImplementedError
 
-    def _publish(self, step: int, notice: Notice | None) -> None:
-        raise NotImplementedError
+    def _capture_root(self, step: int) -> Path:
+        """The directory the framework's save writes the checkpoint into (inside `self.scratch`)."""
+        return self.scratch
 
-    def _discard(self, step: int) -> None:
-        """Rank 0, after a failed save: removes the staging copy."""
+    # ---- the engine's two parts -------------------------------------------------------------
+    def _state(self, step: int) -> dict[str, Any]:
+        capture.clear(self.scratch)
+        root = self._capture_root(step)
+        root.mkdir(parents=True, exist_ok=True)
+        with capture.captured_saves(root) as captured:
+            self._framework_save(root, step)
+        loose = capture.loose_bytes(self.scratch)
+        if loose > LOOSE_WARNING_BYTES:
+            log.warning("%s wrote %.1f MB at the step boundary past the capture (a save path spotguard does "
+                        "not know): it is moved into the checkpoint, but its write held the step", type(self).__name__,
+                        loose / 1e6)
+        return {"root": str(root), **captured.state()}
 
-    def _rejoin_after_failure(self) -> None:
-        """A rank whose `_write` raised joins the collectives the framework's save makes after it."""
+    def _write_state(self, pending, state: dict[str, Any]) -> None:
+        capture.write_captured(pending, state, state["root"])
 
     # ---- the CheckpointAdapter interface ----------------------------------------------------
-    def save(self, step: int, *, reason: str = "notice", notice: Notice | None = None) -> None:
+    def prepare(self) -> None:
+        """Allocates the engine's buffers from a capture of the current state (not a checkpoint):
+        collective (the framework's save may be); the integrations call it at the first step boundary."""
+        super().prepare()
+        capture.clear(self.scratch)
+        self.prepared = True
+
+    def save(self, step: int, *, reason: str = "notice", notice: Notice | None = None) -> CheckpointInfo | None:
         self.save_started_at = time.time()
-        t0 = time.monotonic()
-        ok = self._attempt(f"rank {self.rank}: the framework's save of step {step}", self._write, step, notice,
-                           on_failure=self._rejoin_after_failure)
-        if not self.collectives.all_ok(ok):
-            if self.rank == 0:
-                self._discard(step)
-            raise CheckpointFailed(f"step {step}: a rank's save failed; the previous checkpoint stays the newest")
-        ok = self.rank != 0 or self._attempt(f"publishing the checkpoint of step {step}", self._publish, step, notice,
-                                             on_failure=lambda: self._discard(step))
-        if not self.collectives.all_ok(ok):
-            raise CheckpointFailed(f"step {step}: publishing failed; the previous checkpoint stays the newest")
-        self.save_seconds.append(time.monotonic() - t0)
-        self.last_saved_step = step
-
-    @staticmethod
-    def _attempt(what: str, call, step: int, notice: Notice | None, on_failure) -> bool:
-        try:
-            call(step, notice)
-            return True
-        except BaseException as exc:  # every rank must learn about the failure
-            reraise_interrupts(exc)
-            log.exception("%s failed", what)
-            with contextlib.suppress(Exception):
-                on_failure()
-            return False
-
-    def snapshot(self, step: int) -> None:
-        raise NotImplementedError("the framework integrations take no in-memory snapshots")
-
-    def persist_snapshot(self, *, reason: str = "notice", notice: Notice | None = None) -> int:
-        raise CheckpointFailed("the framework integrations take no in-memory snapshots")
-
-    def estimate_save_seconds(self) -> float | None:
-        return 1.25 * max(self.save_seconds) if self.save_seconds else None
-
-    def resume(self) -> int | None:
-        """The framework resumes itself (its own resume call); nothing to load here."""
-        return None
-
-    def answered_notice_id(self) -> str | None:
-        return None
-
-    def gradient_carrier(self) -> Any:
-        return None
+        return super().save(step, reason=reason, notice=notice)
 
     def close(self) -> None:
-        pass
-
-
-def marker(step: int, notice: Notice | None) -> bytes:
-    return json.dumps({"step": step, "notice_id": notice.id if notice else None,
-                       "saved_at": time.time()}).encode()
-
-
-def read_marker(directory: str | os.PathLike | None) -> dict[str, Any]:
-    """The marker of a published checkpoint directory ({} when absent or unreadable)."""
-    if directory is None:
-        return {}
-    try:
-        return json.loads((Path(directory) / MARKER).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def publish_dir(staged: Path, final: Path, step: int, notice: Notice | None) -> None:
-    """Makes the directory `staged` (complete, written by the framework) appear as `final`:
-    fsyncs every file, writes the marker, renames (an existing `final` is set aside first and
-    deleted only after the rename), fsyncs the parent."""
-    fsutil.write_file_synced(staged / MARKER, marker(step, notice))
-    fsutil.fsync_tree(staged)
-    aside = None
-    if os.path.lexists(final):
-        aside = final.with_name(f".spotguard-replaced-{final.name}")
-        shutil.rmtree(aside, ignore_errors=True)
-        os.rename(final, aside)
-    try:
-        os.rename(staged, final)
-    except OSError:
-        if aside is not None:
-            os.rename(aside, final)
-        raise
-    fsutil.fsync_dir(final.parent)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
-def publish_file(staged: Path, final: Path) -> None:
-    """Makes the file `staged` appear as `final` in one atomic rename, fsynced before and after."""
-    fsutil.fsync_path(staged)
-    os.replace(staged, final)
-    fsutil.fsync_dir(final.parent)
-
-
-def remove_quietly(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        super().close()
+        capture.clear(self.scratch)

@@ -8,17 +8,24 @@ Contract:
 - `attach(trainer, **guard_options)` checks the transformers version (UnsupportedFramework
   naming the versions needed) and adds the callback; `guard_options` go to the Guard.
 - `on_train_begin` (every rank, the model already wrapped in DDP): makes the Guard, which
-  piggybacks its agreement on DDP's gradient all_reduce; removes staging leftovers of a crash.
-- `on_step_end`: `guard.step(state.global_step)`. On an agreed notice every rank saves the
-  Trainer's own checkpoint (`Trainer._save_checkpoint`: model, optimizer, scheduler, RNG, trainer
-  state) of that global step, then the run drains (exit 83, 84 when the save failed) from inside
-  the callback. The save runs inside the Guard's drain rather than later through
-  `control.should_save`, so a rank whose save fails is known to every rank (exit 84) instead of
-  leaving the others waiting; the checkpoint is the same one `should_save` writes.
-- Complete or invisible: the Trainer writes into `<output_dir>/.spotguard-staging/checkpoint-N`
-  (invisible to `get_last_checkpoint`), then rank 0 fsyncs it, adds `spotguard.json` and renames
-  it to `<output_dir>/checkpoint-N`, so `trainer.train(resume_from_checkpoint=True)` resumes from
-  it unchanged, at any world size the Trainer supports.
+  piggybacks its agreement on DDP's gradient all_reduce; the store removes what a killed save
+  left (its pending directory, the step-boundary scratch).
+- `on_step_end`: at the first step of a run the adapter allocates the snapshot engine's buffers
+  (`prepare()`), then `guard.step(state.global_step)`. On an agreed notice every rank saves the
+  Trainer's own checkpoint of that global step through the one engine (core.py): at the step
+  boundary the Trainer's `_save_checkpoint` (model, optimizer, scheduler, RNG, trainer state) runs
+  with its `torch.save` / safetensors writes captured, and the captured tensors are copied into
+  the engine's buffers; the engine then writes those files, in the Trainer's format, in the
+  background, and the run drains (exit 83, 84 when the save failed) from inside the callback.
+  The save runs inside the Guard's drain rather than later through `control.should_save`, so a
+  rank whose save fails is known to every rank (exit 84) instead of leaving the others waiting.
+- Complete or invisible: the checkpoint store's root is `output_dir` and the checkpoint's tag is
+  the Trainer's own name `checkpoint-N`: it is written into `<output_dir>/.pending-checkpoint-N`
+  (invisible to `get_last_checkpoint`) and renamed to `<output_dir>/checkpoint-N` once every rank
+  wrote its part, with the store's manifest (`spotguard-manifest.json`: checksums, the step and the
+  notice it answers). `trainer.train(resume_from_checkpoint=True)` resumes from it unchanged, at
+  any world size the Trainer supports. The Trainer's own periodic checkpoints are untouched.
+- `push_to_hub` is off for spotguard's saves (a notice checkpoint is not a model release).
 """
 from __future__ import annotations
 
@@ -30,43 +37,40 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from spotguard.hooks import Guard
 from spotguard.integrations import versions
-from spotguard.integrations.core import FrameworkSave, guard_for, publish_dir, read_marker, remove_quietly
-from spotguard.wire.notice import Notice
-
-STAGING = ".spotguard-staging"
+from spotguard.integrations.core import FrameworkAdapter, guard_for
 
 
-class TrainerSave(FrameworkSave):
-    """The Trainer's own checkpoint, staged then renamed into `output_dir` (module docstring)."""
+class TrainerSave(FrameworkAdapter):
+    """The Trainer's own checkpoint through the snapshot engine, committed as `output_dir/checkpoint-N`
+    (module docstring)."""
 
     def __init__(self, trainer: Any):
-        super().__init__()
         self.trainer = trainer
         self.output_dir = Path(trainer.args.output_dir)
-        self.staging = self.output_dir / STAGING
-        if self.rank == 0:
-            remove_quietly(self.staging)  # a crashed save's leftovers: never visible, now gone
-        self.collectives.all_ok(True)  # nobody writes into staging before it is clean
+        super().__init__(self.output_dir)
 
-    def _write(self, step: int, notice: Notice | None) -> None:
+    def _tag(self, step: int, reason: str) -> str:
+        return f"{PREFIX_CHECKPOINT_DIR}-{step}"
+
+    def _capture_root(self, step: int) -> Path:
+        return self.scratch / f"{PREFIX_CHECKPOINT_DIR}-{self.trainer.state.global_step}"
+
+    def _framework_save(self, root: Path, step: int) -> None:
         args = self.trainer.args
-        args.output_dir = str(self.staging)
+        kept = args.output_dir, args.push_to_hub
+        args.output_dir, args.push_to_hub = str(self.scratch), False
         try:
             self.trainer._save_checkpoint(self.trainer.model_wrapped, trial=None)
         finally:
-            args.output_dir = str(self.output_dir)
+            args.output_dir, args.push_to_hub = kept
 
-    def _publish(self, step: int, notice: Notice | None) -> None:
-        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        publish_dir(self.staging / name, self.output_dir / name, step, notice)
-        remove_quietly(self.staging)
-
-    def _discard(self, step: int) -> None:
-        remove_quietly(self.staging)
-
-    def answered_notice_id(self) -> str | None:
+    def resume(self) -> int | None:
+        """The Trainer resumes itself (`resume_from_checkpoint`); this only reads the store's record of
+        the checkpoint it picks (the notice it answered). Returns None: nothing loaded here."""
         last = get_last_checkpoint(str(self.output_dir)) if self.output_dir.is_dir() else None
-        return read_marker(last).get("notice_id")
+        info = self.store.read(Path(last).name) if last else None
+        self.resumed_metadata = dict(info.metadata) if info is not None else None
+        return None
 
     def gradient_carrier(self) -> Any:
         import torch
@@ -99,7 +103,11 @@ class SpotguardCallback(TrainerCallback):
             self.guard.resume()  # the notice the resumed checkpoint answered is not acted on again
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.guard is not None and self.guard.step(state.global_step):
+        if self.guard is None:
+            return
+        if self.adapter is not None and not self.adapter.prepared:
+            self.adapter.prepare()  # every rank, the same step: the buffers exist before any notice
+        if self.guard.step(state.global_step):
             control.should_training_stop = True  # exit_on_drain=False: the Trainer stops after the drain
 
     def on_train_end(self, args, state, control, **kwargs):

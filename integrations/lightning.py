@@ -10,58 +10,96 @@ Contract:
   piggybacks its agreement on DDP's gradient all_reduce. Its SIGTERM handler replaces
   Lightning's for the fit (Lightning's stops the loop and saves nothing, and broadcasts from inside
   the handler of the one rank that got the signal): SIGTERM becomes a notice, as with the Guard.
-- `on_train_batch_end`, after each optimizer step: `guard.step(trainer.global_step)`. On an agreed
-  notice every rank calls `trainer.save_checkpoint` for that global step (Lightning's own format),
-  then `trainer.should_stop` is set and the run drains (exit 83; 84 when the save failed).
-- Complete or invisible: the checkpoint is written to `<dirpath>/.last.ckpt.spotguard-tmp`, then
-  rank 0 fsyncs it and renames it onto `<dirpath>/last.ckpt` (one atomic rename), where
-  `fit(ckpt_path="last")` finds it. `dirpath` is the ModelCheckpoint's (or the `dirpath` given here).
+- `on_train_batch_end`, after each optimizer step: at the first one of a run the adapter allocates
+  the snapshot engine's buffers (`prepare()`), then `guard.step(trainer.global_step)`. On an agreed
+  notice every rank saves that global step through the one engine (core.py): at the step boundary
+  `trainer.save_checkpoint` runs (Lightning's own checkpoint dict: weights, optimizer and scheduler
+  states, loops, callbacks, hyper-parameters) with the strategy's CheckpointIO swapped for one whose
+  `torch.save` is captured, and the engine copies its tensors into its buffers; the engine then
+  writes `last.ckpt` (Lightning's format: one `torch.save` file) in the background; then
+  `trainer.should_stop` is set and the run drains (exit 83; 84 when the save failed).
+- Complete or invisible: the checkpoint store's root is `dirpath`; the checkpoint is committed as
+  `<dirpath>/step-<N>-notice/last.ckpt` (with the store's manifest), then rank 0 hard-links it onto
+  `<dirpath>/last.ckpt` (a temporary name renamed into place: one atomic rename), where
+  `fit(ckpt_path="last")` finds it. `dirpath` is the ModelCheckpoint's (or the `dirpath` given
+  here). Lightning replaces `last.ckpt` by a rename when it saves it itself, so the committed copy
+  behind the link is never overwritten.
+- Why `.ckpt` and not the engine's sharded layout: `fit(ckpt_path=...)`,
+  `LightningModule.load_from_checkpoint` and Lightning's tools read one `torch.save` file.
 - Data position: Lightning restores a mid-epoch position only for dataloaders with
   `state_dict`/`load_state_dict` (its rule); use one whose state is in global samples so a resume
   at another world size continues where the run stopped.
 """
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from spotguard.config import ConfigError
 from spotguard.hooks import Guard
+from spotguard.hooks.adapters.store import CheckpointInfo
+from spotguard.hooks.checkpoint import fsutil
 from spotguard.integrations import versions
-from spotguard.integrations.core import FrameworkSave, guard_for, publish_file, remove_quietly
-from spotguard.wire.notice import Notice
+from spotguard.integrations.core import FrameworkAdapter, guard_for
 
-STAGED_NAME = ".last.ckpt.spotguard-tmp"
+LAST = "last.ckpt"
+STAGED_LINK = ".last.ckpt.spotguard-tmp"
 
 
-class LightningSave(FrameworkSave):
-    """`trainer.save_checkpoint` to a staged file, renamed onto `last.ckpt` (module docstring)."""
+class _CapturedIO(CheckpointIO):
+    """Lightning's CheckpointIO during a spotguard save: `torch.save` to the path, which the capture records."""
 
-    def __init__(self, trainer: Any, dirpath: str | None):
-        super().__init__()
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        torch.save(checkpoint, path)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def remove_checkpoint(self, path: Any) -> None:
+        raise NotImplementedError
+
+
+class LightningSave(FrameworkAdapter):
+    """Lightning's checkpoint through the snapshot engine, published as `<dirpath>/last.ckpt` (module docstring)."""
+
+    def __init__(self, trainer: Any, dirpath: str | os.PathLike):
         self.trainer = trainer
-        self.dirpath = Path(dirpath)
-        self.dirpath.mkdir(parents=True, exist_ok=True)
-        self.staged = self.dirpath / STAGED_NAME
-        self.final = self.dirpath / "last.ckpt"
+        super().__init__(dirpath)
+        self.final = self.store.root / LAST
 
-    def _write(self, step: int, notice: Notice | None) -> None:
-        self.trainer.save_checkpoint(str(self.staged))
+    def _framework_save(self, root: Path, step: int) -> None:
+        strategy = self.trainer.strategy
+        kept = strategy.checkpoint_io
+        strategy.checkpoint_io = _CapturedIO()
+        try:
+            self.trainer.save_checkpoint(str(root / LAST))
+        finally:
+            strategy.checkpoint_io = kept
 
-    def _rejoin_after_failure(self) -> None:
-        self.trainer.strategy.barrier("spotguard.save_failed")  # the barrier save_checkpoint ends with
+    def _after_commit(self, info: CheckpointInfo) -> None:
+        """Rank 0: `<dirpath>/last.ckpt` becomes the committed file (a hard link, or a copy where the
+        file system has none), atomically."""
+        staged = self.store.root / STAGED_LINK
+        staged.unlink(missing_ok=True)
+        try:
+            os.link(info.dir / LAST, staged)
+        except OSError:
+            shutil.copyfile(info.dir / LAST, staged)
+            fsutil.fsync_path(staged)
+        os.replace(staged, self.final)
+        fsutil.fsync_dir(self.store.root)
 
-    def _publish(self, step: int, notice: Notice | None) -> None:
-        publish_file(self.staged, self.final)
-
-    def _discard(self, step: int) -> None:
-        remove_quietly(self.staged)
+    def resume(self) -> int | None:
+        """Lightning resumes itself (`fit(ckpt_path="last")`); nothing is loaded here."""
+        return None
 
     def gradient_carrier(self) -> Any:
-        import torch
-
         model = self.trainer.strategy.model
         return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
 
@@ -95,6 +133,8 @@ class SpotguardCallback(pl.Callback):
         if self.guard is None or step == self._last_step:  # mid gradient accumulation: not a step boundary
             return
         self._last_step = step
+        if self.adapter is not None and not self.adapter.prepared:
+            self.adapter.prepare()  # every rank, the same step: the buffers exist before any notice
         if self.guard.step(step):
             trainer.should_stop = True  # exit_on_drain=False: Lightning stops after the drain
 

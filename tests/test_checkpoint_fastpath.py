@@ -331,6 +331,27 @@ def test_a_torch_file_written_with_flush_behind_is_whole_and_its_checksum_is_of_
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"]) and loaded["step"] == 7
 
 
+def test_a_torch_file_written_in_pieces_by_several_threads_loads_and_its_record_is_of_what_is_on_disk(tmp_path):
+    """`save_torch_file_spread` (pieces cut small and 4 writers here, so that they interleave) writes what
+    `torch.save` makes without the zip records' own CRC-32s: torch.load reads the exact state back, the
+    recorded size and CRC-32 are the file's, and torch.save's switch is back on afterwards."""
+    import zlib
+
+    from torch.utils.serialization import config
+
+    from spotguard.hooks.checkpoint import torchfile
+
+    store = CheckpointStore(tmp_path / "ckpt")
+    state = {"w": torch.randn(1 << 16), "parts": [torch.arange(5000), torch.ones(3)], "step": 7, "name": "x"}
+    pending = store.begin("step-7")
+    size = torchfile.save_torch_file_spread(pending, "state.pt", state, min_kept=4096, chunk=8192, writers=4)
+    on_disk = pending.path("state.pt").read_bytes()
+    assert pending.files["state.pt"] == {"size": size, "crc32": f"{zlib.crc32(on_disk):08x}"} and size == len(on_disk)
+    loaded = torch.load(pending.path("state.pt"), weights_only=True)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["parts"][0], state["parts"][0])
+    assert loaded["step"] == 7 and loaded["name"] == "x" and config.save.compute_crc32
+
+
 def test_a_write_back_error_behind_the_writer_is_raised_not_swallowed():
     """Linux reports a write-back error to one fsync only: the flusher's error must surface."""
     from spotguard.hooks.checkpoint import fsutil

@@ -1,17 +1,25 @@
 """The framework integrations in one process: version checks at attach time, bad configuration,
-and the core's save -> publish sequence (a failure leaves nothing visible)."""
+the capture of a framework's saves, the adapter on the one engine (files as copied at the step
+boundary, a failure leaves nothing visible), and kill -9 of a real integration's writer mid-persist."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
 from importlib import metadata
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from spotguard.config import ConfigError
 from spotguard.hooks.adapters.base import CheckpointFailed
-from spotguard.integrations import versions
-from spotguard.integrations.core import FrameworkSave, guard_for, publish_dir, read_marker
+from spotguard.hooks.checkpoint import CheckpointStore
+from spotguard.integrations import capture, versions
+from spotguard.integrations.core import FrameworkAdapter, guard_for
 from spotguard.integrations.versions import UnsupportedFramework
+from tests.workers.launch import ROOT, base_env, kill_all
 
 
 def test_supported_version_passes_and_returns_it():
@@ -97,48 +105,146 @@ def test_guard_options_the_integration_sets_are_refused():
         guard_for(None, in_place=True)  # type: ignore[arg-type]
 
 
-class StagedDir(FrameworkSave):
-    """A framework that writes one directory (as the Trainer does), with failures on demand."""
+class TorchFiles(FrameworkAdapter):
+    """A framework that saves as the real ones do: `torch.save` and safetensors to paths under the
+    directory it is given, a JSON file written directly, a sub-directory it makes itself."""
 
-    def __init__(self, root, fail_write=False, fail_publish=False):
-        super().__init__()
-        self.root, self.fail_write, self.fail_publish = root, fail_write, fail_publish
+    def __init__(self, root, model, optimizer, unpicklable=False):
+        self.model, self.optimizer, self.unpicklable = model, optimizer, unpicklable
+        super().__init__(root)
 
-    def _write(self, step, notice):
-        staged = self.root / ".staging" / f"checkpoint-{step}"
-        staged.mkdir(parents=True)
-        (staged / "model.bin").write_bytes(b"weights")
-        if self.fail_write:
-            raise OSError(28, "No space left on device")
+    def _framework_save(self, root, step):
+        import safetensors.torch
 
-    def _publish(self, step, notice):
-        if self.fail_publish:
-            raise OSError(5, "I/O error")
-        publish_dir(self.root / ".staging" / f"checkpoint-{step}", self.root / f"checkpoint-{step}", step, notice)
+        (root / "optim").mkdir()
+        torch.save(self.optimizer.state_dict(), root / "optim" / "optimizer.pt")
+        safetensors.torch.save_file(self.model.state_dict(), root / "model.safetensors", metadata={"format": "pt"})
+        torch.save({"step": step, "hook": (lambda: None) if self.unpicklable else None}, root / "extra.pt")
+        (root / "state.json").write_text(json.dumps({"step": step}))
 
-    def _discard(self, step):
-        import shutil
+    def _load(self, info):
+        import safetensors.torch
 
-        shutil.rmtree(self.root / ".staging", ignore_errors=True)
-
-
-def test_save_publishes_with_a_marker_and_replaces_a_copy_of_the_same_step(tmp_path):
-    StagedDir(tmp_path).save(3)
-    (tmp_path / ".staging").rmdir()
-    adapter = StagedDir(tmp_path)
-    adapter.save(3)
-    assert read_marker(tmp_path / "checkpoint-3")["step"] == 3 and adapter.last_saved_step == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".staging", "checkpoint-3"]
-    assert adapter.estimate_save_seconds() is not None
+        self.model.load_state_dict(safetensors.torch.load_file(info.dir / "model.safetensors"))
+        self.optimizer.load_state_dict(torch.load(info.dir / "optim" / "optimizer.pt", weights_only=True))
 
 
-@pytest.mark.parametrize("failure", ["fail_write", "fail_publish"])
-def test_a_failed_save_raises_and_leaves_nothing_visible(tmp_path, failure):
-    StagedDir(tmp_path).save(2)
-    adapter = StagedDir(tmp_path, **{failure: True})
-    with pytest.raises(CheckpointFailed, match="the previous checkpoint stays the newest"):
+def trained():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 64)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_capture_records_the_saves_aimed_at_its_root_and_passes_every_other_through(tmp_path):
+    import io
+
+    import safetensors.torch
+
+    real_save, real_save_file = torch.save, safetensors.torch.save_file
+    root, elsewhere, stream = tmp_path / "root", tmp_path / "elsewhere.pt", io.BytesIO()
+    root.mkdir()
+    weights = {"w": torch.ones(3)}
+    with capture.captured_saves(root) as captured:
+        torch.save(weights, root / "a.pt")
+        torch.save(weights, str(elsewhere))
+        torch.save(weights, stream)
+        safetensors.torch.save_file(weights, str(root / "sub" / "m.safetensors"), metadata={"format": "pt"})
+    assert torch.save is real_save and safetensors.torch.save_file is real_save_file
+    assert list(root.iterdir()) == [] and elsewhere.is_file() and stream.getvalue()
+    assert captured.formats == {"a.pt": ["torch", None], "sub/m.safetensors": ["safetensors", {"format": "pt"}]}
+    assert captured.objects["a.pt"] is weights
+
+
+def test_the_frameworks_own_aliases_of_save_file_are_captured(tmp_path):
+    import accelerate.utils.other as accelerate_io
+    import safetensors.torch
+
+    with capture.captured_saves(tmp_path) as captured:
+        accelerate_io.save({"w": torch.ones(2)}, tmp_path / "model.safetensors", safe_serialization=True)
+    assert accelerate_io.safe_save_file is safetensors.torch.save_file
+    assert list(captured.formats) == ["model.safetensors"] and not (tmp_path / "model.safetensors").exists()
+
+
+def test_save_writes_the_frameworks_files_as_copied_at_the_step_boundary(tmp_path):
+    import safetensors.torch
+
+    model, optimizer = trained()
+    adapter = TorchFiles(tmp_path, model, optimizer)
+    adapter.prepare()
+    at_boundary = {k: v.clone() for k, v in model.state_dict().items()}
+    adapter.save_async(5, reason="notice")
+    with torch.no_grad():  # training goes on while the engine persists: the checkpoint keeps the copy
+        for p in model.parameters():
+            p.add_(1.0)
+    adapter.wait()
+    assert adapter.async_error is None
+    info = adapter.store.resolve(verify=True)
+    assert info.step == 5 and sorted(info.files) == ["extra.pt", "model.safetensors", "optim/optimizer.pt",
+                                                     "state.json"]
+    saved = safetensors.torch.load_file(info.dir / "model.safetensors")
+    assert all(torch.equal(saved[k], at_boundary[k]) for k in at_boundary)
+    assert torch.load(info.dir / "optim" / "optimizer.pt", weights_only=True)["state"][0]["step"] == 1
+    assert json.loads((info.dir / "state.json").read_text()) == {"step": 5}
+    assert adapter.snapshot_engine.buffers.allocations == 1  # prepare() allocated; the notice's copy reused them
+    parts = adapter.save_parts()
+    assert parts.snapshot is not None and parts.persist is not None and adapter.estimate_save_seconds() > 0
+    adapter.close()
+    assert not adapter.scratch.exists()
+
+
+def test_a_failed_save_raises_and_leaves_the_previous_checkpoint_the_newest(tmp_path):
+    model, optimizer = trained()
+    TorchFiles(tmp_path, model, optimizer).save(2)
+    adapter = TorchFiles(tmp_path, model, optimizer, unpicklable=True)  # its extra.pt cannot be written
+    with pytest.raises(CheckpointFailed, match="a rank failed to write its part"):
         adapter.save(4)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"] and adapter.last_saved_step is None
+    assert adapter.store.resolve(verify=True).step == 2
+    adapter.close()
+    reopened = CheckpointStore(tmp_path)  # the next run's open removes the dead writer's pending directory
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith((".pending-", ".spotguard-"))] == []
+    assert [c.step for c in reopened.list()] == [2]
+
+
+def bytes_going_out(root, pattern: str) -> bool:
+    """True once a file in a directory matching `pattern` under `root` holds bytes (files come and go)."""
+    for path in root.glob(f"{pattern}/*"):
+        try:
+            if path.stat().st_size:
+                return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
+def test_kill_9_of_the_writer_mid_persist_leaves_the_previous_checkpoint_complete(tmp_path):
+    """A real Accelerate process (the integration's adapter, the one engine) killed with SIGKILL while it
+    persists step 2: the newest checkpoint is complete and verifies (step 1, or step 2 if its commit
+    finished first), its files load, and the killed writer's pending directory stays invisible."""
+    import safetensors.torch
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.workers.framework_kill", str(ckpt), str(out)], cwd=ROOT,
+                            env=base_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not bytes_going_out(ckpt, ".pending-step-000000002-*"):
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "step 2's persist never began"
+            time.sleep(0.002)
+        proc.kill()
+    finally:
+        kill_all([proc])
+    store = CheckpointStore(ckpt)
+    info = store.resolve(verify=True)
+    assert info.step == 2 if (out / "saved-2").exists() else info.step in (1, 2)
+    weights = torch.load(out / f"params-{info.step}.pt", weights_only=True)
+    loaded = safetensors.torch.load_file(info.dir / "model.safetensors")
+    assert sorted(loaded) == sorted(weights) and all(torch.equal(loaded[k], weights[k]) for k in weights)
+    assert torch.load(info.dir / "optimizer.bin", weights_only=True)["state"]
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith(".pending-")] == []
 
 
 def test_drain_saves_fresh_without_the_vote_for_an_adapter_that_takes_no_snapshots(tmp_path):
@@ -162,7 +268,8 @@ def test_drain_saves_fresh_without_the_vote_for_an_adapter_that_takes_no_snapsho
     now = now_utc()
     urgent = Notice(id="n", kind=Kind.RECLAIM, source="aws.spot", node="n1", detected_at=now,
                     deadline=now + timedelta(milliseconds=10))  # too short for any save: a vote would weigh it
-    for adapter, votes in ((StagedDir(tmp_path / "framework"), 0), (SimpleNamespace(
+    model, optimizer = trained()
+    for adapter, votes in ((TorchFiles(tmp_path / "framework", model, optimizer), 0), (SimpleNamespace(
             snapshot_step=None, estimate_save_seconds=lambda: 5.0, save=lambda step, **kw: None), 1)):
         collectives = CountingCollectives()
         record = DrainSequence(collectives, adapter).run(7, Verdict(urgent, urgent.deadline.timestamp(), 0),

@@ -3,7 +3,8 @@
 For the Trainer, Accelerate and Lightning, one test each, three runs of the reference script:
 1. two ranks; a notice delivered to ONE rank mid-epoch (the stand-in sidecar only rank 1
    connects to, or SIGTERM to rank 1 alone) makes every rank save the same global step through
-   the framework's own call; both exit 83; the framework's own resume picks that checkpoint;
+   the one snapshot engine, in the framework's own format, committed by the store; both exit 83;
+   the framework's own resume picks that checkpoint;
 2. two ranks resume from it with rank 0's save failing (`--fail-save`): a second notice ends the
    run with 84 on every rank (no rank left waiting) and the previous checkpoint stays the newest,
    nothing staged left behind;
@@ -39,8 +40,18 @@ def newest_step(framework: str, ckpt) -> int:
 
 
 def staged_leftovers(ckpt) -> list[str]:
-    return [p.name for p in ckpt.iterdir() if "spotguard-staging" in p.name or "spotguard-tmp" in p.name
-            or p.name.startswith(".pending-")]
+    """What a failed or killed save left, once the store was opened again (as the next run does): the
+    pending directory of a dead writer is removed then; nothing else may be left."""
+    CheckpointStore(ckpt)
+    return [p.name for p in ckpt.iterdir()
+            if "spotguard-tmp" in p.name or p.name.startswith((".pending-", ".spotguard-"))]
+
+
+def engine_checkpoint(ckpt, step: int) -> dict:
+    """The metadata of the store's newest checkpoint, which the one engine committed for the notice at `step`."""
+    info = CheckpointStore(ckpt).resolve(verify=True)
+    assert info is not None and info.metadata["reason"] == "notice", info
+    return info.metadata
 
 
 @pytest.mark.timeout(1800)  # three runs; minutes only on a loaded machine (imports)
@@ -55,6 +66,7 @@ def test_notice_to_one_rank_same_step_failed_save_84_resume_on_one_rank(framewor
     step = steps[0]
     assert steps == [step, step] and step + offset < TOTAL - 3, steps
     assert newest_step(framework, ckpt) == step
+    assert engine_checkpoint(ckpt, step)["step"] == step  # through the one engine and the store's commit
     if stub is not None:  # only rank 1 has a sidecar: it hears that the checkpoint is durable, then drained
         assert [(r["phase"], r["rank"], r["step"]) for r in stub.reports] == [
             ("checkpoint-durable", 1, step), ("drained", 1, step)]
@@ -91,6 +103,7 @@ def test_hf_trainer_deepspeed_zero2_notice_to_one_rank_same_step_resume(tmp_path
     step = steps[0]
     assert steps == [step, step] and step < TOTAL - 3, steps
     assert newest_step("hf", ckpt) == step and staged_leftovers(ckpt) == []
+    assert engine_checkpoint(ckpt, step)["step"] == step
     assert (ckpt / f"checkpoint-{step}" / f"global_step{step}").is_dir()  # DeepSpeed's own layout inside
     assert [(r["phase"], r["rank"], r["step"]) for r in stub.reports] == [
         ("checkpoint-durable", 1, step), ("drained", 1, step)]
@@ -118,6 +131,7 @@ def test_accelerate_deepspeed_zero2_notice_to_one_rank_same_step_resume(tmp_path
     step = steps[0]
     assert steps == [step, step] and step + 1 < TOTAL - 3, steps
     assert newest_step("accelerate", ckpt) == step and staged_leftovers(ckpt) == []
+    assert engine_checkpoint(ckpt, step)["step"] == step
 
     complete_run("accelerate", 2, ckpt, last, *deepspeed)
     start = step + 1

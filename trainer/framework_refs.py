@@ -11,7 +11,7 @@ tests and the dry-run read from `--out`:
 - `ids-<rank>.jsonl`: one line per global step, {"step", "ids", "t"}: the sample ids this rank trained
   on, and when the step ended;
 - `params-final.pt` (rank 0): the final parameters.
-`--fail-save` makes rank 0's checkpoint write raise (the failing-save tests).
+`--fail-save` makes rank 0's checkpoint write raise (the failing-save tests): `fail_rank0_saves`.
 """
 from __future__ import annotations
 
@@ -224,15 +224,21 @@ class Records:
 
 
 def fail_rank0_saves(rank: int, checkpoint_dir: str) -> None:
-    """`--fail-save`: rank 0's torch.save into `checkpoint_dir` raises (the optimizer state of the
-    Trainer's and Accelerate's checkpoints is written through it)."""
+    """`--fail-save`: rank 0's torch.save into `checkpoint_dir` raises, whether it is given a path or
+    an open file there (spotguard's engine writes the integrations' files through a stream)."""
     if rank != 0:
         return
     real = torch.save
     root = os.path.abspath(checkpoint_dir)
 
+    def target(f) -> str | None:
+        while not isinstance(f, (str, os.PathLike)) and f is not None:
+            f = getattr(f, "raw", None) or getattr(f, "name", None)
+        return os.path.abspath(f) if f is not None else None
+
     def failing(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)) and os.path.abspath(f).startswith(root):
+        name = target(f)
+        if name is not None and name.startswith(root):
             raise OSError(28, "No space left on device (spotguard test)")
         return real(obj, f, *args, **kwargs)
 

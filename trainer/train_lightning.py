@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from spotguard.integrations.lightning import SpotguardCallback
 from spotguard.trainer.framework_refs import (GLOBAL_BATCH, DryRunEvents, Records, Samples, TinyRegression,
-                                              parse_args, world)
+                                              fail_rank0_saves, parse_args, world)
 
 
 class ResumableBatches:
@@ -71,29 +71,14 @@ class Module(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class FailingSaves:
-    """`--fail-save`: rank 0's checkpoint write raises (patched onto the strategy's CheckpointIO)."""
-
-    def __init__(self, callback: SpotguardCallback):
-        self.callback = callback
-
-    def install(self, trainer: pl.Trainer) -> None:
-        if trainer.global_rank == 0:
-            def failing(*args, **kwargs):
-                raise OSError(28, "No space left on device (spotguard test)")
-            trainer.strategy.checkpoint_io.save_checkpoint = failing
-
-
 class RecordReclaims(pl.Callback):
-    def __init__(self, spotguard: SpotguardCallback, records: Records, events: DryRunEvents, fail_save: bool):
-        self.spotguard, self.records, self.events, self.fail_save = spotguard, records, events, fail_save
+    def __init__(self, spotguard: SpotguardCallback, records: Records, events: DryRunEvents):
+        self.spotguard, self.records, self.events = spotguard, records, events
 
     def on_train_start(self, trainer, pl_module):
         self.records.adapter = self.spotguard.adapter
         self.spotguard.guard.on_reclaim(self.records.saved)
         self.events.attach(self.spotguard.guard, self.spotguard.adapter)
-        if self.fail_save:
-            FailingSaves(self.spotguard).install(trainer)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                          max_steps=opts.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, num_sanity_val_steps=0,
                          callbacks=[ModelCheckpoint(dirpath=opts.ckpt, save_last=True, save_top_k=0), spotguard,
-                                    RecordReclaims(spotguard, records, events, opts.fail_save)])
+                                    RecordReclaims(spotguard, records, events)])
+    if opts.fail_save:
+        fail_rank0_saves(rank, opts.ckpt)
     module = Module(records, events, opts.steps, opts.step_sleep)
     resume = "last" if (Path(opts.ckpt) / "last.ckpt").exists() else None
     trainer.fit(module, ResumableBatches(rank, size), ckpt_path=resume)

@@ -201,6 +201,13 @@ class StoreAdapter:
     def _metadata_extra(self) -> dict[str, Any]:
         return {}
 
+    def _tag(self, step: int, reason: str) -> str:
+        """The store's name of the checkpoint of `step` (a framework integration uses the framework's)."""
+        return tag_for(step, reason)
+
+    def _after_commit(self, info: CheckpointInfo) -> None:
+        """Rank 0, right after the commit: a failure here fails the checkpoint on every rank."""
+
     # ---- the engine -------------------------------------------------------------------------
     def _require_engine(self) -> SnapshotEngine:
         if self.snapshot_engine is None:
@@ -342,7 +349,7 @@ class StoreAdapter:
     # ---- the commit protocol ---------------------------------------------------------------
     def _checkpoint(self, step: int, reason: str, notice: Notice | None, extra: dict[str, Any],
                     write: Callable[[Any], None], snapshot: bool = False, pending: Any = None) -> CheckpointInfo | None:
-        tag = tag_for(step, reason)
+        tag = self._tag(step, reason)
         ok = True
         attempt = self._agreed_attempt() if pending is None and getattr(self.store, "agrees_attempts", False) else None
         try:
@@ -355,6 +362,8 @@ class StoreAdapter:
             log.exception("rank %d could not write its part of checkpoint %s", self.rank, tag)
             ok = False
         if not self._all_ok(ok):
+            if pending is not None:  # every rank stopped writing: the next open's cleanup may remove it
+                pending.close()
             raise CheckpointFailed(f"checkpoint {tag}: a rank failed to write its part")
         info, ok = None, True
         if self.rank == 0:
@@ -363,6 +372,7 @@ class StoreAdapter:
                         **self._metadata_extra()}
             try:
                 info = self.store.commit(tag, world_size=self.world_size, metadata=metadata)
+                self._after_commit(info)
             except BaseException as exc:
                 reraise_interrupts(exc)
                 log.exception("commit of checkpoint %s failed", tag)
