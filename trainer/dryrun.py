@@ -129,6 +129,7 @@ class DryRun:
         self._left_unpushed = False  # ranks left in place; their membership waits for the others leaving
         self._noticed: set[str] = set()  # nodes whose rank got a notice it may leave for (until it has left)
         self._started_with: dict[int, int] = {}  # start at min: generation -> the size it started training at
+        self.membership_standby = False  # pushed memberships say `standby` (backfill's warm standby)
 
     # ---- the parts --------------------------------------------------------------------------
     async def _start_nodes(self) -> None:
@@ -339,7 +340,8 @@ class DryRun:
         self._left_unpushed = False  # every push names the current world
         self.membership_generation += 1
         membership = Membership(self.membership_generation, tuple(hosts), len(hosts),
-                                store=f"127.0.0.1:{self.rdzv_ports[hosts[0]]}", start=start)
+                                store=f"127.0.0.1:{self.rdzv_ports[hosts[0]]}", start=start,
+                                standby=self.membership_standby)
         for node in self.nodes.values():
             await asyncio.to_thread(node.push_membership, membership)
         self.memberships.append(MembershipRecord(

@@ -264,6 +264,7 @@ class BackfillOptions:
     fallback_after: float = 4.0
     return_after: float = 10.0
     on_demand_max: int | None = None
+    hold: bool = True  # a noticed rank trains on while its warm standby starts (hooks/replacement_hold.py)
 
 
 async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_every: int = 100,
@@ -283,7 +284,8 @@ async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_ever
         dry = DryRun(scenario, where, extra, time_limit=time_limit)
     elif mode == "spotguard-backfill":
         dry = BackfillDryRun(scenario, where, extra, time_limit=time_limit, fallback_after=backfill.fallback_after,
-                             return_after=backfill.return_after, on_demand_max=backfill.on_demand_max)
+                             return_after=backfill.return_after, on_demand_max=backfill.on_demand_max,
+                             hold=backfill.hold)
     else:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
     report = await dry.run()
