@@ -13,6 +13,9 @@ Files written into --out (the tests read them):
   after loading a checkpoint), `save` (the agreed step) and `final`;
 - resize-<node>.jsonl: one line per change (outcome, ranks, pause, phases);
 - exit-<node>: the exit status.
+A reclaim notice of this host: once `<out>/notice-<node>` exists (its text: seconds to the
+deadline), the rank's Guard is offered one, and the time it was offered is written to
+`noticed-<node>`.
 Fault injection (tests only): FAIL_AT=<phase>, FAIL_NODE=<node>, FAIL_HOW=raise|exit|hang (hang: until
 its parent, the launcher, is gone, or 600 s).
 """
@@ -24,6 +27,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -32,6 +36,7 @@ import torch.distributed as dist
 from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 from spotguard.hooks.elastic import elastic_process, init_process_group
 from spotguard.hooks.guard import Guard
+from spotguard.wire.notice import Kind, Notice, now_utc
 from spotguard.trainer.elastic_job import batch, build_for, membership_reader, watch_memberships
 from state_dump import flatten  # a sibling: the workers run as scripts
 
@@ -62,6 +67,17 @@ def full_state(adapter) -> dict[str, torch.Tensor]:
     model_state, optim_state = get_state_dict(adapter.model, adapter.optimizer,
                                               options=StateDictOptions(full_state_dict=True))
     return flatten(model_state, optim_state)
+
+
+def offer_reclaim(guard, out: Path) -> bool:
+    """Offers the Guard a reclaim notice of this host, due in the seconds `notice-<node>` says."""
+    text = (out / f"notice-{NODE}").read_text().strip()
+    if not text:
+        return False  # being written
+    now = now_utc()
+    guard.offer(Notice(f"test-reclaim-{NODE}", Kind.RECLAIM, "test", NODE, now, now + timedelta(seconds=float(text))))
+    (out / f"noticed-{NODE}").write_text(str(now.timestamp()))
+    return True
 
 
 def main(argv=None) -> int:
@@ -140,6 +156,7 @@ def main(argv=None) -> int:
     for item in args.offer:
         at, _, data = item.partition(":")
         offers.setdefault(int(at), []).append(json.loads(data))
+    noticed = False
     step, end = start, (start + args.tail if joining and args.stop_after else args.steps)
     try:
         while step < end:
@@ -152,6 +169,8 @@ def main(argv=None) -> int:
                 os.kill(os.getpid(), signal.SIGTERM)
             for data in offers.get(step, ()):
                 guard.view.offer(data)
+            if not noticed and (out / f"notice-{NODE}").exists():
+                noticed = offer_reclaim(guard, out)
             time.sleep(args.step_sleep)
             guard.step(step)
             if note_change():
