@@ -41,8 +41,8 @@ Contract:
   notice naming this rank's own host is held instead of agreed: the rank trains on until the
   membership that swaps it for its replacement is agreed (one in-place change), or until the
   latest safe moment (deadline - save estimate - one step - `save_margin_seconds` - 1 s), when
-  it is acted on as any notice. Without the flag, without a deadline, or with a deadline too
-  short to hold, nothing changes.
+  it is acted on as any notice. Without the flag, without a deadline, without a measured save
+  (no estimate), or with a deadline too short to hold, nothing changes.
 - The agreement carries [any notice, earliest deadline, lowest rank holding one, newest pushed
   membership]; that rank broadcasts its notice (or, without one, the membership's holder its
   membership), so at the agreed step every rank acts on the same notice and deadline.

@@ -10,11 +10,13 @@ swap-back replaces an on-demand member.
 
 Contract:
 - `release_at(...)` returns None when the notice is acted on now, exactly as without a hold:
-  no replacement is coming, the notice has no deadline, or its deadline is too short to hold
-  (the latest safe moment is not after `now`). Otherwise the latest safe moment, a POSIX time:
-  deadline - (the save estimate, `UNKNOWN_SAVE_SECONDS` without a measured save)
-           - `step_seconds` (the boundary at which the released notice is agreed comes up to
-             one step later) - `margin_seconds` (the save decision's margin plus the hold's own).
+  no replacement is coming, the notice has no deadline, the rank has no save estimate (it never
+  measured a save: nothing says a save would still fit later, so it does not gamble), or the
+  deadline is too short to hold (the latest safe moment is not after `now`). Otherwise the
+  latest safe moment, a POSIX time:
+  deadline - the save estimate - `step_seconds` (the boundary at which the released notice is
+  agreed comes up to one step later) - `margin_seconds` (the save decision's margin plus the
+  hold's own).
   Released then, the agreed step's durable checkpoint still fits before the deadline by the
   same rule `save_decision` applies.
 - The hold ends earlier when the membership that swaps the rank for its replacement is agreed
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 from spotguard.wire.notice import Kind
 
-UNKNOWN_SAVE_SECONDS = 2.0  # a rank that never saved (a joiner before its first change) assumes this
 HOLD_MARGIN_SECONDS = 1.0  # on top of the save decision's margin: the agreement, the leaving rank's handover
 HELD_KINDS = frozenset({Kind.RECLAIM, Kind.MAINTENANCE})  # the notices the supervisor's warm standby answers
 
@@ -32,8 +33,7 @@ HELD_KINDS = frozenset({Kind.RECLAIM, Kind.MAINTENANCE})  # the notices the supe
 def release_at(*, now: float, deadline: float | None, replacement_coming: bool, save_estimate: float | None,
                step_seconds: float, margin_seconds: float) -> float | None:
     """See the module docstring. `deadline`: POSIX seconds (None: no deadline)."""
-    if not replacement_coming or deadline is None:
+    if not replacement_coming or deadline is None or save_estimate is None:
         return None
-    estimate = UNKNOWN_SAVE_SECONDS if save_estimate is None else save_estimate
-    safe = deadline - estimate - max(0.0, step_seconds) - max(0.0, margin_seconds)
+    safe = deadline - save_estimate - max(0.0, step_seconds) - max(0.0, margin_seconds)
     return safe if safe > now else None

@@ -9,7 +9,7 @@ import pytest
 
 from spotguard.hooks.elastic.membership_view import MembershipView
 from spotguard.hooks.notice_gate import Action, NoticeGate
-from spotguard.hooks.replacement_hold import UNKNOWN_SAVE_SECONDS, release_at
+from spotguard.hooks.replacement_hold import release_at
 from spotguard.wire.membership import Membership, MembershipFormatError
 from spotguard.wire.notice import Notice
 
@@ -44,8 +44,8 @@ def test_a_deadline_too_short_to_hold_is_acted_on_now():
     assert hold(deadline=T + 2.7) == pytest.approx(T + 0.1)
 
 
-def test_a_rank_that_never_saved_assumes_a_save_estimate():
-    assert hold(estimate=None) == pytest.approx(T + 10 - UNKNOWN_SAVE_SECONDS - 0.1 - 2.0)
+def test_a_rank_that_never_measured_a_save_does_not_hold():
+    assert hold(estimate=None) is None
     assert hold(step=5.0, estimate=3.0) is None  # long steps and saves: no room to hold
 
 

@@ -55,6 +55,7 @@ def parse(argv=None):
     p.add_argument("--stop-after", type=int, default=0,
                    help="finish once this many changes happened (a joiner: once it joined), after --tail steps")
     p.add_argument("--tail", type=int, default=0, help="steps trained in the group --stop-after ends in")
+    p.add_argument("--save-at", type=int, default=-1, help="every rank saves a checkpoint after this step")
     p.add_argument("--offer", action="append", default=[], metavar="STEP:JSON",
                    help="every rank's Guard is offered this membership right before STEP's agreement (repeatable)")
     return p.parse_args(argv)
@@ -167,6 +168,8 @@ def main(argv=None) -> int:
             (out / f"progress-{NODE}").write_text(str(step))
             if step == args.signal_at and NODE == args.signal_node:
                 os.kill(os.getpid(), signal.SIGTERM)
+            if step == args.save_at:
+                adapter.save(step, reason="test")
             for data in offers.get(step, ()):
                 guard.view.offer(data)
             if not noticed and (out / f"notice-{NODE}").exists():
