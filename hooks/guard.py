@@ -321,10 +321,10 @@ class Guard:
         view = self.view
         if view is None or notice.kind not in HELD_KINDS or notice.node != view.node:
             return None
+        estimate = self.adapter.estimate_save_seconds() if self.adapter is not None else None
         return release_at(now=now.timestamp(), deadline=notice.deadline.timestamp() if notice.deadline else None,
-                          replacement_coming=view.standby,
-                          save_estimate=self.adapter.estimate_save_seconds() if self.adapter is not None else None,
-                          step_seconds=self._step_seconds, margin_seconds=self.save_margin_seconds + HOLD_MARGIN_SECONDS)
+                          replacement_coming=view.standby, save_estimate=estimate, step_seconds=self._step_seconds,
+                          margin_seconds=self.save_margin_seconds + HOLD_MARGIN_SECONDS)
 
     @staticmethod
     def _log_acting(notice: Notice) -> None:

@@ -127,7 +127,7 @@ def test_the_standby_flag_rides_the_membership():
     m = Membership(3, ("a", "b"), 2, store="127.0.0.1:29500", standby=True)
     assert Membership.from_json(m.to_json()) == m and m.to_wire()["standby"] is True
     assert "standby" not in Membership(3, ("a",), 1).to_wire()
-    with pytest.raises(MembershipFormatError, match="^standby:"):
+    with pytest.raises(MembershipFormatError, match=r"^standby:"):
         Membership.from_wire({**m.to_wire(), "standby": "yes"})
 
 

@@ -450,12 +450,16 @@ class DryRun:
             await self._admit(due)
 
     async def _admit(self, due: list[str]) -> None:
-        """Adds the ready joiners `due` to the world in one membership."""
+        """Adds the ready joiners `due` to the world in one membership. It leaves out the members
+        still leaving (a notice): listed, their ranks would shrink the group by their own notice
+        first, drop the membership as written before they left, and the joiners, already waiting
+        in its group, would time out."""
         self._joins.admitted(due)
         self.world.extend(due)
         self.generations[-1].nodes = sorted(set(self.generations[-1].nodes) | set(due))
         self.generations[-1].world_size = len(self.world)
-        await self._push_membership(self.world, "admitted")
+        staying = [n for n in self.world if n in due or not self._leaving(n)]
+        await self._push_membership(staying if len(staying) > len(due) else self.world, "admitted")
         for node in due:
             returned = [i for i in self.injected if i.kind == "capacity" and i.node == node and i.effective
                         and i.membership is None and i.rescaled is None]

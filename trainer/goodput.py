@@ -286,9 +286,9 @@ async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_ever
     elif mode == "spotguard":
         dry = DryRun(scenario, where, [*GUARD_FLAGS, *extra], time_limit=time_limit)
     elif mode == "spotguard-backfill":
-        dry = BackfillDryRun(scenario, where, [*GUARD_FLAGS, *extra], time_limit=time_limit, fallback_after=backfill.fallback_after,
-                             return_after=backfill.return_after, on_demand_max=backfill.on_demand_max,
-                             hold=backfill.hold)
+        dry = BackfillDryRun(scenario, where, [*GUARD_FLAGS, *extra], time_limit=time_limit,
+                             fallback_after=backfill.fallback_after, return_after=backfill.return_after,
+                             on_demand_max=backfill.on_demand_max, hold=backfill.hold)
     else:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
     report = await dry.run()
