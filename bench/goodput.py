@@ -134,6 +134,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="backfill: trace seconds spot must stay free before a swap-back (default 300)")
     p.add_argument("--on-demand-max", type=_positive(int), default=None,
                    help="backfill: at most this many on-demand replicas (default --workers)")
+    p.add_argument("--no-hold", dest="hold", action="store_false",
+                   help="backfill: the noticed rank leaves at once instead of training on while its warm "
+                        "standby starts (the replacement hold, hooks/replacement_hold.py: on by default)")
     p.add_argument("--horizon", type=_positive(float), default=None,
                    help="the Guard's notice horizon in every rank (SPOTGUARD_HORIZON_SECONDS): a rank with a "
                         "notice keeps training until its deadline is this close (default: the Guard's 120 s, "
@@ -192,7 +195,8 @@ def print_plan(args: argparse.Namespace, scenario, rows, path: Path) -> None:
 
 async def run_all(args: argparse.Namespace, scenario, run_dir: Path) -> Comparison:
     backfill = BackfillOptions(fallback_after=args.fallback_after / args.time_scale,
-                               return_after=args.return_after / args.time_scale, on_demand_max=args.on_demand_max)
+                               return_after=args.return_after / args.time_scale, on_demand_max=args.on_demand_max,
+                               hold=args.hold)
     results = {}
     for mode in args.modes:
         began = time.monotonic()
@@ -288,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       "fallback_after": args.fallback_after,
                                                       "return_after": args.return_after,
                                                       "on_demand_max": args.on_demand_max,
-                                                      "horizon": args.horizon,
+                                                      "horizon": args.horizon, "hold": args.hold,
                                                       "checkpoint_every": args.checkpoint_every},
                                          **comparison.as_dict()}, indent=2))
     return 0

@@ -36,6 +36,13 @@ Contract:
   reclaims are acted on at once) is held and acted on only once its deadline comes that close:
   a maintenance announced an hour ahead does not stop training now, and one the cloud cancels
   meanwhile never does.
+- Hold before leave (`replacement_hold`): when the newest pushed membership says `standby`
+  (the supervisor asks for a noticed member's replacement at once), a reclaim or maintenance
+  notice naming this rank's own host is held instead of agreed: the rank trains on until the
+  membership that swaps it for its replacement is agreed (one in-place change), or until the
+  latest safe moment (deadline - save estimate - one step - `save_margin_seconds` - 1 s), when
+  it is acted on as any notice. Without the flag, without a deadline, without a measured save
+  (no estimate), or with a deadline too short to hold, nothing changes.
 - The agreement carries [any notice, earliest deadline, lowest rank holding one, newest pushed
   membership]; that rank broadcasts its notice (or, without one, the membership's holder its
   membership), so at the agreed step every rank acts on the same notice and deadline.
@@ -80,7 +87,9 @@ from __future__ import annotations
 import logging
 import os
 import signal as signal_module
+import time
 import warnings
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterable
 
@@ -98,6 +107,7 @@ from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.notice_gate import ACT_ON, Action, NoticeGate
 from spotguard.hooks.notice_listener import NoticeListener
 from spotguard.hooks.orphan_watch import OrphanWatch
+from spotguard.hooks.replacement_hold import HELD_KINDS, HOLD_MARGIN_SECONDS, release_at
 from spotguard.hooks.signals import SignalTrap
 from spotguard.hooks.step_result import CONTINUED, Happened, StepResult
 from spotguard.hooks.termination_message import write_termination_message
@@ -129,7 +139,10 @@ class Guard:
             kinds = frozenset(Kind(k) for k in act_on)
         except ValueError as exc:
             raise ConfigError("act_on", str(exc)) from None
-        self.gate = NoticeGate(kinds, positive_float("horizon_seconds", horizon_seconds))
+        self.gate = NoticeGate(kinds, positive_float("horizon_seconds", horizon_seconds),
+                               hold=self._hold_for_replacement)
+        self._step_seconds = 0.0  # a decaying maximum of the time between step boundaries
+        self._last_boundary: float | None = None
         self.exit_on_drain = exit_on_drain
         self.pipeline = pipeline
         self.sidecar_url = None if sidecar_url is None else http_url(names.ENV_SIDECAR_URL, sidecar_url)
@@ -292,11 +305,26 @@ class Guard:
             else:
                 log.info("notice %s was already answered by the checkpoint this job resumed from", notice.id)
         elif decision.action is Action.HOLD:
-            if decision.why == "new":
+            if decision.why == "replacement" and decision.release_ts is not None:
+                log.warning("notice %s (%s): its replacement is on its way; training on until it joins, at the "
+                            "latest for %.1fs (then the checkpoint still fits before the deadline)", notice.id,
+                            notice.kind, decision.release_ts - time.time())
+            elif decision.why == "new":
                 log.warning("notice %s (%s) is due in %.0fs: held until %.0fs before its deadline",
                             notice.id, notice.kind, decision.seconds_left, self.gate.horizon_seconds)
         else:
             self._log_acting(notice)
+
+    def _hold_for_replacement(self, notice: Notice, now: datetime) -> float | None:
+        """When a notice on this rank's own host is released while its warm-standby replacement
+        is on its way (`replacement_hold.release_at`); None: act on it now, as without a hold."""
+        view = self.view
+        if view is None or notice.kind not in HELD_KINDS or notice.node != view.node:
+            return None
+        estimate = self.adapter.estimate_save_seconds() if self.adapter is not None else None
+        return release_at(now=now.timestamp(), deadline=notice.deadline.timestamp() if notice.deadline else None,
+                          replacement_coming=view.standby, save_estimate=estimate, step_seconds=self._step_seconds,
+                          margin_seconds=self.save_margin_seconds + HOLD_MARGIN_SECONDS)
 
     @staticmethod
     def _log_acting(notice: Notice) -> None:
@@ -314,6 +342,10 @@ class Guard:
     # ---- the step boundary ----------------------------------------------------------------
     def step(self, step: int) -> StepResult:
         """Call after step `step` on every rank; what happened at this boundary (module docstring)."""
+        boundary = time.monotonic()
+        if self._last_boundary is not None:
+            self._step_seconds = max(boundary - self._last_boundary, 0.9 * self._step_seconds)
+        self._last_boundary = boundary
         trap = self._trap
         if trap is not None and trap.received is not None:
             notice = trap.take()

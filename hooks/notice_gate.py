@@ -9,11 +9,15 @@ Contract:
   `act_on`, or when its id is answered (by the checkpoint the job
   resumed from, or by a finished drain: a re-sent or updated copy never drains again);
   HOLD when its deadline is more than `horizon_seconds` after `now` (kept until `release_due`
-  finds it within the horizon, or a withdrawal drops it);
+  finds it within the horizon, or a withdrawal drops it), or when the gate's `hold(notice,
+  now)` gives a release time after `now` (a replacement is on its way: `replacement_hold`; kept
+  until `release_due` reaches that time, or a withdrawal drops it; every copy offered again is
+  asked again and its release time never moves later: a copy for which `hold` gives None, e.g.
+  no replacement is coming any more, is acted on; a notice the horizon releases is asked too);
   ACT otherwise: it becomes `pending` when nothing is pending, when it updates the pending
   notice (same id), or when its deadline is earlier (no deadline counts as infinitely late).
-- `release_due(now)` offers the held notices whose deadline has come within the horizon and
-  returns them.
+- `release_due(now)` offers the held notices whose deadline has come within the horizon, or
+  whose hold's release time has come (those are acted on, never held again), and returns them.
 - `withdraw(notice_id)` drops a held or pending notice (one the ranks have not agreed on yet);
   it returns where it was found ("held", "pending"; empty when nowhere).
 - `answered(notice_id)` marks an id answered and clears it when pending.
@@ -25,7 +29,7 @@ import math
 import threading
 from dataclasses import dataclass
 from datetime import datetime
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from spotguard.wire.notice import Kind, Notice
 
@@ -41,11 +45,13 @@ class Action(enum.Enum):
 @dataclass(frozen=True)
 class Decision:
     """What `offer` did and why: `why` is "advisory", "kind", "answered" (IGNORE), "new" or "again" (HOLD: held
-    for the first time or already held), "" (ACT). `seconds_left` is the notice's time to its deadline."""
+    for the first time or already held), "replacement" (HOLD: until `release_ts`, a replacement is on its
+    way), "" (ACT). `seconds_left` is the notice's time to its deadline."""
 
     action: Action
     why: str = ""
     seconds_left: float | None = None
+    release_ts: float | None = None  # a replacement hold's release time (POSIX seconds)
 
 
 def deadline_ts(notice: Notice) -> float:
@@ -56,12 +62,15 @@ def deadline_ts(notice: Notice) -> float:
 class NoticeGate:
     """See the module docstring."""
 
-    def __init__(self, act_on: Iterable[Kind] = ACT_ON, horizon_seconds: float = 120.0):
+    def __init__(self, act_on: Iterable[Kind] = ACT_ON, horizon_seconds: float = 120.0,
+                 hold: Callable[[Notice, datetime], float | None] | None = None):
         self.act_on = frozenset(act_on)
         self.horizon_seconds = horizon_seconds
+        self.hold = hold
         self._lock = threading.Lock()
         self._pending: Notice | None = None
         self._held: dict[str, Notice] = {}
+        self._release: dict[str, float] = {}  # id -> release time of a notice held for its replacement
         self._answered: set[str] = set()
 
     @property
@@ -79,6 +88,9 @@ class NoticeGate:
             return frozenset(self._held)
 
     def offer(self, notice: Notice, now: datetime) -> Decision:
+        return self._offer(notice, now, may_hold=True)
+
+    def _offer(self, notice: Notice, now: datetime, may_hold: bool) -> Decision:
         if notice.advisory:
             return Decision(Action.IGNORE, "advisory")
         if notice.kind not in self.act_on:
@@ -86,27 +98,39 @@ class NoticeGate:
         if notice.id in self._answered:
             return Decision(Action.IGNORE, "answered")
         left = notice.seconds_left(now)
+        release = self.hold(notice, now) if may_hold and self.hold is not None else None
         with self._lock:
             if left is not None and left > self.horizon_seconds:
                 why = "again" if notice.id in self._held else "new"
                 self._held[notice.id] = notice
                 return Decision(Action.HOLD, why, left)
+            if release is not None:
+                release = min(release, self._release.get(notice.id, math.inf))
+                if release > now.timestamp():
+                    self._held[notice.id] = notice
+                    self._release[notice.id] = release
+                    return Decision(Action.HOLD, "replacement", left, release)
             self._held.pop(notice.id, None)
+            self._release.pop(notice.id, None)
             current = self._pending
             if current is None or current.id == notice.id or deadline_ts(notice) < deadline_ts(current):
                 self._pending = notice
         return Decision(Action.ACT, "", left)
 
     def release_due(self, now: datetime) -> list[Notice]:
+        ts = now.timestamp()
         with self._lock:
-            due = [n for n in self._held.values() if (n.seconds_left(now) or 0.0) <= self.horizon_seconds]
-        for notice in due:
-            self.offer(notice, now)
-        return due
+            due = [(n, n.id in self._release) for n in self._held.values()
+                   if (self._release[n.id] <= ts if n.id in self._release
+                       else (n.seconds_left(now) or 0.0) <= self.horizon_seconds)]
+        for notice, was_replacement_hold in due:
+            self._offer(notice, now, may_hold=not was_replacement_hold)
+        return [n for n, _ in due]
 
     def withdraw(self, notice_id: str) -> tuple[str, ...]:
         found = []
         with self._lock:
+            self._release.pop(notice_id, None)
             if self._held.pop(notice_id, None) is not None:
                 found.append("held")
             if self._pending is not None and self._pending.id == notice_id:

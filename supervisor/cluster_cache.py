@@ -219,6 +219,12 @@ class ClusterCache:
         node = self.nodes.get((pod.get("spec") or {}).get("nodeName") or "")
         return node is not None and not capacity.has_notice(node) and not disrupted(pod)
 
+    def on_noticed_node(self, pod: Mapping[str, Any]) -> bool:
+        """The pod is bound to a known node with a notice, and Kubernetes is not taking the pod
+        itself away: a member the replacement hold may keep listed (in_place.py)."""
+        node = self.nodes.get((pod.get("spec") or {}).get("nodeName") or "")
+        return node is not None and capacity.has_notice(node) and not disrupted(pod)
+
     def members(self, key: JobKey, adapter: JobAdapter,
                 hosts_mode: str) -> tuple[list[dict], tuple[str, ...], list[dict]]:
         """(active replica pods, member hosts, member pods): members run on nodes without a notice."""

@@ -23,8 +23,8 @@ from spotguard.supervisor import conditions, membership, placement, progress
 from spotguard.wire import names
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, annotations_of, meta
 from spotguard.supervisor.events import event_body
-from spotguard.supervisor.in_place import (fresh_members, group_gone, in_place_group, joiners_settled,
-                                           ready_joiners, start_members, starting_joiners)
+from spotguard.supervisor.in_place import (fresh_members, group_gone, held_for_replacement, in_place_group,
+                                           joiners_settled, ready_joiners, start_members, starting_joiners)
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.metrics import SupervisorMetrics
 from spotguard.supervisor.policy import PolicyError, decision_key
@@ -153,20 +153,23 @@ class JobEffects:
         return await self.write_job(key, adapter, body)
 
     async def ensure_membership(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record,
-                                in_place: bool = False, start_at_min: int = 0, limit: int | None = None) -> None:
+                                in_place: bool = False, start_at_min: int = 0, limit: int | None = None,
+                                standby: bool = False) -> None:
         """Elastic jobs the supervisor has acted on: pushes the hosts of the running replicas on
         nodes without a notice (new generation when they or the store change) to every active
         replica pod. `in_place`: members, their stable order and the store follow in_place.py,
         at most `limit` (max-replicas) hosts, a joiner beyond it taking an on-demand member's
         place (the swap-back, placement.py). `start_at_min` (min-replicas of an in-place
         start-at-min job, 0: not one): the first group is pushed, acted on or not, once that many
-        pods are Ready (in_place.py `start_members`)."""
+        pods are Ready (in_place.py `start_members`). `standby` (in place, a backfill job with a
+        spare): the memberships say so, and a member on a noticed node stays listed while a
+        replacement is on its way (in_place.py `held_for_replacement`)."""
         if record.phase != RUNNING or adapter.suspended(obj):
             return
         if start_at_min and in_place:
             pods = self.cache.replica_pods(key, adapter)
             if not record.members or group_gone(pods, record.member_pods):
-                await self._push_start_group(key, obj, adapter, record, pods, start_at_min, limit)
+                await self._push_start_group(key, obj, adapter, record, pods, start_at_min, limit, standby)
                 return
         elif record.decided_at is None:
             return
@@ -174,11 +177,15 @@ class JobEffects:
         if in_place:
             pods = self.cache.replica_pods(key, adapter)
             if group_gone(pods, record.member_pods):
-                await self._push_fresh_group(key, obj, adapter, record, pods)
+                await self._push_fresh_group(key, obj, adapter, record, pods, standby)
                 return
             admit = self._joiners_settled(key, pods, record.members)
+            member_node: Callable[[Mapping[str, Any]], bool] = self.cache.on_healthy_node
+            if standby:
+                member_node = held_for_replacement(pods, record.members, self.membership_hosts, member_node,
+                                                   self.cache.on_noticed_node, admit)
             hosts, store, incarnations = in_place_group(pods, record.members, self.membership_hosts,
-                                                        self.cache.on_healthy_node, admit, limit,
+                                                        member_node, admit, limit,
                                                         self._on_demand_hosts(pods, adapter, obj))
             if hosts and not store:
                 return  # the first host's pod has no IP yet: its update requeues the job
@@ -201,10 +208,10 @@ class JobEffects:
         world = replicas * membership.processes_per_replica(adapter.pod_spec(obj))
         start = in_place and record.generation == record.start_generation > 0  # the first group, told again
         await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store,
-                                                                     start=start))
+                                                                     start=start, standby=standby))
 
     async def _push_fresh_group(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record,
-                                pods: list[dict]) -> None:
+                                pods: list[dict], standby: bool = False) -> None:
         """The in-place group of the last membership is gone (in_place.py `group_gone`): nothing
         stale is pushed; once every replica pod of the relaunched job runs, its own group is, as
         a new generation (hosts in completion-index order, the lowest index's store)."""
@@ -218,10 +225,11 @@ class JobEffects:
         if await self.write_job(key, adapter, record_patch(obj, record)) is None:
             return
         world = len(hosts) * membership.processes_per_replica(adapter.pod_spec(obj))
-        await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store))
+        await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store,
+                                                                     standby=standby))
 
     async def _push_start_group(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record,
-                                pods: list[dict], least: int, limit: int | None) -> None:
+                                pods: list[dict], least: int, limit: int | None, standby: bool = False) -> None:
         """A start-at-min job without a running group: once `least` pods are Ready, their first
         membership (marked `start`, at most `limit` hosts), as a new generation."""
         found = start_members(pods, least, self.membership_hosts, self.cache.on_healthy_node, limit)
@@ -236,7 +244,7 @@ class JobEffects:
             return
         world = len(hosts) * membership.processes_per_replica(adapter.pod_spec(obj))
         await self._push_membership(pods, membership.membership_json(record.generation, hosts, world, store=store,
-                                                                     start=True))
+                                                                     start=True, standby=standby))
 
     def _on_demand_hosts(self, pods: list[dict], adapter: JobAdapter, obj: Mapping[str, Any]) -> frozenset[str]:
         """Hosts of the replica pods the backfill placed on on-demand capacity (placement.py)."""

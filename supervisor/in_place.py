@@ -16,6 +16,14 @@ Contract (docs/protocols.md, "In-place membership"):
   replicas above max-replicas, gated until a notice or a swap-back needs it, placement.py); a
   Ready joiner beyond max takes the place of one on-demand member in the same membership (the
   swap-back: the spot joiner joins, the on-demand member leaves, the world size stays), or waits;
+- warm standby with the replacement hold (`held_for_replacement`, a backfill job with a spare:
+  its memberships say `standby`): a previous member on a node with a notice stays a member while
+  a replacement is on its way, one member per replacement (the gated spare, which the warm
+  standby places at the notice; one starting; or one Ready and held back by the settle window),
+  the first listed first; its rank trains on meanwhile (the Guard's hold). A spare that cannot be
+  placed (no capacity) costs nothing: the rank leaves by itself at its latest safe moment.
+  The membership that admits the replacement leaves that member out: one change, the world size
+  kept. A member whose rank left by itself at its safe moment is no longer Running: it drops out;
 - joiners that become Ready together are admitted together: `joiners_settled` holds Ready
   joiners back while another replacement is still starting, for at most a settle window;
 - start at min (`spotguard.io/start-at-min: "true"`, `start_members`): no group runs before the
@@ -99,6 +107,24 @@ def starting_joiners(pods: Iterable[Mapping[str, Any]], previous: Sequence[str],
     return [p for p in pods if not pod_ready(p) and membership.host_of(p, hosts_mode) not in previous
             and not (p.get("spec") or {}).get("schedulingGates")
             and (not (p.get("spec") or {}).get("nodeName") or on_healthy_node(p))]
+
+
+def held_for_replacement(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], hosts_mode: str,
+                         on_healthy_node: Callable[[Mapping[str, Any]], bool],
+                         on_noticed_node: Callable[[Mapping[str, Any]], bool],
+                         admit_joiners: bool) -> Callable[[Mapping[str, Any]], bool]:
+    """`on_healthy_node` widened by the members held for their replacements (module docstring):
+    `on_noticed_node(pod)` says the pod's node has a notice (and nothing else takes the pod away)."""
+    pods = list(pods)
+    spares = sum(1 for p in pods if (p.get("spec") or {}).get("schedulingGates"))
+    coming = spares + len(starting_joiners(pods, previous, hosts_mode, on_healthy_node))
+    if not admit_joiners:
+        coming += len(ready_joiners(pods, previous, hosts_mode, on_healthy_node))
+    noticed = sorted((p for p in pods if (p.get("status") or {}).get("phase") == "Running" and on_noticed_node(p)
+                      and membership.host_of(p, hosts_mode) in previous),
+                     key=lambda p: list(previous).index(membership.host_of(p, hosts_mode)))
+    held = {id(p) for p in noticed[:coming]}
+    return lambda pod: on_healthy_node(pod) or id(pod) in held
 
 
 def joiners_settled(ready_for: Sequence[float], starting: int, settle: float) -> bool:

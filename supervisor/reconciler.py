@@ -111,9 +111,11 @@ class Reconciler:
         if current is not None:
             current = await self.effects.ensure_steps_lost(key, current, adapter)
         if current is not None and policy.mode == ELASTIC:
+            standby = (self.placer.wants(policy, current, adapter)  # a spare: the warm standby places it at a notice
+                       and adapter.replicas(current) > policy.max_replicas)
             await self.effects.ensure_membership(key, current, adapter, record, in_place=policy.in_place,
                                                  start_at_min=policy.min_replicas if policy.start_at_min else 0,
-                                                 limit=policy.max_replicas)
+                                                 limit=policy.max_replicas, standby=standby)
         if current is not None and self.placer.wants(policy, current, adapter):
             recheck = await self.placer.ensure(key, current, adapter, policy, record)
             if recheck is not None:

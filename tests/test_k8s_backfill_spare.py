@@ -5,7 +5,9 @@ supervisor as its own ServiceAccount (RBAC and admission policies of daemonset/b
 An in-place, start-at-min, backfill Indexed Job asks for max + 1 replicas: the extra one is the
 spare (supervisor/placement.py). It stays gated while the job is whole. A reclaim notice on a
 spot member places it at once (warm standby: on-demand, as no spot slot is free, long before
-`fallback-after`), and it joins when Ready. When spot capacity has been free for `return-after`,
+`fallback-after`); the memberships say `standby`, so the noticed member stays listed (its rank
+trains on, the replacement hold) until the standby is Ready, which then takes its place in ONE
+membership. When spot capacity has been free for `return-after`,
 the spare is placed on spot and, once Ready, takes the on-demand member's place in ONE membership
 (same size, one generation). Each member that left exits 83 and the Job controller re-creates its
 index gated: the next spare."""
@@ -101,17 +103,19 @@ async def test_the_spare_is_the_warm_standby_and_swaps_an_on_demand_member_back_
         leaving = next(p for p in members if p.spec.node_name == spot[0])
         noticed_at = time.monotonic()
         await _mark(control_plane, spot[0])
-        shrunk = await asyncio.to_thread(wait_until, lambda: told({spot[1]}, first["generation"]), 30,
-                                         "the survivors' membership")
         standby = (await asyncio.to_thread(wait_until, lambda: bound(on_demand), 30, "the warm standby placed"))[0]
         placed_after = time.monotonic() - noticed_at
         assert placed_after < FALLBACK_AFTER / 2, placed_after
         assert standby.spec.node_selector[CAPACITY] == "on-demand"
         await asyncio.to_thread(run, standby, False)
+        await controller.reconciler.reconcile(("Job", ns, "train"))
+        # The replacement hold: the noticed member stays listed (its rank trains on) while its standby starts.
+        assert await asyncio.to_thread(membership) == first and first.get("standby") is True
         await asyncio.to_thread(run, standby, True)
         whole = await asyncio.to_thread(wait_until, lambda: told({spot[1], standby.spec.node_name},
-                                                                 shrunk["generation"]), 30, "the standby joined")
+                                                                 first["generation"]), 30, "the standby joined")
         assert whole["hosts"] == [spot[1], standby.spec.node_name] and whole["world_size"] == MAX
+        assert whole["generation"] == first["generation"] + 1  # one change: the standby in, the noticed member out
         print(f"warm standby: notice -> spare placed {placed_after:.2f}s (fallback-after {FALLBACK_AFTER:g}s)")
         # The noticed member hands over and exits 83 (still before its node goes); its index comes back gated.
         await asyncio.to_thread(set_container_exit, control_plane, ns, leaving.metadata.name, names.EXIT_PREEMPTED)

@@ -8,7 +8,10 @@ replacement when a member gets a notice, on-demand joiners once the job has been
 joiner at a time that replaces one on-demand member in ONE membership (it joins, the on-demand
 member leaves, the world size stays). A joiner Ready while a member with a notice still trains
 (the Guard holds a notice until its deadline is within its horizon) takes that member's place
-in one membership too, so the world never exceeds max.
+in one membership too, so the world never exceeds max. With `hold` (default) the memberships
+say `standby`, so a member with a reclaim notice keeps training while its warm standby starts
+(the Guard's replacement hold, `hooks/replacement_hold.py`) and leaves in the membership that
+admits the standby, or at the latest safe moment before its deadline.
 
 `node_seconds()` integrates the pushed memberships: the seconds each capacity type held a
 member, for the on-demand share of node-hours.
@@ -39,8 +42,10 @@ class BackfillDryRun(DryRun):
     """See the module docstring. Times are replay seconds."""
 
     def __init__(self, scenario: Scenario, run_dir: Path, train_argv_extra: list[str] | None = None, *,
-                 fallback_after: float, return_after: float, on_demand_max: int | None = None, **kwargs: Any):
+                 fallback_after: float, return_after: float, on_demand_max: int | None = None, hold: bool = True,
+                 **kwargs: Any):
         super().__init__(scenario, run_dir, train_argv_extra, **kwargs)
+        self.membership_standby = hold
         if not self.in_place:
             raise ValueError("backfill needs an in-place job (elastic DDP/FSDP2)")
         self.settings = BackfillSettings(scenario.workers, fallback_after, return_after, on_demand_max)

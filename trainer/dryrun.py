@@ -129,6 +129,7 @@ class DryRun:
         self._left_unpushed = False  # ranks left in place; their membership waits for the others leaving
         self._noticed: set[str] = set()  # nodes whose rank got a notice it may leave for (until it has left)
         self._started_with: dict[int, int] = {}  # start at min: generation -> the size it started training at
+        self.membership_standby = False  # pushed memberships say `standby` (backfill's warm standby)
 
     # ---- the parts --------------------------------------------------------------------------
     async def _start_nodes(self) -> None:
@@ -339,7 +340,8 @@ class DryRun:
         self._left_unpushed = False  # every push names the current world
         self.membership_generation += 1
         membership = Membership(self.membership_generation, tuple(hosts), len(hosts),
-                                store=f"127.0.0.1:{self.rdzv_ports[hosts[0]]}", start=start)
+                                store=f"127.0.0.1:{self.rdzv_ports[hosts[0]]}", start=start,
+                                standby=self.membership_standby)
         for node in self.nodes.values():
             await asyncio.to_thread(node.push_membership, membership)
         self.memberships.append(MembershipRecord(
@@ -448,12 +450,16 @@ class DryRun:
             await self._admit(due)
 
     async def _admit(self, due: list[str]) -> None:
-        """Adds the ready joiners `due` to the world in one membership."""
+        """Adds the ready joiners `due` to the world in one membership. It leaves out the members
+        still leaving (a notice): listed, their ranks would shrink the group by their own notice
+        first, drop the membership as written before they left, and the joiners, already waiting
+        in its group, would time out."""
         self._joins.admitted(due)
         self.world.extend(due)
         self.generations[-1].nodes = sorted(set(self.generations[-1].nodes) | set(due))
         self.generations[-1].world_size = len(self.world)
-        await self._push_membership(self.world, "admitted")
+        staying = [n for n in self.world if n in due or not self._leaving(n)]
+        await self._push_membership(staying if len(staying) > len(due) else self.world, "admitted")
         for node in due:
             returned = [i for i in self.injected if i.kind == "capacity" and i.node == node and i.effective
                         and i.membership is None and i.rescaled is None]

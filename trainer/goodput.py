@@ -51,6 +51,9 @@ log = logging.getLogger("spotguard.goodput")
 
 MODES = ("ideal", "periodic", "spotguard-restart", "spotguard", "spotguard-backfill")
 TRAIN_FLAGS = ["--log-every=1"]  # exact per-step progress in every mode
+# The Guard's modes save once after their first step, so every rank that started the job has a
+# save estimate before any notice (the replacement hold holds only with one).
+GUARD_FLAGS = ["--checkpoint-first"]
 DRAIN_KINDS = ("reclaim",)  # notices the termination handler drains a node for
 STEP_EVENTS = ("start", "step", "agreed", "durable", "finished")
 
@@ -264,6 +267,7 @@ class BackfillOptions:
     fallback_after: float = 4.0
     return_after: float = 10.0
     on_demand_max: int | None = None
+    hold: bool = True  # a noticed rank trains on while its warm standby starts (hooks/replacement_hold.py)
 
 
 async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_every: int = 100,
@@ -280,10 +284,11 @@ async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_ever
     elif mode == "spotguard-restart":  # every change relaunches every rank (DeepSpeed's path; the old default)
         dry = DryRun(dataclasses.replace(scenario, membership="restart"), where, extra, time_limit=time_limit)
     elif mode == "spotguard":
-        dry = DryRun(scenario, where, extra, time_limit=time_limit)
+        dry = DryRun(scenario, where, [*GUARD_FLAGS, *extra], time_limit=time_limit)
     elif mode == "spotguard-backfill":
-        dry = BackfillDryRun(scenario, where, extra, time_limit=time_limit, fallback_after=backfill.fallback_after,
-                             return_after=backfill.return_after, on_demand_max=backfill.on_demand_max)
+        dry = BackfillDryRun(scenario, where, [*GUARD_FLAGS, *extra], time_limit=time_limit,
+                             fallback_after=backfill.fallback_after, return_after=backfill.return_after,
+                             on_demand_max=backfill.on_demand_max, hold=backfill.hold)
     else:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
     report = await dry.run()

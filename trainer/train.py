@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from spotguard.hooks.elastic import elastic_process
 from spotguard.hooks.guard import Guard
 from spotguard.hooks.step_result import CONTINUED
 from spotguard.trainer.events import EventLog
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--snapshot-every", type=int, default=0, help="in-memory snapshot every K steps")
     p.add_argument("--checkpoint-every", type=int, default=0, help="periodic checkpoint every K steps")
+    p.add_argument("--checkpoint-first", action="store_true",
+                   help="a durable checkpoint after this process's first step (not a joiner's): the Guard's "
+                        "save estimate is measured before any notice (a replacement hold needs one)")
     p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
     p.add_argument("--deepspeed-config", default=None, help="DeepSpeed JSON config (default: built in)")
     p.add_argument("--no-guard", action="store_true", help="baseline: no spotguard (periodic checkpoints only)")
@@ -217,6 +221,13 @@ class _nullcontext:
         return False
 
 
+def joined_running_group() -> bool:
+    """This process joined a group that was already training (in place), so its peers are not at
+    their first step with it."""
+    process = elastic_process()
+    return os.environ.get("SPOTGUARD_JOIN") == "1" or (process is not None and process.joined is not None)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -244,9 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         batching = Batching(args, world_size, base_world)
     if optimizer is not None:
         set_lr(optimizer, batching.lr)
+    joined = os.environ.get("SPOTGUARD_JOIN") == "1"
     events.write("start", step=start, digest=digest_of(model, optimizer), resumed=start > 0,
                  global_batch=batching.global_size, accumulation=batching.accumulation, lr=batching.lr,
-                 joined=os.environ.get("SPOTGUARD_JOIN") == "1", pid=os.getpid())
+                 joined=joined, pid=os.getpid())
 
     tick, tick_step = time.monotonic(), start
     step = start
@@ -270,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             tick, tick_step = now, done
         if adapter is not None and args.checkpoint_every and done % args.checkpoint_every == 0:
             adapter.save(step, reason="periodic")
+        elif adapter is not None and args.checkpoint_first and step == start and not joined_running_group():
+            adapter.save(step, reason="first")
         result = guard.step(step) if guard is not None else CONTINUED
         drained = result.drained
         if result.resize is not None:

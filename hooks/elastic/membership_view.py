@@ -7,7 +7,9 @@ Contract (all methods but `offer` run on the training thread):
 - `offer(data)` (thread-safe; the sidecar's `membership` event): a membership newer than the last
   one seen whose hosts differ from the group's as a set, with a `store`, becomes pending; one
   with the group's own hosts (the supervisor confirming what the ranks already did) only
-  advances the generation; the same generation again (a re-sent one) changes nothing. Bad input
+  advances the generation; the same generation again (a re-sent one) changes nothing. Every
+  membership taken (pending or adopted) sets `standby`, its warm-standby flag: a noticed member's
+  replacement is asked for at once (the Guard's replacement hold reads it). Bad input
   is refused with ONE log line naming the field, and training goes on: malformed data (a host
   listed twice: `hosts`), an older generation than the last seen (`generation`), and one that
   changes the hosts but names no rendezvous store (`store`).
@@ -83,6 +85,7 @@ class MembershipView:
         self.hosts: tuple[str, ...] = ()
         self.generation = -1
         self.formations = 0
+        self.standby = False  # the newest membership's warm-standby flag
         self._pending: Notice | None = None  # the pending membership, as the notice the agreement carries
         self._departed: dict[str, float] = {}  # host -> time.time() the change that took it out began
         self._lock = threading.Lock()
@@ -121,6 +124,7 @@ class MembershipView:
             if membership.generation < newest:
                 refusal = f"generation: {membership.generation} goes back (generation {newest} was seen)"
             elif not membership.hosts or set(membership.hosts) == set(self.hosts):
+                self.standby = membership.standby
                 self.generation = membership.generation
                 self._pending = None
                 return
@@ -128,6 +132,7 @@ class MembershipView:
                 refusal = "store: it changes the hosts but names no rendezvous store"
             else:
                 refusal = ""
+                self.standby = membership.standby
                 self._pending = Notice(f"membership-{membership.generation}", Kind.DRAIN, MEMBERSHIP_SOURCE,
                                        self.node, now_utc(), None, {"membership": membership.to_json(),
                                                                     "generation": membership.generation})

@@ -8,7 +8,10 @@ on-demand to spot capacity; the sidecar turns it into a `drain` notice), and opt
 that change membership in place: a rank re-forms its process group there, at prefix
 `m<generation>/`, when the hosts differ from its group's (hooks/elastic), and optionally
 `"start": true`: the job's first group (a start-at-min job: its hosts start training together,
-none joins a running group). `Membership.to_json`
+none joins a running group), and optionally `"standby": true`: the supervisor asks for a
+replacement (warm standby) at once for a member that gets a reclaim or maintenance notice, so
+that rank may keep training until its replacement joins (`hooks/replacement_hold.py`); a
+supervisor that cannot place one (no capacity) leaves it out. `Membership.to_json`
 writes it (supervisor), `Membership.from_wire`/`from_json` read it (sidecar), rejecting another
 version, a negative count, duplicate or empty hosts and a bad drain id with
 `MembershipFormatError` naming the field.
@@ -45,6 +48,7 @@ class Membership:
     drain: str = ""  # the supervisor's drain request id ("" when none)
     store: str = ""  # "host:port" of the first host's rendezvous store ("" when not in place)
     start: bool = False  # the job's first group: its hosts start it, none joins a running one
+    standby: bool = False  # a noticed member's replacement is asked for at once (warm standby)
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"v": VERSION, "generation": self.generation, "hosts": list(self.hosts),
@@ -55,6 +59,8 @@ class Membership:
             wire["store"] = self.store
         if self.start:
             wire["start"] = True
+        if self.standby:
+            wire["standby"] = True
         return wire
 
     @classmethod
@@ -76,7 +82,10 @@ class Membership:
         start = obj.get("start", False)
         if not isinstance(start, bool):
             raise MembershipFormatError("start: expected true or false")
-        return cls(generation, tuple(hosts), world_size, drain, store, start)
+        standby = obj.get("standby", False)
+        if not isinstance(standby, bool):
+            raise MembershipFormatError("standby: expected true or false")
+        return cls(generation, tuple(hosts), world_size, drain, store, start, standby)
 
     def to_json(self) -> str:
         """The annotation value: compact JSON with sorted keys, so equal memberships compare equal as text."""

@@ -13,6 +13,9 @@ Files written into --out (the tests read them):
   after loading a checkpoint), `save` (the agreed step) and `final`;
 - resize-<node>.jsonl: one line per change (outcome, ranks, pause, phases);
 - exit-<node>: the exit status.
+A reclaim notice of this host: once `<out>/notice-<node>` exists (its text: seconds to the
+deadline), the rank's Guard is offered one, and the time it was offered is written to
+`noticed-<node>`.
 Fault injection (tests only): FAIL_AT=<phase>, FAIL_NODE=<node>, FAIL_HOW=raise|exit|hang (hang: until
 its parent, the launcher, is gone, or 600 s).
 """
@@ -24,6 +27,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -32,6 +36,7 @@ import torch.distributed as dist
 from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 from spotguard.hooks.elastic import elastic_process, init_process_group
 from spotguard.hooks.guard import Guard
+from spotguard.wire.notice import Kind, Notice, now_utc
 from spotguard.trainer.elastic_job import batch, build_for, membership_reader, watch_memberships
 from state_dump import flatten  # a sibling: the workers run as scripts
 
@@ -50,6 +55,7 @@ def parse(argv=None):
     p.add_argument("--stop-after", type=int, default=0,
                    help="finish once this many changes happened (a joiner: once it joined), after --tail steps")
     p.add_argument("--tail", type=int, default=0, help="steps trained in the group --stop-after ends in")
+    p.add_argument("--save-at", type=int, default=-1, help="every rank saves a checkpoint after this step")
     p.add_argument("--offer", action="append", default=[], metavar="STEP:JSON",
                    help="every rank's Guard is offered this membership right before STEP's agreement (repeatable)")
     return p.parse_args(argv)
@@ -62,6 +68,17 @@ def full_state(adapter) -> dict[str, torch.Tensor]:
     model_state, optim_state = get_state_dict(adapter.model, adapter.optimizer,
                                               options=StateDictOptions(full_state_dict=True))
     return flatten(model_state, optim_state)
+
+
+def offer_reclaim(guard, out: Path) -> bool:
+    """Offers the Guard a reclaim notice of this host, due in the seconds `notice-<node>` says."""
+    text = (out / f"notice-{NODE}").read_text().strip()
+    if not text:
+        return False  # being written
+    now = now_utc()
+    guard.offer(Notice(f"test-reclaim-{NODE}", Kind.RECLAIM, "test", NODE, now, now + timedelta(seconds=float(text))))
+    (out / f"noticed-{NODE}").write_text(str(now.timestamp()))
+    return True
 
 
 def main(argv=None) -> int:
@@ -140,6 +157,7 @@ def main(argv=None) -> int:
     for item in args.offer:
         at, _, data = item.partition(":")
         offers.setdefault(int(at), []).append(json.loads(data))
+    noticed = False
     step, end = start, (start + args.tail if joining and args.stop_after else args.steps)
     try:
         while step < end:
@@ -150,8 +168,12 @@ def main(argv=None) -> int:
             (out / f"progress-{NODE}").write_text(str(step))
             if step == args.signal_at and NODE == args.signal_node:
                 os.kill(os.getpid(), signal.SIGTERM)
+            if step == args.save_at:
+                adapter.save(step, reason="test")
             for data in offers.get(step, ()):
                 guard.view.offer(data)
+            if not noticed and (out / f"notice-{NODE}").exists():
+                noticed = offer_reclaim(guard, out)
             time.sleep(args.step_sleep)
             guard.step(step)
             if note_change():

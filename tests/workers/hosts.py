@@ -81,11 +81,12 @@ class Hosts:
         extra = dict(SPOTGUARD_JOIN="1", SPOTGUARD_READY_FILE=str(self.out / f"ready-{host}"), **(env or {}))
         self._spawn(host, self._env(host, extra), args)
 
-    def push(self, generation: int, hosts: list[str], start: bool = False) -> None:
+    def push(self, generation: int, hosts: list[str], start: bool = False, standby: bool = False) -> None:
         """The membership `hosts` (generation `generation`), led by the first host's store;
-        `start`: the job's first group (start at min)."""
+        `start`: the job's first group (start at min); `standby`: warm standby (the replacement hold)."""
         data = {"v": 1, "generation": generation, "hosts": hosts, "world_size": len(hosts),
-                "store": f"127.0.0.1:{self.port(hosts[0])}", **({"start": True} if start else {})}
+                "store": f"127.0.0.1:{self.port(hosts[0])}", **({"start": True} if start else {}),
+                **({"standby": True} if standby else {})}
         tmp = self.out / "membership.json.tmp"
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.out / "membership.json")
