@@ -3,8 +3,8 @@
 #
 #     bash bench/gpu_checks.sh [OUT_DIR [CHECK...]]   # python3 there must hold a CUDA torch and nvidia-ml-py
 #
-# CHECK: nvml_probe, nccl_reform, gpu_guard, checkpoint_speed, checkpoint_speed_8g (default: all
-# but the last).
+# CHECK: nvml_probe, nccl_reform, gpu_guard, checkpoint_speed, integration_checkpoint,
+# checkpoint_speed_8g (default: all but the last).
 #
 # No install: spotguard's folders are copied into the layout the package has (setup.py's mapping)
 # under a temporary directory put first on PYTHONPATH, so the machine's own torch is the one used.
@@ -13,7 +13,7 @@ set -u
 cd "$(dirname "$0")/.."
 out="${1:-$(mktemp -d)}"
 shift || true
-checks=" ${*:-nvml_probe nccl_reform gpu_guard checkpoint_speed} "
+checks=" ${*:-nvml_probe nccl_reform gpu_guard checkpoint_speed integration_checkpoint} "
 tree="$(mktemp -d)"
 mkdir -p "$out" "$tree/spotguard"
 cp -r spotguard/. "$tree/spotguard/"
@@ -37,6 +37,7 @@ run nvml_probe 60 python3 bench/nvml_probe.py --seconds 8 --load
 run nccl_reform 120 python3 bench/nccl_reform.py
 run gpu_guard 200 python3 bench/gpu_guard.py
 run checkpoint_speed 200 python3 bench/checkpoint_speed.py --device cuda --skip-deepspeed --size-mb 2048 --repeat 3
+run integration_checkpoint 240 python3 bench/integration_checkpoint.py --device cuda --size-mb 2048 --repeat 3
 run checkpoint_speed_8g 240 python3 bench/checkpoint_speed.py --device cuda --skip-deepspeed --size-mb 8192 --repeat 1
 rm -rf "$tree"
 echo "gpu checks: $([ $status -eq 0 ] && echo 'all passed' || echo 'some FAILED') (outputs in $out)"
