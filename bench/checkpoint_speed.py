@@ -48,6 +48,8 @@ from torch.utils._pytree import tree_leaves
 
 from spotguard.hooks.checkpoint import CheckpointStore
 
+from _raw_limits import raw_write_seconds  # bench/_raw_limits.py
+
 MEMCPY = "memcpy of the state (raw limit)"
 RAW = "sequential write + fsync (raw limit)"
 ADAPTERS = ("PlainTorchAdapter.save (notice)", "TorchDCPAdapter.save (notice)",
@@ -116,18 +118,7 @@ def gpu_stall(adapter) -> float | None:
 
 def measure_raw_write(state, directory: Path) -> float:
     """One sequential write + fsync of the state's bytes (host tensors: a GPU state's host copy)."""
-    started = time.perf_counter()
-    fd = os.open(directory / "raw.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for t in tensors_of(state):
-            view = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-            pos = 0
-            while pos < len(view):
-                pos += os.write(fd, view[pos:pos + (8 << 20)])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return time.perf_counter() - started
+    return raw_write_seconds(tensors_of(state), directory)
 
 
 def measure_torch_save(state, directory: Path) -> float:

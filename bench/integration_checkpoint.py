@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _raw_limits import raw_write_seconds  # bench/_raw_limits.py
+
 FRAMEWORKS = ("hf", "accelerate", "lightning")
 WIDTH = 2048
 NOTICE, OWN, MEMCPY, RAW = "spotguard notice path", "framework's own save + fsync", "memcpy (raw limit)", \
@@ -109,24 +111,6 @@ def timed_stalls(engine) -> list[float]:
 
     engine.snapshot = snapshot
     return stalls
-
-
-def raw_write_seconds(sources: list, directory: Path) -> float:
-    """One sequential write + fsync of the bytes of `sources` (host tensors)."""
-    import torch
-
-    started = time.perf_counter()
-    fd = os.open(directory / "raw.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for t in sources:
-            view = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-            pos = 0
-            while pos < len(view):
-                pos += os.write(fd, view[pos:pos + (8 << 20)])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return time.perf_counter() - started
 
 
 def own_save_seconds(save, directory: Path) -> float:

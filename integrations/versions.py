@@ -21,14 +21,21 @@ def require(distribution: str, integration: str, installed: str | None = None) -
     """The installed version of `distribution`; raises UnsupportedFramework naming the versions
     `integration` needs when it is missing or outside the supported range. `installed` overrides
     the lookup (tests)."""
-    low, high = SUPPORTED[distribution]
-    needed = f"{distribution}>={low},<{high}"
     if installed is None:
         try:
             installed = metadata.version(distribution)
         except metadata.PackageNotFoundError:
-            raise UnsupportedFramework(f"{integration} needs {needed}, which is not installed "
-                                       f"(pip install 'spotguard[{_extra(distribution)}]')") from None
+            installed = None
+    return check(distribution, integration, installed)
+
+
+def check(distribution: str, integration: str, installed: str | None) -> str:
+    """Pure: `installed` (None: not installed) against the supported range; see `require`."""
+    low, high = SUPPORTED[distribution]
+    needed = f"{distribution}>={low},<{high}"
+    if installed is None:
+        raise UnsupportedFramework(f"{integration} needs {needed}, which is not installed "
+                                   f"(pip install 'spotguard[{_extra(distribution)}]')")
     try:
         version = Version(installed)
     except InvalidVersion:
