@@ -162,14 +162,16 @@ async def test_the_sidecar_drops_a_noticed_host_and_trims_to_the_elastic_world_s
             await eventually(lambda: sc.live.complete, what="the agent's complete snapshot")  # no resync later
             async with StreamReader(sc.url) as guard:
                 assert (await guard.next())[0] == "snapshot"
-                assert await guard.next() == ("membership", {"v": 1, "generation": 0, "hosts": ["h1", "h2", "h3", "h4"],
+                assert await guard.next() == ("membership", {"v": 1, "generation": 0, "revision": 0,
+                                                             "hosts": ["h1", "h2", "h3", "h4"],
                                                              "world_size": 6, "departing": []})
                 assert sc.topology.rewrites == 0  # 6 was allowed: the file was left alone
                 await eventually(lambda: pub.connections == 1)
                 notice = make_notice(node="h1")
                 pub.add(notice)
                 assert (await guard.next())[0] == "notice"
-                assert await guard.next() == ("membership", {"v": 1, "generation": 1, "hosts": ["h2", "h3"],
+                assert await guard.next() == ("membership", {"v": 1, "generation": 0, "revision": 1,
+                                                             "hosts": ["h2", "h3"],
                                                              "world_size": 3, "departing": ["h1"]})
                 assert read_hostfile(str(hostfile)) == [Host("h2", 2), Host("h3", 1)]
                 pub.add(make_notice(node="h1", kind=Kind.REBALANCE, tag="r"))  # a risk only: nobody departs
@@ -177,7 +179,7 @@ async def test_the_sidecar_drops_a_noticed_host_and_trims_to_the_elastic_world_s
                 pub.withdraw(notice)
                 assert (await guard.next())[0] == "withdrawn"
                 event, data = await guard.next()
-                assert event == "membership" and data["hosts"] == ["h1", "h2", "h3", "h4"] and data["generation"] == 2
+                assert event == "membership" and data["hosts"] == ["h1", "h2", "h3", "h4"] and data["revision"] == 2
                 assert read_hostfile(str(hostfile))[0] == Host("h1", 2)
 
 

@@ -106,7 +106,7 @@ async def test_a_membership_change_rewrites_the_hostfile_and_emits_an_event(tmp_
         assert (await guard.next())[1]["hosts"] == ["w0", "w1", "w2"]
 
         write_annotations(podinfo, ['app="trainer"', membership_line(5, ["w1", "w0"], 4)])
-        assert await guard.next() == ("membership", {"v": 1, "generation": 5, "hosts": ["w1", "w0"],
+        assert await guard.next() == ("membership", {"v": 1, "generation": 5, "revision": 1, "hosts": ["w1", "w0"],
                                                      "world_size": 4, "departing": []})
         assert read_hostfile(str(hostfile)) == [Host("w1", 2), Host("w0", 2)]
 
@@ -123,17 +123,20 @@ async def test_a_membership_change_rewrites_the_hostfile_and_emits_an_event(tmp_
         assert event == "membership" and data["hosts"] == ["w0", "w1", "w2", "w3"] and data["generation"] == 6
         assert read_hostfile(str(hostfile))[-1] == Host("w3", 2)
 
-        # A notice for this node (a host of the job) removes it on top of the membership.
+        # A notice for this node (a host of the job) removes it on top of the membership. The
+        # generation stays the supervisor's: the other pods of the job, which had no notice, see
+        # 6 too, and the in-place Guard takes the generation as the re-formation's identity.
         await eventually(lambda: pub.connections == 1)
         pub.add(make_notice(node="w2"))
         assert (await guard.next())[0] == "notice"
-        assert await guard.next() == ("membership", {"v": 1, "generation": 7, "hosts": ["w0", "w1", "w3"],
-                                                     "world_size": 6, "departing": ["w2"]})
+        assert await guard.next() == ("membership", {"v": 1, "generation": 6, "revision": 3,
+                                                     "hosts": ["w0", "w1", "w3"], "world_size": 6,
+                                                     "departing": ["w2"]})
         assert [h.name for h in read_hostfile(str(hostfile))] == ["w0", "w1", "w3"]
         # The membership reaches late subscribers too.
         async with StreamReader(sc.url) as late:
             await late.next()
-            assert (await late.next())[1]["generation"] == 7
+            assert (await late.next())[1]["revision"] == 3
 
 
 async def test_without_a_hostfile_the_membership_is_relayed(tmp_path):
@@ -143,9 +146,21 @@ async def test_without_a_hostfile_the_membership_is_relayed(tmp_path):
         assert (await guard.next())[0] == "snapshot"
         await guard.quiet(0.2)  # no annotations file: nothing to say
         write_annotations(podinfo, [membership_line(2, ["a", "b"], 16)])
-        assert await guard.next() == ("membership", {"v": 1, "generation": 2, "hosts": ["a", "b"],
+        assert await guard.next() == ("membership", {"v": 1, "generation": 2, "revision": 0, "hosts": ["a", "b"],
                                                      "world_size": 16, "departing": []})
         assert sc.topology.rewrites == 0
+
+        # This pod's node gets a notice (the in-place case: its rank may be held for a standby).
+        # The event lists the departing host under the supervisor's generation, so this pod and
+        # the others agree on which membership a push is when the next one comes.
+        await eventually(lambda: pub.connections == 1)
+        pub.add(make_notice(node="a"))
+        assert (await guard.next())[0] == "notice"
+        assert await guard.next() == ("membership", {"v": 1, "generation": 2, "revision": 1, "hosts": ["a", "b"],
+                                                     "world_size": 16, "departing": ["a"]})
+        write_annotations(podinfo, [membership_line(3, ["b", "c"], 16)])
+        assert await guard.next() == ("membership", {"v": 1, "generation": 3, "revision": 2, "hosts": ["b", "c"],
+                                                     "world_size": 16, "departing": ["a"]})
 
 
 async def _events_until_quiet(reader: StreamReader, quiet: float = 0.5) -> list[tuple[str, dict]]:

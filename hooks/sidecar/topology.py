@@ -6,7 +6,7 @@ Inputs: the hostfile as found at start (the *base*: each host's slots), the late
 caps), and the live notices (a notice whose `node` names a host of the job marks it departing;
 `rebalance` is only a risk and an advisory only information: neither departs anybody). Output,
 on every change: the hostfile is rewritten atomically (in a thread) and `on_membership(wire)`
-is called with the event data `{"v": 1, "generation", "hosts", "world_size", "departing"}`.
+is called with the event data `{"v": 1, "generation", "revision", "hosts", "world_size", "departing"}`.
 
 Rules:
 - candidate hosts: the membership's hosts in its order (all base hosts before any membership);
@@ -16,8 +16,12 @@ Rules:
   membership's world_size (when > 0) and the elasticity rule; slots are never changed;
 - when nothing fits (e.g. fewer slots left than elasticity's min_gpus), the hostfile is left as
   it is and the event says world_size 0 with no hosts;
-- `generation` of the event is strictly increasing and never below the supervisor's: it is
-  max(supervisor generation, previous event's + 1).
+- `generation` of the event is the supervisor's membership generation (0 before it wrote one),
+  never a number of this sidecar's own: every pod of the job sees the same generation for the
+  same membership, and the in-place Guard uses it as the re-formation's identity (its store
+  prefix, the agreement's membership field). A notice that only changes `departing` keeps it.
+- `revision` counts this sidecar's events: strictly increasing (a notice, a membership, a
+  withdrawal that changes the result each add one).
 Without a hostfile, only the membership annotation is relayed (departing hosts are listed but
 no slots are known, so hosts and world_size are the supervisor's).
 """
@@ -53,6 +57,7 @@ class Topology:
         self.membership: Membership | None = None
         self.departing: tuple[str, ...] = ()
         self.current: dict[str, Any] | None = None  # the last event's data
+        self.revision = -1
         self.written: list[Host] = list(self.base)
         self.rewrites = 0
         self._lock = asyncio.Lock()
@@ -90,7 +95,8 @@ class Topology:
         cap = self.membership.world_size if self.membership is not None and self.membership.world_size > 0 else None
         survivors = [h for h in self._candidates() if h.name not in self.departing]
         kept = select_hosts(survivors, cap=cap, rule=self.rule)
-        data = {"v": 1, "generation": 0, "hosts": [h.name for h in kept],
+        generation = self.membership.generation if self.membership is not None else 0
+        data = {"v": 1, "generation": generation, "hosts": [h.name for h in kept],
                 "world_size": sum(h.slots for h in kept), "departing": list(self.departing)}
         return kept, data
 
@@ -113,12 +119,13 @@ class Topology:
             if data is None:
                 return
             previous = self.current
-            if previous is not None and {**previous, "generation": 0} == {**data, "generation": 0}:
+            if previous is not None and {**previous, "revision": 0} == {**data, "revision": 0}:
                 return
-            supervisor_generation = self.membership.generation if self.membership is not None else 0
-            data["generation"] = max(supervisor_generation, (previous or {}).get("generation", -1) + 1)
+            self.revision += 1
+            data["revision"] = self.revision
             if kept and self.hostfile is not None and kept != self.written:
-                header = f"written by spotguard sidecar, membership generation {data['generation']}"
+                header = (f"written by spotguard sidecar, membership generation {data['generation']}, "
+                          f"revision {self.revision}")
                 try:
                     await asyncio.to_thread(write_hostfile, self.hostfile, kept, header)
                 except OSError as exc:
