@@ -34,6 +34,11 @@ long enough notice; spotguard goodput >= 0.97 of ideal and above the periodic ba
 backfill samples >= 0.97 of ideal (always full size) with 0 steps lost.
 
     .venv/bin/python bench/goodput.py --workers 4 --modes ideal,spotguard,spotguard-backfill
+    .venv/bin/python bench/goodput.py --workers 4 --modes ideal,spotguard-backfill --rounds 3
+
+`--rounds N` runs the modes N times, one round after another (ideal, backfill, ideal, backfill,
+...): each round's ratios compare runs minutes apart, so a drift of the machine's load between
+modes weighs less, and the last lines give every round's ratio and their median.
 
 Default trace: aws-p3-bamboo (Bamboo's AWS p3 trace, reused by Oobleck and Parcae; the bundled
 traces, their origin and licence: trainer/traces/README.md), the 45 minutes from t=15270 s, 30x
@@ -60,7 +65,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from spotguard.wire import names
-from spotguard.trainer.goodput import MODES, BackfillOptions, Comparison, render, run_mode
+from spotguard.trainer.goodput import MODES, BackfillOptions, Comparison, across_rounds, render, run_mode
 from spotguard.trainer.scenario import (ScenarioError, bundled_traces, find_trace, live_at, parse_trace,
                                         scenario_from_trace, trace_slots_at)
 
@@ -142,6 +147,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "notice keeps training until its deadline is this close (default: the Guard's 120 s, "
                         "so a rank leaves at once on the bench's --lead)")
     p.add_argument("--modes", type=_modes, default=list(MODES), help=f"subset of {','.join(MODES)} (default all)")
+    p.add_argument("--rounds", type=_positive(int), default=1,
+                   help="run the modes this many times, interleaved; each round is compared within itself (default 1)")
     p.add_argument("--time-limit", type=_positive(float), default=420.0, help="per mode, seconds (default 420)")
     p.add_argument("--out", type=Path, default=None, help="keep the run directories here (default: a temporary one)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this file")
@@ -193,20 +200,25 @@ def print_plan(args: argparse.Namespace, scenario, rows, path: Path) -> None:
         print("  (no reclaim of a slot in this window: choose another --start/--window)")
 
 
-async def run_all(args: argparse.Namespace, scenario, run_dir: Path) -> Comparison:
+async def run_all(args: argparse.Namespace, scenario, run_dir: Path) -> list[Comparison]:
+    """One Comparison per round (a round runs every mode once, in `args.modes` order)."""
     backfill = BackfillOptions(fallback_after=args.fallback_after / args.time_scale,
                                return_after=args.return_after / args.time_scale, on_demand_max=args.on_demand_max,
                                hold=args.hold)
-    results = {}
-    for mode in args.modes:
-        began = time.monotonic()
-        print(f"running {mode} ...", flush=True)
-        results[mode] = await run_mode(mode, scenario, run_dir, checkpoint_every=args.checkpoint_every,
-                                       time_limit=args.time_limit, backfill=backfill)
-        r = results[mode]
-        print(f"  {mode}: {r.steps_completed}/{r.total_steps} steps, {r.status}, "
-              f"{time.monotonic() - began:.0f} s including set-up", flush=True)
-    return Comparison(results)
+    rounds = []
+    for index in range(args.rounds):
+        round_dir = run_dir if args.rounds == 1 else run_dir / f"round-{index + 1}"
+        results = {}
+        for mode in args.modes:
+            began = time.monotonic()
+            print(f"running {mode}{'' if args.rounds == 1 else f' (round {index + 1})'} ...", flush=True)
+            results[mode] = await run_mode(mode, scenario, round_dir, checkpoint_every=args.checkpoint_every,
+                                           time_limit=args.time_limit, backfill=backfill)
+            r = results[mode]
+            print(f"  {mode}: {r.steps_completed}/{r.total_steps} steps, {r.status}, "
+                  f"{time.monotonic() - began:.0f} s including set-up", flush=True)
+        rounds.append(Comparison(results))
+    return rounds
 
 
 def explain(comparison: Comparison, time_scale: float) -> list[str]:
@@ -276,15 +288,23 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     run_dir = args.out.resolve() if args.out else Path(tempfile.mkdtemp(prefix="spotguard-goodput-"))
     try:
-        comparison = asyncio.run(run_all(args, scenario, run_dir))
+        rounds = asyncio.run(run_all(args, scenario, run_dir))
     finally:
         if args.out is None:
             shutil.rmtree(run_dir, ignore_errors=True)
-    print()
-    print(render(comparison))
-    for line in explain(comparison, args.time_scale):
-        print("  " + line)
+    for index, comparison in enumerate(rounds):
+        print()
+        if len(rounds) > 1:
+            print(f"round {index + 1} of {len(rounds)}:")
+        print(render(comparison))
+        for line in explain(comparison, args.time_scale):
+            print("  " + line)
+    if len(rounds) > 1:
+        print()
+        for line in across_rounds(rounds):
+            print(line)
     if args.json:
+        figures = rounds[0].as_dict() if len(rounds) == 1 else {"rounds": [c.as_dict() for c in rounds]}
         args.json.write_text(json.dumps({"scenario": {"trace": str(path), "start": args.start,
                                                       "window": args.window, "time_scale": args.time_scale,
                                                       "lead": args.lead, "workers": args.workers,
@@ -293,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                                                       "return_after": args.return_after,
                                                       "on_demand_max": args.on_demand_max,
                                                       "horizon": args.horizon, "hold": args.hold,
-                                                      "checkpoint_every": args.checkpoint_every},
-                                         **comparison.as_dict()}, indent=2))
+                                                      "checkpoint_every": args.checkpoint_every,
+                                                      "rounds": args.rounds},
+                                         **figures}, indent=2))
     return 0
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from spotguard.trainer.events import read_events
-from spotguard.trainer.goodput import MODES, Comparison, ModeResult, run_mode, summarize
+from spotguard.trainer.goodput import MODES, Comparison, ModeResult, across_rounds, run_mode, summarize
 from spotguard.trainer.report import GenerationRecord, InjectedEvent
 from spotguard.trainer.scenario import find_trace, scenario_from_trace
 
@@ -108,3 +108,18 @@ async def test_every_mode_replays_a_trace_window(tmp_path):
     durable = [e for e in events if e["event"] == "durable"]
     resized = [e for e in events if e["event"] == "resized"]
     assert resized and {e["step"] for e in resized} == {e["step"] for e in durable}
+
+
+def test_rounds_are_each_compared_with_their_own_ideal_run():
+    """Each round's ratio uses that round's ideal (a drift of the load between rounds cancels), and
+    the summary gives every round, the median and the minimum."""
+    def result(mode, wall, restarts=0):
+        return ModeResult(mode, "finished", 100, 100, wall, 3200, restarts=restarts)
+    rounds = [Comparison({"ideal": result("ideal", 10.0), "spotguard-backfill": result("spotguard-backfill", 10.5)}),
+              Comparison({"ideal": result("ideal", 20.0), "spotguard-backfill": result("spotguard-backfill", 20.0)}),
+              Comparison({"ideal": result("ideal", 10.0),
+                          "spotguard-backfill": result("spotguard-backfill", 12.5, restarts=1)})]
+    lines = across_rounds(rounds)
+    assert lines == ["spotguard-backfill goodput (steps) by round: 0.952 / 1.000 / 0.800; median 0.952, min 0.800",
+                     "spotguard-backfill goodput (samples) by round: 0.952 / 1.000 / 0.800; median 0.952, min 0.800",
+                     "spotguard-backfill restarts by round: 0 / 0 / 1"]

@@ -51,3 +51,8 @@ def test_unknown_trace_exits_2_listing_the_bundled_ones(tmp_path):
 def test_workers_beyond_the_global_batch_exit_2(tmp_path):
     done = goodput("--workers", "33", cwd=tmp_path)
     assert done.returncode == 2 and "--workers" in done.stderr and "<= 32" in done.stderr
+
+
+def test_rounds_below_one_exit_2_naming_the_option(tmp_path):
+    done = goodput("--rounds", "0", cwd=tmp_path)
+    assert done.returncode == 2 and "--rounds" in done.stderr

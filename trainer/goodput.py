@@ -358,6 +358,24 @@ class Comparison:
                 "goals": [{"goal": g, "met": met, "figure": fig} for g, met, fig in self.goals()]}
 
 
+def across_rounds(rounds: list[Comparison]) -> list[str]:
+    """Lines a person reads: each mode's goodput (steps, samples: each round against its own
+    ideal run) in every round with the median and the minimum, and its restarts by round."""
+    out = []
+    for mode in rounds[0].results:
+        if mode == "ideal":
+            continue
+        for unit in ("steps", "samples"):
+            values = [c.goodput(mode, unit) for c in rounds]
+            if any(v is None for v in values):
+                continue
+            ordered = sorted(v for v in values if v is not None)
+            out.append(f"{mode} goodput ({unit}) by round: {' / '.join(f'{v:.3f}' for v in values if v is not None)}; "
+                       f"median {ordered[len(ordered) // 2]:.3f}, min {ordered[0]:.3f}")
+        out.append(f"{mode} restarts by round: {' / '.join(str(c.results[mode].restarts) for c in rounds)}")
+    return out
+
+
 def render(comparison: Comparison) -> str:
     """The comparison as a table and goal lines a person reads."""
     head = (f"{'mode':<18} {'done':>9} {'reclaims':>8} {'lost/recl':>9} {'lost recl':>9} {'lost resc':>9} "
