@@ -228,6 +228,7 @@ def worker(args) -> None:
             started = time.perf_counter()
             adapter.save(round_no + 1, reason="notice")
             rows[NOTICE].append([stalls[-1], time.perf_counter() - started])
+            adapter.wait()  # what is queued behind the commit (freeing the old last.ckpt) ends before the next method
             persist.append(engine.persist_seconds[-1])
             settle(work, store_root)
             seconds = own_save_seconds(own, work / f"own-{round_no}")

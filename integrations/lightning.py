@@ -45,6 +45,7 @@ from spotguard.config import ConfigError
 from spotguard.hooks import Guard
 from spotguard.hooks.adapters.store import CheckpointInfo
 from spotguard.hooks.checkpoint import fsutil
+from spotguard.hooks.checkpoint.manifest import TRASH_PREFIX, aside_name
 from spotguard.integrations import versions
 from spotguard.integrations.core import FrameworkAdapter, guard_for
 
@@ -84,7 +85,9 @@ class LightningSave(FrameworkAdapter):
 
     def _after_commit(self, info: CheckpointInfo) -> None:
         """Rank 0: `<dirpath>/last.ckpt` becomes the committed file (a hard link, or a copy where the
-        file system has none), atomically."""
+        file system has none), atomically. The file it replaces is freed after that, behind the
+        commit on the engine's writer thread: freeing a large file is not part of making the new
+        one durable (`_set_aside`)."""
         staged = self.store.root / STAGED_LINK
         staged.unlink(missing_ok=True)
         try:
@@ -92,8 +95,25 @@ class LightningSave(FrameworkAdapter):
         except OSError:
             shutil.copyfile(info.dir / LAST, staged)
             fsutil.fsync_path(staged)
+        replaced = self._set_aside(self.final)
         os.replace(staged, self.final)
         fsutil.fsync_dir(self.store.root)
+        if replaced is not None and self.snapshot_engine is not None:
+            self.snapshot_engine.submit(lambda: replaced.unlink(missing_ok=True))
+        elif replaced is not None:
+            replaced.unlink(missing_ok=True)
+
+    def _set_aside(self, path: Path) -> Path | None:
+        """A second name for `path` (`.trash-last.ckpt-<id>` beside it), so replacing `path` drops
+        a name instead of freeing the file inside the commit (ext4 frees a 500 MB file in
+        0.3-0.4 s, more with the `discard` mount option); None when there is no `path` or no hard
+        link. A name left by a crash is removed by the store's cleanup at the next open."""
+        aside = self.store.root / aside_name(TRASH_PREFIX, path.name)
+        try:
+            os.link(path, aside, follow_symlinks=False)
+        except OSError:  # no file there yet, or no hard links on this file system
+            return None
+        return aside
 
     def resume(self) -> int | None:
         """Lightning resumes itself (`fit(ckpt_path="last")`); nothing is loaded here."""

@@ -86,6 +86,7 @@ def test_retention_keeps_the_last_n_and_every_notice_checkpoint(tmp_path):
     for step in range(1, 8):
         save(store, f"step-{step}", step, reason="notice" if step in (2, 3) else "periodic")
     assert [c.tag for c in store.list()] == ["step-2", "step-3", "step-6", "step-7"]
+    assert store.removals_done(timeout=60)  # a commit's retention deletes behind it, on the store's thread
     assert not list(tmp_path.glob(".trash-*"))
 
 

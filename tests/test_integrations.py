@@ -273,3 +273,43 @@ def test_drain_saves_fresh_without_the_vote_for_an_adapter_that_takes_no_snapsho
                                                          notice=urgent)
         assert record.ok and not record.used_snapshot and record.saved_step == 7
         assert collectives.maxes == votes
+
+
+def test_lightning_last_ckpt_becomes_each_notice_checkpoint_and_the_file_it_replaced_is_freed_behind(tmp_path):
+    """`<dirpath>/last.ckpt` is the committed file (one inode, two names) after each notice save; the
+    file it replaced (Lightning's own last.ckpt first) is set aside under a second name and removed
+    behind the commit; a second name a crash left there is removed by the next open."""
+    import os
+
+    import lightning.pytorch as pl
+
+    from spotguard.integrations.lightning import LightningSave
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Module(), torch.utils.data.DataLoader(torch.randn(4, 8), batch_size=4))
+    (tmp_path / "last.ckpt").write_bytes(b"Lightning's own last.ckpt")
+    adapter = LightningSave(trainer, tmp_path)
+    adapter.prepare()
+    for step in (1, 2):
+        info = adapter.save(step, reason="notice")
+        adapter.wait()
+        assert os.path.samefile(tmp_path / "last.ckpt", info.dir / "last.ckpt")
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".trash-")] == []
+    assert os.stat(tmp_path / "last.ckpt").st_nlink == 2  # step 2's file; step 1's keeps its own name
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 1
+    adapter.close()
+    (tmp_path / ".trash-last.ckpt-0badc0de").write_bytes(b"set aside by a writer killed before it removed it")
+    CheckpointStore(tmp_path)
+    assert not (tmp_path / ".trash-last.ckpt-0badc0de").exists()

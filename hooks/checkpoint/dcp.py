@@ -2,9 +2,15 @@
 
 `StoreDcpWriter(pending)` is a `FileSystemWriter` (DCP's own file format, so `dcp.load` with
 `StoreDcpReader`/`FileSystemReader` reads it) that:
-- writes into `pending.dir` with several writer threads and fsync on, each file's pages written
-  back while DCP still writes it (`fsutil.flushing_behind`), so the fsync finds little left;
-- checksums every file as it streams out and records it in the pending checkpoint, so no
+- writes into `pending.dir` one file per writer thread (`thread_count`, DCP's
+  `single_file_per_rank` layout: the same items in the same files at the same offsets as DCP's
+  own writer), each item laid out by `torch.save` without copying its tensor's bytes or computing
+  the zip records' CRC-32 (torchfile.lay_out: torch.load, and so dcp.load, needs none; the store's
+  CRC-32 of each file verifies it), written with its pages written back behind the writer
+  (`fsutil.flushing_behind`), so the fsync finds little left; DCP's own per-item path (a Python
+  stream per tensor, the zip CRC computed) is what a writer given DCP's `_extensions` or
+  another `serialization_format` still takes;
+- checksums every file as it goes out and records it in the pending checkpoint, so no
   file is read back;
 - ends with `pending.finish_rank(rank)` (non-coordinators after their data, the coordinator
   after `.metadata`), so when `dcp.save` / the `dcp.async_save` future returns, this rank's
@@ -21,15 +27,22 @@ import contextlib
 import io
 import logging
 import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (DEFAULT_SUFFIX, FileSystem, FileSystemReader, FileSystemWriter,
+                                                     SerializationFormat, _split_by_size_and_type, _StorageInfo)
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from . import fsutil
 from .store import PendingCheckpoint
+from .torchfile import lay_out
+
+_file_writers = ThreadPoolExecutor(16, thread_name_prefix="spotguard-dcp-file")
 
 log = logging.getLogger(__name__)
 
@@ -116,16 +129,73 @@ class StoreDcpWriter(FileSystemWriter):
         return 0
 
     def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
+        future = self._write_files(plan, planner) if self._lays_out() else super().write_data(plan, planner)
         if self._finish_rank and not self._is_coordinator:
             future.wait()  # a torch.futures.Future; DCP's writer completes it before returning
             self.pending.finish_rank(self._my_rank())
         return future
 
+    def _lays_out(self) -> bool:
+        return (self.single_file_per_rank and not self.transforms.extensions
+                and self.serialization_format == SerializationFormat.TORCH_SAVE)
+
+    def _write_files(self, plan, planner) -> torch.futures.Future:
+        """DCP's `single_file_per_rank` files, one per bucket of `_split_by_size_and_type` (as DCP's
+        writer), written at once by the file writers; a failure raises once every file ended."""
+        prefix = plan.storage_data.prefix
+        buckets = _split_by_size_and_type(self.thread_count, plan.items)
+        jobs = [_file_writers.submit(self._write_file, f"{prefix}{k}{DEFAULT_SUFFIX}", bucket, planner)
+                for k, bucket in enumerate(buckets)]
+        wait(jobs)
+        results: list[WriteResult] = []
+        for job in jobs:
+            results += job.result()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(results)
+        return future
+
+    def _write_file(self, name: str, items: list[WriteItem], planner) -> list[WriteResult]:
+        """One file: its byte items, then its tensors (DCP's order), each where DCP puts it; fsynced and
+        recorded (size, CRC-32 as written)."""
+        results: list[WriteResult] = []
+        offset = crc = 0
+        fd = os.open(self.pending.path(name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            with fsutil.flushing_behind(fd):
+                ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + \
+                          [i for i in items if i.type != WriteItemType.BYTE_IO]
+                for item in ordered:
+                    length = 0
+                    _owner, segments = _item_bytes(planner, item, name)
+                    for data in segments:
+                        written, crc = fsutil.write_fd_all(fd, data, crc)
+                        length += written
+                    results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                               storage_data=_StorageInfo(name, offset, length)))
+                    offset += length
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.pending.record(name, offset, crc)
+        return results
+
     def finish(self, metadata, results) -> None:
         super().finish(metadata, results)
         if self._finish_rank:
             self.pending.finish_rank(self._my_rank())
+
+
+def _item_bytes(planner, item: WriteItem, name: str) -> tuple[Any, list[Any]]:
+    """The bytes DCP's writer puts in the file for `item`: a byte item's buffer, or `torch.save` of
+    the tensor (detached, on the CPU, cut to its own storage as DCP's loader does) laid out; with
+    the object they lie in, which the caller keeps until they are written."""
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        return data, [data.getbuffer()]
+    tensor = data.detach().cpu()
+    if tensor.untyped_storage().size() != tensor.nbytes:
+        tensor = tensor.clone()
+    return tensor, [segment for _offset, segment in lay_out(tensor, name).segments]
 
 
 class StoreDcpReader(FileSystemReader):

@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -227,6 +228,10 @@ class CheckpointStore:
             raise ConfigError("checkpoint_root", f"{self.root} is not writable")
         self._pending: dict[str, list[PendingCheckpoint]] = {}
         self._pending_mutex = threading.Lock()
+        self._removal_queue: queue.Queue[Path] = queue.Queue()
+        self._removal_mutex = threading.Condition()
+        self._removals_queued = 0
+        self._removal_thread: threading.Thread | None = None
         if clean:
             self.cleanup()
 
@@ -301,7 +306,7 @@ class CheckpointStore:
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
         info = self._info_from_manifest(final_dir, manifest, fingerprint(raw))
-        self.apply_retention(protect={tag})
+        self.apply_retention(protect={tag}, remove_later=True)
         log.info("checkpoint %s committed (sequence %d, %d files, %.1f MB)", tag, sequence, len(files),
                  info.size / 1e6, extra={"tag": tag, "step": info.step})
         return info
@@ -395,11 +400,46 @@ class CheckpointStore:
         return newest_that_checks(candidates, self.verify)
 
     # ---- housekeeping ------------------------------------------------------------------------
-    def _trash(self, directory: Path) -> None:
+    def _trash(self, directory: Path, *, later: bool = False) -> None:
+        """Renames `directory` to a `.trash-*` name (invisible at once, durably), then deletes it: now,
+        or with `later` on the store's removal thread (`removals_done`)."""
         trash = self.root / aside_name(TRASH_PREFIX, directory.name)
         os.rename(directory, trash)
         fsutil.fsync_dir(self.root)
-        shutil.rmtree(trash, ignore_errors=True)
+        if later:
+            self._remove_later(trash)
+        else:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def _remove_later(self, trash: Path) -> None:
+        with self._removal_mutex:
+            self._removals_queued += 1
+            if self._removal_thread is None or not self._removal_thread.is_alive():
+                self._removal_thread = threading.Thread(target=self._remove_queued, name="spotguard-retention",
+                                                        daemon=True)
+                self._removal_thread.start()
+            self._removal_queue.put(trash)  # under the mutex: the thread ends only with an empty queue
+
+    def _remove_queued(self) -> None:
+        while True:
+            try:
+                trash = self._removal_queue.get(timeout=5.0)
+            except queue.Empty:
+                with self._removal_mutex:
+                    if self._removal_queue.empty():
+                        self._removal_thread = None
+                        return
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
+            with self._removal_mutex:
+                self._removals_queued -= 1
+                self._removal_mutex.notify_all()
+
+    def removals_done(self, timeout: float | None = None) -> bool:
+        """Waits until the checkpoints retention set aside at a commit are deleted; False on timeout.
+        (A process that ends first leaves `.trash-*` names, which the next open removes.)"""
+        with self._removal_mutex:
+            return self._removal_mutex.wait_for(lambda: self._removals_queued == 0, timeout)
 
     def derived(self, kind: str) -> DerivedCopies:
         """The copies of kind `kind` derived from this store's checkpoints (`<root>/_<kind>/`, derived.py)."""
@@ -413,10 +453,14 @@ class CheckpointStore:
         keep = self.list()[-self.keep_last:]
         return [f"_{area.kind}/{name}" for area in areas for name in area.prune(keep)]
 
-    def apply_retention(self, protect: AbstractSet[str] = frozenset()) -> builtins.list[str]:
+    def apply_retention(self, protect: AbstractSet[str] = frozenset(), *,
+                        remove_later: bool = False) -> builtins.list[str]:
         """Deletes complete checkpoints beyond the newest `keep_last`, except notice ones; returns tags removed.
 
-        Derived copies (derived.py) are kept only for the newest `keep_last` checkpoints.
+        Derived copies (derived.py) are kept only for the newest `keep_last` checkpoints. With
+        `remove_later` (a commit: freeing a checkpoint's files is no part of making the new one
+        durable, and takes ext4 ~0.35 s per 500 MB here) the removed checkpoints are renamed out of
+        sight now and deleted on the store's removal thread (`removals_done`).
         """
         complete = self.list()
         keep = {c.tag for c in complete[-self.keep_last:]} | set(protect)
@@ -426,7 +470,7 @@ class CheckpointStore:
             if info.tag in keep:
                 continue
             try:
-                self._trash(info.dir)
+                self._trash(info.dir, later=remove_later)
                 removed.append(info.tag)
             except OSError as exc:
                 log.warning("retention: cannot remove %s: %s", info.tag, exc)

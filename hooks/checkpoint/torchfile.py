@@ -113,6 +113,17 @@ class _LaidOut(io.RawIOBase):
         return self.size
 
 
+def lay_out(obj: Any, name: str = "", min_kept: int = SPREAD_MIN) -> _LaidOut:
+    """`torch.save(obj)`'s file as (offset, bytes-like) `segments` and its `size`, nothing written: the
+    bytes of its tensors (writes of >= `min_kept` bytes inside a CPU tensor's memory) by reference, so
+    they must not change until the segments are written; the zip records without their CRC-32
+    (`_ZipCrcOff`: torch.load needs none, the store's CRC-32 of the file verifies it)."""
+    laid_out = _LaidOut(obj, min_kept, name)
+    with _zip_crc_off:
+        torch.save(obj, cast(IO[bytes], laid_out))
+    return laid_out
+
+
 def _pieces(segments: list[tuple[int, Any]], chunk: int) -> list[tuple[int, Any]]:
     """The segments as pwrite pieces: consecutive copied ones joined, those kept by reference cut to `chunk`."""
     pieces: list[tuple[int, Any]] = []
@@ -153,9 +164,7 @@ def save_torch_file_spread(pending: PendingCheckpoint, relpath: str, obj: Any, *
     smallest write kept by reference; `chunk`: the size of the pieces the writers take (several
     writers only pay where the storage takes one file's writes in parallel)."""
     path = pending.path(relpath)
-    laid_out = _LaidOut(obj, min_kept, str(path))
-    with _zip_crc_off:
-        torch.save(obj, cast(IO[bytes], laid_out))
+    laid_out = lay_out(obj, str(path), min_kept)
     pieces = _pieces(laid_out.segments, chunk)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
