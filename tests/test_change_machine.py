@@ -7,12 +7,14 @@ and gives torch's default timeout back. The real multi-process runs are tests/te
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import pytest
 
 from spotguard.hooks.agreement.collectives import Collectives
-from spotguard.hooks.drain import DrainRecord
+from spotguard.hooks.drain import DrainRecord, PendingCheckpoint
 from spotguard.hooks.elastic import bound
 from spotguard.hooks.elastic.membership_view import Change
 from spotguard.hooks.elastic.plan import ReformPlan
@@ -112,12 +114,27 @@ class ScriptedSeam:
     phase: list[str]
     calls: list[str] = field(default_factory=list)
 
-    def checkpoint_for_change(self, step: int, notice, *, staying: bool, grow: bool) -> DrainRecord:
+    def start_checkpoint(self, step: int, notice, *, staying: bool, grow: bool) -> PendingCheckpoint:
+        """The copy (this rank raises at `checkpointed`; the save decision's vote loses a peer),
+        the write behind (it fails when the script says `durable` raises), the vote at `durable`."""
         self.calls.append("checkpoint")
         if self.script.at("checkpointed", "raises"):
             raise Injected("injected failure at checkpointed")
-        ok = self.collectives.all_ok(True)
-        return DrainRecord(step, step, notice, False, ok, 83 if ok else 84, 0.0, 0.0, 0.0)
+        self.collectives._collective()
+        return PendingCheckpoint(step, step, notice, False, 0.0, 0.0, self.write(), self.finish)
+
+    def write(self) -> Future:
+        write: Future = Future()
+        if self.script.at("durable", "raises"):
+            write.set_exception(Injected("injected failure of the write"))
+        else:
+            write.set_result(None)
+        return write
+
+    def finish(self, pending: PendingCheckpoint) -> DrainRecord:
+        self.calls.append("durable")
+        ok = self.collectives.all_ok(pending.written())
+        return DrainRecord(pending.step, pending.step, pending.notice, False, ok, 83 if ok else 84, 0.0, 0.0, 0.0)
 
     def leave_group(self) -> None:
         self.calls.append("leave")
@@ -182,13 +199,13 @@ def run_change(role: str, script: Script):
 
 def injectable(role: str, phase: str, how: str) -> bool:
     """Whether `how` can happen at `phase` (a rank that left reaches no phase of the new group)."""
-    if role == "shrink-leaving" and phase not in ("checkpointed", "handover", "left"):
+    if role == "shrink-leaving" and phase not in ("checkpointed", "handover", "durable", "left"):
         return False
     if how == "raises":  # this rank's own step of the phase
         return phase != "committed"
     if how == "peer-lost":  # every phase waits on a peer, but a survivor without joiners shares nothing
         return not (phase == "transferred" and role == "shrink-survivor")
-    return phase in ("checkpointed", "committed")  # the two votes
+    return phase in ("durable", "committed")  # the two votes
 
 
 def expected(role: str, phase: str, how: str) -> tuple[Outcome, bool, list[str], bool]:
@@ -199,9 +216,11 @@ def expected(role: str, phase: str, how: str) -> tuple[Outcome, bool, list[str],
     if not injectable(role, phase, how):
         return (Outcome.LEAVE if leaving else Outcome.CONTINUE), True, rows, False
     if phase == "checkpointed":
-        if role.startswith("grow") and how == "peer-says-no":  # a grow's failed save goes on, not durable
-            return Outcome.CONTINUE, False, rows, False
         return ended, False, [], False  # DRAIN: every rank departs together, nobody abandons
+    if phase == "durable" and how != "peer-lost":  # the write failed (its vote says so on every rank)
+        if role.startswith("grow"):  # a grow's failed save goes on, not durable
+            return Outcome.CONTINUE, False, rows, False
+        return ended, False, rows[:rows.index(phase)], True  # a shrink falls back, 84
     return ended, True, rows[:rows.index(phase)], True
 
 
@@ -234,7 +253,7 @@ def test_a_survivor_hands_over_and_forms_on_the_first_survivors_store():
     assert (record.outcome, record.new_rank, record.new_world_size) == (Outcome.CONTINUE, 0, 2)
     assert seen == list(PHASES)
     assert rendezvous.formed == ("127.0.0.1:29400", "s5-2/", 0, 2)
-    assert seam.calls == ["checkpoint", "leave", "bind"]
+    assert seam.calls == ["checkpoint", "durable", "leave", "bind"]
 
 
 def test_a_grow_forms_on_the_store_the_membership_names_and_shares_the_state():
