@@ -299,3 +299,83 @@ def test_a_phase_hook_that_raises_fails_that_phase(phase):
     record = reformer.run(seam, 5, notice_for("shrink-survivor"), change)  # type: ignore[arg-type]
     assert (record.outcome, record.durable) == (Outcome.FALLBACK, True) and phase in record.error
     assert seam.collectives.abandoned and not bound.bounded()
+
+
+class WriteBehindSeam(ScriptedSeam):
+    """A write that really runs behind, on its own thread, and ends only once the hand-over has
+    begun (so the two overlap by construction): it fails when `write_fails`. `log` is the order
+    of what happened across both threads."""
+
+    def __init__(self, *args, write_fails: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.write_fails, self.handover_began, self.log = write_fails, threading.Event(), []
+        self.collectives.abandon = lambda: self.log.append("abandon")  # type: ignore[method-assign]
+
+    def write(self) -> Future:
+        write: Future = Future()
+
+        def behind() -> None:
+            self.handover_began.wait(30)
+            self.log.append("write failed" if self.write_fails else "write durable")
+            if self.write_fails:
+                write.set_exception(Injected("the write failed while the state moved"))
+            else:
+                write.set_result(None)
+
+        threading.Thread(target=behind, daemon=True).start()
+        return write
+
+
+class HandOverAdapter(ScriptedAdapter):
+    def __init__(self, seam_log: list[str], began: threading.Event, fails: bool):
+        super().__init__(Script(), ["checkpointed"])
+        self.seam_log, self.began, self.fails = seam_log, began, fails
+
+    def full_state(self) -> dict:
+        self.seam_log.append("handover began")
+        self.began.set()
+        if self.fails:
+            raise Injected("the transfer failed while the write ran")
+        return super().full_state()
+
+
+def run_write_behind(role: str, *, write_fails: bool, transfer_fails: bool):
+    old, target, rank = ROLES[role]
+    plan = ReformPlan.make(old, target)
+    change = Change(plan, "s5-2/", "10.0.0.4:29400" if "grow" in role else "", 1, "membership")
+    phase, script = ["checkpointed"], Script()
+    seam = WriteBehindSeam(ScriptedCollectives(rank, plan.old_world_size, script, phase), None, script, phase,
+                           write_fails=write_fails)
+    seam.adapter = HandOverAdapter(seam.log, seam.handover_began, transfer_fails)
+    reached: list[str] = []
+    reformer = Reformer(ScriptedRendezvous(script), lambda name, _r: reached.append(name),  # type: ignore[arg-type]
+                        transfer=scripted_transfer(script, phase))
+    record = reformer.run(seam, 5, notice_for(role), change)  # type: ignore[arg-type]
+    return record, reached, seam
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_the_transfer_fails_while_the_write_runs(role):
+    """The fallback waits for the write in flight, then abandons the groups: exit 83, durable."""
+    record, reached, seam = run_write_behind(role, write_fails=False, transfer_fails=True)
+    assert seam.log == ["handover began", "write durable", "abandon"]
+    assert reached == ["checkpointed"] and "Injected" in record.error
+    assert record.outcome is (Outcome.LEAVE if role == "shrink-leaving" else Outcome.FALLBACK)
+    assert (record.durable, record.drain.ok, record.drain.exit_code) == (True, True, 83)
+    assert not bound.bounded()
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_the_write_fails_while_the_transfer_runs(role):
+    """The hand-over completes beside the failing write; `durable` learns the failure (the vote):
+    a shrink falls back with 84 before anything leaves the old group; a grow goes on, not durable."""
+    record, reached, seam = run_write_behind(role, write_fails=True, transfer_fails=False)
+    assert seam.log[:2] == ["handover began", "write failed"]
+    assert record.durable is False and record.drain.exit_code == 84
+    if role == "grow-survivor":
+        assert record.outcome is Outcome.CONTINUE and reached == list(PHASES)
+    else:
+        assert reached == ["checkpointed", "handover"] and "leave" not in seam.calls
+        assert record.outcome is (Outcome.LEAVE if role == "shrink-leaving" else Outcome.FALLBACK)
+        assert seam.log[-1] == "abandon" and "NotDurable" in record.error
+    assert not bound.bounded()
