@@ -181,7 +181,8 @@ class DrainSequence:
                                  lambda pending: self._finish(pending, staying))
 
     def _finish(self, pending: PendingCheckpoint, staying: bool) -> DrainRecord:
-        step, notice, saved_step, used_snapshot = pending.step, pending.notice, pending.saved_step, pending.used_snapshot
+        step, notice, saved_step = pending.step, pending.notice, pending.saved_step
+        used_snapshot = pending.used_snapshot
         ok = pending.written()
         if ok:
             try:
@@ -236,15 +237,14 @@ class DrainSequence:
                 log.warning("notice %s: no adapter and no @on_reclaim hook, nothing was saved", notice.id)
             return saved_step, used_snapshot, done_future(lambda: None)
         used_snapshot = self._use_snapshot(adapter, notice)
-        behind = isinstance(adapter, StoreAdapter)
         if used_snapshot:
-            if behind:
+            if isinstance(adapter, StoreAdapter):
                 saved_step, write = adapter.persist_snapshot_behind(reason="notice", notice=notice)
             else:
                 saved_step, write = adapter.persist_snapshot(reason="notice", notice=notice), done_future(lambda: None)
             log.warning("deadline too close for a fresh save: persisted the in-memory snapshot of step %d "
                         "(agreed at step %d, %d steps lost)", saved_step, step, step - saved_step)
-        elif behind:
+        elif isinstance(adapter, StoreAdapter):
             write = adapter.save_behind(step, reason="notice", notice=notice)
         else:
             write = done_future(lambda: adapter.save(step, reason="notice", notice=notice))

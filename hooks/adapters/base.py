@@ -301,8 +301,12 @@ class StoreAdapter:
             return done_future(lambda: self.save(step, reason=reason, notice=notice))
         t0 = time.monotonic()
         future = self._fresh(step, reason, notice)
-        future.add_done_callback(
-            lambda finished: finished.exception() is None and self.save_seconds.append(time.monotonic() - t0))
+
+        def timed(finished: Future) -> None:
+            if finished.exception() is None:
+                self.save_seconds.append(time.monotonic() - t0)
+
+        future.add_done_callback(timed)
         return future
 
     def persist_snapshot_behind(self, *, reason: str = "notice", notice: Notice | None = None) -> tuple[int, Future]:
