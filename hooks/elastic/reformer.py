@@ -24,12 +24,12 @@ What each phase does:
   overlaps the hand-over, and a leaving rank never leaves before its part is committed. So the
   notice path is never less safe, and a fallback needs no group of its own (after a survivor's
   death no group of the survivors could form). A shrink whose checkpoint failed ends in
-  FALLBACK on every rank alike (the vote), exit 84; a grow's failed save goes on, not durable. Why the write cannot run
-  past `left`: its commit protocol and DCP's collectives run on the old formation's checkpoint
-  group, which leaving the old groups destroys (torch has one default group at a time), and the
-  old group is the only one holding every part of the agreed step (a leaving rank's is gone
-  with it): a write moved after `committed` would leave a window where a survivor's death loses
-  the step.
+  FALLBACK on every rank alike (the vote), exit 84; a grow's failed save goes on, not durable.
+  Why the write cannot run past `left`: its commit protocol and DCP's collectives run on the old
+  formation's checkpoint group, which leaving the old groups destroys (torch has one default
+  group at a time), and only the old group holds every part of the agreed step (a leaving
+  rank's part goes with it): a write moved after `committed` would widen the window in which a
+  survivor's death loses the step from the write's duration to the whole change's.
 - `handover` (old group): the state this rank holds for the new group (`transfer.hand_over`: the
   reshard plan voted on, leaving ranks' rows sent to survivors; or the full state on the gather path)
   and, when the new leader is a survivor, its store's address broadcast from it.
@@ -84,7 +84,7 @@ class Who(enum.Enum):
 
 
 class End(enum.Enum):
-    DRAIN = "every rank leaves with the checkpoint's exit code (the write waited for first)"
+    DRAIN = "every rank leaves with the checkpoint's exit code"
     FALLBACK = "the write waited for, then survivors exit 83 (84: not durable); a leaving rank leaves"
     RAISE = "the joiner raises (it holds nothing to fall back to)"
 
@@ -112,7 +112,8 @@ TABLE: tuple[Row, ...] = (
 
 
 class NotDurable(RuntimeError):
-    """A shrink's checkpoint failed on some rank: nobody changes the group, every rank drains."""
+    """A shrink's checkpoint failed on some rank (every rank learns it in the vote): nobody
+    leaves the old group for the new one, every rank falls back with exit 84."""
 
 
 @dataclass
@@ -131,7 +132,7 @@ class ResizeRecord:
     error: str = ""
     durable: bool = False  # a durable checkpoint of `step` exists (written beside the hand-over)
     joiners: int = 0
-    drain: Any = None  # the `checkpointed` phase's DrainRecord (the Guard's departure reads it)
+    drain: Any = None  # the checkpoint's DrainRecord, from `durable` (the Guard's departure reads it)
 
     @property
     def pause_seconds(self) -> float:
@@ -227,7 +228,7 @@ class Reformer:
         drained = run.pending.finish()
         run.record.drain, run.record.durable = drained, bool(drained.ok)
         if not drained.ok and run.change.plan.leaving_hosts:
-            raise NotDurable(f"the checkpoint of step {run.record.step} failed: every rank drains")
+            raise NotDurable(f"the checkpoint of step {run.record.step} failed: every rank falls back")
 
     def _hand_over(self, run: _Run) -> None:
         assert run.change is not None
