@@ -379,3 +379,50 @@ def test_the_write_fails_while_the_transfer_runs(role):
         assert record.outcome is (Outcome.LEAVE if role == "shrink-leaving" else Outcome.FALLBACK)
         assert seam.log[-1] == "abandon" and "NotDurable" in record.error
     assert not bound.bounded()
+
+
+class HeldWrite:
+    """A PlainTorchAdapter's `_write_state` that waits until released (the write still in flight)."""
+
+    def __init__(self):
+        self.release, self.entered = threading.Event(), threading.Event()
+
+
+def held_adapter(tmp_path, held: HeldWrite):
+    import torch
+
+    from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
+
+    class Held(PlainTorchAdapter):
+        def _write_state(self, pending, state):
+            held.entered.set()
+            assert held.release.wait(30)
+            super()._write_state(pending, state)
+
+    model = torch.nn.Linear(4, 4)
+    return Held(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+
+
+@pytest.mark.parametrize("grow", [False, True])
+def test_the_change_starts_its_checkpoint_and_finishes_it_once_durable(tmp_path, grow):
+    """`start_checkpoint`'s two halves on a real adapter: the start returns with the write in
+    flight (nothing committed, no @on_reclaim hook yet); `finish` waits for it, commits, runs
+    the hooks after it and records a durable checkpoint of the agreed step."""
+    from spotguard.hooks.drain import DrainSequence
+    from spotguard.hooks.elastic.in_place import start_save_before_grow
+
+    held, hooked = HeldWrite(), []
+    adapter = held_adapter(tmp_path, held)
+    notice = notice_for("shrink-survivor")
+    if grow:
+        pending = start_save_before_grow(Collectives(), adapter, 5, notice)
+    else:
+        sequence = DrainSequence(Collectives(), adapter, reclaim_hooks=[lambda step, _n: hooked.append(step)])
+        pending = sequence.start(5, None, notice=notice, staying=True)
+    assert held.entered.wait(30) and not pending.write.done() and adapter.store.resolve() is None and not hooked
+    held.release.set()
+    record = pending.finish()
+    assert (record.ok, record.exit_code, record.step) == (True, 83, 5) and pending.finish() is record
+    assert adapter.store.resolve().step == 5
+    assert hooked == ([] if grow else [5])
+    adapter.close()
