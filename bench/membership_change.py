@@ -17,15 +17,17 @@ DeepSpeed ZeRO-1 runs the restart path only (it is not resized in place).
 At size (`--dim 4096 --layers 6`: FSDP2 only, the model of bench/membership_memory.py, ~1.1 GiB of
 parameters + AdamW moments, made on the meta device; `--step-sleep 0 --steps-between 3` suit it)
 the same run also prints each change's pause split into the state machine's phases on the
-slowest survivor: agreed (its last step complete -> the agreement), checkpointed (the durable
-checkpoint of the agreed step), handover, left, formed, rebuilt, transferred, committed, and
+slowest survivor: agreed (its last step complete -> the agreement), checkpointed (the copy of
+the agreed step; its durable write starts behind), handover (beside the write), durable (the
+rest of the write, committed by every rank), left, formed, rebuilt, transferred, committed, and
 the first step after (one ordinary step and the Guard's return).
 Survivors' pause = over the survivors b, c, d, the longest time from their last step completed
 before the change to their first step completed after it, from the workers' own per-step
 timestamps; it contains one ordinary step (the median step is printed). For the in-place path the
-Guard's own record is printed beside it (agreement -> committed, without the shrink's durable
-checkpoint, which is printed as "save"). The restart figure is a lower bound of a real restart:
-no torchrun agent or elastic rendezvous, no CUDA/NCCL start, a checkpoint on local disk.
+Guard's own record is printed beside it (agreement -> committed; "save" is the change's durable
+checkpoint, copy to committed, whose write overlaps the hand-over). The restart figure is a
+lower bound of a real restart: no torchrun agent or elastic rendezvous, no CUDA/NCCL start, a
+checkpoint on local disk.
 Goals (issue 11): in-place step gap <= 0.5 s and <= 1/5 of the restart path's.
 """
 from __future__ import annotations
@@ -414,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps_between} steps between changes{size}")
     print(render(rows))
     print("gap: last step before -> first step after the change (includes one ordinary step, 'step' = median); "
-          "Guard pause: its record, agreement -> committed; save: the shrink's durable checkpoint, inside the gap; "
+          "Guard pause: its record, agreement -> committed; save: the change's durable checkpoint "
+          "(copy -> committed, beside the hand-over), inside the gap; "
           "restart exit: last step -> every rank exited 83, start: -> first step of the new processes; "
           "less a step: both gaps less the median step (the goal at size)")
     if args.json:

@@ -14,6 +14,11 @@
 A SystemExit or KeyboardInterrupt inside a save or hook propagates; anything else counts as a
 failed checkpoint.
 
+`start(...)` is steps 1-2 with the durable write left running behind (`PendingCheckpoint`), and
+`PendingCheckpoint.finish()` the rest: the write's outcome, the @on_reclaim hooks (after the
+checkpoint is durable, as in `run`), 3 and 4; `without_vote()` waits for the write alone (a
+failed in-place change, whose groups may be broken). `run` is `start(...).finish()`.
+
 Then the Guard hands the record to its `Departure`, the seam between a drain and what follows:
 - `ExitProcess`: closes the Guard, leaves the process groups together (`leave`), raises
   SystemExit(`EXIT_PREEMPTED` 83, or `EXIT_CHECKPOINT_FAILED` 84 when any rank failed). With
@@ -30,6 +35,7 @@ import atexit
 import logging
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, UTC
 from typing import TYPE_CHECKING, Any
@@ -37,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 from spotguard.hooks import save_decision
 from spotguard.hooks.agreement.base import Verdict
-from spotguard.hooks.adapters.base import tag_for
+from spotguard.hooks.adapters.base import StoreAdapter, done_future, tag_for
 from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.termination_message import write_termination_message
@@ -70,6 +76,52 @@ class DrainRecord:
     @property
     def steps_lost(self) -> int:
         return self.step - self.saved_step
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint of `step` whose durable write runs behind (`DrainSequence.start`, or a grow's
+    `elastic.in_place.start_save_before_grow`). `write` is done when the store's commit protocol
+    ended on every rank: its result means durable and committed by every rank, its exception
+    failed on every rank (a checkpoint is complete or invisible)."""
+
+    step: int
+    saved_step: int
+    notice: Notice
+    used_snapshot: bool
+    started: float  # time.time() when the save started
+    t0: float  # time.monotonic() then
+    write: Future
+    finisher: Callable[[PendingCheckpoint], DrainRecord]
+    record: DrainRecord | None = None
+
+    def written(self) -> bool:
+        """Waits for the write; whether it is durable. No collective of the caller's own."""
+        try:
+            self.write.result()
+            return True
+        except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+            if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                raise
+            log.exception("checkpoint of step %d for notice %s failed", self.saved_step, self.notice.id)
+            return False
+
+    def finish(self) -> DrainRecord:
+        """The rest of the checkpoint (collective, like the start): once; later calls return the record."""
+        if self.record is None:
+            self.record = self.finisher(self)
+        return self.record
+
+    def without_vote(self) -> DrainRecord:
+        """A failed change's end (its groups may be broken): waits for the write alone (never a
+        collective, never a hook) and records it, 83 when durable, 84 when not."""
+        if self.record is not None:
+            return self.record
+        ok = self.written()
+        self.record = DrainRecord(self.step, self.saved_step, self.notice, self.used_snapshot, ok,
+                                  EXIT_PREEMPTED if ok else EXIT_CHECKPOINT_FAILED, time.monotonic() - self.t0,
+                                  0.0, self.started)
+        return self.record
 
 
 def agreed_notice(collectives: Collectives, verdict: Verdict) -> Notice:
@@ -105,23 +157,46 @@ class DrainSequence:
         """`notice`: the agreed notice when the caller already has it. `staying`: this rank
         continues in place after the checkpoint (no @on_drain hooks, no `drained` report, no
         termination message: it did not drain)."""
+        return self.start(step, verdict, notice=notice, staying=staying).finish()
+
+    def start(self, step: int, verdict: Verdict | None, *, notice: Notice | None = None,
+              staying: bool = False) -> PendingCheckpoint:
+        """The save decision and the copy of the state (collective); the durable write goes on
+        behind (an adapter without the snapshot engine writes here). `finish()` is the rest of
+        `run`: the write's outcome, the @on_reclaim hooks, the vote, reports, drain hooks."""
         if notice is None:
             if verdict is None:
                 raise ValueError("DrainSequence.run needs the verdict or the agreed notice")
             notice = agreed_notice(self.collectives, verdict)
-        started = time.time()
-        t0 = time.monotonic()
-        saved_step, used_snapshot, ok = step, False, True
+        started, t0 = time.time(), time.monotonic()
+        saved_step, used_snapshot = step, False
         try:
-            saved_step, used_snapshot = self._checkpoint(step, notice)
+            saved_step, used_snapshot, write = self._start_checkpoint(step, notice)
         except BaseException as exc:  # a failed save must still drain with its own exit code
             if isinstance(exc, (SystemExit, KeyboardInterrupt)):
                 raise
-            log.exception("checkpoint for notice %s at step %d failed on rank %d", notice.id, step,
-                          self.collectives.rank)
-            ok = False
+            write = Future()
+            write.set_exception(exc)
+        return PendingCheckpoint(step, saved_step, notice, used_snapshot, started, t0, write,
+                                 lambda pending: self._finish(pending, staying))
+
+    def _finish(self, pending: PendingCheckpoint, staying: bool) -> DrainRecord:
+        step, notice, saved_step = pending.step, pending.notice, pending.saved_step
+        used_snapshot = pending.used_snapshot
+        ok = pending.written()
+        if ok:
+            try:
+                for hook in self.reclaim_hooks:
+                    hook(step, notice)
+            except BaseException as exc:
+                if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                    raise
+                log.exception("@on_reclaim hook for notice %s at step %d failed on rank %d", notice.id, step,
+                              self.collectives.rank)
+                ok = False
         ok = self.collectives.all_ok(ok)
-        checkpoint_seconds = time.monotonic() - t0
+        checkpoint_seconds = time.monotonic() - pending.t0
+        started = pending.started
         extra: dict = {"steps_lost": step - saved_step, "saved_step": saved_step}
         tier = self._tier(saved_step) if ok else None
         if tier is not None:
@@ -154,22 +229,26 @@ class DrainSequence:
         return DrainRecord(step, saved_step, notice, used_snapshot, ok, code, checkpoint_seconds, drain_seconds,
                            started)
 
-    def _checkpoint(self, step: int, notice: Notice) -> tuple[int, bool]:
-        """The save and the reclaim hooks; (the step saved, whether the snapshot was used)."""
+    def _start_checkpoint(self, step: int, notice: Notice) -> tuple[int, bool, Future]:
+        """The save started: (the step saved, whether the snapshot was used, the write's Future)."""
         adapter, saved_step, used_snapshot = self.adapter, step, False
-        if adapter is not None:
-            used_snapshot = self._use_snapshot(adapter, notice)
-            if used_snapshot:
-                saved_step = adapter.persist_snapshot(reason="notice", notice=notice)
-                log.warning("deadline too close for a fresh save: persisted the in-memory snapshot of step %d "
-                            "(agreed at step %d, %d steps lost)", saved_step, step, step - saved_step)
+        if adapter is None:
+            if not self.reclaim_hooks:
+                log.warning("notice %s: no adapter and no @on_reclaim hook, nothing was saved", notice.id)
+            return saved_step, used_snapshot, done_future(lambda: None)
+        used_snapshot = self._use_snapshot(adapter, notice)
+        if used_snapshot:
+            if isinstance(adapter, StoreAdapter):
+                saved_step, write = adapter.persist_snapshot_behind(reason="notice", notice=notice)
             else:
-                adapter.save(step, reason="notice", notice=notice)
-        elif not self.reclaim_hooks:
-            log.warning("notice %s: no adapter and no @on_reclaim hook, nothing was saved", notice.id)
-        for hook in self.reclaim_hooks:
-            hook(step, notice)
-        return saved_step, used_snapshot
+                saved_step, write = adapter.persist_snapshot(reason="notice", notice=notice), done_future(lambda: None)
+            log.warning("deadline too close for a fresh save: persisted the in-memory snapshot of step %d "
+                        "(agreed at step %d, %d steps lost)", saved_step, step, step - saved_step)
+        elif isinstance(adapter, StoreAdapter):
+            write = adapter.save_behind(step, reason="notice", notice=notice)
+        else:
+            write = done_future(lambda: adapter.save(step, reason="notice", notice=notice))
+        return saved_step, used_snapshot, write
 
     def _tier(self, saved_step: int) -> str | None:
         """Where the notice checkpoint is durable now, for a store with tiers (None: not told)."""

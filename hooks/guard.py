@@ -97,9 +97,10 @@ from spotguard.config import ConfigError, http_url, positive_float, positive_int
 from spotguard.hooks.agreement import Agreement, make_agreement
 from spotguard.hooks.agreement.base import Verdict
 from spotguard.hooks.agreement.collectives import GroupCollectives, join_collectives
-from spotguard.hooks.drain import DrainRecord, DrainSequence, ExitProcess, ReturnToLoop, agreed_notice
+from spotguard.hooks.drain import (DrainRecord, DrainSequence, ExitProcess, PendingCheckpoint, ReturnToLoop,
+                                   agreed_notice)
 from spotguard.hooks.elastic.bound import release_groups
-from spotguard.hooks.elastic.in_place import InPlace, save_before_grow
+from spotguard.hooks.elastic.in_place import InPlace, start_save_before_grow
 from spotguard.hooks.elastic.join import in_place_enabled
 from spotguard.hooks.elastic.membership_view import Change, MembershipView, Settled
 from spotguard.hooks.elastic.reformer import Outcome, ResizeRecord
@@ -395,15 +396,26 @@ class Guard:
     def checkpoint_for_change(self, step: int, notice: Notice, *, staying: bool, grow: bool) -> DrainRecord:
         """The durable checkpoint of the agreed step (collective): the drain sequence (`staying`:
         this rank continues in place), or for a grow the survivors' own save."""
+        return self.start_checkpoint(step, notice, staying=staying, grow=grow).finish()
+
+    def start_checkpoint(self, step: int, notice: Notice, *, staying: bool, grow: bool) -> PendingCheckpoint:
+        """`checkpoint_for_change` up to the copy of the state (collective); its write runs behind
+        until `finish()` (collective again), which is when `last_drain` is set."""
         if grow:
-            return save_before_grow(self.collectives, self.adapter, step, notice)
+            return start_save_before_grow(self.collectives, self.adapter, step, notice)
         sequence = DrainSequence(self.collectives, self.adapter, reclaim_hooks=self._reclaim_hooks,
                                  drain_hooks=self._drain_hooks, reporter=self.reporter,
                                  save_margin_seconds=self.save_margin_seconds)
-        record = sequence.run(step, None, notice=notice, staying=staying)
-        self.last_drain = record
-        self.gate.answered(record.notice.id)  # a re-sent or updated copy does not drain again
-        return record
+        self.gate.answered(notice.id)  # a re-sent or updated copy does not drain again
+        pending = sequence.start(step, None, notice=notice, staying=staying)
+        finish = pending.finisher
+
+        def finished(done: PendingCheckpoint) -> DrainRecord:
+            self.last_drain = finish(done)
+            return self.last_drain
+
+        pending.finisher = finished
+        return pending
 
     def leave_group(self) -> None:
         """Closes the agreement and destroys this rank's process groups (after a last agreement)."""

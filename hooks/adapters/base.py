@@ -18,6 +18,9 @@ buffers); an adapter whose framework writes its own files (the integrations) imp
   `CheckpointFailed` on every rank when any rank failed (so no rank waits forever for a commit).
 - `save_async(step)`: the same copy now, the persist and commit in the background (`wait()`,
   `async_error`); `snapshot(step)` / `persist_snapshot(...)`: the copy alone, and later its commit.
+- `save_behind(step, ...)` / `persist_snapshot_behind(...)`: a save (a persist of the held
+  snapshot) that returns after the copy with the Future of its commit (an in-place change writes
+  its checkpoint while the state moves); the next save, snapshot or `rebuild` waits for it.
 - `prepare()`: allocates the buffers now (call once after the first optimizer step, so that no
   notice pays for it); `save_parts()`: measured seconds of each part (snapshot, persist).
 - `estimate_save_seconds()`: 1.25 x (slowest recent snapshot + slowest recent persist) on the
@@ -34,6 +37,7 @@ import os
 import secrets
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 from collections.abc import Callable
 
@@ -103,6 +107,16 @@ def resizable_adapter(adapter: object) -> ResizableAdapter | None:
     if isinstance(adapter, ResizableAdapter) and adapter.resizable:
         return adapter
     return None
+
+
+def done_future(call: Callable[[], Any]) -> Future:
+    """A Future already done with `call()`'s result or exception (a save without the engine)."""
+    future: Future = Future()
+    try:
+        future.set_result(call())
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
 
 
 class CheckpointFailed(RuntimeError):
@@ -278,6 +292,29 @@ class StoreAdapter:
             info = self._fresh(step, reason, notice).result()
         self.save_seconds.append(time.monotonic() - t0)
         return info
+
+    def save_behind(self, step: int, *, reason: str = "periodic", notice: Notice | None = None) -> Future:
+        """Collective: `save`, but returns once the state is copied (the stall); the Future is done
+        when the commit is (its result the CheckpointInfo; CheckpointFailed on every rank when any
+        rank failed). Without the engine the save runs now and the Future is done already."""
+        if self.snapshot_engine is None:
+            return done_future(lambda: self.save(step, reason=reason, notice=notice))
+        t0 = time.monotonic()
+        future = self._fresh(step, reason, notice)
+
+        def timed(finished: Future) -> None:
+            if finished.exception() is None:
+                self.save_seconds.append(time.monotonic() - t0)
+
+        future.add_done_callback(timed)
+        return future
+
+    def persist_snapshot_behind(self, *, reason: str = "notice", notice: Notice | None = None) -> tuple[int, Future]:
+        """`persist_snapshot`, returning at once: (the held snapshot's step, the Future of its commit)."""
+        snap = self._snapshot
+        if self.snapshot_step is None or snap is None or not snap.valid:
+            raise CheckpointFailed("no snapshot to persist")
+        return snap.step, self._persist(snap, snap.step, reason, notice, snapshot=True)
 
     def save_async(self, step: int, *, reason: str = "periodic") -> None:
         """Collective: copies the state now; persists and commits it in the background. The next

@@ -103,8 +103,9 @@ class TorchDCPAdapter(StoreAdapter):
 
     def shard_state(self) -> Shards:
         """This rank's pieces of the model and optimizer state with their layouts (local: views,
-        no copy, no communication); what an in-place change moves peer to peer."""
-        self.wait()
+        no copy, no communication); what an in-place change moves peer to peer. No wait for a
+        persist in flight: it reads the engine's buffers, not these tensors, so the change hands
+        the shards over while the agreed step's write runs."""
         return collect(self.model, self.optimizer, self.world_size)
 
     def shard_device(self) -> torch.device:

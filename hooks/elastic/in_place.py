@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from typing import Any
 
-from spotguard.hooks.adapters.base import resizable_adapter
+from spotguard.hooks.adapters.base import StoreAdapter, done_future, resizable_adapter
 from spotguard.hooks.agreement.collectives import Collectives
-from spotguard.hooks.drain import DrainRecord
+from spotguard.hooks.drain import DrainRecord, PendingCheckpoint
 from spotguard.hooks.elastic.join import elastic_process
 from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, Change, MembershipView, Settled
 from spotguard.hooks.elastic.reformer import Outcome, Reformer, ResizeRecord, Seam
@@ -107,15 +108,22 @@ class InPlace:
         return record.step + 1
 
 
-def save_before_grow(collectives: Collectives, adapter: Any, step: int, notice: Notice) -> DrainRecord:
+def start_save_before_grow(collectives: Collectives, adapter: Any, step: int, notice: Notice) -> PendingCheckpoint:
     """The old group (every rank survives a grow) saves the agreed step, so a failure at any
-    point of the change, a survivor's death included, falls back to it without another group."""
-    started, t0, ok = time.time(), time.monotonic(), True
+    point of the change, a survivor's death included, falls back to it without another group.
+    Returns after the copy (collective), the write running behind; `finish()` waits for it and
+    votes over the old group (collective)."""
+    started, t0 = time.time(), time.monotonic()
     try:
-        adapter.save(step, reason="membership", notice=notice)
-    except Exception:
-        log.exception("save of step %d before the grow failed on rank %d", step, collectives.rank)
-        ok = False
-    ok = collectives.all_ok(ok)
-    return DrainRecord(step, step, notice, False, ok, EXIT_PREEMPTED if ok else EXIT_CHECKPOINT_FAILED,
-                       time.monotonic() - t0, 0.0, started)
+        write = (adapter.save_behind(step, reason="membership", notice=notice) if isinstance(adapter, StoreAdapter)
+                 else done_future(lambda: adapter.save(step, reason="membership", notice=notice)))
+    except Exception as exc:  # the copy itself failed: the vote says so on every rank
+        write = Future()
+        write.set_exception(exc)
+
+    def finish(pending: PendingCheckpoint) -> DrainRecord:
+        ok = collectives.all_ok(pending.written())
+        return DrainRecord(step, step, notice, False, ok, EXIT_PREEMPTED if ok else EXIT_CHECKPOINT_FAILED,
+                           time.monotonic() - t0, 0.0, started)
+
+    return PendingCheckpoint(step, step, notice, False, started, t0, write, finish)

@@ -1,9 +1,10 @@
 """The change itself, as one state machine: every phase of an in-place change, for the ranks of
 the old group (leaving and staying) and for a joiner, with the fallback, in one table.
 
-    agreed -> checkpointed -> handover -> left -> formed -> rebuilt -> transferred -> committed
-                   |              |          `-> (a leaving rank: LEAVE, exit 83)
-                   `-> DRAIN      `-> FALLBACK (any failure from `handover` on: exit 83 / 84)
+    agreed -> checkpointed -> handover -> durable -> left -> formed -> rebuilt -> transferred -> committed
+                   |              |           |          `-> (a leaving rank: LEAVE, exit 83)
+                   `-> DRAIN      `-> FALLBACK (any failure from `handover` on, once the write
+                                         ended: exit 83, or 84 when it was not durable)
 
 `TABLE` says, for each phase, what runs to reach it, who runs it (`OLD`: every rank of the old
 group, `STAYING`: the ranks of the new group that were in the old one, `NEW`: every rank of the
@@ -13,11 +14,22 @@ was formed by `join.init_process_group`, its model built by the user's code). Ea
 is reported to `on_phase(name, record)` (timelines, tests); a failure records `fallback`.
 
 What each phase does:
-- `checkpointed` (old group): the agreed step made durable BEFORE anything moves: a shrink
-  through the Guard's drain sequence (as without in-place), a grow with the survivors' own save.
-  So the notice path is never less safe, and a fallback needs no group of its own (after a
-  survivor's death no group of the survivors could form). A shrink whose checkpoint failed ends
-  in DRAIN (every rank leaves, 84); a grow's failed save goes on, not durable.
+- `checkpointed` (old group): the state of the agreed step copied into the snapshot engine's
+  host buffers (the save decision and the copy: a shrink through the Guard's drain sequence, a
+  grow with the survivors' own save) and its durable write started behind, on the adapter's
+  checkpoint group of the old formation. Nothing has moved yet.
+- `durable` (old group): waits for that write: durable and committed by every rank (the store's
+  commit protocol), then the drain sequence's rest (the @on_reclaim hooks, the vote; a leaving
+  rank's reports and termination message). It is the last phase on the old groups, so the write
+  overlaps the hand-over, and a leaving rank never leaves before its part is committed. So the
+  notice path is never less safe, and a fallback needs no group of its own (after a survivor's
+  death no group of the survivors could form). A shrink whose checkpoint failed ends in
+  FALLBACK on every rank alike (the vote), exit 84; a grow's failed save goes on, not durable.
+  Why the write cannot run past `left`: its commit protocol and DCP's collectives run on the old
+  formation's checkpoint group, which leaving the old groups destroys (torch has one default
+  group at a time), and only the old group holds every part of the agreed step (a leaving
+  rank's part goes with it): a write moved after `committed` would widen the window in which a
+  survivor's death loses the step from the write's duration to the whole change's.
 - `handover` (old group): the state this rank holds for the new group (`transfer.hand_over`: the
   reshard plan voted on, leaving ranks' rows sent to survivors; or the full state on the gather path)
   and, when the new leader is a survivor, its store's address broadcast from it.
@@ -30,10 +42,12 @@ What each phase does:
   peer when anybody joins, every rank loads, one `all_ok` vote over the new group (a rank whose
   load or `transferred` hook failed votes no). On success the groups get torch's default
   timeout back.
-Every collective from `handover` to the commit waits at most the re-form timeout (`bound`): a
-peer that dies at any point costs at most that long. On FALLBACK a rank abandons its groups
-(never a yes vote from there on) and exits 83 with the durable checkpoint (84 when it was not
-durable), so the launcher or the supervisor relaunches from it.
+Every collective from `handover` to the commit waits at most the re-form timeout (`bound`), the
+write's own on the checkpoint group included: a peer that dies at any point costs at most that
+long. On FALLBACK a rank first waits for the write in flight (no collective of its own: the
+write's commit protocol decides, on every rank alike, whether it is durable), then abandons its
+groups (never a yes vote from there on) and exits 83 with the durable checkpoint (84 when it was
+not durable), so the launcher or the supervisor relaunches from it.
 """
 from __future__ import annotations
 
@@ -45,6 +59,7 @@ from typing import Any, Protocol
 from collections.abc import Callable
 
 from spotguard.hooks.agreement.collectives import Collectives
+from spotguard.hooks.drain import PendingCheckpoint
 from spotguard.hooks.elastic.bound import bound_groups, release_groups
 from spotguard.hooks.elastic.membership_view import Change
 from spotguard.hooks.elastic.rendezvous import Rendezvous
@@ -53,7 +68,7 @@ from spotguard.hooks.elastic.transfer import HeldState, hand_over, load, receive
 log = logging.getLogger("spotguard.hooks.elastic")
 
 # The phases in order ("fallback" ends a failed change).
-PHASES = ("checkpointed", "handover", "left", "formed", "rebuilt", "transferred", "committed")
+PHASES = ("checkpointed", "handover", "durable", "left", "formed", "rebuilt", "transferred", "committed")
 
 
 class Outcome(enum.Enum):
@@ -70,7 +85,7 @@ class Who(enum.Enum):
 
 class End(enum.Enum):
     DRAIN = "every rank leaves with the checkpoint's exit code"
-    FALLBACK = "survivors exit 83 (84: not durable); a leaving rank leaves"
+    FALLBACK = "the write waited for, then survivors exit 83 (84: not durable); a leaving rank leaves"
     RAISE = "the joiner raises (it holds nothing to fall back to)"
 
 
@@ -86,7 +101,8 @@ class Row:
 TABLE: tuple[Row, ...] = (
     #   phase          action            who          failure        joiner
     Row("checkpointed", "_checkpoint", Who.OLD, End.DRAIN, False),
-    Row("handover", "_hand_over", Who.OLD, End.FALLBACK, False),
+    Row("handover", "_hand_over", Who.OLD, End.FALLBACK, False),  # while the write runs behind
+    Row("durable", "_await_durable", Who.OLD, End.FALLBACK, False),
     Row("left", "_leave_old_group", Who.OLD, End.FALLBACK, False),  # then a leaving rank: LEAVE
     Row("formed", "_form", Who.STAYING, End.FALLBACK, False),
     Row("rebuilt", "_rebuild", Who.STAYING, End.FALLBACK, False),
@@ -96,7 +112,8 @@ TABLE: tuple[Row, ...] = (
 
 
 class NotDurable(RuntimeError):
-    """A shrink's checkpoint failed on some rank: nobody changes the group, every rank drains."""
+    """A shrink's checkpoint failed on some rank (every rank learns it in the vote): nobody
+    leaves the old group for the new one, every rank falls back with exit 84."""
 
 
 @dataclass
@@ -113,9 +130,9 @@ class ResizeRecord:
     started_at: float = 0.0  # time.time() when the change began (after the agreement)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds since started_at
     error: str = ""
-    durable: bool = False  # a durable checkpoint of `step` exists (written before the hand-over)
+    durable: bool = False  # a durable checkpoint of `step` exists (written beside the hand-over)
     joiners: int = 0
-    drain: Any = None  # the `checkpointed` phase's DrainRecord (the Guard's departure reads it)
+    drain: Any = None  # the checkpoint's DrainRecord, from `durable` (the Guard's departure reads it)
 
     @property
     def pause_seconds(self) -> float:
@@ -128,8 +145,9 @@ class Seam(Protocol):
     collectives: Collectives
     adapter: Any
 
-    def checkpoint_for_change(self, step: int, notice: Any, *, staying: bool, grow: bool) -> Any:
-        """The durable checkpoint of `step` (collective over the old group): a DrainRecord."""
+    def start_checkpoint(self, step: int, notice: Any, *, staying: bool, grow: bool) -> PendingCheckpoint:
+        """The checkpoint of `step` started (collective over the old group): the copy taken, the
+        write running behind; its `finish()` (collective) waits for it and returns a DrainRecord."""
 
     def leave_group(self) -> None: ...
 
@@ -146,6 +164,7 @@ class _Run:
     notice: Any = None
     held: HeldState | None = None
     store: str = ""
+    pending: PendingCheckpoint | None = None  # the checkpoint whose write runs behind, until `durable`
 
 
 class Reformer:
@@ -200,12 +219,16 @@ class Reformer:
     def _checkpoint(self, run: _Run) -> None:
         assert run.change is not None
         grow = not run.change.plan.leaving_hosts
-        drained = run.seam.checkpoint_for_change(run.record.step, run.notice, staying=run.record.new_rank is not None,
-                                      grow=grow)
-        run.record.drain, run.record.durable = drained, bool(drained.ok)
-        if not drained.ok and not grow:
-            raise NotDurable(f"the checkpoint of step {run.record.step} failed: every rank drains")
+        run.pending = run.seam.start_checkpoint(run.record.step, run.notice,
+                                                staying=run.record.new_rank is not None, grow=grow)
         bound_groups(self.rendezvous.timeout)
+
+    def _await_durable(self, run: _Run) -> None:
+        assert run.change is not None and run.pending is not None
+        drained = run.pending.finish()
+        run.record.drain, run.record.durable = drained, bool(drained.ok)
+        if not drained.ok and run.change.plan.leaving_hosts:
+            raise NotDurable(f"the checkpoint of step {run.record.step} failed: every rank falls back")
 
     def _hand_over(self, run: _Run) -> None:
         assert run.change is not None
@@ -257,6 +280,9 @@ class Reformer:
         record = run.record
         record.error = f"{type(exc).__name__}: {exc}"
         record.phases["fallback"] = time.time() - record.started_at  # the stall before the fallback
+        if run.pending is not None and record.drain is None:  # the write in flight: durable first
+            record.drain = run.pending.without_vote()
+            record.durable = bool(record.drain.ok)
         if row.on_error is End.DRAIN:
             record.outcome = Outcome.FALLBACK if record.new_rank is not None else Outcome.LEAVE
             log.error("in-place change at step %d not started (%s): every rank drains", record.step, record.error)
