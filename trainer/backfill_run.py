@@ -1,5 +1,6 @@
 """The dry-run with on-demand backfill: the scenario's nodes are spot, and `on_demand_max` more
-local nodes (`od-0`, `od-1`, ...) are on-demand: never reclaimed, always free when not in use.
+local nodes (`od-0`, `od-1`, ...) are on-demand: never reclaimed, always free when not in use,
+started (metadata, agent, sidecar) when the first pod is placed on them.
 
 The in-place job grows by the supervisor's backfill rules (`supervisor.backfill.plan`, the same
 pure function the controller uses): spot joiners for free spot nodes, a warm-standby
@@ -62,9 +63,11 @@ class BackfillDryRun(DryRun):
     def on_demand(node: str) -> bool:
         return node.startswith(ON_DEMAND_PREFIX)
 
-    async def _start_nodes(self) -> None:
-        await super()._start_nodes()
-        for name in self.on_demand_nodes:
+    async def _provision(self, name: str) -> None:
+        """An on-demand node exists from the first pod placed on it (its metadata, agent and
+        sidecar start then), as a cluster provisions one: idle ones would only take this
+        machine's CPU from the training ranks, which a real cluster's nodes do not share."""
+        if name not in self.nodes:
             node = SimulatedNode(name, self.scenario.cloud, self.run_dir)
             await node.start(self.secret)
             self.nodes[name] = node
@@ -133,10 +136,11 @@ class BackfillDryRun(DryRun):
             await self._start_joiner(gen, node, step.reason)
 
     async def _start_joiner(self, gen: Generation, node: str, why: str = "") -> None:
+        now = time.time()  # the joiner's start-up includes its node's
+        await self._provision(node)
         ready = self.nodes[node].ready_file
         ready.unlink(missing_ok=True)
         self._noticed.discard(node)  # a free node is a new instance: an old notice of its name is gone with it
-        now = time.time()
         self._joins.started(node, now)
         self.joiners.append(JoinerRecord(node, now, why))
         await gen.add_joiner(self._node_launch(gen.index, node), ready)
