@@ -499,8 +499,9 @@ class DryRun:
         return len(started) >= self._started_with.get(gen.index, gen.world_size)
 
     def _events(self) -> list[dict]:
-        """Every trainer event so far (incrementally read; not sorted)."""
-        return self._tail.poll()
+        """Every trainer event so far but `step` (incrementally read; not sorted): the loop's
+        checks look only for start, drained and finished, and run every 0.1 s."""
+        return self._tail.milestones()
 
     def _generation_outcome(self, gen: Generation) -> str:
         """finished, drained or crashed, from the ended generation's event logs (its last processes)."""
