@@ -214,7 +214,7 @@ class DryRun:
     async def _training_started(self) -> float:
         """Waits for the first rank to log `start`: the scenario clock's zero."""
         while True:
-            starts = [e["t"] for e in self._events() if e["event"] == "start"]
+            starts = [e["t"] for e in self._milestones() if e["event"] == "start"]
             if starts:
                 return min(starts)
             await asyncio.sleep(0.05)
@@ -480,10 +480,10 @@ class DryRun:
         return hits
 
     def _current_events(self, gen: Generation) -> list[dict]:
-        """`gen`'s events from each node's current process (a node that left in place and joined
-        again has an earlier process whose events no longer describe it)."""
+        """`gen`'s milestone events (all but step) from each node's current process (a node that
+        left in place and joined again has an earlier process whose events no longer describe it)."""
         since = {n: r.started_at for n, r in gen.running.items()}
-        return [e for e in self._events() if e.get("generation") == gen.index
+        return [e for e in self._milestones() if e.get("generation") == gen.index
                 and e["t"] >= since.get(e.get("node"), 0.0) - 0.5]
 
     def _all_drained(self, gen: Generation) -> bool:
@@ -495,10 +495,15 @@ class DryRun:
 
     def _training(self, gen: Generation) -> bool:
         """Whether every rank of `gen` has logged `start` (loaded its checkpoint, Guard armed)."""
-        started = {e.get("rank") for e in self._events() if e["event"] == "start" and e.get("generation") == gen.index}
+        started = {e.get("rank") for e in self._milestones()
+                   if e["event"] == "start" and e.get("generation") == gen.index}
         return len(started) >= self._started_with.get(gen.index, gen.world_size)
 
     def _events(self) -> list[dict]:
+        """Every trainer event so far (incrementally read; not sorted)."""
+        return self._tail.poll()
+
+    def _milestones(self) -> list[dict]:
         """Every trainer event so far but `step` (incrementally read; not sorted): the loop's
         checks look only for start, drained and finished, and run every 0.1 s."""
         return self._tail.milestones()
