@@ -203,6 +203,12 @@ def lightning_setup(size_mb: int, work: Path, device: str):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     module = Module()
     trainer.fit(module, torch.utils.data.DataLoader(torch.randn(8, WIDTH), batch_size=4))
+    if device == "cuda":  # fit()'s teardown moved the module and the optimizer's state to the host
+        module.cuda()
+        for state in trainer.optimizers[0].state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    state[key] = value.cuda()
     return (LightningSave(trainer, work / "store"), lambda d: trainer.save_checkpoint(str(d / "last.ckpt")), module,
             trainer.optimizers[0])
 
@@ -238,7 +244,7 @@ def worker(args) -> None:
             rows[RAW].append([None, raw_write_seconds(host, work)])
         Path(args.result).write_text(json.dumps({
             "bytes": engine.buffers.nbytes, "state_bytes": sum(t.nbytes for t in sources), "rows": rows,
-            "persist": persist, "load": os.getloadavg()[0],
+            "persist": persist, "load": os.getloadavg()[0], "devices": sorted({str(t.device) for t in sources}),
             "allocations": engine.buffers.allocations, "pinned": engine.buffers.pinned}))
         adapter.close()
     finally:
@@ -272,7 +278,7 @@ def report(framework: str, r: dict) -> None:
         return f"{value:8.3f} s {value / limit:5.2f}x" if value is not None else " " * 16
 
     print(f"{framework}: {r['bytes'] / 1e6:.0f} MB copied by the engine ({r['state_bytes'] / 1e6:.0f} MB of model + "
-          f"optimizer tensors), {len(r['persist'])} rounds, load {r['load']:.1f}; medians, ratio to the limit")
+          f"optimizer tensors on {', '.join(r['devices'])}), {len(r['persist'])} rounds, load {r['load']:.1f}; medians, ratio to the limit")
     print(f"  {'method':40s} {'stall':>8s} {'/memcpy':>7s} {'durable':>10s} {'/raw':>5s}")
     for name, (stall, durable) in rows.items():
         print(f"  {name:40s} {fmt(stall, memcpy)} {fmt(durable, raw)}")
