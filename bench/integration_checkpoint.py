@@ -278,7 +278,8 @@ def report(framework: str, r: dict) -> None:
         return f"{value:8.3f} s {value / limit:5.2f}x" if value is not None else " " * 16
 
     print(f"{framework}: {r['bytes'] / 1e6:.0f} MB copied by the engine ({r['state_bytes'] / 1e6:.0f} MB of model + "
-          f"optimizer tensors on {', '.join(r['devices'])}), {len(r['persist'])} rounds, load {r['load']:.1f}; medians, ratio to the limit")
+          f"optimizer tensors on {', '.join(r['devices'])}), {len(r['persist'])} rounds, load {r['load']:.1f}; "
+          "medians, ratio to the limit")
     print(f"  {'method':40s} {'stall':>8s} {'/memcpy':>7s} {'durable':>10s} {'/raw':>5s}")
     for name, (stall, durable) in rows.items():
         print(f"  {name:40s} {fmt(stall, memcpy)} {fmt(durable, raw)}")
