@@ -23,7 +23,8 @@ rest of the write, committed by every rank), left, formed, rebuilt, transferred,
 the first step after (one ordinary step and the Guard's return).
 Survivors' pause = over the survivors b, c, d, the longest time from their last step completed
 before the change to their first step completed after it, from the workers' own per-step
-timestamps; it contains one ordinary step (the median step is printed). For the in-place path the
+timestamps; it contains one ordinary step at the new size (the median of the ordinary steps at that
+size, in both jobs, is printed). For the in-place path the
 Guard's own record is printed beside it (agreement -> committed; "save" is the change's durable
 checkpoint, copy to committed, whose write overlaps the hand-over). The restart figure is a
 lower bound of a real restart: no torchrun agent or elastic rendezvous, no CUDA/NCCL start, a
@@ -288,13 +289,15 @@ def median_optimizer(job: Job) -> float:
     return statistics.median(line.get("optimizer", 0.0) for node in SURVIVORS for line in job.steps(node))
 
 
-def median_step(job: Job) -> float:
-    """The median time between consecutive steps of one process (ordinary steps)."""
+def median_step(jobs: list[Job], world: int) -> float:
+    """The median time between consecutive steps of one process at `world` ranks (ordinary
+    steps, of every job given): the one step each gap after a change to `world` contains."""
     diffs = []
-    for node in SURVIVORS:
-        lines = job.steps(node)
-        diffs += [b["t"] - a["t"] for a, b in itertools.pairwise(lines) if b["step"] == a["step"] + 1
-                  and b["pid"] == a["pid"] and b["world"] == a["world"]]
+    for job in jobs:
+        for node in SURVIVORS:
+            lines = job.steps(node)
+            diffs += [b["t"] - a["t"] for a, b in itertools.pairwise(lines) if b["step"] == a["step"] + 1
+                      and b["pid"] == a["pid"] and b["world"] == a["world"] == world]
     return statistics.median(diffs)
 
 
@@ -364,7 +367,9 @@ def measure(framework: str, root: Path, args: argparse.Namespace) -> list[Row]:
             pause = max(r["pause"] for r in records)
             save = max(r["save"] for r in records)
             phases = phase_split(in_place, in_place_steps[i], i)
-        rows.append(Row(framework, change, median_step(in_place or restart), gap, pause, save,
+        new_world = int(change.split()[-1])
+        rows.append(Row(framework, change, median_step([j for j in (in_place, restart) if j is not None], new_world),
+                        gap, pause, save,
                         step_gap(restart, step), exit_s, start_s, phases, optimizer))
     return rows
 
@@ -415,11 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"survivors' pause (s), 4 ranks on 127.0.0.1, gloo, step sleep {args.step_sleep:g} s, "
           f"{args.steps_between} steps between changes{size}")
     print(render(rows))
-    print("gap: last step before -> first step after the change (includes one ordinary step, 'step' = median); "
+    print("gap: last step before -> first step after the change (includes one ordinary step, 'step' = the median "
+          "step at the new size); "
           "Guard pause: its record, agreement -> committed; save: the change's durable checkpoint "
           "(copy -> committed, beside the hand-over), inside the gap; "
           "restart exit: last step -> every rank exited 83, start: -> first step of the new processes; "
-          "less a step: both gaps less the median step (the goal at size)")
+          "less a step: both gaps less that step (the goal at size)")
     if args.json:
         args.json.write_text(json.dumps({"config": {"frameworks": args.frameworks, "step_sleep": args.step_sleep,
                                                     "steps_between": args.steps_between, "dim": args.dim,
