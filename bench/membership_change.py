@@ -23,10 +23,10 @@ rest of the write, committed by every rank), left, formed, rebuilt, transferred,
 the first step after (one ordinary step and the Guard's return).
 Survivors' pause = over the survivors b, c, d, the longest time from their last step completed
 before the change to their first step completed after it, from the workers' own per-step
-timestamps; it contains one ordinary step at the new size (the median of the ordinary steps at that
-size, in both jobs, is printed). For the in-place path the
-Guard's own record is printed beside it (agreement -> committed; "save" is the change's durable
-checkpoint, copy to committed, whose write overlaps the hand-over). The restart figure is a
+timestamps; it contains one ordinary step at the new size (the median of the ordinary steps at
+that size, in both jobs, is printed). For the in-place path the Guard's own record is printed
+beside it (agreement -> committed; "save" is the change's durable checkpoint, copy to committed,
+whose write overlaps the hand-over). The restart figure is a
 lower bound of a real restart: no torchrun agent or elastic rendezvous, no CUDA/NCCL start, a
 checkpoint on local disk.
 Goals (issue 11): in-place step gap <= 0.5 s and <= 1/5 of the restart path's.
@@ -354,7 +354,7 @@ def measure(framework: str, root: Path, args: argparse.Namespace) -> list[Row]:
         finally:
             in_place.kill()
     rows = []
-    for i, change in enumerate(("4 -> 3", "3 -> 4")):
+    for i, (change, new_world) in enumerate((("4 -> 3", 3), ("3 -> 4", 4))):
         step, exited = restart_steps[i]
         before_after = around(restart, step)
         exit_s = exited - max(before for before, _ in before_after)
@@ -367,10 +367,9 @@ def measure(framework: str, root: Path, args: argparse.Namespace) -> list[Row]:
             pause = max(r["pause"] for r in records)
             save = max(r["save"] for r in records)
             phases = phase_split(in_place, in_place_steps[i], i)
-        new_world = int(change.split()[-1])
-        rows.append(Row(framework, change, median_step([j for j in (in_place, restart) if j is not None], new_world),
-                        gap, pause, save,
-                        step_gap(restart, step), exit_s, start_s, phases, optimizer))
+        step_s = median_step([j for j in (in_place, restart) if j is not None], new_world)
+        rows.append(Row(framework, change, step_s, gap, pause, save, step_gap(restart, step), exit_s, start_s, phases,
+                        optimizer))
     return rows
 
 
