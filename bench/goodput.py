@@ -35,6 +35,12 @@ backfill samples >= 0.97 of ideal (always full size) with 0 steps lost.
 
     .venv/bin/python bench/goodput.py --workers 4 --modes ideal,spotguard,spotguard-backfill
     .venv/bin/python bench/goodput.py --workers 4 --modes ideal,spotguard-backfill --rounds 3
+    .venv/bin/python bench/goodput.py --workers 4 --time-scale 10 --steps 2400 \
+        --modes ideal,spotguard,spotguard-backfill    # ~15 minutes
+
+At 30x the default window replays in 90 s and a 1000-step job outlives it; at 10x with 2400 steps
+the replay and the job are both ~270 s long, and every real-time cost (a pause, a joiner's
+start-up on the same cores as the ranks) weighs a third as much against trace time.
 
 `--rounds N` runs the modes N times, one round after another (ideal, backfill, ideal, backfill,
 ...): each round's ratios compare runs minutes apart, so a drift of the machine's load between
