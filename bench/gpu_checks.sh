@@ -6,7 +6,7 @@
 # CHECK: nvml_probe, nccl_reform, gpu_guard, checkpoint_speed, integration_checkpoint,
 # checkpoint_speed_8g (default: all but the last).
 #
-# No install: spotguard's folders are copied into the layout the package has (setup.py's mapping)
+# No install (bench/source_tree.sh): spotguard's folders are copied into the layout the package has
 # under a temporary directory put first on PYTHONPATH, so the machine's own torch is the one used.
 # Each check's output is also written to OUT_DIR (default: a temporary directory).
 set -u
@@ -14,11 +14,8 @@ cd "$(dirname "$0")/.."
 out="${1:-$(mktemp -d)}"
 shift || true
 checks=" ${*:-nvml_probe nccl_reform gpu_guard checkpoint_speed integration_checkpoint} "
-tree="$(mktemp -d)"
-mkdir -p "$out" "$tree/spotguard"
-cp -r spotguard/. "$tree/spotguard/"
-for part in agent hooks supervisor injector integrations trainer emulator; do cp -r "$part" "$tree/spotguard/$part"; done
-export PYTHONPATH="$tree" PYTHONUNBUFFERED=1
+mkdir -p "$out"
+source bench/source_tree.sh
 status=0
 run() {  # run NAME SECONDS COMMAND...: one check, its output kept, its exit status remembered
     local name="$1" limit="$2"; shift 2
@@ -39,6 +36,6 @@ run gpu_guard 200 python3 bench/gpu_guard.py
 run checkpoint_speed 200 python3 bench/checkpoint_speed.py --device cuda --skip-deepspeed --size-mb 2048 --repeat 3
 run integration_checkpoint 240 python3 bench/integration_checkpoint.py --device cuda --size-mb 2048 --repeat 3
 run checkpoint_speed_8g 240 python3 bench/checkpoint_speed.py --device cuda --skip-deepspeed --size-mb 8192 --repeat 1
-rm -rf "$tree"
+rm -rf "$SPOTGUARD_TREE"
 echo "gpu checks: $([ $status -eq 0 ] && echo 'all passed' || echo 'some FAILED') (outputs in $out)"
 exit $status
