@@ -36,6 +36,5 @@ run gpu_guard 200 python3 bench/gpu_guard.py
 run checkpoint_speed 200 python3 bench/checkpoint_speed.py --device cuda --skip-deepspeed --size-mb 2048 --repeat 3
 run integration_checkpoint 240 python3 bench/integration_checkpoint.py --device cuda --size-mb 2048 --repeat 3
 run checkpoint_speed_8g 240 python3 bench/checkpoint_speed.py --device cuda --skip-deepspeed --size-mb 8192 --repeat 1
-rm -rf "$SPOTGUARD_TREE"
 echo "gpu checks: $([ $status -eq 0 ] && echo 'all passed' || echo 'some FAILED') (outputs in $out)"
 exit $status

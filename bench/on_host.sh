@@ -11,6 +11,3 @@ set -u
 cd "$(dirname "$0")/.."
 source bench/source_tree.sh
 "$@"
-status=$?
-rm -rf "$SPOTGUARD_TREE"
-exit $status

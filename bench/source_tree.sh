@@ -3,8 +3,9 @@
 # Copies spotguard's folders into the layout the installed package has (setup.py's mapping) under
 # a new temporary directory, SPOTGUARD_TREE, and puts it first on PYTHONPATH: the machine's own
 # python3 and torch then run this checkout with nothing installed (a lent machine has no project
-# venv and cannot reach PyPI). The caller removes SPOTGUARD_TREE when done.
+# venv and cannot reach PyPI). SPOTGUARD_TREE is removed when the sourcing shell exits (an EXIT trap).
 SPOTGUARD_TREE="$(mktemp -d)"
+trap 'rm -rf "$SPOTGUARD_TREE"' EXIT
 mkdir -p "$SPOTGUARD_TREE/spotguard"
 cp -r spotguard/. "$SPOTGUARD_TREE/spotguard/"
 for part in agent hooks supervisor injector integrations trainer emulator; do
