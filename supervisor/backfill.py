@@ -7,7 +7,12 @@ Settings (`spotguard.io/fallback: on-demand` opts in; fallback.py parses `fallba
 
 - **spot first**: a job below max gets a spot replica for every free spot slot, at once;
 - **warm standby**: a member with a live notice (it is leaving) gets its replacement asked for
-  at once: spot where a slot is free, else on-demand;
+  at once: on spot only where spot capacity has been free for `return-after` (the same trust a
+  swap-back needs), else on-demand (within `on-demand-max`), else on whatever spot is free. A
+  standby must be Ready before the leaving member's deadline, and spot capacity that has just come
+  back is the likeliest to be taken again (reclaims come in bursts): one reclaimed during the
+  standby's start-up leaves the job below max until a second replacement starts. An on-demand
+  standby is handed back by the swap-back below once spot has proved itself;
 - **backfill**: a job below max (not counting members that are leaving) for `fallback-after`
   (clock `below_max_since`) gets on-demand replicas up to max, at most `on-demand-max` of them;
 - **swap-back**: while the job is at max with on-demand members, no change under way and spot
@@ -97,20 +102,29 @@ def plan(settings: BackfillSettings, view: BackfillView, clocks: BackfillClocks,
     clocks = replace(clocks, below_max_since=(clocks.below_max_since or now) if below else None,
                      spot_free_since=(clocks.spot_free_since or now) if view.spot_free > 0 else None)
     gap = max(0, settings.max_replicas - view.staying - view.starting)
-    add_spot = min(gap, view.spot_free)
-    gap -= add_spot
+    room = max(0, settings.on_demand_cap - view.on_demand - view.starting_on_demand)
+    settled = clocks.spot_free_since is not None \
+        and now >= clocks.spot_free_since + timedelta(seconds=settings.return_after)
+    standby = min(gap, view.leaving)
+    standby_spot = min(standby, view.spot_free if settled else 0)
+    add_on_demand = min(standby - standby_spot, room, view.on_demand_free)
+    add_spot = min(gap - add_on_demand, view.spot_free)  # the trusted standbys, then spot first for the rest
     reasons = [f"{add_spot} spot replica(s) for free spot slots"] if add_spot else []
+    if add_on_demand:
+        why = f"spot free for less than return-after {settings.return_after:g}s" if view.spot_free \
+            else "no spot slot free"
+        reasons.append(f"{add_on_demand} on-demand replica(s): warm standby for a leaving member ({why})")
+    gap -= add_spot + add_on_demand
     recheck = None
-    add_on_demand = 0
     if gap:
         due = clocks.below_max_since + timedelta(seconds=settings.fallback_after) if clocks.below_max_since else now
-        room = max(0, settings.on_demand_cap - view.on_demand - view.starting_on_demand)
-        if view.leaving or now >= due:
-            add_on_demand = min(gap, room, view.on_demand_free)
-            if add_on_demand:
-                why = ("warm standby for a leaving member" if view.leaving and now < due else
-                       f"below max {settings.max_replicas} for fallback-after {settings.fallback_after:g}s")
-                reasons.append(f"{add_on_demand} on-demand replica(s): {why}")
+        room -= add_on_demand
+        if now >= due:
+            more = min(gap, room, view.on_demand_free - add_on_demand)
+            if more:
+                add_on_demand += more
+                reasons.append(f"{more} on-demand replica(s): below max {settings.max_replicas} for "
+                               f"fallback-after {settings.fallback_after:g}s")
         elif room:
             recheck = due
     swap = False

@@ -20,13 +20,13 @@ The spare: the warm standby and the swap-back need a pod that exists before the 
 replaces is gone, so such a job asks for one replica more than `spotguard.io/max-replicas`
 (Indexed Job: parallelism = completions = max + 1; PyTorchJob: Worker replicas). The membership
 never lists more than max hosts (in_place.py `capped`), so the extra pod is a spare: it stays
-gated while the job is whole, is placed at once when a member gets a notice (spot where a slot
-is free, else on-demand) or for a swap-back (spot), and joins in place when Ready; in a swap it
-takes one on-demand member's place in the same membership, and that member's ranks leave and
-exit 83, after which the Job controller (podFailurePolicy Ignore on 83) re-creates its index
-gated: the next spare. Ranks then come from the supervisor's memberships, not from completion
-indices, so a job with a spare must start at min (`spotguard.io/start-at-min`; policy.py
-refuses it otherwise).
+gated while the job is whole, is placed at once when a member gets a notice (spot where spot has
+been free for return-after, else on-demand: backfill.py) or for a swap-back (spot), and joins in
+place when Ready; in a swap it takes one on-demand member's place in the same membership, and
+that member's ranks leave and exit 83, after which the Job controller (podFailurePolicy Ignore on
+83) re-creates its index gated: the next spare. Ranks then come from the supervisor's
+memberships, not from completion indices, so a job with a spare must start at min
+(`spotguard.io/start-at-min`; policy.py refuses it otherwise).
 """
 from __future__ import annotations
 

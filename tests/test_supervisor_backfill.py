@@ -44,10 +44,27 @@ def test_a_job_back_at_max_resets_the_below_max_clock():
 def test_warm_standby_asks_for_the_replacement_at_the_notice():
     noticed = BackfillView(spot=3, on_demand=0, leaving=1, on_demand_free=4)
     step = plan(SETTINGS, noticed, BackfillClocks(), T0)
-    assert step.add_on_demand == 1 and "warm standby" in step.reason
-    with_spot = plan(SETTINGS, BackfillView(spot=3, on_demand=0, leaving=1, spot_free=1, on_demand_free=4),
-                     BackfillClocks(), T0)
-    assert (with_spot.add_spot, with_spot.add_on_demand) == (1, 0)  # spot elsewhere first
+    assert step.add_on_demand == 1 and "warm standby" in step.reason and "no spot slot free" in step.reason
+    settled = BackfillClocks(spot_free_since=at(-300))  # spot free for return-after already
+    with_spot = BackfillView(spot=3, on_demand=0, leaving=1, spot_free=1, on_demand_free=4)
+    assert (lambda s: (s.add_spot, s.add_on_demand))(plan(SETTINGS, with_spot, settled, T0)) == (1, 0)
+
+
+def test_a_standby_goes_to_on_demand_while_spot_has_not_stayed_free_for_return_after():
+    """Spot that has just come back is the likeliest to be reclaimed again, during the standby's
+    start-up: the standby, which must be Ready before the deadline, takes on-demand."""
+    fresh = BackfillView(spot=3, on_demand=0, leaving=1, spot_free=1, on_demand_free=4)
+    step = plan(SETTINGS, fresh, BackfillClocks(spot_free_since=at(-299)), T0)
+    assert (step.add_spot, step.add_on_demand) == (0, 1) and "less than return-after 300s" in step.reason
+    no_room = BackfillView(spot=3, on_demand=0, leaving=1, spot_free=1, on_demand_free=0)
+    assert (lambda s: (s.add_spot, s.add_on_demand))(plan(SETTINGS, no_room, BackfillClocks(), T0)) == (1, 0)
+    # a job also below max by one more: only the standby is at once, the other gap waits for spot
+    # first, then for fallback-after
+    short = BackfillView(spot=2, on_demand=0, leaving=1, spot_free=1, on_demand_free=4)
+    both = plan(SETTINGS, short, BackfillClocks(), T0)
+    assert (both.add_spot, both.add_on_demand) == (1, 1)
+    alone = plan(SETTINGS, BackfillView(spot=2, on_demand=0, leaving=1, on_demand_free=4), BackfillClocks(), T0)
+    assert (alone.add_spot, alone.add_on_demand, alone.recheck_at) == (0, 1, at(120))
 
 
 def test_on_demand_max_caps_the_backfill():
@@ -140,11 +157,14 @@ def test_the_spare_stays_gated_while_the_job_is_whole_and_is_placed_at_a_notice_
     whole = [PodFacts("p0", 0, SPOT, member=True), PodFacts("p1", 1, ON_DEMAND, member=True),
              PodFacts("p2", 2, SPOT, member=True), PodFacts("p3", 3, SPOT, member=True), PodFacts("p4", 4)]
     assert place(SETTINGS, whole, spot_free=0, on_demand_free=4, clocks=BackfillClocks(), now=T0).pods == ()
-    # a notice on p0's node: the spare is the warm standby, on spot where a slot is free, else on-demand
+    # a notice on p0's node: the spare is the warm standby, on spot where spot has been free for
+    # return-after, else on-demand
     noticed = [PodFacts("p0", 0, SPOT, leaving=True), *whole[1:]]
     assert place(SETTINGS, noticed, spot_free=0, on_demand_free=4, clocks=BackfillClocks(),
                  now=T0).pods == (("p4", ON_DEMAND),)
     assert place(SETTINGS, noticed, spot_free=1, on_demand_free=4, clocks=BackfillClocks(),
+                 now=T0).pods == (("p4", ON_DEMAND),)
+    assert place(SETTINGS, noticed, spot_free=1, on_demand_free=4, clocks=BackfillClocks(spot_free_since=at(-300)),
                  now=T0).pods == (("p4", SPOT),)
     # spot free for return-after: the spare goes to spot to take p1's (on-demand) place
     clocks = place(SETTINGS, whole, spot_free=1, on_demand_free=4, clocks=BackfillClocks(), now=T0).step.clocks
