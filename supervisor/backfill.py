@@ -103,8 +103,9 @@ def plan(settings: BackfillSettings, view: BackfillView, clocks: BackfillClocks,
                      spot_free_since=(clocks.spot_free_since or now) if view.spot_free > 0 else None)
     gap = max(0, settings.max_replicas - view.staying - view.starting)
     room = max(0, settings.on_demand_cap - view.on_demand - view.starting_on_demand)
-    settled = clocks.spot_free_since is not None \
-        and now >= clocks.spot_free_since + timedelta(seconds=settings.return_after)
+    settled_at = None if clocks.spot_free_since is None \
+        else clocks.spot_free_since + timedelta(seconds=settings.return_after)
+    settled = settled_at is not None and now >= settled_at  # spot trusted: for a standby, and for a swap-back
     standby = min(gap, view.leaving)
     standby_spot = min(standby, view.spot_free if settled else 0)
     add_on_demand = min(standby - standby_spot, room, view.on_demand_free)
@@ -129,12 +130,11 @@ def plan(settings: BackfillSettings, view: BackfillView, clocks: BackfillClocks,
             recheck = due
     swap = False
     if not (add_spot or add_on_demand) and view.on_demand and not view.leaving and not view.starting \
-            and view.staying >= settings.max_replicas and clocks.spot_free_since is not None:
-        due = clocks.spot_free_since + timedelta(seconds=settings.return_after)
-        if now >= due:
+            and view.staying >= settings.max_replicas and settled_at is not None:
+        if settled:
             swap = True
             reasons.append(f"spot free for return-after {settings.return_after:g}s: one spot replica replaces "
                            "one on-demand member in place")
         else:
-            recheck = due if recheck is None else min(recheck, due)
+            recheck = settled_at if recheck is None else min(recheck, settled_at)
     return BackfillStep(add_spot, add_on_demand, swap, clocks, "; ".join(reasons), recheck)

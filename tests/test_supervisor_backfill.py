@@ -47,7 +47,8 @@ def test_warm_standby_asks_for_the_replacement_at_the_notice():
     assert step.add_on_demand == 1 and "warm standby" in step.reason and "no spot slot free" in step.reason
     settled = BackfillClocks(spot_free_since=at(-300))  # spot free for return-after already
     with_spot = BackfillView(spot=3, on_demand=0, leaving=1, spot_free=1, on_demand_free=4)
-    assert (lambda s: (s.add_spot, s.add_on_demand))(plan(SETTINGS, with_spot, settled, T0)) == (1, 0)
+    trusted = plan(SETTINGS, with_spot, settled, T0)
+    assert (trusted.add_spot, trusted.add_on_demand) == (1, 0)
 
 
 def test_a_standby_goes_to_on_demand_while_spot_has_not_stayed_free_for_return_after():
@@ -57,7 +58,8 @@ def test_a_standby_goes_to_on_demand_while_spot_has_not_stayed_free_for_return_a
     step = plan(SETTINGS, fresh, BackfillClocks(spot_free_since=at(-299)), T0)
     assert (step.add_spot, step.add_on_demand) == (0, 1) and "less than return-after 300s" in step.reason
     no_room = BackfillView(spot=3, on_demand=0, leaving=1, spot_free=1, on_demand_free=0)
-    assert (lambda s: (s.add_spot, s.add_on_demand))(plan(SETTINGS, no_room, BackfillClocks(), T0)) == (1, 0)
+    only_spot = plan(SETTINGS, no_room, BackfillClocks(), T0)
+    assert (only_spot.add_spot, only_spot.add_on_demand) == (1, 0)
     # a job also below max by one more: only the standby is at once, the other gap waits for spot
     # first, then for fallback-after
     short = BackfillView(spot=2, on_demand=0, leaving=1, spot_free=1, on_demand_free=4)
