@@ -13,7 +13,8 @@ Contract:
   DDP), written by DCP straight into the store's pending directory through the store's
   `dcp_writer` (DCP's own extension point); resume loads through `dcp_reader` into this job's
   `get_state_dict` layout, which reshards to the current world size, then `set_state_dict`.
-- Every save runs on the snapshot engine (checkpoint/engine.py): `get_state_dict` is copied into
+- Every save runs on the snapshot engine (checkpoint/engine.py): `get_state_dict`'s state (as
+  `dcp_state.StateCapture` gives it: the same dict, with the names learnt once) is copied into
   host buffers allocated once (DTensors keep their spec over a host copy of the local shard;
   pinned, on a side stream, for GPU tensors), then `dcp.save` writes that copy in the background.
   Every DCP collective runs on the formation's checkpoint group (`agreement.control_group`, made
@@ -47,6 +48,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from spotguard.hooks.adapters.base import StoreAdapter
+from spotguard.hooks.adapters.dcp_state import StateCapture
 from spotguard.hooks.elastic.reshard_state import Shards, collect, install
 
 log = logging.getLogger("spotguard.hooks.adapters.dcp")
@@ -75,6 +77,7 @@ class TorchDCPAdapter(StoreAdapter):
         `build`: makes a fresh (model, optimizer) for the current group; enables in-place resizes.
         `kwargs`: `checkpoint_dir` or `store`, `keep_last`, `extra_state` (see StoreAdapter)."""
         self.model, self.optimizer = model, optimizer
+        self._capture: StateCapture | None = None
         self.piggyback = piggyback
         self.build = build
         super().__init__(**kwargs)
@@ -85,9 +88,12 @@ class TorchDCPAdapter(StoreAdapter):
         return None
 
     def state(self) -> dict[str, Any]:
-        """The live state in DCP's layout: {"model": ..., "optim": ...} from `get_state_dict`."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optim": optim_state}
+        """The live state in DCP's layout: {"model": ..., "optim": ...} as `get_state_dict` gives it
+        (through `dcp_state.StateCapture`, which learns the names once per model and optimizer)."""
+        capture = self._capture
+        if capture is None or not capture.serves(self.model, self.optimizer):
+            capture = self._capture = StateCapture(self.model, self.optimizer)
+        return capture.capture()
 
     # ---- in place ----------------------------------------------------------------------------
     @property
