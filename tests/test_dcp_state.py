@@ -112,6 +112,25 @@ def test_a_stateless_optimizer_and_tied_weights():
     assert capture._renaming is None and not capture._renamable  # get_state_dict on every call
 
 
+class WithExtraState(torch.nn.Linear):
+    def get_extra_state(self):
+        return {"seen": 3}
+
+    def set_extra_state(self, state):
+        pass
+
+
+def test_a_model_with_non_tensor_state_stays_on_get_state_dict():
+    model = torch.nn.Sequential(WithExtraState(4, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    capture = StateCapture(model, optimizer)
+    for _ in range(2):
+        train(model, optimizer)
+        got = capture.capture()
+        assert_same(got, reference(model, optimizer))
+    assert got["model"]["0._extra_state"] == {"seen": 3} and not capture._renamable
+
+
 WORKER = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
