@@ -54,6 +54,16 @@ def mlp():
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
 
 
+def trained_captures(capture, steps):
+    """`steps` training steps, each followed by a capture checked against `get_state_dict`; the last one."""
+    got = None
+    for _ in range(steps):
+        train(capture.model, capture.optimizer)
+        got = capture.capture()
+        assert_same(got, reference(capture.model, capture.optimizer))
+    return got
+
+
 def test_every_capture_is_get_state_dict_as_the_job_trains():
     model = mlp()
     optimizer = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 1e-3},
@@ -98,17 +108,13 @@ def test_a_stateless_optimizer_and_tied_weights():
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     capture = StateCapture(model, optimizer)
-    for _ in range(2):
-        train(model, optimizer)
-        assert_same(capture.capture(), reference(model, optimizer))
+    trained_captures(capture, 2)
 
     tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     tied[1].weight = tied[0].weight
     optimizer = torch.optim.AdamW(tied.parameters())
     capture = StateCapture(tied, optimizer)
-    for _ in range(2):
-        train(tied, optimizer)
-        assert_same(capture.capture(), reference(tied, optimizer))
+    trained_captures(capture, 2)
     assert capture._renaming is None and not capture._renamable  # get_state_dict on every call
 
 
@@ -124,10 +130,7 @@ def test_a_model_with_non_tensor_state_stays_on_get_state_dict():
     model = torch.nn.Sequential(WithExtraState(4, 4))
     optimizer = torch.optim.AdamW(model.parameters())
     capture = StateCapture(model, optimizer)
-    for _ in range(2):
-        train(model, optimizer)
-        got = capture.capture()
-        assert_same(got, reference(model, optimizer))
+    got = trained_captures(capture, 2)
     assert got["model"]["0._extra_state"] == {"seen": 3} and not capture._renamable
 
 
@@ -136,23 +139,18 @@ WORKER = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
     sys.path.insert(0, sys.argv[1])
-    from test_dcp_state import StateCapture, assert_same, mlp, reference, train
+    from test_dcp_state import StateCapture, mlp, trained_captures
     dist.init_process_group("gloo")
     ddp = torch.nn.parallel.DistributedDataParallel(mlp())
     optimizer = torch.optim.AdamW(ddp.parameters())
     capture = StateCapture(ddp, optimizer)
-    for _ in range(3):
-        train(ddp, optimizer)
-        got = capture.capture()
-        assert_same(got, reference(ddp, optimizer))
+    got = trained_captures(capture, 3)
     assert capture._renaming is not None and "0.weight" in got["model"]  # DDP's "module." is gone
     model = mlp()
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
     optimizer = torch.optim.AdamW(model.parameters())
     capture = StateCapture(model, optimizer)
-    for _ in range(2):
-        train(model, optimizer)
-        assert_same(capture.capture(), reference(model, optimizer))
+    trained_captures(capture, 2)
     assert not capture._renamable  # DTensors: get_state_dict on every call
     dist.destroy_process_group()
     print("ok")

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.utils._pytree import tree_leaves
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,7 @@ class StateCapture:
 
         if FullyShardedDataParallel.fsdp_modules(self.model):
             return None
-        if any(isinstance(t, DTensor) for t in _tensors(fqn_model)) or \
-                any(isinstance(t, DTensor) for t in _tensors(fqn_optim)):
+        if any(isinstance(leaf, DTensor) for leaf in tree_leaves([fqn_model, fqn_optim])):
             return None
         model_state = self.model.state_dict()
         by_view: dict[tuple, str] = {}
@@ -129,13 +129,3 @@ def _renamed(renaming: _Renaming, model_state: dict, optim_state: dict) -> dict[
 def _view_of(tensor: torch.Tensor) -> tuple:
     return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
 
-
-def _tensors(tree: Any):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from _tensors(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _tensors(value)
