@@ -18,6 +18,14 @@ local worker: only one of them hosts a store), SPOTGUARD_LAUNCHER_PID (this laun
 whose launcher died leaves, `hooks/orphan_watch.py`), and SPOTGUARD_JOIN=1, SPOTGUARD_READY_FILE,
 SPOTGUARD_REFORM_TIMEOUT, SPOTGUARD_MIN_WORLD_SIZE when set.
 
+Each worker starts in a session of its own, as torchrun's do. `--same-session` starts each in a
+process group of its own inside the launcher's session instead: for several simulated nodes on
+one host (the dry-run), since the kernel's autogroup scheduling (`sched_autogroup_enabled`, on by
+default) makes every session a scheduling group of its own, and a CPU-bound start-up in one
+session then slows the step of ranks in the others (a joiner's interpreter and `import torch`
+beside 4 gloo ranks on 2 cores: README, "goodput backfill, one session"). Signals and the
+way out work the same in both (each worker leads its own process group).
+
 `--nnodes MIN:MAX` (torchrun's range) starts at min: SPOTGUARD_START_AT_MIN=1 (the workers'
 first group is the first membership the supervisor pushes once MIN pods are Ready, later pods
 join in place: `hooks/elastic/join.py`), SPOTGUARD_MIN_WORLD_SIZE=MIN*P unless given; RANK and
@@ -66,6 +74,7 @@ class LaunchConfig:
     shutdown_timeout: float
     command: tuple[str, ...]
     start_at_min: bool = False  # `--nnodes MIN:MAX`: the first group is the supervisor's first membership
+    same_session: bool = False  # workers in this launcher's session (own process groups), not sessions of their own
     max_nodes: int = 0  # MAX of the range (nnodes when fixed)
 
 
@@ -107,6 +116,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout", default=None,
                    help=f"seconds between SIGTERM and SIGKILL to the other workers after a crash "
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
+    p.add_argument("--same-session", action="store_const", const="1", default=None,
+                   help="start each worker in a process group of its own in this launcher's session, not in a "
+                        "session of its own (torchrun's way): for several simulated nodes on one host, where "
+                        "the kernel's autogroup scheduling would make each session a scheduling group")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("-m", "--module", action="store_true",
                    help="run the training script as a module (python -m), as torchrun's -m")
@@ -121,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = build_config(args)
     setup_logging(args.log_level)
-    return asyncio.run(LocalWorkers(workers(config, os.environ), config.shutdown_timeout).run())
+    return asyncio.run(LocalWorkers(workers(config, os.environ), config.shutdown_timeout,
+                                    same_session=config.same_session).run())
 
 
 def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
@@ -162,6 +176,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         reform_timeout=None if reform is None else positive_float(reform_field, reform),
         min_world_size=None if min_world is None else positive_int(min_world_field, min_world),
         start_at_min=start_at_min, max_nodes=max_nodes,
+        same_session=layers.parse("same_session", "0", flag_value, env=None),
         shutdown_timeout=layers.parse("shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT,
                                       lambda f, v: positive_float(f, v, allow_zero=True), env=None),
         command=worker_command(args),

@@ -1,8 +1,11 @@
 """The workers of one node, started once and never restarted: the process side of `spotguard launch`.
 
-Contract of `LocalWorkers(workers, shutdown_timeout).run()` (in an event loop; returns the exit status):
+Contract of `LocalWorkers(workers, shutdown_timeout, same_session=False).run()` (in an event loop;
+returns the exit status):
 - starts one `Worker` after the other, each in its own session (so a terminal's Ctrl-C or a
-  signal to the launcher's group reaches a worker once, through the launcher) with
+  signal to the launcher's group reaches a worker once, through the launcher), or with
+  `same_session` in a process group of its own inside the launcher's session (the same for
+  signals; one scheduling group for the kernel's autogroup: `spotguard launch --same-session`), with
   PR_SET_PDEATHSIG = SIGTERM (a launcher that dies leaves no worker running unwarned; the Guard's
   orphan watch ends a worker that does not leave within its grace);
 - on every way out of `run()` (all workers exited, an error, a cancellation) each worker's
@@ -26,6 +29,7 @@ import os
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from spotguard.processes import die_with_parent
 from spotguard.wire import names
@@ -53,7 +57,7 @@ class Worker:
         return self.process is not None and self.process.returncode is None
 
     def kill_group(self) -> None:
-        """SIGKILL to the worker's process group (its session: the worker and what it started)."""
+        """SIGKILL to the worker's process group (the worker and what it started)."""
         if self.process is None:
             return
         try:
@@ -87,9 +91,10 @@ def aggregate_exit(statuses: Iterable[int]) -> int:
 class LocalWorkers:
     """Starts `workers` once and supervises them until the last has exited (module contract)."""
 
-    def __init__(self, workers: list[Worker], shutdown_timeout: float):
+    def __init__(self, workers: list[Worker], shutdown_timeout: float, *, same_session: bool = False):
         self.workers = workers
         self.shutdown_timeout = shutdown_timeout
+        self.own_group: dict[str, Any] = {"process_group": 0} if same_session else {"start_new_session": True}
         self.stopping = False  # SIGTERM/SIGINT received: start nothing more
         self.shutting_down = False  # a worker crashed: the rest are being stopped
         self._kill_timer: asyncio.TimerHandle | None = None
@@ -125,7 +130,7 @@ class LocalWorkers:
                 break
             try:
                 worker.process = await asyncio.create_subprocess_exec(
-                    *worker.argv, env=worker.env, start_new_session=True,
+                    *worker.argv, env=worker.env, **self.own_group,
                     preexec_fn=die_with_parent(signal.SIGTERM))
             except OSError as exc:
                 log.error("rank %d could not start: %s", worker.rank, exc, extra={"rank": worker.rank})

@@ -195,10 +195,11 @@ def test_workers_get_sigterm_when_the_launcher_dies(tmp_path):
         assert launch.signals(0) == launch.signals(1) == ["SIGTERM"]
 
 
-def test_nothing_a_worker_started_outlives_the_launcher(tmp_path):
-    """The worker exits 0 and leaves a child behind (in its session, ignoring SIGTERM): the
-    launcher's way out kills the worker's process group."""
-    with Launch(tmp_path, ["--nproc-per-node", "1"], ["--child", "--exit", "0=0"]) as launch:
+@pytest.mark.parametrize("session", [[], ["--same-session"]], ids=["own-session", "same-session"])
+def test_nothing_a_worker_started_outlives_the_launcher(tmp_path, session):
+    """The worker exits 0 and leaves a child behind (in its process group, ignoring SIGTERM):
+    the launcher's way out kills the worker's process group."""
+    with Launch(tmp_path, ["--nproc-per-node", "1", *session], ["--child", "--exit", "0=0"]) as launch:
         try:
             assert launch.wait() == 0, launch.log()
             child = int(wait_for(lambda: (tmp_path / "rank0.child").exists() and (tmp_path / "rank0.child").read_text(),
@@ -208,6 +209,37 @@ def test_nothing_a_worker_started_outlives_the_launcher(tmp_path):
             child_file = tmp_path / "rank0.child"
             if child_file.exists() and running(int(child_file.read_text())):
                 os.kill(int(child_file.read_text()), signal.SIGKILL)
+
+
+def test_workers_get_sessions_of_their_own_or_process_groups_in_the_launchers_with_same_session(tmp_path):
+    """torchrun's way: each worker leads a session. `--same-session`: each leads a process group
+    in the launcher's session (one autogroup for the kernel's scheduler); signals still arrive."""
+    for flags, out in (([], tmp_path / "own"), (["--same-session"], tmp_path / "same")):
+        out.mkdir()
+        with Launch(out, ["--nproc-per-node", "2", *flags]) as launch:
+            launch.wait_ready(0, 1)
+            sessions = [json.loads((out / f"rank{r}.session").read_text()) for r in (0, 1)]
+            launcher_sid = os.getsid(launch.proc.pid)
+            for s in sessions:
+                assert s["pgid"] == s["pid"]  # a group of its own: the launcher's way out kills it
+                if flags:
+                    assert s["sid"] == launcher_sid != s["pid"]
+                else:
+                    assert s["sid"] == s["pid"] != launcher_sid
+            launch.proc.send_signal(signal.SIGUSR1)
+            wait_for(lambda launch=launch: launch.signals(0) and launch.signals(1), "the forwarded signal")
+            assert launch.signals(0) == launch.signals(1) == ["SIGUSR1"]
+            (out / "release").touch()
+            assert launch.wait() == 0, launch.log()
+
+
+def test_same_session_is_a_flag_of_the_launcher_only():
+    assert launch_config().same_session is False
+    assert launch_config("--same-session").same_session is True
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["launch", str(PROBE)])
+    assert build_config(args, {"SPOTGUARD_SAME_SESSION": "1"}).same_session is False  # no variable
 
 
 def running(pid: int) -> bool:

@@ -72,7 +72,7 @@ class PeriodicDryRun(DryRun):
     """Today's practice: periodic checkpoints, and a SIGTERM to a node's pod at notice time.
 
     The termination handler sees the same notices the agent serves (it polls the same
-    metadata), sends SIGTERM to the noticed node's torchrun session once per notice, and, if
+    metadata), sends SIGTERM to the noticed node's torchrun (its process group) once per notice, and, if
     the survivors have not failed by themselves within `survivor_grace` seconds, stops them
     too (torchrun elastic would restart them on the membership change). A generation ended
     this way is recorded with the reason `evicted`.

@@ -2,9 +2,14 @@
 
 A generation is the job at one fixed world size. Each node runs
 `torchrun --nnodes=W --node-rank=i --nproc-per-node=1` with its own environment (its sidecar's
-URL and token file, its event log), in a new process session so the node can be stopped as
-a whole: gracefully (SIGTERM, as a drain would) or abruptly (SIGKILL, as a reclaim at the
-deadline does). Only processes started here are ever signalled, by their process group.
+URL and token file, its event log), in a process group of its own so the node can be stopped:
+gracefully (SIGTERM, as a drain would) or abruptly (SIGKILL, as a reclaim at the deadline does).
+Only processes started here are ever signalled, by their process group. The groups stay in this
+process's session, and an in-place node's launcher keeps its workers in it (`spotguard launch
+--same-session`): the simulated nodes share one host, and with the kernel's autogroup scheduling
+a session of their own would make each node a scheduling group, so that a joiner's CPU-bound
+start-up slowed every rank's step (README, "goodput backfill, one session"). torchrun's own
+workers (the restart path) still get sessions of their own.
 """
 from __future__ import annotations
 
@@ -89,7 +94,7 @@ class Generation:
         cmd = [sys.executable, "-m", "spotguard", "launch", f"--nnodes={nnodes}", f"--node-rank={rank}",
                "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={self.rdzv_ports[first]}",
                f"--node-name={node}", "--rdzv-host=127.0.0.1", f"--rdzv-port={self.rdzv_ports[node]}",
-               "--reform-timeout=10", f"--min-world-size={self.min_world_size}"]
+               "--reform-timeout=10", f"--min-world-size={self.min_world_size}", "--same-session"]
         if ready_file is not None:
             cmd += ["--join", f"--ready-file={ready_file}"] if join else [f"--ready-file={ready_file}"]
         return cmd + self.train_argv
@@ -100,7 +105,7 @@ class Generation:
         with log:
             process = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=log,
                                                            stderr=asyncio.subprocess.STDOUT,
-                                                           stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+                                                           stdin=asyncio.subprocess.DEVNULL, process_group=0,
                                                            preexec_fn=die_with_parent(signal.SIGTERM))
         self.running[node] = RunningNode(node, process, log_path, started_at=time.time())
 
@@ -134,7 +139,7 @@ class Generation:
         return all(r.exit_code is not None for r in self.running.values())
 
     def signal_node(self, node: str, sig: int) -> None:
-        """Sends `sig` to the node's torchrun and its workers (the session we created)."""
+        """Sends `sig` to the node's process group (its torchrun or launcher, which forwards it)."""
         r = self.running.get(node)
         if r is None or r.process.returncode is not None:
             return

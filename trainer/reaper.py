@@ -2,7 +2,7 @@
 
 The dry-run gives each process it starts (launchers, and through them every worker, joiner and
 helper they start) the variable `MARK_ENV=<this run's token>`. A worker that outlived its
-launcher (re-parented, in its own session) still carries it, so `reap(token)` finds it where a
+launcher (re-parented, in a process group of its own) still carries it, so `reap(token)` finds it where a
 process tree or a process group no longer does. Only processes of this user whose environment
 carries this run's token are signalled, each by its PID.
 """

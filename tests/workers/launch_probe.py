@@ -1,13 +1,13 @@
 """A worker for tests/test_launch.py: records what `spotguard launch` gave it, then acts as told.
 
-`launch_probe.py OUTDIR [--exit RANK=CODE|kill ...] [--ignore-term] [--child]`. Every rank writes to OUTDIR:
-`rank{R}.env` (its environment, JSON), a line with its PID in `rank{R}.pids` (appended, so a
-restart would show), each signal it receives as a line in `rank{R}.signals`, and `rank{R}.ready`
-once its handlers are installed. A rank named by --exit waits until every local worker is ready,
-then exits with CODE (`kill`: SIGKILLs itself); the others wait for OUTDIR/release (60 s at
-most, then exit 3) and exit 0. SIGTERM and SIGINT make a rank exit 83, as a drained rank does,
-unless --ignore-term. --child: first starts a child that ignores SIGTERM and sleeps 120 s (its
-PID in `rank{R}.child`), left behind when the rank exits.
+`launch_probe.py OUTDIR [--exit RANK=CODE|kill ...] [--ignore-term] [--child]`. Every rank writes to
+OUTDIR: `rank{R}.env` (its environment, JSON), `rank{R}.session` (JSON: pid, sid, pgid), a line
+with its PID in `rank{R}.pids` (appended, so a restart would show), each signal it receives as a
+line in `rank{R}.signals`, and `rank{R}.ready` once its handlers are installed. A rank named by
+--exit waits until every local worker is ready, then exits with CODE (`kill`: SIGKILLs itself);
+the others wait for OUTDIR/release (60 s at most, then exit 3) and exit 0. SIGTERM and SIGINT make
+a rank exit 83, as a drained rank does, unless --ignore-term. --child: first starts a child that
+ignores SIGTERM and sleeps 120 s (its PID in `rank{R}.child`), left behind when the rank exits.
 """
 import argparse
 import json
@@ -28,6 +28,8 @@ def main() -> int:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     out = args.outdir
     (out / f"rank{rank}.env").write_text(json.dumps(dict(os.environ)))
+    (out / f"rank{rank}.session").write_text(json.dumps({"pid": os.getpid(), "sid": os.getsid(0),
+                                                         "pgid": os.getpgid(0)}))
     with open(out / f"rank{rank}.pids", "a") as f:
         f.write(f"{os.getpid()}\n")
 
