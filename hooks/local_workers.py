@@ -1,6 +1,6 @@
 """The workers of one node, started once and never restarted: the process side of `spotguard launch`.
 
-Contract of `LocalWorkers(workers, shutdown_timeout, same_session=False).run()` (in an event loop;
+Contract of `LocalWorkers(workers, shutdown_timeout, *, same_session=False).run()` (in an event loop;
 returns the exit status):
 - starts one `Worker` after the other, each in its own session (so a terminal's Ctrl-C or a
   signal to the launcher's group reaches a worker once, through the launcher), or with
@@ -118,7 +118,7 @@ class LocalWorkers:
                 loop.remove_signal_handler(sig)
             if self._kill_timer is not None:
                 self._kill_timer.cancel()
-            for w in self.workers:  # whatever is left of a worker's session: nothing outlives the launcher
+            for w in self.workers:  # whatever is left of a worker's process group: nothing outlives the launcher
                 w.kill_group()
 
     async def _start_all(self) -> list[Worker]:

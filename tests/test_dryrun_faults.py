@@ -217,7 +217,7 @@ async def test_no_process_outlives_a_run_that_raised(tmp_path):
 
 async def test_no_process_outlives_a_cancelled_run(tmp_path):
     """Ctrl-C cancels run() (`spotguard dry-run` under run_daemon): nothing it started is left,
-    the workers of an in-place job included (their own sessions, SIGTERM trapped)."""
+    the workers of an in-place job included (their own process groups, SIGTERM trapped)."""
     started = asyncio.Event()
 
     def note_training(dry: DryRun) -> None:

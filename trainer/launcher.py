@@ -3,8 +3,10 @@
 A generation is the job at one fixed world size. Each node runs
 `torchrun --nnodes=W --node-rank=i --nproc-per-node=1` with its own environment (its sidecar's
 URL and token file, its event log), in a process group of its own so the node can be stopped:
-gracefully (SIGTERM, as a drain would) or abruptly (SIGKILL, as a reclaim at the deadline does).
-Only processes started here are ever signalled, by their process group. The groups stay in this
+gracefully (SIGTERM, as a drain would) or abruptly (SIGKILL, as a reclaim at the deadline does:
+to the node's torchrun or launcher; an in-place worker, in a group of its own, then gets its
+launcher's parent-death SIGTERM). Only processes started here are ever signalled, by their
+process group. The groups stay in this
 process's session, and an in-place node's launcher keeps its workers in it (`spotguard launch
 --same-session`): the simulated nodes share one host, and with the kernel's autogroup scheduling
 a session of their own would make each node a scheduling group, so that a joiner's CPU-bound
