@@ -117,9 +117,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"seconds between SIGTERM and SIGKILL to the other workers after a crash "
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
     p.add_argument("--same-session", action="store_const", const="1", default=None,
-                   help="start each worker in a process group of its own in this launcher's session, not in a "
-                        "session of its own (torchrun's way): for several simulated nodes on one host, where "
-                        "the kernel's autogroup scheduling would make each session a scheduling group")
+                   help="each worker in a process group of its own in this launcher's session, not a session "
+                        "of its own (torchrun's way): for several simulated nodes on one host")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("-m", "--module", action="store_true",
                    help="run the training script as a module (python -m), as torchrun's -m")

@@ -29,7 +29,6 @@ import os
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from spotguard.processes import die_with_parent
 from spotguard.wire import names
@@ -94,7 +93,7 @@ class LocalWorkers:
     def __init__(self, workers: list[Worker], shutdown_timeout: float, *, same_session: bool = False):
         self.workers = workers
         self.shutdown_timeout = shutdown_timeout
-        self.own_group: dict[str, Any] = {"process_group": 0} if same_session else {"start_new_session": True}
+        self.same_session = same_session
         self.stopping = False  # SIGTERM/SIGINT received: start nothing more
         self.shutting_down = False  # a worker crashed: the rest are being stopped
         self._kill_timer: asyncio.TimerHandle | None = None
@@ -130,7 +129,8 @@ class LocalWorkers:
                 break
             try:
                 worker.process = await asyncio.create_subprocess_exec(
-                    *worker.argv, env=worker.env, **self.own_group,
+                    *worker.argv, env=worker.env, start_new_session=not self.same_session,
+                    process_group=0 if self.same_session else None,
                     preexec_fn=die_with_parent(signal.SIGTERM))
             except OSError as exc:
                 log.error("rank %d could not start: %s", worker.rank, exc, extra={"rank": worker.rank})

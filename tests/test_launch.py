@@ -244,7 +244,7 @@ def test_the_dry_runs_nodes_and_their_workers_stay_in_its_session(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
 
-    async def scenario() -> tuple[dict, int, dict[str, int]]:
+    async def scenario() -> tuple[dict, int, tuple[int, int], dict[str, int]]:
         gen = Generation(0, [NodeLaunch("n0")], [str(PROBE), str(out)], tmp_path / "run",
                          rdzv_ports={"n0": free_port()})
         await gen.start()
@@ -254,14 +254,14 @@ def test_the_dry_runs_nodes_and_their_workers_stay_in_its_session(tmp_path):
             worker = json.loads((out / "rank0.session").read_text())
             launcher_ids = (os.getsid(launcher), os.getpgid(launcher))
             (out / "release").touch()
-            return worker, launcher, dict(zip(("sid", "pgid"), launcher_ids)) | await gen.wait()
+            return worker, launcher, launcher_ids, await gen.wait()
         finally:
             gen.signal_all(signal.SIGKILL)
 
-    worker, launcher, seen = asyncio.run(scenario())
-    assert seen["sid"] == os.getsid(0) and seen["pgid"] == launcher
+    worker, launcher, (launcher_sid, launcher_pgid), exits = asyncio.run(scenario())
+    assert launcher_sid == os.getsid(0) and launcher_pgid == launcher
     assert worker["sid"] == os.getsid(0) and worker["pgid"] == worker["pid"]
-    assert seen["n0"] == 0
+    assert exits["n0"] == 0
 
 
 def test_same_session_is_a_flag_of_the_launcher_only():

@@ -6,12 +6,9 @@ URL and token file, its event log), in a process group of its own so the node ca
 gracefully (SIGTERM, as a drain would) or abruptly (SIGKILL, as a reclaim at the deadline does:
 to the node's torchrun or launcher; an in-place worker, in a group of its own, then gets its
 launcher's parent-death SIGTERM). Only processes started here are ever signalled, by their
-process group. The groups stay in this
-process's session, and an in-place node's launcher keeps its workers in it (`spotguard launch
---same-session`): the simulated nodes share one host, and with the kernel's autogroup scheduling
-a session of their own would make each node a scheduling group, so that a joiner's CPU-bound
-start-up slowed every rank's step (README, "goodput backfill, one session"). torchrun's own
-workers (the restart path) still get sessions of their own.
+process group. The groups stay in this process's session, and an in-place node's launcher keeps
+its workers in it too (`spotguard launch --same-session`, whose docstring says why: the nodes
+share one host). torchrun's own workers (the restart path) get sessions of their own.
 """
 from __future__ import annotations
 
