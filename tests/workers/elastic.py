@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 from spotguard.hooks.elastic import elastic_process, init_process_group
+from spotguard.hooks.group_session import Timeouts
 from spotguard.hooks.guard import Guard
 from spotguard.wire.notice import Kind, Notice, now_utc
 from spotguard.trainer.elastic_job import batch, build_for, membership_reader, watch_memberships
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
         os.environ["SPOTGUARD_REFORM_TIMEOUT"] = "240"
     init_process_group(memberships=read_membership, join_timeout=240)
     if change_timeout:
-        elastic_process().rendezvous.timeout = float(change_timeout)
+        elastic_process().timeouts = Timeouts.of(float(change_timeout))
     maybe_fail("formed-joiner")
     build = build_for(args.mode)
     model, optimizer = build()
