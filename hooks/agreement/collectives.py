@@ -10,11 +10,8 @@ owns every group (`leave()`), and makes the Guard's collectives for each formati
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 from collections.abc import Sequence
-
-log = logging.getLogger("spotguard.hooks.collectives")
 
 INLINE_BYTES = 4096  # broadcast_bytes: payloads up to this size minus the 8-byte header take one broadcast
 

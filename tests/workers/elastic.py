@@ -16,8 +16,9 @@ Files written into --out (the tests read them):
 A reclaim notice of this host: once `<out>/notice-<node>` exists (its text: seconds to the
 deadline), the rank's Guard is offered one, and the time it was offered is written to
 `noticed-<node>`.
-Fault injection (tests only): FAIL_AT=<phase>, FAIL_NODE=<node>, FAIL_HOW=raise|exit|hang (hang: until
-its parent, the launcher, is gone, or 600 s).
+Fault injection (tests only): FAIL_AT=<phase>, FAIL_NODE=<node>, FAIL_HOW=raise|exit|hang|stop (hang:
+until its parent, the launcher, is gone, or 600 s; stop: the process stops itself with SIGSTOP
+after writing `stopped-<node>`, until the test sends SIGCONT).
 """
 from __future__ import annotations
 
@@ -94,6 +95,10 @@ def main(argv=None) -> int:
         if phase == fail_at and NODE == fail_node:
             if fail_how == "exit":
                 os._exit(1)
+            if fail_how == "stop":  # frozen, threads and all, as a stopped VM or a SIGSTOP would leave it
+                (out / f"stopped-{NODE}").write_text(str(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return
             if fail_how == "hang":  # alive, its connections open, doing nothing: its peers wait on it
                 (out / f"hung-{NODE}").write_text(str(os.getpid()))
                 parent, deadline = os.getppid(), time.monotonic() + 600
