@@ -41,8 +41,8 @@ from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 from collections.abc import Callable
 
-from spotguard.hooks.adapters.store import (CheckpointInfo, CheckpointStore, PartTimes, Snapshot, SnapshotEngine,
-                                             open_store)
+from spotguard.hooks.adapters.store import (CheckpointFailed, CheckpointInfo, PartTimes, Snapshot, SnapshotEngine,
+                                             Store, open_store)
 from spotguard.wire.notice import Notice
 
 log = logging.getLogger("spotguard.hooks.adapters")
@@ -119,10 +119,6 @@ def done_future(call: Callable[[], Any]) -> Future:
     return future
 
 
-class CheckpointFailed(RuntimeError):
-    """A checkpoint could not be made durable (some rank failed to write, or the commit failed)."""
-
-
 def reraise_interrupts(exc: BaseException) -> None:
     """Re-raises what must not be swallowed (SystemExit, KeyboardInterrupt)."""
     if isinstance(exc, (SystemExit, KeyboardInterrupt)):
@@ -136,7 +132,7 @@ def tag_for(step: int, reason: str) -> str:
 class StoreAdapter:
     """Base of the framework adapters; see the module docstring."""
 
-    def __init__(self, *, checkpoint_dir: str | os.PathLike | None = None, store: CheckpointStore | None = None,
+    def __init__(self, *, checkpoint_dir: str | os.PathLike | None = None, store: Store | None = None,
                  keep_last: int = 3, extra_state: Callable[[], dict[str, Any]] | None = None):
         if store is None:
             if checkpoint_dir is None:

@@ -10,9 +10,10 @@
 
 Contract:
 - State is `get_state_dict(model, optimizer)` (DTensor shards under FSDP2, full tensors under
-  DDP), written by DCP straight into the store's pending directory through the store's
-  `dcp_writer` (DCP's own extension point); resume loads through `dcp_reader` into this job's
-  `get_state_dict` layout, which reshards to the current world size, then `set_state_dict`.
+  DDP), written by DCP straight into the store's pending checkpoint through
+  `checkpoint.dcp.StoreDcpWriter` (DCP's own extension point); resume loads through
+  `StoreDcpReader` into this job's `get_state_dict` layout, which reshards to the current world
+  size, then `set_state_dict`.
 - Every save runs on the snapshot engine (checkpoint/engine.py): `get_state_dict`'s state (as
   `dcp_state.StateCapture` gives it: the same dict, with the names learnt once) is copied into
   host buffers allocated once (DTensors keep their spec over a host copy of the local shard;
@@ -49,6 +50,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from spotguard.hooks.adapters.base import StoreAdapter
 from spotguard.hooks.adapters.dcp_state import StateCapture
+from spotguard.hooks.checkpoint.dcp import StoreDcpReader, StoreDcpWriter
+from spotguard.hooks.checkpoint.types import CheckpointInfo, PendingCheckpoint
 from spotguard.hooks.elastic.reshard_state import Shards, collect, install
 
 log = logging.getLogger("spotguard.hooks.adapters.dcp")
@@ -144,10 +147,10 @@ class TorchDCPAdapter(StoreAdapter):
     def _state(self, step: int) -> dict[str, Any]:
         return self.state()
 
-    def _write_state(self, pending, state: dict[str, Any]) -> None:
-        dcp.save(state, storage_writer=self.store.dcp_writer(pending), process_group=self._group)
+    def _write_state(self, pending: PendingCheckpoint, state: dict[str, Any]) -> None:
+        dcp.save(state, storage_writer=StoreDcpWriter(pending), process_group=self._group)
 
-    def _load(self, info) -> None:
+    def _load(self, info: CheckpointInfo) -> None:
         state = self.state()
-        dcp.load(state, storage_reader=self.store.dcp_reader(info), process_group=self._group)
+        dcp.load(state, storage_reader=StoreDcpReader(info.dir), process_group=self._group)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
