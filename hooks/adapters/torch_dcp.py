@@ -133,7 +133,7 @@ class TorchDCPAdapter(StoreAdapter):
             raise RuntimeError("this adapter was made without build=: it cannot be resized in place")
         self.wait()
         self.model, self.optimizer = self.build()
-        self._snapshot_buffers, self._snapshot, self.snapshot_step = None, None, None
+        self._snapshot, self.snapshot_step = None, None
         self._setup_group()
 
     def load_full_state(self, state: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ Public API (agreed with the Guard and adapters):
     / latest() / resolve(verify=True) / derived(kind) (copies made from checkpoints, removed with
     them: derived.py) ...
     CheckpointInfo, CheckpointCorrupt, PendingCheckpoint, CommitError, CheckpointFailed (types.py)
+    CollectiveCommit (commit.py): the commit protocol across ranks
     SnapshotEngine (engine.py: snapshot into buffers allocated once, persist in the background;
     every adapter saves through it), check_host_memory, InsufficientHostMemory
 The layers, lowest first: a module imports only modules of the rows below it, or those left of a `<`
@@ -15,7 +16,7 @@ on its row (import-linter checks that there is no cycle and that types.py is a l
     fsutil, manifest, locks, memory: helpers
     pending, verify, derived, recovery, removal, buffers < engine; the format writers, which
         write into any PendingCheckpoint: torchfile < torchshards, dcp (which loads
-        torch.distributed.checkpoint: the package does not import it)
+        torch.distributed.checkpoint: the package does not import it); commit (the protocol across ranks)
     store.py: CheckpointStore, a directory
     objectstore/: ObjectCheckpointStore, `s3://` with the disk store as its first tier
     factory.py: open_store
