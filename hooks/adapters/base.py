@@ -30,6 +30,7 @@ buffers, into a `PendingCheckpoint`) and `_load(info)`. The base class then give
   `extra` (the dict `extra_state()` returned at save time); returns `step + 1`.
 - `answered_notice_id()`: the notice the resumed checkpoint was saved for; `gradient_carrier()`:
   None (an adapter of a DDP model returns the model); `held_snapshot`: the last snapshot's state.
+An adapter that can change its world size in place also implements `ResizableAdapter`.
 """
 from __future__ import annotations
 
@@ -38,13 +39,18 @@ import os
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from collections.abc import Callable
 
 from spotguard.hooks.adapters.store import (CheckpointFailed, CheckpointInfo, PartTimes, PendingCheckpoint, Snapshot,
                                              SnapshotEngine, Store, open_store)
 from spotguard.hooks.checkpoint.commit import CollectiveCommit, Vote, reraise_interrupts
 from spotguard.wire.notice import Notice
+
+if TYPE_CHECKING:
+    import torch
+
+    from spotguard.hooks.elastic.reshard_state import Shards
 
 # CheckpointFailed (checkpoint/types.py) and reraise_interrupts (checkpoint/commit.py) were defined
 # here: their old import path keeps working.
@@ -89,10 +95,14 @@ class CheckpointAdapter(Protocol):
 @runtime_checkable
 class ResizableAdapter(CheckpointAdapter, Protocol):
     """What an in-place membership change needs besides the checkpoint (`hooks/elastic`): an
-    adapter that can rebuild its model for another world size and carry the state across.
+    adapter that can rebuild its model for another world size and carry the state across, peer to
+    peer (`shard_state` -> `load_shards`, elastic/transfer.py's default) or gathered
+    (`full_state` -> `load_full_state`, `SPOTGUARD_RESHARD=gather`).
     `resizable_adapter(adapter)` is the one check the Guard makes."""
 
-    resizable: bool  # False: made without what a rebuild needs (TorchDCPAdapter without build=)
+    @property
+    def resizable(self) -> bool:
+        """False: made without what a rebuild needs (TorchDCPAdapter without build=)."""
     extra: dict[str, Any]  # the extras a resume or a live peer handed over
 
     def extra_state_now(self) -> dict[str, Any]:
@@ -106,6 +116,17 @@ class ResizableAdapter(CheckpointAdapter, Protocol):
 
     def load_full_state(self, state: dict[str, Any]) -> None:
         """Local: loads what `full_state()` returned into the rebuilt model and optimizer."""
+
+    def shard_state(self) -> Shards:
+        """Local: this rank's pieces of the model and optimizer state with their layouts
+        (elastic/reshard_state.py), views of the live tensors; what the change moves peer to peer."""
+
+    def shard_device(self) -> torch.device:
+        """Local: where this rank's pieces live (a joiner allocates its new pieces there)."""
+
+    def load_shards(self, manifest: dict[str, Any], pieces: dict[int, torch.Tensor]) -> None:
+        """Local, after `rebuild()`: this rank's new pieces (manifest entry index -> piece, laid out
+        for the current world size) become the model's parameters and the optimizer's state."""
 
 
 def resizable_adapter(adapter: object) -> ResizableAdapter | None:

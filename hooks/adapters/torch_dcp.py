@@ -33,7 +33,8 @@ Contract:
   checkpoint group was made when it formed) and `load_full_state(state)` loads it, sharding it
   to the new mesh. `model` and `optimizer` then name the new objects: training code reads them again after a resize.
   The peer-to-peer transfer (`hooks/elastic/transfer.py`, the default) uses `shard_state()`
-  (this rank's pieces and their layouts, local) and `load_shards(manifest, pieces)` instead of
+  (this rank's pieces and their layouts, local), `shard_device()` and `load_shards(manifest, pieces)`
+  (`ResizableAdapter` declares all of them) instead of
   the full state: no rank then holds more than its old and new pieces. A `build` that makes the
   model on the meta device and materialises only the shards (`to_empty` after `fully_shard`)
   keeps the rebuild from allocating the whole model too: its values are overwritten anyway.
@@ -48,7 +49,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from spotguard.hooks.adapters.base import StoreAdapter
+from spotguard.hooks.adapters.base import ResizableAdapter, StoreAdapter
 from spotguard.hooks.adapters.dcp_state import StateCapture
 from spotguard.hooks.checkpoint.dcp import StoreDcpReader, StoreDcpWriter
 from spotguard.hooks.checkpoint.types import CheckpointInfo, PendingCheckpoint
@@ -71,7 +72,7 @@ def _shard_like(mine: Any, full: Any) -> Any:
     return full
 
 
-class TorchDCPAdapter(StoreAdapter):
+class TorchDCPAdapter(StoreAdapter, ResizableAdapter):
     """Checkpoints a DDP or FSDP2 model and its optimizer with DCP through the store."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, piggyback: bool = True,
