@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
 class CheckpointCorrupt(Exception):
@@ -131,6 +131,7 @@ class DerivedKind(Protocol):
         ...
 
 
+@runtime_checkable
 class Store(Protocol):
     """What every checkpoint store offers: a checkpoint is complete and verifiable, or invisible.
 
@@ -194,9 +195,11 @@ class Store(Protocol):
         ...
 
 
+@runtime_checkable
 class TieredStore(Store, Protocol):
     """A store whose checkpoints are durable on local disk first and survive the node only once
-    uploaded (the object store): what the drain reports as `durable_tier`."""
+    uploaded (the object store): what the drain reports as `durable_tier`
+    (`isinstance(store, TieredStore)` tells the two kinds apart)."""
 
     object_step: int | None  # the newest step this process knows committed in the tier that survives
 
