@@ -2,12 +2,13 @@
 survivor and leaving rank, a grow's survivor, a membership that settles, a joiner) x every phase
 x every failure (this rank raises, a peer is lost in the phase's collective, a peer votes no),
 on the real executor and table with scripted collectives, session and adapter (the transfer is
-the real gather transfer over them). `MATRIX` is the literal table of what each case ends in:
-the outcome, whether the agreed step is durable, whether this rank abandoned its groups (never
-a yes vote again), and the phase at which the failure ended the walk (a save that fails at
-`checkpointed` is learnt in `durable`'s vote). Every case also checks the phases reached, that every rank that
-leaves wrote its termination message (none that trains on did), and that the groups got
-torch's default timeout back. The real multi-process runs are tests/test_in_place*.py.
+the real gather transfer over them, `SPOTGUARD_RESHARD=gather`). `MATRIX` is the literal table
+of what each case ends in: the outcome, whether the agreed step is durable, whether this rank
+abandoned its groups (never a yes vote again), and the phase at which the failure ended the walk
+(a save that fails at `checkpointed` is learnt in `durable`'s vote). Every case also checks the
+phases reached, that every rank that leaves wrote its termination message (none that trains on
+did), and that the groups got torch's default timeout back. The real multi-process runs are
+tests/test_in_place*.py.
 """
 from __future__ import annotations
 
@@ -265,6 +266,21 @@ class ScriptedAdapter:
     def load_full_state(self, state: dict) -> None:
         self._maybe_raise()  # at transferred
         self.loaded = state
+
+    def shard_state(self):  # the peer-to-peer transfer's; these tests take the gathered one
+        raise AssertionError("SPOTGUARD_RESHARD=gather: the state is gathered")
+
+    def shard_device(self):
+        raise AssertionError("SPOTGUARD_RESHARD=gather: the state is gathered")
+
+    def load_shards(self, manifest, pieces) -> None:
+        raise AssertionError("SPOTGUARD_RESHARD=gather: the state is gathered")
+
+
+@pytest.fixture(autouse=True)
+def gathered_transfer(monkeypatch):
+    """The transfer's gather path: its collectives are the scripted ones (max, broadcast)."""
+    monkeypatch.setenv("SPOTGUARD_RESHARD", "gather")
 
 
 def tracked(script: Script) -> tuple[Row, ...]:

@@ -29,6 +29,7 @@ from concurrent.futures import Future
 
 from spotguard.hooks import save_decision
 from spotguard.hooks.adapters.base import CheckpointAdapter, done_future, reraise_interrupts, tag_for
+from spotguard.hooks.checkpoint.types import TieredStore
 from spotguard.hooks.machine.effects import Effects
 from spotguard.hooks.machine.model import Saved
 from spotguard.wire.notice import Notice
@@ -150,6 +151,7 @@ class Checkpoint:
 
     def tier(self) -> str | None:
         """Where this checkpoint is durable now, for a store with tiers (None: not told)."""
-        tier_of = getattr(getattr(self.effects.adapter(), "store", None), "durable_tier", None)
-        return tier_of(tag_for(self.saved_step, "notice" if self.for_notice else "membership")) if callable(tier_of) \
-            else None
+        store = getattr(self.effects.adapter(), "store", None)
+        if not isinstance(store, TieredStore):
+            return None
+        return store.durable_tier(tag_for(self.saved_step, "notice" if self.for_notice else "membership"))

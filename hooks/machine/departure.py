@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from spotguard.hooks.adapters.base import tag_for
+from spotguard.hooks.checkpoint.types import TieredStore
 from spotguard.hooks.machine.checkpoint import Checkpoint
 from spotguard.hooks.machine.effects import Effects
 from spotguard.hooks.machine.model import Phase, StepRecord
@@ -73,17 +75,14 @@ def settle_upload(record: StepRecord, effects: Effects) -> tuple[str | None, int
     steps lost counting only what reached the object store, the newest step known there when
     the tier is still local)."""
     store = getattr(effects.adapter(), "store", None)
-    wait_uploaded, tier_of = getattr(store, "wait_uploaded", None), getattr(store, "durable_tier", None)
-    if not callable(wait_uploaded) or not callable(tier_of) or record.notice is None:
+    if not isinstance(store, TieredStore) or record.notice is None:
         return "local", record.steps_lost, None
     left = record.notice.seconds_left()
-    wait_uploaded(None if left is None else max(left - effects.save_margin_seconds, 0.0))
-    from spotguard.hooks.adapters.base import tag_for
-
-    tier = tier_of(tag_for(record.saved_step, "notice"))
+    store.wait_uploaded(None if left is None else max(left - effects.save_margin_seconds, 0.0))
+    tier = store.durable_tier(tag_for(record.saved_step, "notice"))
     if tier == "object":
         return tier, record.steps_lost, None
-    survived = getattr(store, "object_step", None)
+    survived = store.object_step
     log.warning("checkpoint of step %d is on local disk only (not uploaded by the deadline): lost with the node",
                 record.saved_step)
     lost = record.step - (survived if survived is not None else 0)
