@@ -604,3 +604,20 @@ def test_the_checkpoint_starts_and_finishes_once_durable(tmp_path, for_notice):
     assert adapter.store.resolve().step == 5
     assert hooked == ([5] if for_notice else []) and answered == (["n-1"] if for_notice else [])
     adapter.close()
+
+
+@pytest.mark.parametrize("role", ["shrink-survivor", "shrink-leaving"])
+def test_a_write_a_stopped_peer_holds_counts_as_failed_after_one_reform_timeout(role, tmp_path, monkeypatch):
+    """The write's commit protocol waits on a stopped peer once per collective: the change waits
+    for it one re-form timeout beyond the adapter's estimate (none here), then departs with 84,
+    well inside the change's budget (it used to wait for every one of those collectives)."""
+    monkeypatch.setenv("SPOTGUARD_TERMINATION_LOG", str(tmp_path / "termination-log"))
+    made = scene(role, Script())
+    made.session.timeouts = Timeouts.of(0.3, change=60.0)
+    never: Future = Future()  # the write, held forever
+    made.adapter.save_behind = lambda step, **_kw: never  # type: ignore[method-assign]
+    record = walk(made)
+    assert record.outcome is (Outcome.LEAVE if role == "shrink-leaving" else Outcome.FALLBACK)
+    assert (record.ok, record.exit_code) == (False, 84) and "NotDurable" in record.error
+    assert record.phases["fallback"] < 30  # one re-form timeout, not the change's budget
+    assert json.loads((tmp_path / "termination-log").read_text())["checkpoint"] == "failed"

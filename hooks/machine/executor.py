@@ -11,8 +11,9 @@ Contract:
   joiner's walk; the step to start from; raises on a failure.
 - Timeouts (the session's `Timeouts`): a walk has a deadline, its start + `change` (a drain: +
   `durable`); every row's waits on a peer are bounded by `reform` (a drain's by `durable`), never
-  past the deadline (`GroupSession.bounded`, released in the walk's one `finally`); a rank that
-  reaches a row after the deadline (it was stopped) departs at once.
+  past the deadline (`GroupSession.bounded`, released in the walk's one `finally`); a change's
+  checkpoint write is waited for one re-form timeout beyond a save's estimate (`table`,
+  `durable`); a rank that reaches a row after the deadline (it was stopped) departs at once.
 - Errors: an action that raises ends the walk where its row says. `End.DEPART`: the record's
   outcome becomes the role's failed one, the checkpoint in flight is waited for (`abandon`:
   never a collective), the groups are left (this rank never votes yes again: a peer waiting on

@@ -26,11 +26,14 @@ What each phase does:
   (`transfer.hand_over`: the reshard plan voted on, leaving ranks' rows sent to survivors), and,
   when the new leader is a survivor, its store's address broadcast from it. It overlaps the write.
 - `durable` (old group): `Checkpoint.finish`: the write committed by every rank, the
-  @on_reclaim hooks, the vote. It is the last collective on the old groups, so a leaving rank
-  never leaves before its part is committed. A change in which someone leaves does not go on
-  without a durable checkpoint (`Resize.requires_durable`): every rank departs, 84; a grow goes
-  on, not durable. The write cannot run past `left`: its commit protocol runs on the old
-  formation's checkpoint group, the only one that holds every part of the agreed step.
+  @on_reclaim hooks, the vote. In a change the write is waited for at most one re-form timeout
+  beyond the adapter's estimate of a save: a write held by a stopped peer (its commit protocol
+  waits on it once per collective) counts as failed then. It is the last collective on the old
+  groups, so a leaving rank never leaves before its part is committed. A change in which someone
+  leaves does not go on without a durable checkpoint (`Resize.requires_durable`): every rank
+  departs, 84; a grow goes on, not durable. The write cannot run past `left`: its commit
+  protocol runs on the old formation's checkpoint group, the only one that holds every part of
+  the agreed step.
 - `left` (a change): the old groups are gone (`GroupSession.leave`, no last agreement).
 - `formed` (staying): the new default group at the change's prefix (`GroupSession.reform`) on the
   first survivor's store, or on the store the membership names when its leader is a joiner.
@@ -202,7 +205,12 @@ def start_checkpoint(walk: Walk) -> None:
 
 def finish_checkpoint(walk: Walk) -> None:
     assert walk.checkpoint is not None
-    saved = walk.record.saved = walk.checkpoint.finish(walk.limit)
+    wait = walk.limit
+    if walk.role is not Role.DRAINING:  # a change: one wait on a peer beyond what a save takes here
+        adapter = walk.adapter
+        estimate = adapter.estimate_save_seconds() if adapter is not None else None
+        wait = min(wait, walk.peer_limit + (estimate or 0.0))
+    saved = walk.record.saved = walk.checkpoint.finish(wait)
     if not saved.durable and isinstance(walk.decision, Resize) and walk.decision.requires_durable:
         raise NotDurable(f"the checkpoint of step {walk.step} failed: every rank departs")
 
