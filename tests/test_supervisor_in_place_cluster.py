@@ -70,8 +70,7 @@ async def in_place_cluster(nodes: tuple[str, ...], join_settle: float) -> AsyncI
         for node in nodes:
             await cluster.add_node(node)
         await cluster.add_job_with_pods("j", ["n0", "n1", "n2", "n3"], IN_PLACE)
-        controller = cluster.controller()
-        controller.effects.join_settle = join_settle
+        controller = cluster.controller(join_settle=join_settle)
         await controller.start()
         try:
             yield cluster, controller
