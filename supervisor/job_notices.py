@@ -33,13 +33,15 @@ class NoticeHit:
     """A notice that departs a node (or a pod) running at least one of the job's replicas.
 
     `from_node`: a node's notice (the agent's mark), which the cloud may withdraw; False for a
-    pod Kubernetes takes away (disruption.py), which is never withdrawn."""
+    pod Kubernetes takes away (disruption.py), which is never withdrawn. `released_at`: when a
+    notice held at its detection became a departure (None: it was one from the start)."""
 
     id: str
     node: str
     kind: str
     deadline: datetime | None = None
     from_node: bool = True
+    released_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,8 @@ def read_job(pods: Iterable[Pod], is_replica: Callable[[Pod], bool], notices: Ma
             continue
         notice = notices[node]
         if node in departing and notice is not None:
-            hits.append(NoticeHit(notice.id, node, notice.kind.value, notice.deadline))
+            released = notice_policy.read(notice, notice.detected_at).release_at
+            hits.append(NoticeHit(notice.id, node, notice.kind.value, notice.deadline, released_at=released))
         else:
             healthy += 1
     return JobReading(tuple({h.id: h for h in hits}.values()), healthy, departing,

@@ -30,7 +30,7 @@ from spotguard.supervisor.cost import CostLedger
 from spotguard.supervisor.decision import MOVE, RESUME, SCALE, SUSPEND, Decision, JobState, Policy, Settings, earliest
 from spotguard.supervisor.effects import JobEffects, conditional, now
 from spotguard.supervisor.fallback import ON_DEMAND, on_demand_directives
-from spotguard.supervisor.job_notices import read_job
+from spotguard.supervisor.job_notices import NoticeHit, read_job
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.jobs.base import merge
 from spotguard.supervisor.membership_plan import JobPods
@@ -93,7 +93,10 @@ class Reconciler:
         written = await self._write(key, obj, adapter, decision, record)
         if written is None:
             return None
-        await self._follow_up(key, written, adapter, decision, record, placing)
+        handled = set(decision.record.handled) - set(record.handled)
+        if handled:
+            self._observe_latency(key, [h for h in state.notices if h.id in handled])
+        await self._follow_up(key, written, adapter, decision, placing)
         return decision
 
     async def _write(self, key: JobKey, obj: dict, adapter: JobAdapter, decision: Decision,
@@ -110,15 +113,13 @@ class Reconciler:
             self.metrics.decisions.inc(action=decision.action, reason=decision.reason)
             log.info("job %s/%s: %s", key[1], key[2], decision.message,
                      extra={"action": decision.action, "replicas": decision.replicas, "key": decision.key})
-        if set(decision.record.handled) - set(record.handled):
-            self._observe_latency(key)
         push = decision.membership
         if push is not None and push.why:
             log.info("job %s/%s: membership %d (%s): %s", key[1], key[2], push.generation, push.why,
                      ", ".join(push.hosts))
         return new
 
-    async def _follow_up(self, key: JobKey, obj: dict, adapter: JobAdapter, decision: Decision, record: Record,
+    async def _follow_up(self, key: JobKey, obj: dict, adapter: JobAdapter, decision: Decision,
                          placing: Placing | None) -> None:
         """What follows the write: requeue, Event, conditions, membership, placement."""
         recheck = earliest(decision.recheck_at, placing.recheck_at if placing else None)
@@ -131,10 +132,16 @@ class Reconciler:
         if placing is not None:
             await self.placer.apply(key, placing)
 
-    def _observe_latency(self, key: JobKey) -> None:
+    def _observe_latency(self, key: JobKey, hits: Iterable[NoticeHit]) -> None:
+        """Notice seen -> the job patched; for notices held beyond the horizon, from their release."""
         seen = self.cache.notice_seen_at(key)
-        if seen is not None:
-            self.metrics.notice_to_patch.observe(time.monotonic() - seen)
+        if seen is None:
+            return
+        latency = time.monotonic() - seen
+        releases = [h.released_at for h in hits if h.released_at is not None]
+        if releases:
+            latency = min(latency, max(0.0, (now() - max(releases)).total_seconds()))
+        self.metrics.notice_to_patch.observe(latency)
 
     # ---- state reduction (pure reads of the cache) -----------------------------------------
     def job_state(self, key: JobKey, obj: Mapping[str, Any], adapter: JobAdapter, policy: Policy, record: Record,

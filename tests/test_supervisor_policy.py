@@ -274,3 +274,12 @@ def test_the_checkpoint_wait_records_what_it_waits_for():
     further = decide(JobState(FX, 4, False, first.record, hits, 2), T0 + timedelta(seconds=1))
     assert further.reason == names.EVENT_NOTED and further.record.awaiting == {"m1": "n0", "Evict/p/u": ""}
     assert parse_record(further.record.to_json()) == further.record
+
+
+def test_a_released_notice_says_since_when_it_departs():
+    """The notice-to-patch latency of a maintenance announced 10 minutes ahead counts from its
+    release, not from its announcement."""
+    notices = {"n0": _notice("maintenance", 600.0), "n1": _notice("reclaim", 120.0, nid="r", node="n1")}
+    reading = read_job([_replica("a", "n0"), _replica("b", "n1")], lambda p: True, notices,
+                       T0 + timedelta(seconds=500))
+    assert {h.id: h.released_at for h in reading.hits} == {"n": T0 + timedelta(seconds=480), "r": None}
