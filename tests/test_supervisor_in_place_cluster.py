@@ -106,6 +106,8 @@ async def test_replacements_ready_together_join_in_one_change():
         await eventually(lambda: seen(controller, "j-4", ready), what="j-4 seen Ready")
         await controller.reconciler.reconcile(KEY)  # a pass that sees j-4 Ready and j-5 starting
         assert (await membership_of(cluster, "j-2"))["hosts"] == ["n2", "n3"]
+        held = record_of(await cluster.job("j")).get("ready_seen") or {}
+        assert list(held) == ["j-4"]  # the settle window's clock is in the record (kmock gives pods no uid)
         await set_status(cluster, "j-5", ready=True)
         both = await survivors_told(cluster, ["j-2", "j-3", "j-4", "j-5"], ["n2", "n3", "n4", "n5"])
         assert both["generation"] == first["generation"] + 1 and both["world_size"] == 4
