@@ -55,6 +55,7 @@ EVENT_FELL_BACK = "SpotguardFellBackToOnDemand"
 EVENT_RETURNING = "SpotguardReturningToSpot"
 EVENT_RETURNED = "SpotguardReturnedToSpot"
 EVENT_LEAVING_IN_PLACE = "SpotguardLeavingInPlace"  # in-place job: the noticed node's replicas leave alone
+EVENT_NOTICE_WITHDRAWN = "SpotguardNoticeWithdrawn"  # fixed job: its checkpoint wait ended, the notice withdrawn
 COMPONENT = "spotguard-supervisor"
 COMPONENT_AGENT = "spotguard-agent"
 
