@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -28,17 +29,21 @@ def read_ledgers(folder: Path) -> dict[int, list[int]]:
 
 def read_ledgers_with_worlds(folder: Path) -> tuple[dict[int, list[int]], dict[int, int]]:
     """`read_ledgers`, and the world size each step was trained at."""
+    return merge(json.loads(line) for path in sorted(folder.glob("ledger-*.jsonl"))
+                 for line in path.read_text().splitlines())
+
+
+def merge(entries: Iterable[dict]) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Ledger entries ({"step", "rank", "world", "ids"}) -> (global batch of each step, its world size)."""
     by_step: dict[int, list[int]] = {}
     worlds: dict[int, int] = {}
     ranks: dict[int, set[int]] = {}
-    for path in sorted(folder.glob("ledger-*.jsonl")):
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            step, rank = int(entry["step"]), int(entry["rank"])
-            assert worlds.setdefault(step, entry["world"]) == entry["world"], f"step {step} trained at two world sizes"
-            assert rank not in ranks.setdefault(step, set()), f"step {step} trained twice by rank {rank}"
-            ranks[step].add(rank)
-            by_step.setdefault(step, []).extend(entry["ids"])
+    for entry in entries:
+        step, rank = int(entry["step"]), int(entry["rank"])
+        assert worlds.setdefault(step, entry["world"]) == entry["world"], f"step {step} trained at two world sizes"
+        assert rank not in ranks.setdefault(step, set()), f"step {step} trained twice by rank {rank}"
+        ranks[step].add(rank)
+        by_step.setdefault(step, []).extend(entry["ids"])
     for step, seen in ranks.items():
         assert seen == set(range(worlds[step])), f"step {step}: ranks {sorted(seen)} of {worlds[step]} recorded it"
     return {step: sorted(ids) for step, ids in sorted(by_step.items())}, dict(sorted(worlds.items()))

@@ -76,8 +76,8 @@ def test_every_sample_once_per_epoch_through_a_shrink_and_a_grow_on_the_restart_
 
     batches, worlds = read_ledgers_with_worlds(ledger)
     assert sorted(batches) == list(range(TOTAL))  # every step once (read_ledgers: by every rank of its world)
-    sizes = [w for i, w in enumerate(worlds.values()) if i == 0 or w != list(worlds.values())[i - 1]]
-    assert sizes == [2, 1, 3], worlds
+    sizes = [worlds[s] for s in sorted(worlds)]
+    assert [w for i, w in enumerate(sizes) if i == 0 or w != sizes[i - 1]] == [2, 1, 3], worlds
     assert_each_epoch_once(batches, SAMPLES)
     if policy == "keep-global":
         assert batches == uninterrupted(SAMPLES, SEED, GLOBAL, TOTAL)
