@@ -9,6 +9,8 @@
   after every step every sample has been seen floor(n / samples) or that + 1 times (n samples
   so far): no sample comes a second time before every other one came once, at any step
   boundary: each epoch is each sample exactly once.
+- `assert_run(...)`: all of that, for a run through given world sizes, and the global batches
+  of an uninterrupted run (the global batch kept) or of each rank's batch (kept instead).
 - `uninterrupted(samples, seed, global_batch, steps)`: the global batches an uninterrupted run
   takes, from the definition alone (torch.randperm seeded with seed + epoch, as DistributedSampler
   seeds it, epochs end to end, cut into global batches), not from spotguard's code.
@@ -47,6 +49,23 @@ def merge(entries: Iterable[dict]) -> tuple[dict[int, list[int]], dict[int, int]
     for step, seen in ranks.items():
         assert seen == set(range(worlds[step])), f"step {step}: ranks {sorted(seen)} of {worlds[step]} recorded it"
     return {step: sorted(ids) for step, ids in sorted(by_step.items())}, dict(sorted(worlds.items()))
+
+
+def assert_run(batches: dict[int, list[int]], worlds: dict[int, int], *, steps: range, world_sizes: list[int],
+               samples: int, same_as: dict[int, list[int]] | None = None, per_rank: int | None = None) -> None:
+    """What every ledger test asserts of a merged ledger: every step of `steps` trained (once, by
+    every rank of its world: `merge`), the world sizes went through `world_sizes` in that order,
+    each epoch saw every sample once; with the global batch kept the global batches are `same_as`
+    (an uninterrupted run's, numbered as `steps`), with each rank's kept each step has `per_rank`
+    samples per rank."""
+    assert sorted(batches) == list(steps)
+    sizes = [worlds[s] for s in sorted(worlds)]
+    assert [w for i, w in enumerate(sizes) if i == 0 or w != sizes[i - 1]] == world_sizes, worlds
+    assert_each_epoch_once(batches, samples)
+    if same_as is not None:
+        assert batches == same_as
+    if per_rank is not None:
+        assert [len(batches[s]) for s in batches] == [per_rank * worlds[s] for s in batches]
 
 
 def assert_each_epoch_once(batches: dict[int, list[int]], samples: int) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ledger import assert_each_epoch_once, read_ledgers, read_ledgers_with_worlds, uninterrupted
+from tests.ledger import assert_run, read_ledgers, read_ledgers_with_worlds, uninterrupted
 from tests.workers.launch import Run
 
 pytestmark = pytest.mark.slow
@@ -75,14 +75,8 @@ def test_every_sample_once_per_epoch_through_a_shrink_and_a_grow_on_the_restart_
     complete_launch(3, args, tmp_path / "logs-3")  # the grow: a relaunch at three ranks
 
     batches, worlds = read_ledgers_with_worlds(ledger)
-    assert sorted(batches) == list(range(TOTAL))  # every step once (read_ledgers: by every rank of its world)
-    sizes = [worlds[s] for s in sorted(worlds)]
-    assert [w for i, w in enumerate(sizes) if i == 0 or w != sizes[i - 1]] == [2, 1, 3], worlds
-    assert_each_epoch_once(batches, SAMPLES)
-    if policy == "keep-global":
-        assert batches == uninterrupted(SAMPLES, SEED, GLOBAL, TOTAL)
-    else:
-        assert [len(batches[s]) for s in batches] == [6 * worlds[s] for s in batches]
+    kept = {"same_as": uninterrupted(SAMPLES, SEED, GLOBAL, TOTAL)} if policy == "keep-global" else {"per_rank": 6}
+    assert_run(batches, worlds, steps=range(TOTAL), world_sizes=[2, 1, 3], samples=SAMPLES, **kept)
 
 
 @pytest.mark.timeout(600)

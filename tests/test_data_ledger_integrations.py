@@ -21,7 +21,7 @@ import pytest
 
 from spotguard.trainer.framework_refs import PER_RANK_BATCH, SAMPLES
 from tests.framework_runs import MODULES, TOTAL, args
-from tests.ledger import assert_each_epoch_once, merge
+from tests.ledger import assert_run, merge
 from tests.workers.launch import Run, wait_for_progress
 
 pytestmark = pytest.mark.slow
@@ -61,8 +61,5 @@ def test_every_sample_once_per_epoch_through_a_shrink_and_a_grow(framework, tmp_
     launch(framework, 2, ckpt, launches[2][1], drain_after=None)
 
     batches, worlds = merge(e for world, out in launches for e in entries(out, world))
-    assert sorted(batches) == list(range(1, TOTAL + 1))  # every global step once, by every rank of its world
-    sizes = [worlds[s] for s in sorted(worlds)]
-    assert [w for i, w in enumerate(sizes) if i == 0 or w != sizes[i - 1]] == [2, 1, 2], worlds
-    assert [len(batches[s]) for s in batches] == [PER_RANK_BATCH * worlds[s] for s in batches]
-    assert_each_epoch_once(batches, SAMPLES)
+    assert_run(batches, worlds, steps=range(1, TOTAL + 1), world_sizes=[2, 1, 2], samples=SAMPLES,
+               per_rank=PER_RANK_BATCH)
