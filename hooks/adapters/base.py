@@ -90,6 +90,13 @@ class CheckpointAdapter(Protocol):
     def persist_snapshot(self, *, reason: str, notice: Notice | None = None) -> int:
         """Collective: make the last snapshot a durable checkpoint; returns its step."""
 
+    def save_behind(self, step: int, *, reason: str, notice: Notice | None = None) -> Future:
+        """Collective: `save`, returning once the state is copied; the Future is done when the
+        commit is (its exception: failed on every rank). The agreed-step machine saves with it."""
+
+    def persist_snapshot_behind(self, *, reason: str, notice: Notice | None = None) -> tuple[int, Future]:
+        """Collective: `persist_snapshot`, returning at once: (the snapshot's step, its commit's Future)."""
+
     def estimate_save_seconds(self) -> float | None:
         """Expected seconds for a fresh save, from measured saves (None: no measurement yet)."""
 
