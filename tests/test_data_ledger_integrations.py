@@ -5,7 +5,7 @@ framework's own checkpoint, exit 83), a relaunch at one rank (the shrink, draine
 a relaunch at two (the grow), to the end.
 
 The scripts deal the data with `spotguard.data.ElasticSampler` through the integration
-(`sampler=`), keeping each rank's batch (`--batch-policy scale-lr`: 4 samples per rank, so the
+(`sampler=`), keeping each rank's batch (`--keep-batch rank`: 4 samples per rank, so the
 global batch is 8, 4, 8 and the steps straddle epochs): every step is trained once, by every rank
 of its world, and each epoch sees every sample exactly once (tests/ledger.py). The global batch
 kept at every world size is covered by tests/test_integrations_multirank.py (its data order is
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 def launch(framework: str, world: int, ckpt: Path, out: Path, *, drain_after: int | None) -> None:
     """`world` ranks; with `drain_after`, once rank 0 finished that global step the last rank alone
     gets SIGTERM and every rank must exit 83; else every rank must finish (0)."""
-    extra = ("--batch-policy", "scale-lr", "--step-sleep", "0.05")
+    extra = ("--keep-batch", "rank", "--step-sleep", "0.05")
     with Run(world, args(ckpt, out, *extra), out / "logs", module=MODULES[framework]) as run:
         if drain_after is None:
             codes, expected = run.wait(600), [0] * world

@@ -25,8 +25,8 @@ import torch
 
 SAMPLES = 64
 FEATURES = 8
-GLOBAL_BATCH = 8  # samples per step at every world size (--batch-policy keep-global)
-PER_RANK_BATCH = 4  # samples per rank per step (--batch-policy scale-lr: the global batch follows the world)
+GLOBAL_BATCH = 8  # samples per step at every world size (--keep-batch global)
+PER_RANK_BATCH = 4  # samples per rank per step (--keep-batch rank: the global batch follows the world)
 ORDER_SEED = 7  # the ElasticSampler's seed: the data order of every script
 
 
@@ -83,10 +83,9 @@ def parse_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
                    help="train_hf only: run through the Trainer's DeepSpeed integration at this ZeRO stage")
     p.add_argument("--log-every", type=int, default=5, help="a `step` event every N steps (the dry-run's log)")
     p.add_argument("--event-log", default=os.environ.get("SPOTGUARD_EVENT_LOG"))
-    p.add_argument("--batch-policy", choices=("keep-global", "scale-lr"), default="keep-global",
-                   help=f"keep-global: {GLOBAL_BATCH} samples per step at every world size; scale-lr: "
-                        f"{PER_RANK_BATCH} per rank")
-    for unused in ("--framework", "--snapshot-every", "--checkpoint-every", "--base-world-size"):
+    p.add_argument("--keep-batch", choices=("global", "rank"), default="global",
+                   help=f"global: {GLOBAL_BATCH} samples per step at every world size; rank: {PER_RANK_BATCH} per rank")
+    for unused in ("--framework", "--snapshot-every", "--checkpoint-every", "--batch-policy", "--base-world-size"):
         p.add_argument(unused, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.out is None:
@@ -176,10 +175,10 @@ def world() -> tuple[int, int]:
 
 
 def sampler_for(data: Samples, opts: argparse.Namespace):
-    """The scripts' ElasticSampler over `data`: the global batch kept, or each rank's (`--batch-policy`)."""
+    """The scripts' ElasticSampler over `data`: the global batch kept, or each rank's (`--keep-batch`)."""
     from spotguard.data import ElasticSampler
 
-    per_step = {"global_batch": GLOBAL_BATCH} if opts.batch_policy == "keep-global" else {"batch_size": PER_RANK_BATCH}
+    per_step = {"global_batch": GLOBAL_BATCH} if opts.keep_batch == "global" else {"batch_size": PER_RANK_BATCH}
     return ElasticSampler(data, seed=ORDER_SEED, **per_step)
 
 

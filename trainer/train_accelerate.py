@@ -3,8 +3,8 @@
     torchrun --nproc-per-node=2 -m spotguard.trainer.train_accelerate --ckpt /ckpt --out /out --steps 24
     ... --deepspeed-stage 2      # through Accelerate's DeepSpeed plugin (ZeRO-1/2 run on CPU)
 
-The data is dealt out by `spotguard.data.ElasticSampler` (`--batch-policy keep-global`: the global
-batch is 8 at every world size, per-device batch = 8 / world size; `scale-lr`: 4 per device), its
+The data is dealt out by `spotguard.data.ElasticSampler` (`--keep-batch global`: the global batch
+is 8 at every world size, per-device batch = 8 / world size; `rank`: 4 per device), its
 position saved with every `save_state`. Records: `trainer.framework_refs`.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@
 
 The data is dealt out by `spotguard.data.ElasticSampler` (`SpotguardCallback.attach(trainer,
 sampler=...)`): the global batch is 8 at every world size (per-device batch = 8 / world size;
-`--batch-policy scale-lr`: 4 per device), and a resume at any world size continues the order.
+`--keep-batch rank`: 4 per device), and a resume at any world size continues the order.
 Records: `trainer.framework_refs`.
 """
 from __future__ import annotations

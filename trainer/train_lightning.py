@@ -4,7 +4,7 @@
 
 Resumes with `fit(ckpt_path="last")`. The data is dealt out by `spotguard.data.ElasticSampler`
 (`SpotguardCallback(sampler=...)`: its position in every Lightning checkpoint), so the data
-continues where the run stopped at any world size (`--batch-policy`: the global batch kept, or
+continues where the run stopped at any world size (`--keep-batch`: the global batch kept, or
 each rank's). Records: `trainer.framework_refs`.
 """
 from __future__ import annotations
