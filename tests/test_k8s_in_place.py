@@ -27,6 +27,11 @@ def _in_place_job(namespace: str) -> dict:
                                        names.ANN_IN_PLACE: "true"})
     job["spec"]["podFailurePolicy"] = {"rules": [{"action": "Ignore", "onExitCodes": {
         "containerName": "train", "operator": "In", "values": [names.EXIT_PREEMPTED]}}]}
+    # As daemonset/examples/in-place-indexed-job.yaml: backoff per index. With one backoffLimit
+    # the Job controller's re-creation delay (10 s, doubled per failure, Ignore'd ones included)
+    # is the job's: 80 s before the 4 pods of a fallback come back, not 10.
+    del job["spec"]["backoffLimit"]
+    job["spec"].update(backoffLimitPerIndex=20, maxFailedIndexes=4)
     job["spec"]["template"]["spec"]["containers"][0]["env"] = [{"name": names.ENV_RDZV_PORT, "value": PORT}]
     return job
 
