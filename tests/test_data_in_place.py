@@ -23,7 +23,10 @@ from tests.workers.sidecar_stub import SidecarStub
 
 pytestmark = pytest.mark.slow
 
-SAMPLES, GLOBAL, MICRO, STEPS, SEED = 100, 12, 4, 400, 7
+# 200 steps of 12 samples: 24 epochs. The shrink and the grow come by step ~10 (the test waits on
+# them); the ~190 steps after (10 s and more at 0.05 s a step) are the margin before training
+# could end first. (It was 400: 200 more steps, 15-20 s a case, proved nothing more.)
+SAMPLES, GLOBAL, MICRO, STEPS, SEED = 100, 12, 4, 200, 7
 
 
 def worlds_so_far(ledger: Path) -> dict[int, int]:
