@@ -45,7 +45,11 @@ ANNOTATIONS = {
     IN_PLACE: {names.ANN_POLICY: "elastic", names.ANN_MIN_REPLICAS: "1", names.ANN_IN_PLACE: "true"},
     FIXED: {names.ANN_POLICY: "fixed"},
 }
-HELD_FOR = 20.0  # a maintenance whose release (deadline - horizon) comes this long after it is announced
+# A maintenance whose release (deadline - horizon) comes this long after it is announced: a premature
+# action comes within the supervisor's reaction (~1 s), and the cancel case's mark and withdrawal,
+# seen, take ~1 s (each test checks that they came before the release).
+HELD_FOR = 10.0
+DUE_IN = 15.0  # a maintenance within the horizon, due at once: its deadline this far off
 
 
 def _job(name: str, pool: str) -> dict:
@@ -294,6 +298,7 @@ async def test_a_maintenance_canceled_before_its_release_never_did_anything(cont
         await asyncio.to_thread(wait_until, lambda: run.seen_by_supervisor(n0, True), 30, "the mark seen")
         await run.agents[n0].mark()  # the cloud canceled it: the agent withdraws the mark
         await asyncio.to_thread(wait_until, lambda: run.seen_by_supervisor(n0, False), 30, "the withdrawal seen")
+        assert datetime.now(UTC) < _release(notice), "too slow here: canceled after its release, not before"
         await asyncio.to_thread(wait_until, lambda: datetime.now(UTC) > _release(notice) + timedelta(seconds=1), 60,
                                 "the release time passed")
         await run.passes()
@@ -320,7 +325,7 @@ async def test_a_maintenance_withdrawn_during_the_checkpoint_wait_suspends_nothi
     world = run.world
     try:
         n0 = world.nodes[0]
-        notice = make_notice(Kind.MAINTENANCE, 30.0, "m", node=n0)  # within the horizon: due at once
+        notice = make_notice(Kind.MAINTENANCE, DUE_IN, "m", node=n0)  # within the horizon: due at once
         await run.agents[n0].mark(notice)
         await asyncio.to_thread(wait_until, lambda: world.record(FIXED).get("phase") == "Checkpointing", 30,
                                 "the checkpoint wait")
@@ -331,6 +336,7 @@ async def test_a_maintenance_withdrawn_during_the_checkpoint_wait_suspends_nothi
         assert record["phase"] == "Running" and notice.id not in record["handled"]
         await asyncio.to_thread(wait_until, lambda: world.events(FIXED, names.EVENT_NOTICE_WITHDRAWN), 30, "the Event")
         assert notice.deadline is not None
+        assert datetime.now(UTC) < notice.deadline, "too slow here: withdrawn after the deadline, not during the wait"
         await asyncio.to_thread(wait_until, lambda: datetime.now(UTC) > notice.deadline + timedelta(seconds=1), 60,
                                 "the stale deadline passed")
         await run.passes()
