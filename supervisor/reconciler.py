@@ -77,7 +77,7 @@ class Reconciler:
             check_template(policy, adapter.directives(obj), record)
             check_spare(policy, adapter.replicas(obj), self.placer.wants(policy, obj, adapter))
         except PolicyError as exc:
-            await self.effects.report_invalid(key, obj, exc)
+            await self.effects.report_invalid(key, obj, adapter, exc)
             return None
         self.effects.forget_invalid(key)
         at = now()
@@ -125,7 +125,7 @@ class Reconciler:
         recheck = earliest(decision.recheck_at, placing.recheck_at if placing else None)
         if recheck is not None:
             self.requeue(key, max(0.05, (recheck - now()).total_seconds() + 0.01))
-        await self.effects.ensure_event(obj, decision.record)
+        await self.effects.ensure_event(obj, adapter, decision.record)
         await self.effects.ensure_conditions(key, obj, adapter, decision.record)
         if decision.membership is not None:
             await self.effects.push_membership(key[1], decision.membership)
