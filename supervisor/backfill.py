@@ -81,8 +81,9 @@ class BackfillClocks:
 @dataclass(frozen=True)
 class BackfillStep:
     """What to ask for now: spot and on-demand replicas to add, whether to start one spot
-    replica that replaces an on-demand member (a swap), the clocks to keep, why, and when to
-    look again even if nothing changes."""
+    replica that replaces an on-demand member (a swap), the clocks to keep, why, when to look
+    again even if nothing changes, and how many of the replicas added are warm standbys (the
+    replacements of leaving members, on either capacity)."""
 
     add_spot: int = 0
     add_on_demand: int = 0
@@ -90,6 +91,7 @@ class BackfillStep:
     clocks: BackfillClocks = BackfillClocks()
     reason: str = ""
     recheck_at: datetime | None = None
+    standby: int = 0
 
     @property
     def acts(self) -> bool:
@@ -110,7 +112,11 @@ def plan(settings: BackfillSettings, view: BackfillView, clocks: BackfillClocks,
     standby_spot = min(standby, view.spot_free if settled else 0)
     add_on_demand = min(standby - standby_spot, room, view.on_demand_free)
     add_spot = min(gap - add_on_demand, view.spot_free)  # the trusted standbys, then spot first for the rest
-    reasons = [f"{add_spot} spot replica(s) for free spot slots"] if add_spot else []
+    standbys = min(standby, add_on_demand + add_spot)
+    spot_standbys = standbys - add_on_demand
+    reasons = [f"{spot_standbys} spot replica(s): warm standby for a leaving member"] if spot_standbys else []
+    if add_spot > spot_standbys:
+        reasons.append(f"{add_spot - spot_standbys} spot replica(s) for free spot slots")
     if add_on_demand:
         why = f"spot free for less than return-after {settings.return_after:g}s" if view.spot_free \
             else "no spot slot free"
@@ -137,4 +143,4 @@ def plan(settings: BackfillSettings, view: BackfillView, clocks: BackfillClocks,
                            "one on-demand member in place")
         else:
             recheck = settled_at if recheck is None else min(recheck, settled_at)
-    return BackfillStep(add_spot, add_on_demand, swap, clocks, "; ".join(reasons), recheck)
+    return BackfillStep(add_spot, add_on_demand, swap, clocks, "; ".join(reasons), recheck, standbys)

@@ -5,6 +5,9 @@ halves around the pass's one write of the job:
   `placement.place`, and returns the record with the backfill fields (clocks, split, last
   placement) as they must be written, with the `Placing` to apply once they are;
 - `apply` patches each chosen pod (nodeSelector key added, gate removed).
+A placement is a decision: the record keeps it (`backfill`: why, and which pod goes where;
+`backfill_at`; `backfill_event`: its Event's reason, `placement_event`), and the reconciler posts
+its Event after the write (effects.py `ensure_placement_event`), like the policy's decisions.
 Level-triggered and idempotent: a placed pod is no longer gated, so a pass repeated after a
 restart places nothing twice. A member is leaving when its node's notice reads as a departure
 (the reconciler's `departing` nodes): a rebalance or a maintenance beyond the horizon asks for no
@@ -22,12 +25,13 @@ from collections.abc import Collection, Mapping
 
 from spotguard.kube.api import PODS, NotFound
 from spotguard.supervisor import capacity_type, placement
-from spotguard.supervisor.backfill import BackfillClocks, BackfillSettings
+from spotguard.supervisor.backfill import BackfillClocks, BackfillSettings, BackfillStep
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, meta
 from spotguard.supervisor.decision import Policy
 from spotguard.supervisor.effects import JobEffects
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.record import Record
+from spotguard.wire import names
 
 log = logging.getLogger(__name__)
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -41,6 +45,16 @@ def pod_index(pod: Mapping[str, Any]) -> int:
     found = [(m.get("annotations") or {}).get(INDEX_ANNOTATION)] + [labels.get(k) for k in INDEX_LABELS]
     raw = str(next((v for v in found if v), ""))
     return int(raw) if raw.isdigit() else 0
+
+
+def placement_event(step: BackfillStep) -> str:
+    """The reason of the Event of a placement made for `step`: a swap-back, a warm standby (a
+    leaving member's replacement, on either capacity), on-demand after fallback-after, or spot."""
+    if step.swap:
+        return names.EVENT_SWAPPING_TO_SPOT
+    if step.standby:
+        return names.EVENT_WARM_STANDBY
+    return names.EVENT_BACKFILLED if step.add_on_demand else names.EVENT_PLACED_ON_SPOT
 
 
 @dataclass(frozen=True)
@@ -88,7 +102,9 @@ class Placer:
         updated = record.with_(below_max_since=chosen.step.clocks.below_max_since,
                                spot_idle_since=chosen.step.clocks.spot_free_since, split=chosen.split)
         if chosen.pods:
-            updated = updated.with_(backfill=chosen.step.reason, backfill_at=at)
+            where = ", ".join(f"{name} on {capacity}" for name, capacity in chosen.pods)
+            updated = updated.with_(backfill=f"{chosen.step.reason} ({where})", backfill_at=at,
+                                    backfill_event=placement_event(chosen.step))
         gates = {meta(p).get("name", ""): (p.get("spec") or {}).get("schedulingGates") or [] for p in pods}
         return updated, Placing(chosen, label, gates)
 

@@ -243,3 +243,30 @@ def test_the_warm_standby_answers_only_a_departure():
     assert whole is not None and whole.chosen.pods == ()
     _, departing = placer.plan(key, job, adapters["Job"], policy, Record(), {"s0"}, T0)
     assert departing is not None and departing.chosen.pods == (("j-2", ON_DEMAND),)
+    record, _ = placer.plan(key, job, adapters["Job"], policy, Record(), {"s0"}, T0)
+    # the placement is a decision with its Event: the record says which pod went where and why
+    assert (record.backfill_event, record.backfill_at) == (names.EVENT_WARM_STANDBY, T0)
+    assert record.backfill == ("1 on-demand replica(s): warm standby for a leaving member (no spot slot free) "
+                               "(j-2 on on-demand)")
+
+
+def test_each_placement_has_its_event():
+    from spotguard.supervisor.backfill import BackfillStep
+    from spotguard.supervisor.placer import placement_event
+    from spotguard.wire import names
+
+    assert placement_event(BackfillStep(add_spot=2)) == names.EVENT_PLACED_ON_SPOT
+    assert placement_event(BackfillStep(add_on_demand=2)) == names.EVENT_BACKFILLED
+    assert placement_event(BackfillStep(add_on_demand=1, standby=1)) == names.EVENT_WARM_STANDBY
+    assert placement_event(BackfillStep(add_spot=1, standby=1)) == names.EVENT_WARM_STANDBY  # on trusted spot
+    assert placement_event(BackfillStep(swap=True)) == names.EVENT_SWAPPING_TO_SPOT
+    # the plan says how many of its replicas are standbys, on either capacity
+    trusted = plan(SETTINGS, BackfillView(spot=3, on_demand=0, leaving=1, spot_free=2, on_demand_free=4),
+                   BackfillClocks(spot_free_since=at(-300)), T0)
+    assert (trusted.add_spot, trusted.standby) == (1, 1)
+    assert trusted.reason.startswith("1 spot replica(s): warm standby")
+    short = plan(SETTINGS, BackfillView(spot=2, on_demand=0, leaving=1, spot_free=1, on_demand_free=4),
+                 BackfillClocks(), T0)
+    assert (short.add_spot, short.add_on_demand, short.standby) == (1, 1, 1)
+    assert short.reason == ("1 spot replica(s) for free spot slots; 1 on-demand replica(s): warm standby for a "
+                            "leaving member (spot free for less than return-after 300s)")
