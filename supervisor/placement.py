@@ -101,6 +101,17 @@ def on_demand_hosts(pods: Iterable[Mapping[str, Any]], pod_spec: Mapping[str, An
     return frozenset(membership.host_of(p, hosts_mode) for p in pods if placed_on(p, label) == ON_DEMAND)
 
 
+def running_on_demand(pods: Iterable[Mapping[str, Any]], pod_spec: Mapping[str, Any]) -> int:
+    """How many of the replica `pods` run (phase Running) where the backfill placed them on
+    on-demand capacity (0 when the job's template names no capacity-type label with an
+    on-demand value: the supervisor places none of its pods)."""
+    label = capacity_label(pod_spec)
+    if label is None:
+        return 0
+    return sum(1 for p in pods
+               if (p.get("status") or {}).get("phase") == "Running" and placed_on(p, label) == ON_DEMAND)
+
+
 def placement_patch(label: capacity_type.CapacityLabel, where: str, gates: Sequence[Mapping[str, Any]] = ()) -> dict:
     """The pod merge patch that places it: the nodeSelector key added, the supervisor's gate
     removed from the pod's `gates` (another gate's owner keeps its own)."""
