@@ -10,9 +10,12 @@ A placement is a decision: the record keeps it (`backfill`: why, and which pod g
 its Event after the write (effects.py `ensure_placement_event`), like the policy's decisions.
 Level-triggered and idempotent: a placed pod is no longer gated, so a pass repeated after a
 restart places nothing twice. A member is leaving when its node's notice reads as a departure
-(the reconciler's `departing` nodes): a rebalance or a maintenance beyond the horizon asks for no
-warm standby. `Placing.recheck_at` says when to look again (the fallback-after or return-after
-clock), or None.
+(the reconciler's `departing` nodes; a rebalance or a maintenance beyond the horizon asks for no
+warm standby) or when Kubernetes takes its pod away (`disruption.being_taken`: a preemption or
+an eviction, Terminating included). A member of the membership the pass started from
+(`members_before`, the record's `member_pods`) whose pod Kubernetes removed before a pass saw it
+leave counts as departed (`disruption.departed`): its warm standby too is placed at once.
+`Placing.recheck_at` says when to look again (the fallback-after or return-after clock), or None.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from typing import Any
 from collections.abc import Collection, Mapping
 
 from spotguard.kube.api import PODS, NotFound
-from spotguard.supervisor import capacity_type, placement
+from spotguard.supervisor import capacity, capacity_type, placement
+from spotguard.supervisor.disruption import being_taken, departed
 from spotguard.supervisor.backfill import BackfillClocks, BackfillSettings, BackfillStep
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, meta
 from spotguard.supervisor.decision import Policy
@@ -84,13 +88,17 @@ class Placer:
                 and any(g.get("name") == placement.GATE for g in spec.get("schedulingGates") or []))
 
     def plan(self, key: JobKey, obj: Mapping[str, Any], adapter: JobAdapter, policy: Policy, record: Record,
-             departing: Collection[str], at: datetime) -> tuple[Record, Placing | None]:
-        """(`record` with the backfill fields of this pass, what to place once it is written)."""
+             departing: Collection[str], at: datetime, members_before: Collection[str] = ()
+             ) -> tuple[Record, Placing | None]:
+        """(`record` with the backfill fields of this pass, what to place once it is written).
+        `members_before`: the member incarnations the pass started from (empty for a job being
+        suspended, whose pods its controller deletes)."""
         spec = adapter.pod_spec(obj)
         label = placement.capacity_label(spec)
         if label is None or policy.fallback is None:
             return record, None
-        pods = self.cache.replica_pods(key, adapter)
+        every = self.cache.pods_of(key)
+        pods = [p for p in every if adapter.is_replica_pod(p) and (capacity.pod_active(p) or being_taken(p))]
         facts = [self._facts(p, label, departing) for p in pods]
         spot_spec = {**spec, "nodeSelector": {**(spec.get("nodeSelector") or {}), label.key: label.spot[0]}}
         od_spec = {**spec, "nodeSelector": {**(spec.get("nodeSelector") or {}), label.key: label.on_demand}}
@@ -98,7 +106,8 @@ class Placer:
                                     policy.on_demand_max)
         clocks = BackfillClocks(record.below_max_since, record.spot_idle_since)
         chosen = placement.place(settings, facts, self.cache.free_slots(key, spot_spec, ignore_own=False),
-                                 self.cache.free_slots(key, od_spec, ignore_own=False), clocks, at)
+                                 self.cache.free_slots(key, od_spec, ignore_own=False), clocks, at,
+                                 departed(members_before, every))
         updated = record.with_(below_max_since=chosen.step.clocks.below_max_since,
                                spot_idle_since=chosen.step.clocks.spot_free_since, split=chosen.split)
         if chosen.pods:
@@ -126,6 +135,6 @@ class Placer:
         node_name = (pod.get("spec") or {}).get("nodeName") or ""
         known = node_name in self.cache.nodes
         running = (pod.get("status") or {}).get("phase") == "Running"
-        leaving = known and node_name in departing
+        leaving = (running and known and node_name in departing) or being_taken(pod)
         return placement.PodFacts(name, pod_index(pod), where, member=running and known and not leaving,
-                                  leaving=running and leaving)
+                                  leaving=leaving)

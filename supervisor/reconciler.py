@@ -87,8 +87,10 @@ class Reconciler:
             decision = replace(decision, record=decision.record.with_(cost=self.ledger.jobs[key].totals()))
         placing = None
         if self.placer.wants(policy, obj, adapter):
+            stopping = state.suspended or decision.action == SUSPEND  # its controller deletes the pods
             placed, placing = self.placer.plan(key, obj, adapter, policy, decision.record,
-                                               state.pods.departing if state.pods else (), at)
+                                               state.pods.departing if state.pods else (), at,
+                                               () if stopping else record.member_pods)
             decision = replace(decision, record=placed)
         written = await self._write(key, obj, adapter, decision, record)
         if written is None:
