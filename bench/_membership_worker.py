@@ -6,7 +6,7 @@ The job of `spotguard.trainer.elastic_job` (DeepSpeed: the same model under ZeRO
 synthetic compute time per step (`--step-sleep`). With `--dim D --layers L` (FSDP2 only) the
 model is the memory bench's instead (`_memory_worker.builder`: L x Linear(D, D), made on the meta
 device, only the shards materialised; ~1.1 GiB of parameters + AdamW moments at 4096 x 6), with
-`adapter.prepare()` after the first step and after each resize, as the README tells users.
+`adapter.prepare()` after the first step and after each resize, as docs/in-place.md tells users.
 The environment is the launcher's: torchrun's variables, plus spotguard launch's in-place ones
 for the in-place path (then memberships are pushed by writing `<out>/membership.json`).
 Without SPOTGUARD_IN_PLACE the Guard drains on a notice as today: every rank checkpoints the agreed step and exits 83.

@@ -5,7 +5,7 @@
 #         --step-sleep 0 --steps-between 3
 #
 # For the lent GPU machines' CPUs (16 cores: a core per rank, where this project's own machines
-# have 2): the README's row "membership_change on a host with a core per rank" came from this.
+# have 2): docs/benchmarks.md's row "membership_change on a host with a core per rank" came from this.
 # The command runs from the repository's root; its exit status is this script's.
 set -u
 cd "$(dirname "$0")/.."

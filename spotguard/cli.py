@@ -72,14 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     return dispatch(build_parser(), argv)
 
 
-def kubectl_main(argv: list[str] | None = None) -> int:
-    """`kubectl-spotguard` on PATH: kubectl runs it for `kubectl spotguard ...`; it offers the
-    commands that read the cluster as a user (`status`)."""
+def build_kubectl_parser() -> argparse.ArgumentParser:
+    """The parser of `kubectl spotguard ...`: the commands that read the cluster as a user."""
     parser = argparse.ArgumentParser(prog="kubectl spotguard", description="spotguard as a kubectl plugin")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in KUBECTL_COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
-    return dispatch(parser, argv)
+    return parser
+
+
+def kubectl_main(argv: list[str] | None = None) -> int:
+    """`kubectl-spotguard` on PATH: kubectl runs it for `kubectl spotguard ...`; it offers the
+    commands that read the cluster as a user (`status`)."""
+    return dispatch(build_kubectl_parser(), argv)
 
 
 def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:

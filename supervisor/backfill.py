@@ -6,9 +6,12 @@ Settings (`spotguard.io/fallback: on-demand` opts in; fallback.py parses `fallba
 `return-after`; `spotguard.io/on-demand-max` caps the on-demand replicas, default max):
 
 - **spot first**: a job below max gets a spot replica for every free spot slot, at once;
-- **warm standby**: a member with a live notice (it is leaving) gets its replacement asked for
-  at once: on spot only where spot capacity has been free for `return-after` (the same trust a
-  swap-back needs), else on-demand (within `on-demand-max`), else on whatever spot is free. A
+- **warm standby**: a member with a live notice (it is leaving, Kubernetes taking its pod away
+  included), or one Kubernetes removed before the supervisor saw it leave (`departed`: its pod
+  deleted, disruption.py), gets its replacement asked for at once: on spot only where spot
+  capacity has been free for `return-after` (the same trust a swap-back needs), else on-demand
+  (within `on-demand-max`), else on whatever spot is free. A departure is not a shortage of
+  spot, which is what `fallback-after` waits out: the departure took its slot with it. A
   standby must be Ready before the leaving member's deadline, and spot capacity that has just come
   back is the likeliest to be taken again (reclaims come in bursts): one reclaimed during the
   standby's start-up leaves the job below max until a second replacement starts. An on-demand
@@ -50,12 +53,14 @@ class BackfillView:
     """The job's replicas by capacity type, and the free slots of each type.
 
     `spot` / `on_demand`: members without a notice; `leaving`: members with a live notice (still
-    training until they hand over); `starting_*`: replicas asked for, not members yet (a swap's
-    spot replica among them)."""
+    training until they hand over); `departed`: members Kubernetes removed without notice (gone
+    already: answered as leaving ones); `starting_*`: replicas asked for, not members yet (a
+    swap's spot replica among them)."""
 
     spot: int
     on_demand: int
     leaving: int = 0
+    departed: int = 0
     starting_spot: int = 0
     starting_on_demand: int = 0
     spot_free: int = 0
@@ -81,8 +86,9 @@ class BackfillClocks:
 @dataclass(frozen=True)
 class BackfillStep:
     """What to ask for now: spot and on-demand replicas to add, whether to start one spot
-    replica that replaces an on-demand member (a swap), the clocks to keep, why, and when to
-    look again even if nothing changes."""
+    replica that replaces an on-demand member (a swap), the clocks to keep, why, when to look
+    again even if nothing changes, and how many of the replicas added are warm standbys (the
+    replacements of leaving members, on either capacity)."""
 
     add_spot: int = 0
     add_on_demand: int = 0
@@ -90,6 +96,7 @@ class BackfillStep:
     clocks: BackfillClocks = BackfillClocks()
     reason: str = ""
     recheck_at: datetime | None = None
+    standby: int = 0
 
     @property
     def acts(self) -> bool:
@@ -106,15 +113,21 @@ def plan(settings: BackfillSettings, view: BackfillView, clocks: BackfillClocks,
     settled_at = None if clocks.spot_free_since is None \
         else clocks.spot_free_since + timedelta(seconds=settings.return_after)
     settled = settled_at is not None and now >= settled_at  # spot trusted: for a standby, and for a swap-back
-    standby = min(gap, view.leaving)
+    standby = min(gap, view.leaving + view.departed)
+    whom = "a leaving member" if not view.departed else \
+        ("a member that left (its pod is gone)" if not view.leaving else "members that leave or left")
     standby_spot = min(standby, view.spot_free if settled else 0)
     add_on_demand = min(standby - standby_spot, room, view.on_demand_free)
     add_spot = min(gap - add_on_demand, view.spot_free)  # the trusted standbys, then spot first for the rest
-    reasons = [f"{add_spot} spot replica(s) for free spot slots"] if add_spot else []
+    standbys = min(standby, add_on_demand + add_spot)
+    spot_standbys = standbys - add_on_demand
+    reasons = [f"{spot_standbys} spot replica(s): warm standby for {whom}"] if spot_standbys else []
+    if add_spot > spot_standbys:
+        reasons.append(f"{add_spot - spot_standbys} spot replica(s) for free spot slots")
     if add_on_demand:
         why = f"spot free for less than return-after {settings.return_after:g}s" if view.spot_free \
             else "no spot slot free"
-        reasons.append(f"{add_on_demand} on-demand replica(s): warm standby for a leaving member ({why})")
+        reasons.append(f"{add_on_demand} on-demand replica(s): warm standby for {whom} ({why})")
     gap -= add_spot + add_on_demand
     recheck = None
     if gap:
@@ -129,7 +142,7 @@ def plan(settings: BackfillSettings, view: BackfillView, clocks: BackfillClocks,
         elif room:
             recheck = due
     swap = False
-    if not (add_spot or add_on_demand) and view.on_demand and not view.leaving and not view.starting \
+    if not (add_spot or add_on_demand) and view.on_demand and not (view.leaving or view.departed or view.starting) \
             and view.staying >= settings.max_replicas and settled_at is not None:
         if settled:
             swap = True
@@ -137,4 +150,4 @@ def plan(settings: BackfillSettings, view: BackfillView, clocks: BackfillClocks,
                            "one on-demand member in place")
         else:
             recheck = settled_at if recheck is None else min(recheck, settled_at)
-    return BackfillStep(add_spot, add_on_demand, swap, clocks, "; ".join(reasons), recheck)
+    return BackfillStep(add_spot, add_on_demand, swap, clocks, "; ".join(reasons), recheck, standbys)

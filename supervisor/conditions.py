@@ -2,7 +2,9 @@
 
 - `SpotguardSuspended`: True while the supervisor keeps the job suspended (phases Suspended,
   GaveUp), reason = the record's reason (BelowMin, Checkpointed, DeadlineReached,
-  MaxWaitExceeded); False with reason `Running`/`Checkpointing` otherwise.
+  MaxWaitExceeded), message the suspension's; False with reason `Running`/`Checkpointing`
+  otherwise, with a message about the suspension (not suspended; the checkpoint a suspension
+  waits for), never the last decision's message, which is about something else (a notice).
 - `SpotguardMaxWaitExceeded`: True once the job stopped waiting (phase GaveUp).
 - `SpotguardOnDemand`: True while the job runs on on-demand capacity after a fallback
   (fallback.py); False with reason `ReturnedToSpot` once it is back.
@@ -28,10 +30,14 @@ def wanted(record: Record) -> list[dict]:
     if record.decided_at is None:
         return []
     suspended = record.phase in (SUSPENDED, GAVE_UP)
-    out = [{"type": names.COND_SUSPENDED, "status": "True" if suspended else "False",
-            "reason": ((record.reason or record.phase) if suspended
-                       else ("Checkpointing" if record.phase == CHECKPOINTING else "Running")),
-            "message": record.message[:1024]}]
+    if suspended:
+        reason, message = record.reason or record.phase, record.message
+    elif record.phase == CHECKPOINTING:
+        reason, message = "Checkpointing", f"suspended once the checkpoint is taken: {record.message}"
+    else:
+        reason, message = "Running", "spotguard does not keep the job suspended"
+    out = [{"type": names.COND_SUSPENDED, "status": "True" if suspended else "False", "reason": reason,
+            "message": message[:1024]}]
     if record.phase == GAVE_UP:
         out.append({"type": names.COND_MAX_WAIT, "status": "True", "reason": "MaxWaitExceeded",
                     "message": record.message[:1024]})

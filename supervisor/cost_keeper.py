@@ -7,7 +7,10 @@ to now, and the controller calls it for a job at each change of its pods or node
 on a capacity type is counted however short; `save()` writes the totals into a record whose
 saved totals differ (leader only, through `JobEffects.write_job`), never into a job whose policy
 annotations are invalid (the supervisor does not write to such a job at all); `collect()`
-refreshes the metric families before a scrape.
+refreshes the metric families before a scrape. A job runs on on-demand capacity
+(`spotguard_job_on_demand`) after a fallback (the record's `capacity`) and while one of a
+backfill job's replicas runs where the supervisor placed it on on-demand (placement.py): the
+jobs that use on-demand the most are backfill jobs, and the alert on 2 h of it reads this gauge.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from spotguard.kube.api import ApiError
 from spotguard.wire import names
+from spotguard.supervisor import placement
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, annotations_of
 from spotguard.supervisor.capacity_type import ON_DEMAND
 from spotguard.supervisor.cost import CostLedger
@@ -89,6 +93,12 @@ class CostKeeper:
             except ApiError as exc:
                 log.warning("saving the cost of %s/%s failed: %s", key[1], key[2], exc)
 
+    def _backfill_on_demand(self, key: JobKey, obj: Mapping[str, Any]) -> bool:
+        adapter = self.adapters.get(key[0])
+        if adapter is None:
+            return False
+        return placement.running_on_demand(self.cache.replica_pods(key, adapter), adapter.pod_spec(obj)) > 0
+
     def collect(self) -> None:
         self.observe()
         m = self.metrics
@@ -114,7 +124,8 @@ class CostKeeper:
             if record is not None:
                 m.reclaims.set(record.reclaims_survived, **labels)
                 m.suspended.set(1 if record.phase in (SUSPENDED, GAVE_UP) else 0, **labels)
-                m.on_demand_now.set(1 if record.capacity == ON_DEMAND else 0, **labels)
+                m.on_demand_now.set(1 if record.capacity == ON_DEMAND or self._backfill_on_demand(key, obj) else 0,
+                                    **labels)
             lost = str(annotations.get(names.ANN_STEPS_LOST, "")).strip()
             if lost.isdigit():
                 m.steps_lost.set(int(lost), **labels)

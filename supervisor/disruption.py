@@ -11,6 +11,17 @@ annotated. The pod's ranks get SIGTERM from the kubelet, which the Guard turns i
 Contract:
 - `disruption_of(pod)` is the condition when it is True, else None;
 - `disrupted(pod)` says whether the pod is leaving that way: it is no member and no survivor;
+- `being_taken(pod)`: disrupted, bound and not finished (Terminating included): the pods that
+  are a notice for themselves (job_notices.py) and, on a backfill job, a leaving member whose
+  warm standby is placed at once (placer.py);
+- `departed(members, pods)`: how many members of the last membership (their incarnations, the
+  record's `member_pods`) Kubernetes removed without the supervisor seeing them taken away: the
+  pod is gone from the API, or being deleted, and not `being_taken` (counted there). The
+  scheduler sets the condition and deletes a victim together, and with no grace period (or once
+  the Job controller drops its finalizer) the pod is gone before a pass reads it, so a departure
+  is often seen only as a member that is no longer there. A backfill job answers it as a notice:
+  its replacement at once (backfill.py). Members that end by themselves (exit 83 after a
+  handover, a crash) are not counted: they leave their slot free, which spot first refills;
 - `hit_id(pod, condition)` names the notice it gives its job: `<reason>/<pod name>/<uid prefix>`
   (stable for the pod's life, readable in the decision's Event), and `disruption_deadline(pod)`
   its deadline, the pod's `deletionTimestamp` (the end of its grace period) when it has one.
@@ -21,10 +32,11 @@ Contract:
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
+from spotguard.supervisor.capacity import TERMINAL_PHASES
 from spotguard.wire.notice import NoticeFormatError, parse_time
 
 CONDITION = "DisruptionTarget"
@@ -40,6 +52,24 @@ def disruption_of(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 def disrupted(pod: Mapping[str, Any]) -> bool:
     return disruption_of(pod) is not None
+
+
+def being_taken(pod: Mapping[str, Any]) -> bool:
+    """Kubernetes takes the pod away, and it is still bound and not finished (module docstring)."""
+    phase = (pod.get("status") or {}).get("phase")
+    return disrupted(pod) and bool((pod.get("spec") or {}).get("nodeName")) and phase not in TERMINAL_PHASES
+
+
+def departed(members: Collection[str], pods: Iterable[Mapping[str, Any]]) -> int:
+    """How many of `members` ("<pod uid>/<restarts>") Kubernetes removed: no pod of `pods` (every
+    pod of the job) has that uid any more, or it is being deleted without being taken away."""
+    present = {str((p.get("metadata") or {}).get("uid") or ""): p for p in pods}
+    count = 0
+    for member in members:
+        pod = present.get(member.split("/")[0])
+        if pod is None or ((pod.get("metadata") or {}).get("deletionTimestamp") and not being_taken(pod)):
+            count += 1
+    return count
 
 
 def hit_id(pod: Mapping[str, Any], condition: Mapping[str, Any]) -> str:

@@ -8,9 +8,10 @@ Contract:
 - the reconciler writes the job once per pass (`write_job`: spec change, record, steps lost);
   the conditions live in the status subresource, a separate endpoint: `ensure_conditions`
   patches it only when the record's conditions differ from the job's (a decision changed them);
-- `ensure_event` and `ensure_conditions` are idempotent: each compares what is there with what
-  the record implies and writes only the difference; a decision's Event is named after its
-  idempotency key (409 AlreadyExists = posted before). `push_membership` writes the pods the
+- `ensure_event`, `ensure_placement_event` and `ensure_conditions` are idempotent: each compares
+  what is there with what the record implies and writes only the difference; a decision's Event
+  is named after its idempotency key, a backfill placement's after the placement (its time and
+  text), so 409 AlreadyExists = posted before. `push_membership` writes the pods the
   decision's membership names (membership_plan.py decided which, and what).
 """
 from __future__ import annotations
@@ -21,9 +22,10 @@ from datetime import datetime, UTC
 from typing import Any
 from collections.abc import Callable, Mapping
 
-from spotguard.kube.api import EVENTS, PODS, Conflict, Kube, NotFound
+from spotguard.kube.api import EVENTS, PODS, Conflict, Kube, NotFound, Resource
 from spotguard.supervisor import conditions, membership
 from spotguard.wire import names
+from spotguard.wire.notice import format_time
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, meta
 from spotguard.supervisor.decision import decision_key
 from spotguard.supervisor.events import event_body
@@ -91,11 +93,12 @@ class JobEffects:
         self.cache.jobs[key] = new
         return new
 
-    async def create_event(self, obj: Mapping[str, Any], *, key: str, reason: str, message: str, event_type: str,
-                           action: str) -> bool:
+    async def create_event(self, obj: Mapping[str, Any], involved: Resource, *, key: str, reason: str, message: str,
+                           event_type: str, action: str) -> bool:
+        """Posts the Event about `obj` (of resource `involved`); False when not the leader."""
         if not self.is_leader():
             return False
-        body = event_body(obj, key=key, reason=reason, message=message, event_type=event_type, action=action,
+        body = event_body(obj, involved, key=key, reason=reason, message=message, event_type=event_type, action=action,
                           identity=self.identity, now=now())
         try:
             await asyncio.to_thread(self.kube.create, EVENTS, meta(obj).get("namespace", "default"), body)
@@ -103,13 +106,13 @@ class JobEffects:
             pass  # the same decision's Event exists already
         return True
 
-    async def report_invalid(self, key: JobKey, obj: Mapping[str, Any], exc: PolicyError) -> None:
+    async def report_invalid(self, key: JobKey, obj: Mapping[str, Any], adapter: JobAdapter, exc: PolicyError) -> None:
         """A Warning Event naming the bad annotation, once per distinct problem."""
         text = f"{exc.field}: {exc.message}"
         if self._reported_invalid.get(key) == text:
             return
         message = f"invalid policy annotation {exc.field}: {exc.message}; the job is left untouched"
-        ok = await self.create_event(obj, key=decision_key("invalid", meta(obj).get("uid", ""), text),
+        ok = await self.create_event(obj, adapter.resource, key=decision_key("invalid", meta(obj).get("uid", ""), text),
                                      reason=names.EVENT_INVALID_POLICY, message=message, event_type="Warning",
                                      action="Validate")
         if ok:
@@ -119,15 +122,29 @@ class JobEffects:
     def forget_invalid(self, key: JobKey) -> None:
         self._reported_invalid.pop(key, None)
 
-    async def ensure_event(self, obj: Mapping[str, Any], record: Record) -> None:
+    async def ensure_event(self, obj: Mapping[str, Any], adapter: JobAdapter, record: Record) -> None:
         if not record.key or record.key in self._evented:
             return
         event_type = "Warning" if record.event in WARNING_EVENTS else "Normal"
-        if await self.create_event(obj, key=record.key, reason=record.event or "SpotguardDecision",
+        if await self.create_event(obj, adapter.resource, key=record.key, reason=record.event or "SpotguardDecision",
                                    message=record.message, event_type=event_type, action=record.phase):
-            self._evented.add(record.key)
-            if len(self._evented) > 100000:
-                self._evented.clear()
+            self._remember(record.key)
+
+    async def ensure_placement_event(self, obj: Mapping[str, Any], adapter: JobAdapter, record: Record) -> None:
+        """The Event of the backfill's last placement (placer.py), once."""
+        if not record.backfill_event or record.backfill_at is None:
+            return
+        key = decision_key("placement", meta(obj).get("uid", ""), format_time(record.backfill_at), record.backfill)
+        if key in self._evented:
+            return
+        if await self.create_event(obj, adapter.resource, key=key, reason=record.backfill_event,
+                                   message=record.backfill, event_type="Normal", action="Place"):
+            self._remember(key)
+
+    def _remember(self, key: str) -> None:
+        self._evented.add(key)
+        if len(self._evented) > 100000:
+            self._evented.clear()
 
     async def ensure_conditions(self, key: JobKey, obj: dict, adapter: JobAdapter, record: Record) -> dict | None:
         new_conditions = conditions.merged((obj.get("status") or {}).get("conditions"), record, now())

@@ -21,7 +21,7 @@ from typing import Any
 from collections.abc import Callable, Iterable, Mapping
 
 from spotguard.supervisor import capacity
-from spotguard.supervisor.disruption import disruption_deadline, disruption_of, hit_id
+from spotguard.supervisor.disruption import being_taken, disruption_deadline, disruption_of, hit_id
 from spotguard.wire import notice_policy
 from spotguard.wire.notice import Kind, Notice
 
@@ -61,12 +61,10 @@ def disruption_hits(pods: Iterable[Pod], is_replica: Callable[[Pod], bool]) -> l
     hits = []
     for pod in pods:
         condition = disruption_of(pod)
-        node = (pod.get("spec") or {}).get("nodeName")
-        if condition is None or not node or not is_replica(pod):
+        if condition is None or not being_taken(pod) or not is_replica(pod):
             continue
-        if (pod.get("status") or {}).get("phase") in capacity.TERMINAL_PHASES:
-            continue
-        hits.append(NoticeHit(hit_id(pod, condition), str(node), Kind.DRAIN.value, disruption_deadline(pod),
+        node = str((pod.get("spec") or {}).get("nodeName"))
+        hits.append(NoticeHit(hit_id(pod, condition), node, Kind.DRAIN.value, disruption_deadline(pod),
                               from_node=False))
     return hits
 

@@ -15,8 +15,9 @@ are namespace, job, kind):
 - `spotguard_job_steps_lost` (gauge): from the job annotation `spotguard.io/steps-lost`.
 - `spotguard_job_suspended` (gauge, 0/1): 1 while the decision record's phase is Suspended or
   GaveUp (spotguard keeps the job suspended).
-- `spotguard_job_on_demand` (gauge, 0/1): 1 while the job runs on on-demand capacity after a
-  fallback (the record's `capacity`).
+- `spotguard_job_on_demand` (gauge, 0/1): 1 while the job runs on on-demand capacity: after a
+  fallback (the record's `capacity`), or with a backfill replica Running where the supervisor
+  placed it on on-demand (cost_keeper.py).
 - `spotguard_pods_missing_sidecar{namespace}` (gauge): live pods labelled `spotguard.io/inject`
   admitted without the sidecar while the injector did not answer (sidecar_watch.py).
 The alerts in daemonset/monitoring/prometheus-rule.yaml read these names.
@@ -54,8 +55,8 @@ class SupervisorMetrics:
         self.steps_lost = r.gauge("spotguard_job_steps_lost",
                                   "Training steps lost to reclaims (spotguard.io/steps-lost)", JOB_LABELS)
         self.suspended = r.gauge("spotguard_job_suspended", "1 while spotguard keeps the job suspended", JOB_LABELS)
-        self.on_demand_now = r.gauge("spotguard_job_on_demand",
-                                     "1 while the job runs on on-demand capacity after a fallback", JOB_LABELS)
+        self.on_demand_now = r.gauge("spotguard_job_on_demand", "1 while the job runs on on-demand capacity "
+                                     "(after a fallback, or a backfill replica placed there)", JOB_LABELS)
         self.pods_missing_sidecar = r.gauge("spotguard_pods_missing_sidecar",
                                             "Live pods labelled spotguard.io/inject that were admitted without "
                                             "the sidecar (the injector did not answer)", ("namespace",))

@@ -44,9 +44,10 @@ SPOT, ON_DEMAND = capacity_type.SPOT, capacity_type.ON_DEMAND
 
 @dataclass(frozen=True)
 class PodFacts:
-    """One active replica pod as placement sees it. `capacity`: "" while gated, else where it was
-    placed (its added nodeSelector, or the capacity type of its node); `member`: running on a node
-    without a notice; `leaving`: running on a node with one."""
+    """One replica pod as placement sees it. `capacity`: "" while gated, else where it was placed
+    (its added nodeSelector, or the capacity type of its node); `member`: running on a node
+    without a notice; `leaving`: running on a node with one, or taken away by Kubernetes
+    (disruption.py; Terminating included)."""
 
     name: str
     index: int
@@ -101,6 +102,17 @@ def on_demand_hosts(pods: Iterable[Mapping[str, Any]], pod_spec: Mapping[str, An
     return frozenset(membership.host_of(p, hosts_mode) for p in pods if placed_on(p, label) == ON_DEMAND)
 
 
+def running_on_demand(pods: Iterable[Mapping[str, Any]], pod_spec: Mapping[str, Any]) -> int:
+    """How many of the replica `pods` run (phase Running) where the backfill placed them on
+    on-demand capacity (0 when the job's template names no capacity-type label with an
+    on-demand value: the supervisor places none of its pods)."""
+    label = capacity_label(pod_spec)
+    if label is None:
+        return 0
+    return sum(1 for p in pods
+               if (p.get("status") or {}).get("phase") == "Running" and placed_on(p, label) == ON_DEMAND)
+
+
 def placement_patch(label: capacity_type.CapacityLabel, where: str, gates: Sequence[Mapping[str, Any]] = ()) -> dict:
     """The pod merge patch that places it: the nodeSelector key added, the supervisor's gate
     removed from the pod's `gates` (another gate's owner keeps its own)."""
@@ -110,16 +122,17 @@ def placement_patch(label: capacity_type.CapacityLabel, where: str, gates: Seque
 
 
 def place(settings: BackfillSettings, pods: Sequence[PodFacts], spot_free: int, on_demand_free: int,
-          clocks: BackfillClocks, now: datetime) -> Placement:
+          clocks: BackfillClocks, now: datetime, departed: int = 0) -> Placement:
     """The pods to place now (module docstring). Placed pods not yet members count as starting and
-    use up the free slots they will take."""
+    use up the free slots they will take; `departed` members (gone without notice,
+    disruption.departed) are answered as leaving ones."""
     starting = [p for p in pods if p.capacity and not p.member and not p.leaving]
     starting_spot = sum(p.capacity == SPOT for p in starting)
     starting_on_demand = sum(p.capacity == ON_DEMAND for p in starting)
     members = [p for p in pods if p.member]
     view = BackfillView(spot=sum(p.capacity != ON_DEMAND for p in members),
                         on_demand=sum(p.capacity == ON_DEMAND for p in members),
-                        leaving=sum(p.leaving for p in pods),
+                        leaving=sum(p.leaving for p in pods), departed=departed,
                         starting_spot=starting_spot, starting_on_demand=starting_on_demand,
                         spot_free=max(0, spot_free - starting_spot),
                         on_demand_free=max(0, on_demand_free - starting_on_demand))

@@ -5,11 +5,17 @@ halves around the pass's one write of the job:
   `placement.place`, and returns the record with the backfill fields (clocks, split, last
   placement) as they must be written, with the `Placing` to apply once they are;
 - `apply` patches each chosen pod (nodeSelector key added, gate removed).
+A placement is a decision: the record keeps it (`backfill`: why, and which pod goes where;
+`backfill_at`; `backfill_event`: its Event's reason, `placement_event`), and the reconciler posts
+its Event after the write (effects.py `ensure_placement_event`), like the policy's decisions.
 Level-triggered and idempotent: a placed pod is no longer gated, so a pass repeated after a
 restart places nothing twice. A member is leaving when its node's notice reads as a departure
-(the reconciler's `departing` nodes): a rebalance or a maintenance beyond the horizon asks for no
-warm standby. `Placing.recheck_at` says when to look again (the fallback-after or return-after
-clock), or None.
+(the reconciler's `departing` nodes; a rebalance or a maintenance beyond the horizon asks for no
+warm standby) or when Kubernetes takes its pod away (`disruption.being_taken`: a preemption or
+an eviction, Terminating included). A member of the membership the pass started from
+(`members_before`, the record's `member_pods`) whose pod Kubernetes removed before a pass saw it
+leave counts as departed (`disruption.departed`): its warm standby too is placed at once.
+`Placing.recheck_at` says when to look again (the fallback-after or return-after clock), or None.
 """
 from __future__ import annotations
 
@@ -21,13 +27,15 @@ from typing import Any
 from collections.abc import Collection, Mapping
 
 from spotguard.kube.api import PODS, NotFound
-from spotguard.supervisor import capacity_type, placement
-from spotguard.supervisor.backfill import BackfillClocks, BackfillSettings
+from spotguard.supervisor import capacity, capacity_type, placement
+from spotguard.supervisor.disruption import being_taken, departed
+from spotguard.supervisor.backfill import BackfillClocks, BackfillSettings, BackfillStep
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, meta
 from spotguard.supervisor.decision import Policy
 from spotguard.supervisor.effects import JobEffects
 from spotguard.supervisor.jobs import JobAdapter
 from spotguard.supervisor.record import Record
+from spotguard.wire import names
 
 log = logging.getLogger(__name__)
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -41,6 +49,16 @@ def pod_index(pod: Mapping[str, Any]) -> int:
     found = [(m.get("annotations") or {}).get(INDEX_ANNOTATION)] + [labels.get(k) for k in INDEX_LABELS]
     raw = str(next((v for v in found if v), ""))
     return int(raw) if raw.isdigit() else 0
+
+
+def placement_event(step: BackfillStep) -> str:
+    """The reason of the Event of a placement made for `step`: a swap-back, a warm standby (a
+    leaving member's replacement, on either capacity), on-demand after fallback-after, or spot."""
+    if step.swap:
+        return names.EVENT_SWAPPING_TO_SPOT
+    if step.standby:
+        return names.EVENT_WARM_STANDBY
+    return names.EVENT_BACKFILLED if step.add_on_demand else names.EVENT_PLACED_ON_SPOT
 
 
 @dataclass(frozen=True)
@@ -70,13 +88,17 @@ class Placer:
                 and any(g.get("name") == placement.GATE for g in spec.get("schedulingGates") or []))
 
     def plan(self, key: JobKey, obj: Mapping[str, Any], adapter: JobAdapter, policy: Policy, record: Record,
-             departing: Collection[str], at: datetime) -> tuple[Record, Placing | None]:
-        """(`record` with the backfill fields of this pass, what to place once it is written)."""
+             departing: Collection[str], at: datetime, members_before: Collection[str] = ()
+             ) -> tuple[Record, Placing | None]:
+        """(`record` with the backfill fields of this pass, what to place once it is written).
+        `members_before`: the member incarnations the pass started from (empty for a job being
+        suspended, whose pods its controller deletes)."""
         spec = adapter.pod_spec(obj)
         label = placement.capacity_label(spec)
         if label is None or policy.fallback is None:
             return record, None
-        pods = self.cache.replica_pods(key, adapter)
+        every = self.cache.pods_of(key)
+        pods = [p for p in every if adapter.is_replica_pod(p) and (capacity.pod_active(p) or being_taken(p))]
         facts = [self._facts(p, label, departing) for p in pods]
         spot_spec = {**spec, "nodeSelector": {**(spec.get("nodeSelector") or {}), label.key: label.spot[0]}}
         od_spec = {**spec, "nodeSelector": {**(spec.get("nodeSelector") or {}), label.key: label.on_demand}}
@@ -84,11 +106,14 @@ class Placer:
                                     policy.on_demand_max)
         clocks = BackfillClocks(record.below_max_since, record.spot_idle_since)
         chosen = placement.place(settings, facts, self.cache.free_slots(key, spot_spec, ignore_own=False),
-                                 self.cache.free_slots(key, od_spec, ignore_own=False), clocks, at)
+                                 self.cache.free_slots(key, od_spec, ignore_own=False), clocks, at,
+                                 departed(members_before, every))
         updated = record.with_(below_max_since=chosen.step.clocks.below_max_since,
                                spot_idle_since=chosen.step.clocks.spot_free_since, split=chosen.split)
         if chosen.pods:
-            updated = updated.with_(backfill=chosen.step.reason, backfill_at=at)
+            where = ", ".join(f"{name} on {capacity}" for name, capacity in chosen.pods)
+            updated = updated.with_(backfill=f"{chosen.step.reason} ({where})", backfill_at=at,
+                                    backfill_event=placement_event(chosen.step))
         gates = {meta(p).get("name", ""): (p.get("spec") or {}).get("schedulingGates") or [] for p in pods}
         return updated, Placing(chosen, label, gates)
 
@@ -110,6 +135,6 @@ class Placer:
         node_name = (pod.get("spec") or {}).get("nodeName") or ""
         known = node_name in self.cache.nodes
         running = (pod.get("status") or {}).get("phase") == "Running"
-        leaving = known and node_name in departing
+        leaving = (running and known and node_name in departing) or being_taken(pod)
         return placement.PodFacts(name, pod_index(pod), where, member=running and known and not leaving,
-                                  leaving=running and leaving)
+                                  leaving=leaving)

@@ -1,6 +1,12 @@
 """What drained pods tell the supervisor: which replicas exited 83/84 (the Guard drained after its
 checkpoint) since a moment, and the steps each lost. Pure functions over pod dicts.
 
+A container that ended with another code but whose termination message is the Guard's departure
+message (below: `"v"`, `"notice_id"`, `"checkpoint"`) drained too: a launcher that does not pass
+its workers' exit code on (torchrun exits 1 when a worker exits 83) still leaves the message its
+ranks wrote, so a fixed job behind torchrun suspends when its replicas drained, not at the notice's
+deadline.
+
 A drained rank writes its termination message (`SPOTGUARD_TERMINATION_LOG`, by default the
 container's `/dev/termination-log`, docs/protocols.md): JSON `{"v":1,"step":n,"saved_step":n,
 "steps_lost":n}`, with an object store also `"durable_tier"` and `"object_step"`; the kubelet
@@ -31,17 +37,29 @@ def _finished_at(term: Mapping[str, Any]) -> datetime | None:
         return None
 
 
+def is_departure_message(term: Mapping[str, Any]) -> bool:
+    """Whether a terminated state's message is the Guard's departure message
+    (hooks/termination_message.py): a JSON object with `v`, a `notice_id` and a `checkpoint` outcome."""
+    try:
+        obj = json.loads(term.get("message") or "")
+    except ValueError:
+        return False
+    return (isinstance(obj, dict) and isinstance(obj.get("v"), int) and isinstance(obj.get("notice_id"), str)
+            and obj.get("checkpoint") in ("durable", "failed"))
+
+
 def drained_exits(pods: Iterable[Mapping[str, Any]], since: datetime | None) -> Iterator[tuple[str, dict]]:
     """("<pod uid>/<container>/<finishedAt>", terminated state) for every container that exited
-    83/84 at or after `since` (whole seconds, as the kubelet writes finishedAt; with a `since`, an
-    exit without finishedAt is skipped: it cannot be told from an older drain; `since` None: any time)."""
+    83/84, or with the Guard's departure message, at or after `since` (whole seconds, as the
+    kubelet writes finishedAt; with a `since`, an exit without finishedAt is skipped: it cannot be
+    told from an older drain; `since` None: any time)."""
     floor = since.replace(microsecond=0) if since is not None else None
     for pod in pods:
         uid = (pod.get("metadata") or {}).get("uid", "")
         for status in (pod.get("status") or {}).get("containerStatuses") or []:
             for state in (status.get("state") or {}, status.get("lastState") or {}):
                 term = state.get("terminated") or {}
-                if term.get("exitCode") not in DRAIN_CODES:
+                if term.get("exitCode") not in DRAIN_CODES and not is_departure_message(term):
                     continue
                 finished = _finished_at(term)
                 if floor is not None and (finished is None or finished < floor):

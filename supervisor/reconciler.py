@@ -10,7 +10,7 @@ fields (placer.py). Then at most ONE patch of the job: the spec change, the reco
 annotation and `metadata.resourceVersion` as precondition (409 -> re-read, decide again); a pass
 that changes nothing writes nothing. After it, level-triggered and idempotent: the decision's
 Event, the job's conditions (the status subresource, a separate endpoint, written only when they
-change), the membership on the pods, the placement of gated pods. A decision with `recheck_at`
+change), the membership on the pods, the placement of gated pods and its Event. A decision with `recheck_at`
 requeues the job then.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Reconciler:
             check_template(policy, adapter.directives(obj), record)
             check_spare(policy, adapter.replicas(obj), self.placer.wants(policy, obj, adapter))
         except PolicyError as exc:
-            await self.effects.report_invalid(key, obj, exc)
+            await self.effects.report_invalid(key, obj, adapter, exc)
             return None
         self.effects.forget_invalid(key)
         at = now()
@@ -87,8 +87,10 @@ class Reconciler:
             decision = replace(decision, record=decision.record.with_(cost=self.ledger.jobs[key].totals()))
         placing = None
         if self.placer.wants(policy, obj, adapter):
+            stopping = state.suspended or decision.action == SUSPEND  # its controller deletes the pods
             placed, placing = self.placer.plan(key, obj, adapter, policy, decision.record,
-                                               state.pods.departing if state.pods else (), at)
+                                               state.pods.departing if state.pods else (), at,
+                                               () if stopping else record.member_pods)
             decision = replace(decision, record=placed)
         written = await self._write(key, obj, adapter, decision, record)
         if written is None:
@@ -121,16 +123,17 @@ class Reconciler:
 
     async def _follow_up(self, key: JobKey, obj: dict, adapter: JobAdapter, decision: Decision,
                          placing: Placing | None) -> None:
-        """What follows the write: requeue, Event, conditions, membership, placement."""
+        """What follows the write: requeue, Event, conditions, membership, placement and its Event."""
         recheck = earliest(decision.recheck_at, placing.recheck_at if placing else None)
         if recheck is not None:
             self.requeue(key, max(0.05, (recheck - now()).total_seconds() + 0.01))
-        await self.effects.ensure_event(obj, decision.record)
+        await self.effects.ensure_event(obj, adapter, decision.record)
         await self.effects.ensure_conditions(key, obj, adapter, decision.record)
         if decision.membership is not None:
             await self.effects.push_membership(key[1], decision.membership)
         if placing is not None:
             await self.placer.apply(key, placing)
+        await self.effects.ensure_placement_event(obj, adapter, decision.record)
 
     def _observe_latency(self, key: JobKey, hits: Iterable[NoticeHit]) -> None:
         """Notice seen -> the job patched; for notices held beyond the horizon, from their release."""

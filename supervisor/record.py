@@ -14,7 +14,9 @@ action. Contract:
   through the membership for the return.
 - Backfill (backfill.py, placement.py): `below_max_since` / `spot_idle_since` the clocks of
   `fallback-after` / `return-after`, `split` the replica pods placed on each capacity type,
-  `backfill` / `backfill_at` the last placement and when.
+  `backfill` / `backfill_at` / `backfill_event` the last placement, when, and the reason of its
+  Event (a placement is a decision: it has its own fields, not `decided_at` and `message`, whose
+  clocks the policy reads).
 - `generation` / `members` / `store`: the membership last pushed (`store` only for in-place
   jobs, in_place.py); a change of the hosts or the store raises the generation. `member_pods`
   (in place): the incarnations ("<pod uid>/<restarts>") of the member pods it was pushed for,
@@ -89,6 +91,7 @@ class Record:
     split: dict | None = None  # backfill: {"spot": n, "on-demand": n} replica pods placed on each
     backfill: str = ""  # backfill: the last placement and why
     backfill_at: datetime | None = None  # backfill: when
+    backfill_event: str = ""  # backfill: the reason of the last placement's Event
     ready_seen: dict[str, datetime] | None = None  # in place: Ready joiners held back -> first seen Ready
     awaiting: dict[str, str] | None = None  # checkpoint wait: notice id -> its node ("" for a pod's)
 
@@ -177,6 +180,7 @@ def parse_record(text: str | None) -> Record:
             counted_exits=tuple(counted),
             split=obj.get("split"),
             backfill=str(obj.get("backfill", "")),
+            backfill_event=str(obj.get("backfill_event", "")),
             ready_seen=None if ready_seen is None else {
                 str(uid): parse_time(t, "ready_seen") for uid, t in ready_seen.items()},
             awaiting=awaiting,

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from spotguard.kube.api import ApiError
+from spotguard.kube.api import PODS, ApiError
 from spotguard.metrics import Gauge
 from spotguard.wire import names
 from spotguard.wire.injection import UNINJECTED_NAMESPACES, wants_injection
@@ -56,7 +56,7 @@ def warning_message(pod: Mapping[str, Any]) -> str:
 
 
 class MissingSidecars:
-    """See the module docstring. `create_event(obj, key=, reason=, message=, event_type=, action=)`
+    """See the module docstring. `create_event(obj, resource, key=, reason=, message=, event_type=, action=)`
     posts an Event on `obj` (the supervisor's, which writes only while it leads)."""
 
     def __init__(self, gauge: Gauge, create_event: CreateEvent):
@@ -97,9 +97,8 @@ class MissingSidecars:
         for uid, pod in list(self._missing.items()):
             if uid in self._warned:
                 continue
-            obj = {"apiVersion": "v1", "kind": "Pod", **pod}  # a listed pod carries neither
             try:
-                posted = await self._create_event(obj, key=f"sidecar-missing-{uid.replace('-', '')[:16]}",
+                posted = await self._create_event(pod, PODS, key=f"sidecar-missing-{uid.replace('-', '')[:16]}",
                                                   reason=EVENT_SIDECAR_MISSING, message=warning_message(pod),
                                                   event_type="Warning", action="Admit")
             except ApiError as exc:  # tried again at the next event or resync

@@ -9,6 +9,10 @@ table; one job and its Events for the detail. RBAC it needs: list on jobs, pytor
 events (Kubernetes' built-in `view` role has jobs and events; without pytorchjobs they are left
 out with a warning).
 
+The table shows why a job's policy is `invalid` (or its record unreadable) on stderr, one
+warning line per job. `-A` / `--all-namespaces` is accepted as kubectl users type it (all
+namespaces is the default; it overrides `-n`, as in kubectl).
+
 Exit status: 0 with the output; 1 when the API cannot be reached or refuses (the message names
 the server and the reason); 2 for bad input (no kubeconfig, unknown output format), naming it;
 3 when the one job asked for is not found.
@@ -38,6 +42,8 @@ EXIT_API, EXIT_NOT_FOUND = 1, 3
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("job", nargs="?", default=None, help="one job's name: show it in detail with its Events")
     p.add_argument("-n", "--namespace", default=None, help="only this namespace (default: all namespaces)")
+    p.add_argument("-A", "--all-namespaces", action="store_true",
+                   help="all namespaces, as kubectl says it (the default; overrides -n, as in kubectl)")
     p.add_argument("--kind", default=None, choices=sorted(BY_KIND), help="the job's kind when a name is ambiguous")
     p.add_argument("-o", "--output", default="table", help="table (default), json or yaml")
     p.add_argument("--kubeconfig", default=None,
@@ -153,6 +159,14 @@ def render(rows: list[JobRow], output: str, now: datetime) -> str:
     return status_render.table(rows, now)
 
 
+def warn_problems(rows: Sequence[JobRow]) -> None:
+    """The table has no room for why a job's policy or record is unreadable: one line each on
+    stderr, as kubectl prints its warnings (`-o json|yaml` and the detail carry `problem`)."""
+    for row in rows:
+        if row.problem:
+            print(f"spotguard status: warning: {row.kind} {row.namespace}/{row.name}: {row.problem}", file=sys.stderr)
+
+
 def _server(kube: Reader) -> str:
     if isinstance(kube, Kube):
         return str(getattr(kube.api_client.configuration, "host", "") or "the API server")
@@ -168,14 +182,17 @@ def run(args: argparse.Namespace) -> int:
     kube = reader(args)
     now = now_utc()
     kinds = [BY_KIND[args.kind]] if args.kind else list(ADAPTERS)
+    namespace = None if args.all_namespaces else args.namespace
     try:
-        rows = list_rows(kube, args.namespace, kinds)
+        rows = list_rows(kube, namespace, kinds)
         if args.job is None:
             sys.stdout.write(render(rows, output, now))
+            if output == "table":
+                warn_problems(rows)
             return 0
         matches = [r for r in rows if r.name == args.job]
         if len(matches) != 1:
-            where = f" in namespace {args.namespace}" if args.namespace else ""
+            where = f" in namespace {namespace}" if namespace else ""
             if not matches:
                 print(f"spotguard status: no managed job named {args.job!r}{where}", file=sys.stderr)
                 return EXIT_NOT_FOUND

@@ -68,12 +68,19 @@ def _event_time(event: Mapping[str, Any]) -> datetime | None:
     return None
 
 
-def detail(row: JobRow, events: Iterable[Mapping[str, Any]], now: datetime) -> str:
-    """One job: its fields, the last decision, then its Events oldest first."""
+def _since(then: datetime | None, now: datetime) -> str:
+    return "-" if then is None else f"{age(then, now)} ago"
+
+
+def _fields(row: JobRow, now: datetime) -> list[tuple[str, str]]:
     fields = [
         ("Name", row.name), ("Namespace", row.namespace), ("Kind", row.kind), ("Policy", row.policy),
         ("Phase", row.phase),
         ("Replicas", f"{_dash(row.replicas)} (min {_dash(row.min_replicas)}, max {_dash(row.max_replicas)})"),
+    ]
+    if row.generation is not None:
+        fields.append(("Membership", f"generation {row.generation}: {', '.join(row.members) or '-'}"))
+    fields += [
         ("Spot / on-demand", "-" if row.spot_replicas is None else f"{row.spot_replicas} / {row.on_demand_replicas}"),
         ("Reclaims survived", str(row.reclaims_survived)), ("Steps lost", _dash(row.steps_lost)),
         ("Node-hours", "-" if row.node_hours is None else
@@ -84,8 +91,20 @@ def detail(row: JobRow, events: Iterable[Mapping[str, Any]], now: datetime) -> s
          if row.decided_at else "-"),
         ("Reason", row.last_reason or "-"), ("Message", row.last_message or "-"),
     ]
+    if row.backfill_at is not None or row.below_max_since is not None or row.spot_idle_since is not None:
+        placed = f"{row.backfill_event or '-'} {_since(row.backfill_at, now)}: {row.backfill or '-'}"
+        fields += [("Last placement", placed if row.backfill_at is not None else "-"),
+                   ("Below max since", _since(row.below_max_since, now)),
+                   ("Spot free since", _since(row.spot_idle_since, now))]
     if row.problem:
         fields.append(("Problem", row.problem))
+    return fields
+
+
+def detail(row: JobRow, events: Iterable[Mapping[str, Any]], now: datetime) -> str:
+    """One job: its fields, the last decision, the backfill's placement and clocks, then its
+    Events oldest first."""
+    fields = _fields(row, now)
     width = max(len(k) for k, _ in fields) + 2
     out = [f"{(k + ':').ljust(width)}{v}\n" for k, v in fields]
     ordered = sorted(events, key=lambda e: _event_time(e) or datetime.min.replace(tzinfo=now.tzinfo))

@@ -1,4 +1,4 @@
-"""`spotguard demo`, as the README's set-up shows it: for each cloud, the emulator serves a
+"""`spotguard demo`, as the README's quick start shows it: for each cloud, the emulator serves a
 reclaim notice and the cloud's own source reports it, with the time it took."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ CLOUD_SOURCES = {"aws": ("aws.spot", 4), "gcp": ("gcp.preempted", 2), "azure": (
 
 
 def readme_demo_command() -> list[str]:
-    """The README's `spotguard demo` line in its set-up block, as arguments after `spotguard`."""
+    """The README's `spotguard demo` line in its quick-start block, as arguments after `spotguard`."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    setup = readme.split("## Set-up", 1)[1].split("```", 2)[1]
+    setup = readme.split("## Quick start", 1)[1].split("```", 2)[1]
     [line] = [ln for ln in setup.splitlines() if ln.startswith(".venv/bin/spotguard demo")]
     return line.split("#", 1)[0].split()[1:]
 

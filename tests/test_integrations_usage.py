@@ -174,11 +174,11 @@ def test_lightning_saves_say_nothing_about_weights_only_and_a_drain_without_exit
 
 
 def documented_folder_names() -> dict[str, list[str]]:
-    """Every `step-...-notice` / `checkpoint-...` folder name the README's integrations section and
-    the integrations' docstrings give, by file."""
+    """Every `step-...-notice` / `checkpoint-...` folder name the README's integrations section,
+    docs/integrations.md and the integrations' docstrings give, by file."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("### In the training code you already run", 1)[1].split("\n### ", 1)[0]
-    texts = {"README.md": section}
+    section = readme.split("one line in the training code you already run", 1)[1].split("\n### ", 1)[0]
+    texts = {"README.md": section, "docs/integrations.md": (ROOT / "docs" / "integrations.md").read_text()}
     texts.update({f"integrations/{p.name}": p.read_text(encoding="utf-8")
                   for p in sorted((ROOT / "integrations").glob("*.py"))})
     return {name: re.findall(r"step-[^\s`/]*-notice", text) for name, text in texts.items()}
@@ -186,7 +186,7 @@ def documented_folder_names() -> dict[str, list[str]]:
 
 def test_the_documented_folder_names_are_the_ones_the_store_makes():
     named = documented_folder_names()
-    assert named["README.md"] and named["integrations/lightning.py"]
+    assert named["README.md"] and named["docs/integrations.md"] and named["integrations/lightning.py"]
     example = tag_for(112, "notice")
     assert example == "step-000000112-notice"
     for where, names in named.items():

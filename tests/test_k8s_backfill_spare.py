@@ -49,37 +49,51 @@ def _job(pool: str) -> dict:
     return job
 
 
+class SparePods:
+    """The Job `train`'s pods, read and run as a kubelet would (blocking calls)."""
+
+    def __init__(self, plane, ns: str):
+        self.plane, self.ns = plane, ns
+        self.core = kubernetes.client.CoreV1Api(plane.api_client())
+        self.ips: dict[str, str] = {}
+
+    def active(self) -> list:
+        """Not finished and not being deleted."""
+        return [p for p in self.core.list_namespaced_pod(
+            self.ns, label_selector="batch.kubernetes.io/job-name=train").items
+            if p.status.phase not in ("Succeeded", "Failed") and not p.metadata.deletion_timestamp]
+
+    def gated_spare(self):
+        """The one gated pod, once the job has all its pods (max + 1); else None."""
+        pods = self.active()
+        spares = [p for p in pods if p.spec.scheduling_gates and not p.spec.node_name]
+        return spares[0] if len(pods) == MAX + 1 and len(spares) == 1 else None
+
+    def bound(self, nodes) -> list:
+        return [p for p in self.active() if p.spec.node_name in nodes]
+
+    def run(self, pod, ready: bool) -> None:
+        ip = self.ips.setdefault(pod.metadata.name, f"10.244.3.{len(self.ips) + 1}")
+        set_pod_running(self.plane, self.ns, pod.metadata.name, ip, ready)
+
+    def membership(self) -> dict | None:
+        """The membership every bound pod was told, once they all were told the same one."""
+        values = {(p.metadata.annotations or {}).get(names.ANN_MEMBERSHIP) for p in self.active() if p.spec.node_name}
+        return json.loads(values.pop()) if len(values) == 1 and None not in values else None
+
+
 async def test_the_spare_is_the_warm_standby_and_swaps_an_on_demand_member_back_to_spot(
         control_plane, k8s_namespace, caplog):
     caplog.set_level(logging.INFO)
     api = control_plane.api_client()
-    core, batch = kubernetes.client.CoreV1Api(api), kubernetes.client.BatchV1Api(api)
+    batch = kubernetes.client.BatchV1Api(api)
     ns = pool = k8s_namespace
     spot = [add_ready_node(control_plane, f"{pool}-spot-{i}", {CAPACITY: "spot", POOL: pool}) for i in (0, 1)]
     on_demand = {add_ready_node(control_plane, f"{pool}-od-{i}", {CAPACITY: "on-demand", POOL: pool})
                  for i in (0, 1)}
     batch.create_namespaced_job(ns, _job(pool))
-    ips: dict[str, str] = {}
-
-    def active():
-        return [p for p in core.list_namespaced_pod(ns, label_selector="batch.kubernetes.io/job-name=train").items
-                if p.status.phase not in ("Succeeded", "Failed")]
-
-    def gated_spare():
-        pods = active()
-        spares = [p for p in pods if p.spec.scheduling_gates and not p.spec.node_name]
-        return spares[0] if len(pods) == MAX + 1 and len(spares) == 1 else None
-
-    def bound(nodes) -> list:
-        return [p for p in active() if p.spec.node_name in nodes]
-
-    def run(pod, ready: bool) -> None:
-        ip = ips.setdefault(pod.metadata.name, f"10.244.3.{len(ips) + 1}")
-        set_pod_running(control_plane, ns, pod.metadata.name, ip, ready)
-
-    def membership():
-        values = {(p.metadata.annotations or {}).get(names.ANN_MEMBERSHIP) for p in active() if p.spec.node_name}
-        return json.loads(values.pop()) if len(values) == 1 and None not in values else None
+    pods = SparePods(control_plane, ns)
+    gated_spare, bound, run, membership = pods.gated_spare, pods.bound, pods.run, pods.membership
 
     def told(hosts: set[str], newer: int = 0):
         value = membership()

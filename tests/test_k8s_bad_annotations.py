@@ -1,7 +1,10 @@
 """Conflicting annotations on the real kube-apiserver (tests/control_plane.py): on-demand-max above
 max, in-place on the fixed policy, and the fallback on a job whose template names no
 capacity-type label each get ONE Warning Event naming the annotation, and the supervisor leaves
-the job as it is, even with a reclaim notice on the node its pod runs on."""
+the job as it is, even with a reclaim notice on the node its pod runs on. The jobs exist before
+the supervisor starts (its first list returns them without `kind`): each Event still names its
+Job (involvedObject kind and apiVersion), so `kubectl describe job` and `spotguard status NAME`
+show it, and the table names the reason."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +19,7 @@ from spotguard.supervisor.policy import Settings
 from spotguard.wire import names
 from spotguard.wire.notice import Kind, Notice
 from tests.k8s_world import add_ready_node, wait_until
+from tests.test_k8s_status import status
 
 pytestmark = pytest.mark.k8s
 
@@ -78,10 +82,22 @@ async def test_conflicting_annotations_get_one_warning_and_the_job_is_left_alone
             annotation = BAD[name][1]
             assert len(events) == 1, [e.message for e in events]
             assert events[0].type == "Warning" and annotation in events[0].message, events[0].message
+            involved = events[0].involved_object
+            assert (involved.kind, involved.api_version) == ("Job", "batch/v1"), involved
+            # what `kubectl describe job` asks for: the Events whose involvedObject is this Job
+            described = core.list_namespaced_event(
+                k8s_namespace, field_selector=f"involvedObject.kind=Job,involvedObject.name={name}").items
+            assert [e.reason for e in described if e.reason.startswith("Spotguard")] == [names.EVENT_INVALID_POLICY]
             job = batch.read_namespaced_job(name, k8s_namespace)
             assert job.metadata.annotations == before[name].metadata.annotations, name
             assert (job.spec.parallelism, job.spec.suspend) == (2, before[name].spec.suspend), name
             assert job.spec.template.spec.node_selector == before[name].spec.template.spec.node_selector
+        kubeconfig = str(control_plane.kubeconfig())
+        for name, (_, annotation) in BAD.items():
+            one = await asyncio.to_thread(status, name, "-n", k8s_namespace, "--kubeconfig", kubeconfig)
+            assert one.returncode == 0, one.stderr
+            events = one.stdout.split("Events:\n")[1]
+            assert "Warning" in events and names.EVENT_INVALID_POLICY in events and annotation in events, one.stdout
     finally:
         await controller.stop()
 

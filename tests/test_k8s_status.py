@@ -17,7 +17,7 @@ import kubernetes
 import pytest
 
 from spotguard.wire import names
-from tests.k8s_world import wait_service_account
+from tests.k8s_world import wait_service_account, wait_until
 
 pytestmark = pytest.mark.k8s
 VENV_BIN = Path(sys.executable).parent
@@ -73,7 +73,8 @@ def test_status_lists_the_managed_jobs_and_shows_one_with_its_events(control_pla
 
     as_json = status("-n", ns, "--kubeconfig", kubeconfig, "-o", "json")
     items = {i["name"]: i for i in json.loads(as_json.stdout)["items"]}
-    assert set(items) == {"llm", "fresh"} and items["llm"]["steps_lost"] == 5 and items["fresh"]["phase"] == "Running"
+    assert set(items) == {"llm", "fresh"} and items["llm"]["steps_lost"] == 5
+    assert (items["fresh"]["phase"], items["fresh"]["replicas"]) == ("Suspended", 0)  # suspended by its owner
 
     everywhere = status("--kubeconfig", kubeconfig, "-o", "json")  # all namespaces: ours are among them
     assert {(i["namespace"], i["name"]) for i in json.loads(everywhere.stdout)["items"]} >= {(ns, "llm"), (ns, "fresh")}
@@ -119,6 +120,38 @@ def test_as_a_kubectl_plugin_and_with_the_view_role(control_plane, jobs):
     assert "Events:" in plugin.stdout and "SpotguardSuspended" in plugin.stdout
     direct = status("-n", ns, "--kubeconfig", reader, program=[str(VENV_BIN / "kubectl-spotguard")])
     assert direct.returncode == 0 and " llm " in direct.stdout
+    everywhere = status("-A", "--kubeconfig", str(control_plane.kubeconfig()), "-o", "json",
+                        program=[kubectl, "spotguard"])  # as kubectl users type it
+    assert everywhere.returncode == 0, everywhere.stderr
+    assert {(i["namespace"], i["name"]) for i in json.loads(everywhere.stdout)["items"]} >= {(ns, "llm"), (ns, "fresh")}
+
+
+def test_without_a_supervisor_pending_pods_are_starting_and_an_invalid_policy_says_why(control_plane, k8s_namespace):
+    """No supervisor runs: a managed Job whose 2 pods stay Pending (no node matches) is `Starting`
+    with 0 replicas and no spot/on-demand count (nothing placed, nothing decided); a Job whose
+    policy does not parse is `invalid` in the table, and stderr says why."""
+    ns = k8s_namespace
+    batch = kubernetes.client.BatchV1Api(control_plane.api_client())
+    core = kubernetes.client.CoreV1Api(control_plane.api_client())
+    pending = managed_job("pending", {names.ANN_POLICY: "elastic", names.ANN_MIN_REPLICAS: "1"})
+    pending["spec"]["suspend"] = False
+    pending["spec"]["template"]["spec"]["nodeSelector"] = {"spotguard-test/no-such-pool": ns}
+    batch.create_namespaced_job(ns, pending)
+    batch.create_namespaced_job(ns, managed_job("bad-annot", {names.ANN_POLICY: "elastic",
+                                                             names.ANN_MIN_REPLICAS: "two"}))
+
+    def both_pods_pending():
+        pods = core.list_namespaced_pod(ns, label_selector="job-name=pending").items
+        job = batch.read_namespaced_job("pending", ns)
+        return len(pods) == 2 and all(p.status.phase == "Pending" for p in pods) and job.status.active == 2
+    wait_until(both_pods_pending, 30, "the Job's 2 pods, Pending")
+    result = status("-n", ns, "--kubeconfig", str(control_plane.kubeconfig()))
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[2]: line.split() for line in result.stdout.splitlines()[1:]}
+    assert rows["pending"][3:7] == ["elastic", "Starting", "0/1/2", "-"], rows["pending"]
+    assert rows["bad-annot"][3] == "invalid"
+    assert (f"spotguard status: warning: Job {ns}/bad-annot: invalid policy annotation spotguard.io/min-replicas: "
+            "expected a whole number >= 1, got 'two'") in result.stderr.splitlines()
 
 
 def client_certificate(plane, folder: Path, user: str, group: str) -> tuple[Path, Path]:

@@ -116,8 +116,14 @@ async def _policy_world(plane, namespace: str, annotations: dict) -> World:
     return world
 
 
+# torchrun exits 1 when its worker drains with 83: the message the ranks wrote says they drained
+TORCHRUN_DRAIN = (1, json.dumps({"v": 1, "notice_id": "aws.spot:r", "step": 40, "saved_step": 40, "steps_lost": 0,
+                                 "checkpoint": "durable"}))
+
+
+@pytest.mark.parametrize("drain", [(names.EXIT_PREEMPTED, ""), TORCHRUN_DRAIN], ids=["exit-83", "torchrun-exit-1"])
 async def test_fixed_policy_suspends_after_the_checkpoint_and_resumes_on_capacity(control_plane, k8s_namespace,
-                                                                                    caplog):
+                                                                                    caplog, drain):
     caplog.set_level(logging.INFO)
     world = await _policy_world(control_plane, k8s_namespace, {names.ANN_POLICY: "fixed"})
     controller = _controller(control_plane, k8s_namespace)
@@ -130,7 +136,7 @@ async def test_fixed_policy_suspends_after_the_checkpoint_and_resumes_on_capacit
         assert world.job()["spec"]["suspend"] is not True  # never before the checkpoint is durable
         drained = next(p for p in world.pods() if p.spec.node_name == noticed)
         await asyncio.to_thread(set_container_exit, control_plane, k8s_namespace, drained.metadata.name,
-                                names.EXIT_PREEMPTED)
+                                drain[0], message=drain[1])
         await asyncio.to_thread(wait_until, lambda: world.job_is(4, True, "Suspended"), 30, "job suspended")
         await asyncio.to_thread(wait_until, lambda: not world.pods(), 30, "the Job controller removed the pods")
         await asyncio.to_thread(wait_until, lambda: world.events(names.EVENT_SUSPENDED), 30, "the Event")

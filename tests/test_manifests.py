@@ -103,9 +103,10 @@ PUBLISHED_NAME = "ghcr.io/spotguard/spotguard"
 
 
 def install_blocks() -> list[str]:
-    """The code blocks of the README's "Install on a cluster" section, in order."""
+    """The code blocks of the README's "Install on a cluster" section, in order, without their
+    fence's language tag (```bash)."""
     section = README.read_text(encoding="utf-8").split("\n## Install on a cluster\n", 1)[1].split("\n## ", 1)[0]
-    return section.split("```")[1::2]
+    return [block.split("\n", 1)[1] for block in section.split("```")[1::2]]
 
 
 def readme_overlay() -> str:

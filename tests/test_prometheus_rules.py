@@ -79,6 +79,66 @@ def test_promtool_unit_tests_can_fail(rules_dir: Path):
     assert result.returncode != 0 and "SpotguardJobSuspendedTooLong" in result.stdout + result.stderr
 
 
+CAPACITY = "karpenter.sh/capacity-type"
+
+
+def exported_on_demand(placed_on: str) -> float:
+    """What the supervisor exports as spotguard_job_on_demand for a backfill job (an in-place
+    Job whose gated template admits both capacity types) with one replica Running where it was
+    placed on `placed_on`, and one on spot: the real cache, cost keeper and metrics."""
+    from spotguard.supervisor.cluster_cache import ClusterCache
+    from spotguard.supervisor.cost import CostLedger
+    from spotguard.supervisor.cost_keeper import CostKeeper
+    from spotguard.supervisor.jobs import BY_KIND
+    from spotguard.supervisor.placement import GATE
+    from spotguard.wire import names
+
+    either = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": CAPACITY, "operator": "In", "values": ["spot", "on-demand"]}]}]}}}
+    annotations = {names.ANN_POLICY: "elastic", names.ANN_IN_PLACE: "true", names.ANN_FALLBACK: "on-demand"}
+    job = {"metadata": {"name": "llm", "namespace": "train", "uid": "u-llm", "annotations": annotations},
+           "spec": {"parallelism": 2, "completions": 2, "template": {"spec": {
+               "affinity": either, "schedulingGates": [{"name": GATE}], "containers": [{"name": "t"}]}}}}
+    nodes = [{"metadata": {"name": n, "labels": {CAPACITY: kind}}, "spec": {}, "status": {}}
+             for n, kind in (("s0", "spot"), ("o0", "on-demand"))]
+    pods = [{"metadata": {"name": f"llm-{i}", "namespace": "train", "uid": f"p{i}",
+                          "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": "llm",
+                                               "controller": True}]},
+             "spec": {"nodeName": node, "nodeSelector": {CAPACITY: where}, "containers": [{"name": "t"}]},
+             "status": {"phase": "Running"}}
+            for i, (node, where) in enumerate((("s0", "spot"), ({"spot": "s0"}.get(placed_on, "o0"), placed_on)))]
+    adapters = dict(BY_KIND)
+    cache = ClusterCache(adapters)
+    cache.apply_node("SYNC", nodes)
+    cache.apply_job(adapters["Job"], "SYNC", [job])
+    cache.apply_pod("SYNC", pods)
+    metrics = SupervisorMetrics()
+    CostKeeper(CostLedger(), cache, adapters, None, metrics, lambda: True).collect()  # type: ignore[arg-type]
+    found = re.search(r'^spotguard_job_on_demand\{([^}]*)\} (\S+)$', metrics.render(), re.M)
+    assert found and 'job="llm"' in found.group(1) and 'kind="Job"' in found.group(1), metrics.render()
+    return float(found.group(2))
+
+
+def test_the_on_demand_alert_fires_for_a_backfill_job_from_the_exported_series(rules_dir: Path):
+    """A backfill job with a replica on on-demand for 2.5 h: the series the supervisor exports
+    for it fires SpotguardFallbackActiveTooLong (it stayed 0 before, so the jobs that use
+    on-demand the most never alerted); all on spot, it does not."""
+    assert exported_on_demand("spot") == 0
+    value = exported_on_demand("on-demand")
+    expected = next(alert for case in yaml.safe_load(UNIT_TESTS.read_text())["tests"]
+                    for test in case["alert_rule_test"] if test["alertname"] == "SpotguardFallbackActiveTooLong"
+                    for alert in test["exp_alerts"])  # train/llm's, as here
+    case = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": 'spotguard_job_on_demand{namespace="train",job="llm",kind="Job",instance="a"}',
+                          "values": f"{value:g}x150"}],
+        "alert_rule_test": [{"eval_time": "2h30m", "alertname": "SpotguardFallbackActiveTooLong",
+                             "exp_alerts": [expected]}]}]}
+    (rules_dir / "backfill_test.yaml").write_text(yaml.safe_dump(case))
+    result = run_promtool("test", "rules", "backfill_test.yaml", cwd=rules_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_every_alert_is_unit_tested():
     alerts = {r["alert"] for g in rule_groups() for r in g["rules"]}
     tested = {t["alertname"] for case in yaml.safe_load(UNIT_TESTS.read_text())["tests"]

@@ -68,14 +68,14 @@ class Events:
         self.leader = True
         self.fail: set[str] = set()
 
-    async def __call__(self, obj, *, key, reason, message, event_type, action) -> bool:
+    async def __call__(self, obj, resource, *, key, reason, message, event_type, action) -> bool:
         if not self.leader:
             return False
         name = obj["metadata"]["name"]
         if name in self.fail:
             self.fail.discard(name)
             raise ApiError(500, "etcdserver: request timed out")
-        self.posted.append({"kind": obj["kind"], "apiVersion": obj["apiVersion"], "name": name, "key": key,
+        self.posted.append({"kind": resource.kind, "apiVersion": resource.api_version, "name": name, "key": key,
                             "reason": reason, "type": event_type})
         return True
 

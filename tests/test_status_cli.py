@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 import yaml
 
 from spotguard.supervisor.jobs import BY_KIND
+from spotguard.supervisor.status_cli import warn_problems
 from spotguard.supervisor.status_render import COLUMNS, age, as_json, as_yaml, detail, table
 from spotguard.supervisor.status_rows import job_row
 from spotguard.wire import names
@@ -25,13 +26,16 @@ RECORD = {"v": 1, "phase": "Running", "event": "SpotguardLeavingInPlace", "reaso
           "cost": {"spot_hours": 10.0, "on_demand_hours": 2.0, "cost": 16.0, "on_demand_equivalent": 36.0}}
 
 
-def batch_job(name: str, annotations: dict, parallelism: int = 4, suspend: bool = False, conditions=()) -> dict:
+def batch_job(name: str, annotations: dict, parallelism: int = 4, suspend: bool = False, conditions=(),
+              ready: int | None = None) -> dict:
+    """A Job as the API returns it; `ready` its controller's count of Ready pods (default: all)."""
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": name, "namespace": "train", "labels": {names.LABEL_MANAGED: "true"},
                          "annotations": annotations},
             "spec": {"parallelism": parallelism, "completions": 4, "suspend": suspend,
                      "template": {"spec": {"containers": [{"name": "t"}]}}},
-            "status": {"conditions": list(conditions)}}
+            "status": {"conditions": list(conditions), "active": 0 if suspend else parallelism,
+                       "ready": (0 if suspend else parallelism) if ready is None else ready}}
 
 
 def elastic(record: dict | None, **extra: str) -> dict:
@@ -69,6 +73,7 @@ def test_rows_for_fallback_suspension_invalid_unreadable_and_finished_jobs():
     fresh = job_row(batch_job("fresh", {}), job)  # never acted on: no record yet, nothing invented
     assert (fresh.policy, fresh.phase, fresh.steps_lost, fresh.node_hours, fresh.last_decision) == \
         ("fixed", "Running", None, None, "")
+    assert (fresh.replicas, fresh.spot_replicas, fresh.on_demand_replicas) == (4, None, None)
     done = job_row(batch_job("done", elastic(RECORD), conditions=[{"type": "Complete", "status": "True"}]), job)
     assert done.phase == "Complete"
 
@@ -77,9 +82,82 @@ def test_a_pytorchjob_row():
     obj = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
            "metadata": {"name": "pt", "namespace": "ml", "annotations": elastic(RECORD)},
            "spec": {"elasticPolicy": {"minReplicas": 2, "maxReplicas": 8},
-                    "pytorchReplicaSpecs": {"Worker": {"replicas": 6, "template": {"spec": {}}}}}}
+                    "pytorchReplicaSpecs": {"Worker": {"replicas": 6, "template": {"spec": {}}}}},
+           "status": {"replicaStatuses": {"Master": {"active": 1}, "Worker": {"active": 5}}}}
     row = job_row(obj, BY_KIND["PyTorchJob"])
-    assert (row.kind, row.replicas, row.min_replicas, row.max_replicas) == ("PyTorchJob", 6, 2, 8)
+    assert (row.kind, row.replicas, row.min_replicas, row.max_replicas) == ("PyTorchJob", 5, 2, 8)
+    assert row.phase == "Running"
+    del obj["status"]  # no operator wrote a status: how many run is not known
+    row = job_row(obj, BY_KIND["PyTorchJob"])
+    assert (row.replicas, row.phase, row.spot_replicas) == (None, "Running", None)
+
+
+def test_without_a_supervisor_pending_pods_are_starting_and_nothing_is_counted():
+    """No record (no supervisor ran), 4 pods Pending: the job asks for 4 and none runs."""
+    job = BY_KIND["Job"]
+    pending = job_row(batch_job("pending", elastic(None), ready=0), job)
+    assert (pending.phase, pending.replicas, pending.spot_replicas, pending.on_demand_replicas) == \
+        ("Starting", 0, None, None)
+    assert table([pending], NOW).splitlines()[1].split()[4:7] == ["Starting", "0/2/4", "-"]
+    half = job_row(batch_job("half", elastic(None), ready=2), job)
+    assert (half.phase, half.replicas, half.spot_replicas) == ("Running", 2, None)
+    held = job_row(batch_job("held", {}, suspend=True), job)  # suspended by its owner, no record
+    assert (held.phase, held.replicas) == ("Suspended", 0)
+    decided = job_row(batch_job("decided", elastic(RECORD), ready=3), job)  # decided: counted on its capacity
+    assert (decided.replicas, decided.spot_replicas, decided.on_demand_replicas) == (3, 3, 0)
+
+
+BACKFILL = {**RECORD, "event": "SpotguardLeavingInPlace", "decided_at": "2026-11-25T21:50:00Z",
+            "generation": 4, "members": ["spot-1", "od-0", "spot-2"], "start_generation": 1,
+            "split": {"spot": 2, "on-demand": 2}, "backfill_event": "SpotguardWarmStandby",
+            "backfill": "1 on-demand replica(s): warm standby for a leaving member (no spot slot free)",
+            "backfill_at": "2026-11-25T21:59:30Z", "below_max_since": None,
+            "spot_idle_since": "2026-11-25T21:59:00Z"}
+
+
+def backfill_job(record: dict | None, ready: int = 4) -> dict:
+    """An in-place, start-at-min backfill Job with the spare: max 3, parallelism 4."""
+    annotations = elastic(record, **{names.ANN_IN_PLACE: "true", names.ANN_START_AT_MIN: "true",
+                                     names.ANN_MAX_REPLICAS: "3", names.ANN_FALLBACK: "on-demand"})
+    return batch_job("bf", annotations, ready=ready)
+
+
+def test_a_backfill_job_shows_its_group_placement_and_clocks():
+    job = BY_KIND["Job"]
+    # Before its first group: nothing trains, whatever the Job's parallelism (the spare included).
+    before = job_row(backfill_job({"v": 1, "split": {"spot": 3, "on-demand": 0}, "backfill_event":
+                                   "SpotguardPlacedOnSpot", "backfill": "3 spot replica(s) for free spot slots",
+                                   "backfill_at": "2026-11-25T21:58:00Z"}, ready=0), job)
+    assert (before.phase, before.replicas, before.max_replicas, before.generation) == ("Starting", 0, 3, None)
+    assert (before.last_decision, before.decided_at) == ("SpotguardPlacedOnSpot", NOW - timedelta(minutes=2))
+    row = job_row(backfill_job(BACKFILL), job)
+    assert (row.phase, row.replicas, row.generation, row.members) == ("Running", 3, 4, ("spot-1", "od-0", "spot-2"))
+    # the placement came after the policy's last decision: it is the last decision shown
+    assert (row.last_decision, row.last_reason, row.decided_at) == \
+        ("SpotguardWarmStandby", "Backfill", NOW - timedelta(seconds=30))
+    assert row.last_message.startswith("1 on-demand replica(s): warm standby")
+    assert (row.decision, row.decision_at) == ("SpotguardLeavingInPlace", NOW - timedelta(minutes=10))
+    assert table([row], NOW).splitlines()[1].split()[4:7] == ["Running", "3/2/3", "2/2"]
+    assert table([row], NOW).splitlines()[1].split()[-2:] == ["WarmStandby", "30s"]
+    item = json.loads(as_json([row]))["items"][0]
+    assert item["backfill_event"] == "SpotguardWarmStandby" and item["backfill_at"].startswith("2026-11-25T21:59:30")
+    assert item["below_max_since"] is None and item["spot_idle_since"].startswith("2026-11-25T21:59:00")
+    assert item["members"] == ["spot-1", "od-0", "spot-2"] and item["generation"] == 4
+    text = detail(row, [], NOW)
+    assert "Membership:        generation 4: spot-1, od-0, spot-2\n" in text
+    assert "Last placement:    SpotguardWarmStandby 30s ago: 1 on-demand replica(s): warm standby" in text
+    assert "Below max since:   -\n" in text and "Spot free since:   60s ago\n" in text
+    older = job_row(backfill_job({**BACKFILL, "decided_at": "2026-11-25T21:59:50Z"}), job)
+    assert (older.last_decision, older.last_reason) == ("SpotguardLeavingInPlace", "NoticeLeavingInPlace")
+
+
+def test_the_table_says_why_a_policy_is_invalid_on_stderr(capsys):
+    rows = [job_row(batch_job("bad", {names.ANN_POLICY: "elastic", names.ANN_MIN_REPLICAS: "two"}), BY_KIND["Job"]),
+            job_row(batch_job("ok", elastic(None)), BY_KIND["Job"])]
+    warn_problems(rows)
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["spotguard status: warning: Job train/bad: invalid policy annotation spotguard.io/min-replicas: "
+                   "expected a whole number >= 1, got 'two'"]
 
 
 def test_table_json_and_yaml():

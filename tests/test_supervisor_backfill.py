@@ -196,20 +196,21 @@ def test_a_spare_needs_start_at_min():
     check_spare(parse_policy({**base, names.ANN_START_AT_MIN: "true"}, default_max=5), 5, places_pods=True)
 
 
-def test_the_warm_standby_answers_only_a_departure():
-    """The spare is placed for a member whose node departs (a reclaim), not for one whose node has
-    a rebalance or a maintenance beyond the horizon (notice_policy): that member stays."""
+CAPACITY = "karpenter.sh/capacity-type"
+
+
+def backfill_world(pods: list[dict]):
+    """A backfill Job `j` with the spare (max 2, parallelism 3, start at min) over the real cluster
+    cache: spot nodes s0, s1 and one on-demand node od, and `pods` (see `replica`)."""
     from spotguard.supervisor.cluster_cache import ClusterCache
     from spotguard.supervisor.jobs import BY_KIND
-    from spotguard.supervisor.placement import ON_DEMAND, GATE
+    from spotguard.supervisor.placement import GATE
     from spotguard.supervisor.placer import Placer
     from spotguard.supervisor.policy import parse_policy
-    from spotguard.supervisor.record import Record
     from spotguard.wire import names
 
-    capacity = "karpenter.sh/capacity-type"
     either = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": capacity, "operator": "In", "values": ["spot", "on-demand"]}]}]}}}
+        {"matchExpressions": [{"key": CAPACITY, "operator": "In", "values": ["spot", "on-demand"]}]}]}}}
     annotations = {names.ANN_POLICY: "elastic", names.ANN_IN_PLACE: "true", names.ANN_FALLBACK: "on-demand",
                    names.ANN_MAX_REPLICAS: "2", names.ANN_START_AT_MIN: "true", names.ANN_MIN_REPLICAS: "1"}
     template = {"spec": {"affinity": either, "schedulingGates": [{"name": GATE}],
@@ -218,28 +219,126 @@ def test_the_warm_standby_answers_only_a_departure():
            "spec": {"parallelism": 3, "completions": 3, "template": template}}
 
     def node(name: str, kind: str) -> dict:
-        return {"metadata": {"name": name, "labels": {capacity: kind}}, "spec": {},
+        return {"metadata": {"name": name, "labels": {CAPACITY: kind}}, "spec": {},
                 "status": {"allocatable": {"nvidia.com/gpu": "1"}, "conditions": [{"type": "Ready", "status": "True"}]}}
-
-    def replica(index: int, node_name: str | None) -> dict:
-        spec = {"containers": template["spec"]["containers"]}
-        spec.update({"nodeName": node_name, "nodeSelector": {capacity: "spot"}} if node_name
-                    else {"schedulingGates": [{"name": GATE}]})
-        return {"metadata": {"name": f"j-{index}", "namespace": "train", "labels": {},
-                             "annotations": {"batch.kubernetes.io/job-completion-index": str(index)},
-                             "ownerReferences": [{"kind": "Job", "name": "j", "controller": True,
-                                                  "apiVersion": "batch/v1"}]},
-                "spec": spec, "status": {"phase": "Running" if node_name else "Pending"}}
 
     adapters = dict(BY_KIND)
     cache = ClusterCache(adapters)
     cache.apply_node("SYNC", [node("s0", "spot"), node("s1", "spot"), node("od", "on-demand")])
     cache.apply_job(adapters["Job"], "SYNC", [job])
-    cache.apply_pod("SYNC", [replica(0, "s0"), replica(1, "s1"), replica(2, None)])
-    policy = parse_policy(annotations, default_max=3)
+    cache.apply_pod("SYNC", pods)
     placer = Placer(cache, None)  # type: ignore[arg-type]  # plan() writes nothing
-    key = ("Job", "train", "j")
-    _, whole = placer.plan(key, job, adapters["Job"], policy, Record(), (), T0)  # a rebalance or a held maintenance
+
+    def plan(departing=(), members_before=(), record=None):
+        from spotguard.supervisor.record import Record
+
+        return placer.plan(("Job", "train", "j"), job, adapters["Job"], parse_policy(annotations, default_max=3),
+                           record or Record(), departing, T0, members_before)
+    return plan
+
+
+def replica(index: int, node_name: str | None, **status) -> dict:
+    """Replica pod `j-<index>` (uid `u<index>`): bound to `node_name` on spot and Running, or gated."""
+    from spotguard.supervisor.placement import GATE
+
+    spec: dict = {"containers": [{"name": "t", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}
+    spec.update({"nodeName": node_name, "nodeSelector": {CAPACITY: "spot"}} if node_name
+                else {"schedulingGates": [{"name": GATE}]})
+    return {"metadata": {"name": f"j-{index}", "namespace": "train", "uid": f"u{index}", "labels": {},
+                         "annotations": {"batch.kubernetes.io/job-completion-index": str(index)},
+                         "ownerReferences": [{"kind": "Job", "name": "j", "controller": True,
+                                              "apiVersion": "batch/v1"}]},
+            "spec": spec, "status": {"phase": "Running" if node_name else "Pending", **status}}
+
+
+def test_the_warm_standby_answers_only_a_departure():
+    """The spare is placed for a member whose node departs (a reclaim), not for one whose node has
+    a rebalance or a maintenance beyond the horizon (notice_policy): that member stays."""
+    from spotguard.supervisor.placement import ON_DEMAND
+    from spotguard.wire import names
+
+    plan = backfill_world([replica(0, "s0"), replica(1, "s1"), replica(2, None)])
+    _, whole = plan()  # a rebalance or a held maintenance
     assert whole is not None and whole.chosen.pods == ()
-    _, departing = placer.plan(key, job, adapters["Job"], policy, Record(), {"s0"}, T0)
+    record, departing = plan({"s0"})
     assert departing is not None and departing.chosen.pods == (("j-2", ON_DEMAND),)
+    # the placement is a decision with its Event: the record says which pod went where and why
+    assert (record.backfill_event, record.backfill_at) == (names.EVENT_WARM_STANDBY, T0)
+    assert record.backfill == ("1 on-demand replica(s): warm standby for a leaving member (no spot slot free) "
+                               "(j-2 on on-demand)")
+
+
+PREEMPTED = {"conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]}
+PREEMPTOR = {"metadata": {"name": "serving-0", "namespace": "train", "uid": "serving"},  # takes the victim's GPU
+             "spec": {"nodeName": "s0",
+                      "containers": [{"name": "s", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+             "status": {"phase": "Running"}}
+
+
+def test_a_member_kubernetes_takes_away_gets_its_standby_at_once():
+    """A scheduler preemption of a member (DisruptionTarget) is a notice for that pod: its spare
+    is placed at once, not after fallback-after (before: only a departing node counted). So is a
+    member of the last membership whose pod is gone before a pass saw it go (the scheduler sets
+    the condition and deletes the pod together), or is being deleted; not one that ended by
+    itself, and not while the job is being suspended (its controller deletes the pods)."""
+    from spotguard.supervisor.placement import ON_DEMAND
+    from spotguard.supervisor.record import Record
+
+    terminating = {**replica(0, "s0", **PREEMPTED)}
+    terminating["metadata"] = {**terminating["metadata"], "deletionTimestamp": "2026-01-01T00:00:30Z"}
+    for victim in (replica(0, "s0", **PREEMPTED), terminating):
+        record, taken = backfill_world([victim, replica(1, "s1"), replica(2, None)])()
+        assert taken is not None and taken.chosen.pods == (("j-2", ON_DEMAND),)
+        assert "warm standby for a leaving member" in record.backfill
+    members = ("u0/0", "u1/0")
+    gone = backfill_world([PREEMPTOR, replica(1, "s1"), replica(2, None)])  # j-0 vanished, preempted
+    record, placed = gone(members_before=members)
+    assert placed is not None and placed.chosen.pods == (("j-2", ON_DEMAND),)
+    assert record.backfill.startswith("1 on-demand replica(s): warm standby for a member that left (its pod is gone")
+    assert gone(members_before=())[1].chosen.pods == ()  # being suspended, or no membership: below max only
+    assert gone(members_before=("u1/0",))[1].chosen.pods == ()  # j-0 was no member
+    deleting = {**replica(0, "s0")}
+    deleting["metadata"] = {**deleting["metadata"], "deletionTimestamp": "2026-01-01T00:00:30Z"}
+    assert backfill_world([deleting, replica(1, "s1"), replica(2, None)])(
+        members_before=members)[1].chosen.pods == (("j-2", ON_DEMAND),)  # s0 is not free before it is gone
+    ended = replica(0, "s0")
+    ended["status"] = {"phase": "Failed"}  # exited by itself (a crash): its spot slot is free, spot first refills it
+    assert backfill_world([ended, replica(1, "s1"), replica(2, None)])(
+        members_before=members, record=Record())[1].chosen.pods == (("j-2", "spot"),)
+
+
+def test_a_departure_is_answered_at_once_not_after_fallback_after():
+    from spotguard.supervisor.disruption import departed
+
+    left = plan(SETTINGS, BackfillView(spot=3, on_demand=0, departed=1, on_demand_free=4), BackfillClocks(), T0)
+    assert (left.add_on_demand, left.standby) == (1, 1) and "a member that left" in left.reason
+    short = plan(SETTINGS, BackfillView(spot=3, on_demand=0, on_demand_free=4), BackfillClocks(), T0)
+    assert (short.add_on_demand, short.recheck_at) == (0, at(120))  # below max without a departure: waits
+    assert not plan(SETTINGS, BackfillView(spot=4, on_demand=1, departed=1, spot_free=1), BackfillClocks(
+        spot_free_since=at(-300)), T0).swap  # no swap-back while a departure is answered
+    pods = [{"metadata": {"uid": "a"}}, {"metadata": {"uid": "b", "deletionTimestamp": "2026-01-01T00:00:00Z"}},
+            {"metadata": {"uid": "c", "deletionTimestamp": "2026-01-01T00:00:00Z"}, "spec": {"nodeName": "n"},
+             "status": {"phase": "Running", **PREEMPTED}}]
+    assert departed(("a/0", "b/0", "c/0", "d/1"), pods) == 2  # b deleted, d gone; c is taken away (leaving)
+
+
+def test_each_placement_has_its_event():
+    from spotguard.supervisor.backfill import BackfillStep
+    from spotguard.supervisor.placer import placement_event
+    from spotguard.wire import names
+
+    assert placement_event(BackfillStep(add_spot=2)) == names.EVENT_PLACED_ON_SPOT
+    assert placement_event(BackfillStep(add_on_demand=2)) == names.EVENT_BACKFILLED
+    assert placement_event(BackfillStep(add_on_demand=1, standby=1)) == names.EVENT_WARM_STANDBY
+    assert placement_event(BackfillStep(add_spot=1, standby=1)) == names.EVENT_WARM_STANDBY  # on trusted spot
+    assert placement_event(BackfillStep(swap=True)) == names.EVENT_SWAPPING_TO_SPOT
+    # the plan says how many of its replicas are standbys, on either capacity
+    trusted = plan(SETTINGS, BackfillView(spot=3, on_demand=0, leaving=1, spot_free=2, on_demand_free=4),
+                   BackfillClocks(spot_free_since=at(-300)), T0)
+    assert (trusted.add_spot, trusted.standby) == (1, 1)
+    assert trusted.reason.startswith("1 spot replica(s): warm standby")
+    short = plan(SETTINGS, BackfillView(spot=2, on_demand=0, leaving=1, spot_free=1, on_demand_free=4),
+                 BackfillClocks(), T0)
+    assert (short.add_spot, short.add_on_demand, short.standby) == (1, 1, 1)
+    assert short.reason == ("1 spot replica(s) for free spot slots; 1 on-demand replica(s): warm standby for a "
+                            "leaving member (spot free for less than return-after 300s)")

@@ -192,6 +192,24 @@ def test_drained_exits_before_since_do_not_count():
     assert len(list(progress.drained_exits(pods, T0 - timedelta(seconds=10)))) == 1
 
 
+@pytest.mark.parametrize("code, message, drained", [
+    (83, "", True),
+    (84, "", True),
+    # torchrun exits 1 when its worker exits 83; the message its ranks wrote says they drained
+    (1, '{"v":1,"notice_id":"aws.spot:x","step":7,"saved_step":7,"steps_lost":0,"checkpoint":"durable"}', True),
+    (1, '{"v":1,"notice_id":"aws.spot:x","step":7,"saved_step":3,"steps_lost":4,"checkpoint":"failed"}', True),
+    (1, "Traceback (most recent call last): ...", False),
+    (1, '{"v":1,"step":7}', False),
+    (1, '["v", "notice_id", "checkpoint"]', False),
+    (137, "", False),
+    (0, "", False),
+])
+def test_a_drain_is_its_exit_code_or_the_guards_departure_message(code, message, drained):
+    term = {"exitCode": code, "finishedAt": "2026-01-02T03:04:06Z", "message": message}
+    pods = [{"metadata": {"uid": "a"}, "status": {"containerStatuses": [{"name": "c", "state": {"terminated": term}}]}}]
+    assert bool(list(progress.drained_exits(pods, None))) is drained
+
+
 def test_cost_ledger_restores_saved_totals_once():
     ledger = CostLedger()
     ledger.restore("job", {"spot_hours": 2.0, "on_demand_hours": 1.0, "cost": 5.0, "on_demand_equivalent": 9.0})

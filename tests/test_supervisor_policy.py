@@ -121,6 +121,22 @@ def test_conditions_follow_the_record_and_keep_others():
     assert {c["type"]: c["status"] for c in gave_up}[names.COND_MAX_WAIT] == "True"
 
 
+def test_the_suspended_condition_says_why_it_is_false_not_the_last_notice():
+    """SpotguardSuspended=False is about the suspension: a notice left in place is not its message."""
+    left = Record(phase="Running", reason="NoticeLeavingInPlace", decided_at=T0,
+                  message="notice aws.spot:n2 on n2: its replicas leave in place")
+    suspended = {c["type"]: c for c in conditions.wanted(left)}[names.COND_SUSPENDED]
+    assert (suspended["status"], suspended["reason"], suspended["message"]) == \
+        ("False", "Running", "spotguard does not keep the job suspended")
+    waiting = left.with_(phase="Checkpointing", message="notice r1 on n2: waiting for the checkpoint")
+    checkpointing = {c["type"]: c for c in conditions.wanted(waiting)}[names.COND_SUSPENDED]
+    assert (checkpointing["reason"], checkpointing["message"]) == \
+        ("Checkpointing", "suspended once the checkpoint is taken: notice r1 on n2: waiting for the checkpoint")
+    # a new decision that does not change the suspension does not rewrite the condition
+    first = conditions.merged([], left, T0)
+    assert conditions.merged(first, left.with_(message="notice r2 on n3: leave in place"), T0) is None
+
+
 def node(name, gpus="4", ready=True, taints=(), labels=None, annotations=None, unschedulable=False):
     return {"metadata": {"name": name, "labels": labels or {}, "annotations": annotations or {}},
             "spec": {"taints": list(taints), "unschedulable": unschedulable},

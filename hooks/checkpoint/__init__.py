@@ -41,7 +41,7 @@ REPLACED = {
                         "(model, optimizer, checkpoint_dir=...).save(step) or .save_async(step); "
                         "spotguard.hooks.checkpoint.engine.SnapshotEngine underneath",
     "Snapshot": "spotguard.hooks.checkpoint.engine.Snapshot",
-    "load_rank": "the adapter's resume() (checkpoints of the removed raw format do not load: see the README)",
+    "load_rank": "the adapter's resume() (checkpoints of the removed raw format do not load: see docs/checkpoints.md)",
 }
 
 

@@ -1,5 +1,6 @@
 """NCCL for in-place changes, built to the recipe known to work (torchft's reconfigurable NCCL
-group, NVIDIA resiliency-ext's in-process restart; /work/shared/reference/training-stack.md).
+group, `torchft/process_group.py` in github.com/pytorch/torchft; NVIDIA resiliency-ext's in-process
+restart, `inprocess/abort.py` in github.com/NVIDIA/nvidia-resiliency-ext).
 
 Contract:
 - `check_versions(torch_version, nccl_version)` (pure): raises `NcclNotSafe`, naming both
@@ -8,7 +9,7 @@ Contract:
   `TORCH_NCCL_ASYNC_ERROR_HANDLING` is set to 1 or 3 (tears the process down: it must only abort
   communicators, 2), when `TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC` (default 480) is not longer than the
   re-form timeout, or when `TORCH_NCCL_RETHROW_CUDA_ERRORS` is not 0. `RECIPE` lists the
-  variables a user sets, with the values; the README repeats it.
+  variables a user sets, with the values; docs/in-place.md repeats it.
 - `check(reform_timeout)`: both checks on this process's torch and NCCL (called by
   `join.init_process_group("nccl")` before anything is made).
 - `eager_kwargs(local_rank)`: `device_id` for `init_process_group`, so communicators are made

@@ -218,7 +218,7 @@ def _length_of(data: Sized | int) -> int:
         raise TypeError(
             "ElasticSampler needs a map-style dataset (indices it can deal out); an IterableDataset has none. Give the "
             "iterable's position to the checkpoint through its own state_dict (torchdata's StatefulDataLoader) and "
-            "see the README's 'Data' section for what can be promised then")
+            "see 'The data' in docs/in-place.md for what can be promised then")
     if isinstance(data, bool) or not isinstance(data, (int, Sized)):
         raise TypeError(f"ElasticSampler needs a map-style dataset or its length, not {type(data).__name__}")
     samples = data if isinstance(data, int) else len(data)

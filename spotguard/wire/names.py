@@ -56,6 +56,11 @@ EVENT_RETURNING = "SpotguardReturningToSpot"
 EVENT_RETURNED = "SpotguardReturnedToSpot"
 EVENT_LEAVING_IN_PLACE = "SpotguardLeavingInPlace"  # in-place job: the noticed node's replicas leave alone
 EVENT_NOTICE_WITHDRAWN = "SpotguardNoticeWithdrawn"  # fixed job: its checkpoint wait ended, the notice withdrawn
+# a backfill job's placements (supervisor/placer.py), one Event each
+EVENT_PLACED_ON_SPOT = "SpotguardPlacedOnSpot"  # spot replicas for free spot slots
+EVENT_WARM_STANDBY = "SpotguardWarmStandby"  # the replacement of a member that leaves or left, at once
+EVENT_BACKFILLED = "SpotguardBackfilledOnDemand"  # on-demand replicas after fallback-after below max
+EVENT_SWAPPING_TO_SPOT = "SpotguardSwappingToSpot"  # one spot replica to take an on-demand member's place
 COMPONENT = "spotguard-supervisor"
 COMPONENT_AGENT = "spotguard-agent"
 

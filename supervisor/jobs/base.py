@@ -36,6 +36,10 @@ class JobAdapter(ABC):
     @abstractmethod
     def suspended(self, obj: Mapping[str, Any]) -> bool: ...
 
+    def running_replicas(self, obj: Mapping[str, Any]) -> int | None:
+        """How many replica pods run, as the job's own status reports it (None: it reports none)."""
+        return None
+
     @abstractmethod
     def pod_spec(self, obj: Mapping[str, Any]) -> Mapping[str, Any]:
         """The pod spec of one replica (requests, nodeSelector, tolerations)."""

@@ -38,6 +38,11 @@ class BatchJobAdapter(JobAdapter):
     def suspended(self, obj: Mapping[str, Any]) -> bool:
         return bool((obj.get("spec") or {}).get("suspend"))
 
+    def running_replicas(self, obj: Mapping[str, Any]) -> int | None:
+        """The Job controller's `status.ready`: active pods whose Ready condition is True."""
+        ready = (obj.get("status") or {}).get("ready")
+        return ready if isinstance(ready, int) and not isinstance(ready, bool) and ready >= 0 else None
+
     def pod_spec(self, obj: Mapping[str, Any]) -> Mapping[str, Any]:
         return ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
 

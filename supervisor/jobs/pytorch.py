@@ -47,6 +47,12 @@ class PyTorchJobAdapter(JobAdapter):
     def suspended(self, obj: Mapping[str, Any]) -> bool:
         return bool(((obj.get("spec") or {}).get("runPolicy") or {}).get("suspend"))
 
+    def running_replicas(self, obj: Mapping[str, Any]) -> int | None:
+        """The training operator's `status.replicaStatuses.Worker.active`: Worker pods Running and
+        not being deleted (None before the operator wrote a status)."""
+        workers = ((obj.get("status") or {}).get("replicaStatuses") or {}).get("Worker")
+        return _int(workers.get("active", 0)) if isinstance(workers, Mapping) else None
+
     def pod_spec(self, obj: Mapping[str, Any]) -> Mapping[str, Any]:
         return (_worker(obj).get("template") or {}).get("spec") or {}
 
