@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -31,11 +32,38 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
     return set_parent_death_signal
 
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PORT = 10000
+PORT_TRIES = 64
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range (Linux), None where it cannot be read."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return low if low > LOWEST_PORT + PORT_TRIES else None
+
+
 def free_port() -> int:
-    """An ephemeral TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a server started next.
+
+    Taken below the kernel's ephemeral range where it is known: a port from that range (what
+    binding port 0 gives) can be taken, between this call and the server's bind, as the local
+    end of any outgoing connection (gloo opens many), and the server then fails with
+    EADDRINUSE. Elsewhere, or when no port below the range is free, the kernel's choice."""
+    low = _ephemeral_low()
+    candidates = random.sample(range(LOWEST_PORT, low), min(PORT_TRIES, low - LOWEST_PORT)) if low else []
+    for port in [*candidates, 0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1")
 
 
 def flush_and_exit(code: int) -> NoReturn:
