@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -194,3 +195,22 @@ async def test_a_worker_does_not_outlive_its_containers_main_process(node, tmp_p
     assert (await until(lambda: terminated(kube, "crash"), "the exit"))["exitCode"] == 1
     await until(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE,
                 "the worker's end", bound=10)
+
+
+async def test_a_pods_launcher_and_its_worker_stay_in_the_dry_runs_session(node, tmp_path):
+    """A pod's container is a process group of its own in the dry-run's session, and `spotguard
+    launch --same-session` keeps its worker there too (the kernel's autogroup scheduling makes
+    every session a scheduling group: launch's docstring)."""
+    kube, kubelet = node
+    out = tmp_path / "out"
+    out.mkdir()
+    probe = Path(__file__).parent / "workers" / "launch_probe.py"
+    kube.create(PODS, NS, make_pod("launch", "", container={"command": [
+        sys.executable, "-m", "spotguard", "launch", "--standalone", "--same-session", str(probe), str(out)]}))
+    await until(lambda: (out / "rank0.ready").exists(), "the worker")
+    launcher = kubelet.pods[kube.get(PODS, NS, "launch")["metadata"]["uid"]].process.pid
+    worker = json.loads((out / "rank0.session").read_text())
+    assert os.getsid(launcher) == os.getsid(0) and os.getpgid(launcher) == launcher
+    assert worker["sid"] == os.getsid(0) and worker["pgid"] == worker["pid"]
+    (out / "release").touch()
+    assert (await until(lambda: terminated(kube, "launch"), "the exit"))["exitCode"] == 0

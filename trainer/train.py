@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from spotguard.hooks.elastic import elastic_process
 from spotguard.hooks.guard import Guard
 from spotguard.hooks.step_result import CONTINUED
-from spotguard.trainer.events import EventLog
+from spotguard.trainer.events import EventLog, process_fields
 from spotguard.trainer.model import build_model, global_batch, rank_share, state_digest
 
 log = logging.getLogger("spotguard.trainer")
@@ -233,10 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     rank, world_size = setup_distributed()
-    generation = int(os.environ.get("SPOTGUARD_GENERATION", "0"))
     events = EventLog(args.event_log if rank == 0 or args.event_log is None else
                       args.event_log.replace(".jsonl", f"-rank{rank}.jsonl"),
-                      rank=rank, world_size=world_size, generation=generation, node=os.environ.get("SPOTGUARD_NODE"))
+                      rank=rank, world_size=world_size, **process_fields())
     base_world = args.base_world_size or int(os.environ.get("SPOTGUARD_BASE_WORLD_SIZE", world_size))
     args.base_world = base_world
     batching = Batching(args, world_size, base_world)

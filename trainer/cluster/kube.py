@@ -21,8 +21,10 @@ What it does, as the API server does it (and what the product relies on):
   with grace 0; anything else goes at once;
 - `bind` (the scheduler's pods/binding): sets `spec.nodeName` once;
 - admission: `admit(resource, hook)` runs `hook(obj)` on every create of that resource before it
-  is stored (the dry-run's mutating webhook); `subscribe(listener)`: `listener()` after every
-  write, outside the lock (the cluster's controllers wake on it).
+  is stored (the dry-run's mutating webhook); `subscribe(listener)`: `listener(kind, resource,
+  obj)` after every write, outside the lock, with the event's type, `str(resource)` and the
+  object written (the deleted one for DELETED; shared: read it, never change it). The cluster's
+  controllers wake on it, the dry-run follows the supervisor's records with it.
 All methods are thread-safe and never block on I/O.
 """
 from __future__ import annotations
@@ -48,7 +50,7 @@ SERVED: tuple[Resource, ...] = (NODES, PODS, EVENTS, JOBS, LEASES)
 BUILT_IN_GROUPS = ("", "batch", "coordination.k8s.io")
 WITH_STATUS = (str(NODES), str(PODS), str(JOBS))  # resources whose status is a subresource
 DEFAULT_GRACE = 30
-HISTORY = 20000
+HISTORY = 2000  # events a watch can resume from (older: 410, the informer lists again)
 Key = tuple[str, str, str]  # (resource, namespace, name)
 
 
@@ -74,7 +76,8 @@ class LocalKube(Kube):
             collections.deque(maxlen=history)
         self._forgotten = 0  # the newest resourceVersion no longer in the history
         self._watches: list[LocalWatch] = []
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners: list[Callable[[str, str, dict], None]] = []
+        self._written: list[tuple[str, str, dict]] = []  # this write's events, for the listeners
         self._admission: dict[str, list[Callable[[dict], None]]] = {}
         self._checks: dict[str, Callable[[Mapping, Mapping], None]] = {str(JOBS): check_job_update,
                                                                         str(PODS): check_pod_update}
@@ -83,7 +86,7 @@ class LocalKube(Kube):
     def admit(self, res: Resource, hook: Callable[[dict], None]) -> None:
         self._admission.setdefault(str(res), []).append(hook)
 
-    def subscribe(self, listener: Callable[[], None]) -> None:
+    def subscribe(self, listener: Callable[[str, str, dict], None]) -> None:
         self._listeners.append(listener)
 
     # ---- reads ---------------------------------------------------------------------------------
@@ -242,15 +245,20 @@ class LocalKube(Kube):
                 old["metadata"]["resourceVersion"] = str(self._version)
         if len(self._history) == self._history.maxlen:
             self._forgotten = self._history[0][0]
-        self._history.append((self._version, where[0], where[1], kind, copy.deepcopy(old), copy.deepcopy(new)))
+        entry = (self._version, where[0], where[1], kind, copy.deepcopy(old), copy.deepcopy(new))
+        self._history.append(entry)
+        self._written.append((kind, where[0], entry[5] if entry[5] is not None else entry[4] or {}))
         self._watches = [w for w in self._watches if not w.closed]
         for stream in self._watches:
             if stream.wants(where[0], where[1]):
                 stream.offer(kind, copy.deepcopy(old), copy.deepcopy(new))
 
     def _notify(self) -> None:
-        for listener in list(self._listeners):
-            listener()
+        with self._lock:
+            written, self._written = self._written, []
+        for kind, resource, obj in written:
+            for listener in list(self._listeners):
+                listener(kind, resource, obj)
 
     def _served_key(self, res: Resource) -> str:
         key = str(res)

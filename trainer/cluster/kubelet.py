@@ -12,7 +12,7 @@ of the dry-run: every pod's container gets SIGTERM, then after `grace` seconds i
 `LaunchEpochs` numbers the job's launches for the trainers' event logs (`SPOTGUARD_GENERATION`):
 a container that starts while no other container of its job runs starts a new epoch (the first
 launch, a relaunch after a fallback, a resume); one that starts beside running ones (a joiner,
-a scale-out) shares theirs.
+a scale-out) shares theirs. `launched_at[(job uid, epoch)]`: when its first container started.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ class Wakeup:
         self.event = asyncio.Event()
         self._loop = asyncio.get_running_loop()
 
-    def __call__(self) -> None:
+    def __call__(self, *_written: object) -> None:
         try:
             self._loop.call_soon_threadsafe(self.event.set)
         except RuntimeError:  # the loop is closed: nothing is waiting any more

@@ -104,8 +104,13 @@ class PodRunner:
         return ready
 
     async def terminate(self, grace: float) -> None:
-        """The pod was deleted: SIGTERM, then after `grace` seconds every process killed."""
+        """The pod was deleted: SIGTERM, then after `grace` seconds every process killed (a pod
+        whose container had ended already is deleted for good at once)."""
         self.deleting = True
+        if self.done.is_set():
+            if not self.dead:
+                self._delete()
+            return
         process = self.process
         if process is not None and process.returncode is None:
             try:
