@@ -19,14 +19,24 @@ K8S_ASSETS := $(K8S_ROOT)/k8s-rig/bin
 
 install: $(STAMP)
 
+# The install prints one line; pip's and the build backends' output (the commands included) goes to
+# INSTALL_LOG, whose last lines are printed, with its path, if a step fails (the steps are joined
+# with && : `set -e` does not apply inside the left side of ||).
+INSTALL_LOG := $(VENV)/install.log
+INSTALL_TAIL := 40
+
 $(STAMP): pyproject.toml setup.py constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q -c constraints.txt torch==2.13.0
-	DS_BUILD_OPS=0 $(PIP) install -q -c constraints.txt --no-build-isolation deepspeed
-	$(PIP) install -q -c constraints.txt -e '.[train,deepspeed,hf,lightning,k8s,gpu,ui,s3,test,lint]'
-	TORCH_EXTENSIONS_DIR=$(abspath .cache/torch_extensions) $(PY) tools/prebuild_deepspeed_op.py
-	touch $(STAMP)
+	@echo "installing spotguard and its dependencies into $(VENV) (about 2 minutes on a quiet machine; log: $(INSTALL_LOG))"
+	@$(PYTHON) -m venv $(VENV)
+	@( set -x; \
+	  $(PIP) install -q --upgrade pip setuptools wheel && \
+	  $(PIP) install -q -c constraints.txt torch==2.13.0 && \
+	  DS_BUILD_OPS=0 $(PIP) install -q -c constraints.txt --no-build-isolation deepspeed && \
+	  $(PIP) install -q -c constraints.txt -e '.[train,deepspeed,hf,lightning,k8s,gpu,ui,s3,test,lint]' && \
+	  TORCH_EXTENSIONS_DIR=$(abspath .cache/torch_extensions) $(PY) tools/prebuild_deepspeed_op.py \
+	) > $(INSTALL_LOG) 2>&1 || { tail -n $(INSTALL_TAIL) $(INSTALL_LOG) >&2; \
+	  echo "make install: failed (above: the last $(INSTALL_TAIL) lines of $(INSTALL_LOG))" >&2; exit 1; }
+	@touch $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/spotguard dry-run

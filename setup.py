@@ -30,7 +30,12 @@ for part in parts:
     package_dir[f"spotguard.{part}"] = part
     packages.append(f"spotguard.{part}")
     packages += [f"spotguard.{part}.{sub}" for sub in find_packages(part)]
-TRAINER_DATA = ["scenarios/*.yaml", "traces/*.csv", "traces/README.md"]  # bundled scenarios and spot traces
-package_data = {"spotguard.trainer": TRAINER_DATA} if "trainer" in parts else {}
+# The dry-run's bundled scenarios and spot traces: data folders, listed as packages of their own
+# so setuptools knows they are meant to be installed (it warns about importable folders it is not told of).
+TRAINER_DATA = {"spotguard.trainer.scenarios": ["*.yaml"], "spotguard.trainer.traces": ["*.csv", "README.md"]}
+package_data = {}
+if "trainer" in parts:
+    package_data = TRAINER_DATA
+    packages += list(TRAINER_DATA)
 
 setup(packages=packages, package_dir=package_dir, package_data=package_data)

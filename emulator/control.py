@@ -60,5 +60,13 @@ class EmulatorControl:
     async def reset(self) -> None:
         await self._call("POST", "/reset")
 
+    async def instance_id(self) -> str:
+        return (await self._call("GET", "/instance"))["instance_id"]
+
+    async def replace_instance(self, instance_id: str | None = None) -> str:
+        """Re-creates the emulated VM under the same name; returns its new instance id."""
+        body = {} if instance_id is None else {"instance_id": instance_id}
+        return (await self._call("POST", "/instance", body))["instance_id"]
+
     async def request_counts(self) -> dict:
         return await self._call("GET", "/requests")

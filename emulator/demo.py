@@ -38,7 +38,8 @@ async def _demo(cloud: str, after: float) -> None:
 
     async with Emulator(cloud) as emu, EmulatorControl(emu.url, emu.control_token) as control:
         sources = build_sources(cloud, node="demo-node", base_url=emu.url)
-        print(f"[{cloud}] emulator on {emu.url}; {len(sources)} sources polling; reclaim in {after:g}s")
+        polling = f"{len(sources)} source{'s' if len(sources) != 1 else ''} polling"
+        print(f"[{cloud}] emulator on {emu.url}; {polling}; reclaim in {after:g}s")
         scheduled = await control.schedule("reclaim", in_=after)
         updates = merged_updates(sources)
         try:

@@ -14,6 +14,10 @@ Scripting, from code (thread-safe, any thread):
 - `lose(i)`: GPU i is lost: all its calls raise GpuIsLost, and so does the next wait;
 - `remove(i)`: GPU i fell off the bus: `device_count()` drops, its calls raise GpuIsLost.
 
+Every fake GPU not given a `uuid` gets a new random one (`GPU-<uuid4>`, as NVML names them):
+a fake backend is one machine's GPUs, and a machine re-created (the dry-run's new instance)
+has new GPUs.
+
 Scenario file (YAML or JSON), loaded with `FakeGpuBackend.from_scenario(path)`:
 ```yaml
 gpus: 2                      # a count, or a list of FakeGpu fields: [{uuid: GPU-a, temperature: 50}]
@@ -35,6 +39,7 @@ import collections
 import dataclasses
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Mapping, Sequence
@@ -71,6 +76,11 @@ class FakeGpu:
     present: bool = True
 
 
+def new_gpu_uuid() -> str:
+    """A new random GPU UUID in NVML's form."""
+    return f"GPU-{uuid.uuid4()}"
+
+
 def nvml_error(spec: Any) -> pynvml.NVMLError:
     """A real pynvml error from an instance, a class, a name ('GpuIsLost') or a code (15)."""
     if isinstance(spec, pynvml.NVMLError):
@@ -93,7 +103,7 @@ class FakeGpuBackend(GpuBackend):
     def __init__(self, gpus: int | Sequence[FakeGpu] = 1, init_error: Any = None, register_error: Any = None,
                  steps: Sequence[Mapping[str, Any]] = (), clock=time.monotonic):
         if isinstance(gpus, int):
-            gpus = [FakeGpu(uuid=f"GPU-fake-{i:04d}", pci_bus_id=f"00000000:{0x10 + i:02X}:00.0") for i in range(gpus)]
+            gpus = [FakeGpu(uuid=new_gpu_uuid(), pci_bus_id=f"00000000:{0x10 + i:02X}:00.0") for i in range(gpus)]
         self.gpus: list[FakeGpu] = list(gpus)
         self.init_error = None if init_error is None else nvml_error(init_error)
         self.register_error = None if register_error is None else nvml_error(register_error)
@@ -165,7 +175,7 @@ class FakeGpuBackend(GpuBackend):
             if isinstance(gpus_spec, int) and not isinstance(gpus_spec, bool) and gpus_spec >= 0:
                 gpus: int | list[FakeGpu] = gpus_spec
             elif isinstance(gpus_spec, list):
-                gpus = [FakeGpu(**({"uuid": f"GPU-fake-{i:04d}"} | dict(g))) for i, g in enumerate(gpus_spec)]
+                gpus = [FakeGpu(**({"uuid": new_gpu_uuid()} | dict(g))) for g in gpus_spec]
             else:
                 raise ValueError(f"gpus: expected a count or a list, got {gpus_spec!r:.40}")
             steps = data.get("steps") or []

@@ -8,6 +8,10 @@ changes what the emulated cloud says; the token is random unless given):
 - POST   /_emulator/faults          {"kind", "path", "count", "seconds", "status", "bytes", "retry_after"}
 - DELETE /_emulator/faults          clear all faults
 - POST   /_emulator/reset           drop every notice and fault
+- GET    /_emulator/instance        -> {"instance_id": ...} the emulated VM's id
+- POST   /_emulator/instance        {"instance_id": optional} the VM is re-created under the same
+                                    name: a new instance id (given, else random); notices and
+                                    faults stay (reset for a fresh VM) -> {"instance_id": ...}
 - GET    /_emulator/requests        -> {"total": n, "by_path": {...}} cloud requests served
 """
 from __future__ import annotations
@@ -67,6 +71,8 @@ class Emulator:
             web.post(f"{CONTROL_PREFIX}/faults", self._add_fault),
             web.delete(f"{CONTROL_PREFIX}/faults", self._clear_faults),
             web.post(f"{CONTROL_PREFIX}/reset", self._reset),
+            web.get(f"{CONTROL_PREFIX}/instance", self._instance),
+            web.post(f"{CONTROL_PREFIX}/instance", self._replace_instance),
             web.get(f"{CONTROL_PREFIX}/requests", self._request_counts),
         ])
         return app
@@ -189,6 +195,19 @@ class Emulator:
         self.state.reset()
         self.requests.clear()
         return web.json_response({"reset": True})
+
+    async def _instance(self, request: web.Request) -> web.Response:
+        return web.json_response({"instance_id": self.handler.instance_id})
+
+    async def _replace_instance(self, request: web.Request) -> web.Response:
+        spec = await self._body(request) if request.can_read_body else {}
+        if not isinstance(spec, dict):
+            return _json_error(400, "body: expected a JSON object")
+        try:
+            instance_id = self.handler.replace_instance(spec.get("instance_id"))
+        except ScheduleError as exc:
+            return _json_error(400, str(exc))
+        return web.json_response({"instance_id": instance_id})
 
     async def _request_counts(self, request: web.Request) -> web.Response:
         return web.json_response({"total": sum(self.requests.values()), "by_path": dict(self.requests)})

@@ -108,11 +108,11 @@ from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.notice_gate import ACT_ON, Action, NoticeGate
 from spotguard.hooks.notice_listener import NoticeListener
 from spotguard.hooks.orphan_watch import OrphanWatch
-from spotguard.hooks.replacement_hold import HELD_KINDS, HOLD_MARGIN_SECONDS, release_at
+from spotguard.hooks.replacement_hold import HOLD_MARGIN_SECONDS, release_at
 from spotguard.hooks.signals import SignalTrap
 from spotguard.hooks.step_result import CONTINUED, Happened, StepResult
 from spotguard.hooks.termination_message import write_termination_message
-from spotguard.wire import names
+from spotguard.wire import names, notice_policy
 from spotguard.wire.notice import Kind, Notice, now_utc
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class Guard:
                  extra_signals: Iterable[int] = (), snapshot_every: int = 0, save_margin_seconds: float = 1.0,
                  act_on: Iterable[Kind | str] = ACT_ON, exit_on_drain: bool = True, process_group: Any = None,
                  install_signals: bool = True, hard_exit: bool = True, pipeline: bool = False,
-                 horizon_seconds: float = 120.0, in_place: bool | None = None):
+                 horizon_seconds: float = notice_policy.HORIZON_SECONDS, in_place: bool | None = None):
         self.grace_seconds = positive_float("grace_seconds", grace_seconds)
         self.agree_every = positive_int("agree_every", agree_every)
         self.snapshot_every = positive_int("snapshot_every", snapshot_every, allow_zero=True)
@@ -320,7 +320,7 @@ class Guard:
         """When a notice on this rank's own host is released while its warm-standby replacement
         is on its way (`replacement_hold.release_at`); None: act on it now, as without a hold."""
         view = self.view
-        if view is None or notice.kind not in HELD_KINDS or notice.node != view.node:
+        if view is None or not notice_policy.answered_by_standby(notice) or notice.node != view.node:
             return None
         estimate = self.adapter.estimate_save_seconds() if self.adapter is not None else None
         return release_at(now=now.timestamp(), deadline=notice.deadline.timestamp() if notice.deadline else None,

@@ -4,12 +4,14 @@ Pure policy: no I/O, no torch, no clock of its own (what depends on time takes `
 call from the listener thread and the training loop at once.
 
 Contract:
-- `offer(notice, now)` returns a `Decision`:
-  IGNORE when it is an advisory (information, never acted on), when its kind is not in
-  `act_on`, or when its id is answered (by the checkpoint the job
-  resumed from, or by a finished drain: a re-sent or updated copy never drains again);
-  HOLD when its deadline is more than `horizon_seconds` after `now` (kept until `release_due`
-  finds it within the horizon, or a withdrawal drops it), or when the gate's `hold(notice,
+- `offer(notice, now)` reads the notice through the one notice policy
+  (`spotguard.wire.notice_policy.read`, with `act_on` and `horizon_seconds`) and returns a
+  `Decision`:
+  IGNORE when it reads as advice (an advisory, a rebalance, a kind not in `act_on`), or when
+  its id is answered (by the checkpoint the job resumed from, or by a finished drain: a re-sent
+  or updated copy never drains again; a re-created instance's notice has another id);
+  HOLD when it reads as held (its deadline is more than `horizon_seconds` after `now`: kept
+  until `release_due` finds it within the horizon, or a withdrawal drops it), or when the gate's `hold(notice,
   now)` gives a release time after `now` (a replacement is on its way: `replacement_hold`; kept
   until `release_due` reaches that time, or a withdrawal drops it; every copy offered again is
   asked again and its release time never moves later: a copy for which `hold` gives None, e.g.
@@ -31,9 +33,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from collections.abc import Callable, Iterable
 
+from spotguard.wire import notice_policy
 from spotguard.wire.notice import Kind, Notice
 
-ACT_ON = frozenset({Kind.RECLAIM, Kind.DRAIN, Kind.MAINTENANCE, Kind.GPU_FAULT})
+ACT_ON = notice_policy.DEPARTING_KINDS
 
 
 class Action(enum.Enum):
@@ -62,7 +65,7 @@ def deadline_ts(notice: Notice) -> float:
 class NoticeGate:
     """See the module docstring."""
 
-    def __init__(self, act_on: Iterable[Kind] = ACT_ON, horizon_seconds: float = 120.0,
+    def __init__(self, act_on: Iterable[Kind] = ACT_ON, horizon_seconds: float = notice_policy.HORIZON_SECONDS,
                  hold: Callable[[Notice, datetime], float | None] | None = None):
         self.act_on = frozenset(act_on)
         self.horizon_seconds = horizon_seconds
@@ -91,16 +94,15 @@ class NoticeGate:
         return self._offer(notice, now, may_hold=True)
 
     def _offer(self, notice: Notice, now: datetime, may_hold: bool) -> Decision:
-        if notice.advisory:
-            return Decision(Action.IGNORE, "advisory")
-        if notice.kind not in self.act_on:
-            return Decision(Action.IGNORE, "kind")
+        reading = notice_policy.read(notice, now, horizon_seconds=self.horizon_seconds, departing=self.act_on)
+        if reading.meaning is notice_policy.Meaning.ADVICE:
+            return Decision(Action.IGNORE, reading.why)
         if notice.id in self._answered:
             return Decision(Action.IGNORE, "answered")
         left = notice.seconds_left(now)
         release = self.hold(notice, now) if may_hold and self.hold is not None else None
         with self._lock:
-            if left is not None and left > self.horizon_seconds:
+            if reading.meaning is notice_policy.Meaning.HELD:
                 why = "again" if notice.id in self._held else "new"
                 self._held[notice.id] = notice
                 return Decision(Action.HOLD, why, left)
@@ -122,7 +124,8 @@ class NoticeGate:
         with self._lock:
             due = [(n, n.id in self._release) for n in self._held.values()
                    if (self._release[n.id] <= ts if n.id in self._release
-                       else (n.seconds_left(now) or 0.0) <= self.horizon_seconds)]
+                       else notice_policy.read(n, now, horizon_seconds=self.horizon_seconds).meaning
+                       is not notice_policy.Meaning.HELD)]
         for notice, was_replacement_hold in due:
             self._offer(notice, now, may_hold=not was_replacement_hold)
         return [n for n, _ in due]

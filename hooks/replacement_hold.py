@@ -19,15 +19,14 @@ Contract:
   hold's own).
   Released then, the agreed step's durable checkpoint still fits before the deadline by the
   same rule `save_decision` applies.
+- Which notices a warm standby answers (a departure from a node's monitors) is the one notice
+  policy's `answered_by_standby` (`spotguard.wire.notice_policy`); the caller asks it first.
 - The hold ends earlier when the membership that swaps the rank for its replacement is agreed
   (the Guard's in-place change); that is not decided here.
 """
 from __future__ import annotations
 
-from spotguard.wire.notice import Kind
-
 HOLD_MARGIN_SECONDS = 1.0  # on top of the save decision's margin: the agreement, the leaving rank's handover
-HELD_KINDS = frozenset({Kind.RECLAIM, Kind.MAINTENANCE})  # the notices the supervisor's warm standby answers
 
 
 def release_at(*, now: float, deadline: float | None, replacement_coming: bool, save_estimate: float | None,

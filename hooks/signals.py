@@ -21,11 +21,12 @@ from datetime import datetime, timedelta, UTC
 from types import FrameType
 from typing import Any
 
+from spotguard.wire import names
 from spotguard.wire.notice import Kind, Notice, notice_id
 
 log = logging.getLogger("spotguard.hooks.signals")
 
-SOURCE = "signal"
+SOURCE = names.SIGNAL_SOURCE
 
 
 def node_name() -> str:

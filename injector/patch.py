@@ -28,8 +28,8 @@ from typing import Any
 
 from spotguard.injector import in_place
 from spotguard.wire import names
+from spotguard.wire.injection import SIDECAR_NAME, wants_injection
 
-SIDECAR_NAME = "spotguard-sidecar"
 SHARED_VOLUME = "spotguard-run"
 PODINFO_VOLUME = "spotguard-podinfo"
 TOKEN_VOLUME = "spotguard-agent-token"
@@ -60,16 +60,6 @@ class InjectorConfig:
 def _escape(name: str) -> str:
     """JSON-pointer escaping of one path segment (RFC 6901)."""
     return name.replace("~", "~0").replace("/", "~1")
-
-
-def wants_injection(pod: dict[str, Any]) -> bool:
-    meta = pod.get("metadata") or {}
-    labels = meta.get("labels") or {}
-    annotations = meta.get("annotations") or {}
-    if labels.get(names.LABEL_INJECT) != "true" or annotations.get(names.ANN_INJECTED) == "true":
-        return False
-    spec = pod.get("spec") or {}
-    return not any(c.get("name") == SIDECAR_NAME for c in (spec.get("initContainers") or []))
 
 
 def _mount_for(pod: dict[str, Any], path: str, field: str) -> dict[str, Any]:

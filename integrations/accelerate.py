@@ -7,6 +7,9 @@
         ...forward, accelerator.backward(loss), optimizer.step()...
         guard.step(step)                          # on a notice: every rank saves this step, exit 83
 
+Launch with `spotguard launch` (torchrun's flags), which exits 83 when every rank drained; torchrun
+reports any worker's non-zero exit as its own exit 1.
+
 Contract:
 - Made on every rank after `prepare` (same order), it checks the accelerate version
   (UnsupportedFramework naming the versions needed) and makes the Guard; with `model=` (the

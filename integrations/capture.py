@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from spotguard.hooks.checkpoint.store import PendingCheckpoint
+from spotguard.hooks.checkpoint.types import PendingCheckpoint
 from spotguard.hooks.checkpoint.torchfile import save_torch_file_spread
 
 TORCH, SAFETENSORS = "torch", "safetensors"

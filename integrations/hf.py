@@ -2,7 +2,10 @@
 
     trainer = Trainer(model=model, args=args, train_dataset=ds)
     SpotguardCallback.attach(trainer)                 # the one line
-    trainer.train(resume_from_checkpoint=True if has_checkpoint else None)
+    trainer.train(resume_from_checkpoint=last_checkpoint(trainer))   # None on a first run
+
+Launch with `spotguard launch` (torchrun's flags), which exits 83 when every rank drained; torchrun
+reports any worker's non-zero exit as its own exit 1.
 
 Contract:
 - `attach(trainer, **guard_options)` checks the transformers version (UnsupportedFramework
@@ -23,8 +26,10 @@ Contract:
   the Trainer's own name `checkpoint-N`: it is written into `<output_dir>/.pending-checkpoint-N`
   (invisible to `get_last_checkpoint`) and renamed to `<output_dir>/checkpoint-N` once every rank
   wrote its part, with the store's manifest (`spotguard-manifest.json`: checksums, the step and the
-  notice it answers). `trainer.train(resume_from_checkpoint=True)` resumes from it unchanged, at
-  any world size the Trainer supports. The Trainer's own periodic checkpoints are untouched.
+  notice it answers). `trainer.train(resume_from_checkpoint=last_checkpoint(trainer))` resumes
+  from it unchanged, at any world size the Trainer supports (`resume_from_checkpoint=True` raises
+  transformers' "No valid checkpoint found" on a first run). The Trainer's own periodic
+  checkpoints are untouched.
 - `push_to_hub` is off for spotguard's saves (a notice checkpoint is not a model release).
 """
 from __future__ import annotations
@@ -38,6 +43,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from spotguard.hooks import Guard
 from spotguard.integrations import versions
 from spotguard.integrations.core import FrameworkAdapter, guard_for
+
+
+def last_checkpoint(trainer: Any) -> str | None:
+    """What `trainer.train(resume_from_checkpoint=...)` resumes from: the newest complete
+    `checkpoint-N` in the Trainer's `output_dir` (transformers' `get_last_checkpoint`; a save in
+    progress, `.pending-checkpoint-N`, is not one), or None when there is none yet (no folder, or
+    an empty one), so a first run starts from scratch."""
+    output_dir = Path(trainer.args.output_dir)
+    return get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
 
 
 class TrainerSave(FrameworkAdapter):
@@ -67,7 +81,7 @@ class TrainerSave(FrameworkAdapter):
     def resume(self) -> int | None:
         """The Trainer resumes itself (`resume_from_checkpoint`); this only reads the store's record of
         the checkpoint it picks (the notice it answered). Returns None: nothing loaded here."""
-        last = get_last_checkpoint(str(self.output_dir)) if self.output_dir.is_dir() else None
+        last = last_checkpoint(self.trainer)
         info = self.store.read(Path(last).name) if last else None
         self.resumed_metadata = dict(info.metadata) if info is not None else None
         return None
@@ -108,7 +122,9 @@ class SpotguardCallback(TrainerCallback):
         if self.adapter is not None and not self.adapter.prepared:
             self.adapter.prepare()  # every rank, the same step: the buffers exist before any notice
         if self.guard.step(state.global_step):
-            control.should_training_stop = True  # exit_on_drain=False: the Trainer stops after the drain
+            # Reached only with attach(trainer, exit_on_drain=False): by default the Guard ends the
+            # process after the drain (83, 84 if the save failed) inside step(). Here the Trainer stops.
+            control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.guard is not None:

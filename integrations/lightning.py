@@ -3,6 +3,9 @@
     trainer = L.Trainer(..., callbacks=[ModelCheckpoint(dirpath="/ckpt", save_last=True), SpotguardCallback()])
     trainer.fit(model, loader, ckpt_path="last")
 
+Launch with `spotguard launch` (torchrun's flags), which exits 83 when every rank drained; torchrun
+reports any worker's non-zero exit as its own exit 1.
+
 Contract:
 - Made anywhere (it checks the lightning version at once: UnsupportedFramework naming the
   versions needed); `guard_options` go to the Guard.
@@ -19,7 +22,8 @@ Contract:
   writes `last.ckpt` (Lightning's format: one `torch.save` file) in the background; then
   `trainer.should_stop` is set and the run drains (exit 83; 84 when the save failed).
 - Complete or invisible: the checkpoint store's root is `dirpath`; the checkpoint is committed as
-  `<dirpath>/step-<N>-notice/last.ckpt` (with the store's manifest), then rank 0 hard-links it onto
+  `<dirpath>/step-<N, 9 digits>-notice/last.ckpt` (`step-000000112-notice/last.ckpt`, with the
+  store's manifest), then rank 0 hard-links it onto
   `<dirpath>/last.ckpt` (a temporary name renamed into place: one atomic rename), where
   `fit(ckpt_path="last")` finds it. `dirpath` is the ModelCheckpoint's (or the `dirpath` given
   here). Lightning replaces `last.ckpt` by a rename when it saves it itself, so the committed copy
@@ -79,7 +83,8 @@ class LightningSave(FrameworkAdapter):
         kept = strategy.checkpoint_io
         strategy.checkpoint_io = _CapturedIO()
         try:
-            self.trainer.save_checkpoint(str(root / LAST))
+            # The whole checkpoint, said explicitly: Lightning logs "`weights_only` was not set" when left out.
+            self.trainer.save_checkpoint(str(root / LAST), weights_only=False)
         finally:
             strategy.checkpoint_io = kept
 
@@ -156,7 +161,9 @@ class SpotguardCallback(pl.Callback):
         if self.adapter is not None and not self.adapter.prepared:
             self.adapter.prepare()  # every rank, the same step: the buffers exist before any notice
         if self.guard.step(step):
-            trainer.should_stop = True  # exit_on_drain=False: Lightning stops after the drain
+            # Reached only with SpotguardCallback(exit_on_drain=False): by default the Guard ends the
+            # process after the drain (83, 84 if the save failed) inside step(). Here Lightning stops.
+            trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.close()

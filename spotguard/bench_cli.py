@@ -1,6 +1,6 @@
 """`spotguard bench NAME [args]`: run one of the repository's bench/ scripts by name.
 
-    spotguard bench list                   # every script with the first line of its docstring
+    spotguard bench list                   # every script with its docstring's first paragraph
     spotguard bench goodput --workers 2    # runs bench/goodput.py's main(["--workers", "2"])
 
 The scripts live in the source tree, not in the package: bench/ is found next to the
@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import ast
 import re
+import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from spotguard.config import ConfigError
@@ -45,7 +47,8 @@ def find_bench_dir(package_dir: Path | None = None) -> Path:
 
 
 def list_scripts(bench_dir: Path) -> list[tuple[str, str]]:
-    """(name, first docstring line) of every bench/<name>.py, read without importing it."""
+    """(name, summary) of every bench/<name>.py, read without importing it: the summary is the
+    docstring's first paragraph on one line (a summary may be wrapped over several lines)."""
     out = []
     for path in sorted(bench_dir.glob("*.py")):
         if path.name.startswith("_"):
@@ -54,8 +57,21 @@ def list_scripts(bench_dir: Path) -> list[tuple[str, str]]:
             doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
         except (SyntaxError, UnicodeDecodeError, OSError) as exc:
             doc = f"(unreadable: {exc.__class__.__name__})"
-        out.append((path.stem, doc.strip().split("\n")[0]))
+        out.append((path.stem, " ".join(doc.strip().split("\n\n")[0].split())))
     return out
+
+
+def format_listing(scripts: list[tuple[str, str]], columns: int) -> str:
+    """The names in one column, each summary wrapped whole beside its name to `columns`
+    (at least 40 characters of text per line)."""
+    width = max((len(n) for n, _ in scripts), default=0)
+    text_width = max(columns - width - 2, 40)
+    lines = []
+    for name, summary in scripts:
+        wrapped = textwrap.wrap(summary, text_width) or [""]
+        lines.append(f"{name:<{width}}  {wrapped[0]}".rstrip())
+        lines += [" " * (width + 2) + more for more in wrapped[1:]]
+    return "\n".join(lines)
 
 
 def script_path(bench_dir: Path, name: str) -> Path:
@@ -108,9 +124,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     bench_dir = find_bench_dir()
     if args.name == "list":
-        scripts = list_scripts(bench_dir)
-        width = max((len(n) for n, _ in scripts), default=0)
-        for name, line in scripts:
-            print(f"{name:<{width}}  {line}")
+        print(format_listing(list_scripts(bench_dir), shutil.get_terminal_size().columns))
         return 0
     return run_script(script_path(bench_dir, args.name), list(args.args))

@@ -32,6 +32,7 @@ from spotguard.supervisor.jobs import ADAPTERS, JobAdapter
 from spotguard.supervisor.metrics import SupervisorMetrics
 from spotguard.supervisor.policy import Decision, Settings
 from spotguard.supervisor.reconciler import Reconciler
+from spotguard.supervisor.sidecar_watch import MissingSidecars
 from spotguard.supervisor.work_queue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Controller:
                                      identity=cfg.identity, membership_hosts=cfg.membership_hosts, ledger=self.ledger,
                                      metrics=self.metrics, is_leader=self.is_leader, requeue=self.queue.add)
         self.costs = CostKeeper(self.ledger, self.cache, self.adapters, self.effects, self.metrics, self.is_leader)
+        self.sidecars = MissingSidecars(self.metrics.pods_missing_sidecar, self.effects.create_event)
         self._informers: list[Informer] = []
         self._tasks: list[asyncio.Task] = []
 
@@ -138,6 +140,7 @@ class Controller:
         while True:
             await asyncio.sleep(self.config.resync)
             self.enqueue_all()
+            await self.sidecars.warn()  # those the last leader, or a failed post, left unwarned
 
     async def _cost_loop(self) -> None:
         saved_at = 0.0
@@ -155,6 +158,7 @@ class Controller:
         self._enqueue(keys)
 
     def _on_pod_event(self, kind: str, payload: Any) -> None:
+        self.sidecars.follow(kind, payload)  # a pod that asked for the sidecar and was admitted without it
         keys = self.cache.apply_pod(kind, payload)
         self.costs.observe(keys)  # the job's nodes may have moved: count up to now on the old ones
         self._enqueue(keys)

@@ -17,6 +17,8 @@ are namespace, job, kind):
   GaveUp (spotguard keeps the job suspended).
 - `spotguard_job_on_demand` (gauge, 0/1): 1 while the job runs on on-demand capacity after a
   fallback (the record's `capacity`).
+- `spotguard_pods_missing_sidecar{namespace}` (gauge): live pods labelled `spotguard.io/inject`
+  admitted without the sidecar while the injector did not answer (sidecar_watch.py).
 The alerts in daemonset/monitoring/prometheus-rule.yaml read these names.
 """
 from __future__ import annotations
@@ -54,6 +56,9 @@ class SupervisorMetrics:
         self.suspended = r.gauge("spotguard_job_suspended", "1 while spotguard keeps the job suspended", JOB_LABELS)
         self.on_demand_now = r.gauge("spotguard_job_on_demand",
                                      "1 while the job runs on on-demand capacity after a fallback", JOB_LABELS)
+        self.pods_missing_sidecar = r.gauge("spotguard_pods_missing_sidecar",
+                                            "Live pods labelled spotguard.io/inject that were admitted without "
+                                            "the sidecar (the injector did not answer)", ("namespace",))
 
     def render(self) -> str:
         return self.registry.render()

@@ -1,6 +1,7 @@
 """`spotguard bench`: finding bench/, listing the scripts, running one's main with its arguments."""
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.bench_cli import BenchNotFound, find_bench_dir, list_scripts, script_path
+from spotguard.bench_cli import BenchNotFound, find_bench_dir, format_listing, list_scripts, script_path
 from spotguard.config import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,16 +22,43 @@ def spotguard(*args: str, cwd: Path | None = None) -> subprocess.CompletedProces
                           timeout=WAIT, cwd=cwd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
-def test_list_names_every_script_with_its_docstring_line(tmp_path):
-    done = spotguard("bench", "list", cwd=tmp_path)  # from elsewhere: bench/ is found by the package
+def test_list_names_every_script_with_its_whole_summary(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "spotguard", "bench", "list"], capture_output=True, text=True,
+                          timeout=WAIT, cwd=tmp_path,  # from elsewhere: bench/ is found by the package
+                          env=dict(os.environ, COLUMNS="100"))
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    for script in sorted(p for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_")):
-        line = next((ln for ln in lines if ln.split()[0] == script.stem), None)
-        assert line is not None, f"{script.stem} missing from {done.stdout}"
-        assert len(line.split(None, 1)) == 2, f"no description for {script.stem}"
-    goodput = next(ln for ln in lines if ln.startswith("goodput "))
-    assert "spot trace" in goodput
+    assert max(len(ln) for ln in lines) <= 100
+    indent = len(lines[0]) - len(lines[0].split(None, 1)[1])
+    entries: dict[str, str] = {}  # name -> its summary, continuation lines joined
+    for line in lines:
+        if line[:indent].strip():
+            name, summary = line.split(None, 1)
+            entries[name] = summary
+        else:
+            entries[name] += " " + line.strip()
+    scripts = sorted(p for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_"))
+    assert sorted(entries) == [p.stem for p in scripts]
+    for script in scripts:
+        summary = entries[script.stem]
+        # each one whole, never cut mid-sentence (it was: "... the Trainer, Accelerate and")
+        assert summary.endswith("."), f"{script.stem}: {summary!r}"
+        first_paragraph = " ".join(ast.get_docstring(ast.parse(script.read_text())).split("\n\n")[0].split())
+        assert summary == first_paragraph
+    assert "spot trace" in entries["goodput"]
+    assert entries["integration_overhead"].endswith("the Trainer, Accelerate and Lightning loops with and "
+                                                    "without spotguard, in one run.")
+
+
+def test_listing_wraps_each_summary_beside_its_name():
+    summary = "The first sentence of eleven words, then a second one: which wraps."
+    listing = format_listing([("a", summary), ("long_name", "Short."), ("none", "")], 60)
+    assert listing.split("\n") == ["a          The first sentence of eleven words, then a second",
+                                    "           one: which wraps.",
+                                    "long_name  Short.",
+                                    "none"]
+    narrow = format_listing([("a", summary)], 20).split("\n")  # never fewer than 40 characters of text
+    assert [len(line) for line in narrow] == [3 + 40, 3 + 26]
 
 
 def test_runs_a_script_main_with_the_remaining_arguments(tmp_path):
@@ -59,7 +87,8 @@ def make_tree(root: Path, marker: bool = True) -> Path:
     if marker:
         (root / "pyproject.toml").write_text("[project]\nname = 'spotguard'\n")
     (root / "bench" / "echo_args.py").write_text(textwrap.dedent('''\
-        """Echo: prints its arguments and exits with the number of them.
+        """Echo: prints its arguments and exits with the
+        number of them.
 
         More text that `list` does not show.
         """

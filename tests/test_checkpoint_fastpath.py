@@ -261,6 +261,7 @@ DCP_WORKER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from spotguard.hooks.checkpoint import CheckpointStore
+    from spotguard.hooks.checkpoint.dcp import StoreDcpReader, StoreDcpWriter
     root, phase = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -274,7 +275,7 @@ DCP_WORKER = textwrap.dedent("""
             msd, osd = get_state_dict(model, opt)
             state = {"model": msd, "optim": osd}
             pending = store.begin(f"step-{step}")
-            writer = store.dcp_writer(pending)
+            writer = StoreDcpWriter(pending)
             if step == 1:
                 dcp.save(state, storage_writer=writer)
             else:  # async: staged into the store's buffers, written in the background
@@ -292,7 +293,7 @@ DCP_WORKER = textwrap.dedent("""
         info = store.resolve(verify=True)
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, storage_reader=store.dcp_reader(info))
+        dcp.load(state, storage_reader=StoreDcpReader(info.dir))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         expected = torch.load(os.path.join(root, "..", "expected.pt"))
         for k, v in model.module.state_dict().items():
@@ -326,6 +327,8 @@ def test_the_store_dcp_writer_puts_each_item_where_dcps_own_writer_does_and_plai
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+    from spotguard.hooks.checkpoint.dcp import StoreDcpWriter
+
     torch.manual_seed(0)
     state = {"w": torch.randn(600, 700), "view": torch.randn(800, 300)[::2], "ids": torch.arange(10),
              "empty": torch.empty(0), "half": torch.randn(3000).half(), "meta": {"step": 7, "name": "run"}}
@@ -333,7 +336,7 @@ def test_the_store_dcp_writer_puts_each_item_where_dcps_own_writer_does_and_plai
     pending = store.begin("dcp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP without a process group: one process
-        dcp.save(state, storage_writer=store.dcp_writer(pending))
+        dcp.save(state, storage_writer=StoreDcpWriter(pending))
         dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "own", single_file_per_rank=True, thread_count=4))
         info = store.commit("dcp", world_size=1)
         store.verify(info)
@@ -347,6 +350,32 @@ def test_the_store_dcp_writer_puts_each_item_where_dcps_own_writer_does_and_plai
     for key in ("w", "view", "ids", "empty", "half"):
         assert torch.equal(loaded[key], state[key]), key
     assert loaded["meta"] == {"step": 7, "name": "run"}
+
+
+def test_the_stores_dcp_plugin_names_still_work_and_say_what_replaces_them(tmp_path):
+    """`store.dcp_writer(pending)` / `store.dcp_reader(info)` (the plug-ins now live in dcp.py, for
+    any PendingCheckpoint) warn with the replacement and give the same writer and reader."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from spotguard.hooks.checkpoint.dcp import StoreDcpReader, StoreDcpWriter
+
+    store = CheckpointStore(tmp_path / "store")
+    pending = store.begin("dcp")
+    with pytest.warns(DeprecationWarning, match=r"dcp\.StoreDcpWriter\(pending\)"):
+        writer = store.dcp_writer(pending)
+    assert isinstance(writer, StoreDcpWriter) and writer.pending is pending
+    state = {"w": torch.arange(12.0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP without a process group: one process
+        dcp.save(state, storage_writer=writer)
+        info = store.commit("dcp", world_size=1)
+        with pytest.warns(DeprecationWarning, match=r"StoreDcpReader\(info\.dir\)"):
+            reader = store.dcp_reader(info)
+        loaded = {"w": torch.zeros(12)}
+        dcp.load(loaded, storage_reader=reader)
+    assert isinstance(reader, StoreDcpReader) and torch.equal(loaded["w"], state["w"])
 
 
 def test_a_torch_file_written_with_flush_behind_is_whole_and_its_checksum_is_of_what_is_on_disk(tmp_path):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from spotguard.config import ConfigError
-from spotguard.hooks.checkpoint import open_store
+from spotguard.hooks.checkpoint import TieredStore, open_store
 from spotguard.hooks.checkpoint.objectstore.remote import RemoteCheckpoints
 from spotguard.hooks.checkpoint.objectstore.store import ObjectCheckpointStore
 from spotguard.hooks.checkpoint.objectstore.url import ObjectStoreURL
@@ -35,7 +35,7 @@ def keys(server, url: str) -> list[str]:
 
 def test_commit_is_local_first_then_in_the_object_store_and_loads_on_another_node(s3_env, s3_server, tmp_path):
     store = open_store(s3_env, local_dir=tmp_path / "node-a")
-    assert isinstance(store, ObjectCheckpointStore)
+    assert isinstance(store, ObjectCheckpointStore) and isinstance(store, TieredStore)
     data = {"w0": os.urandom(1000), "sub/w1": os.urandom(300_000)}
     info = save(store, "step-1", data, 1)
     assert info.tag == "step-1" and store.durable_tier("step-1") in ("local", "object")

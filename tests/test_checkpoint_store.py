@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from spotguard.config import ConfigError
-from spotguard.hooks.checkpoint import CheckpointCorrupt, CheckpointStore, CommitError
+from spotguard.hooks.checkpoint import CheckpointCorrupt, CheckpointStore, CommitError, Store, TieredStore, open_store
 from spotguard.hooks.checkpoint.store import MANIFEST
 
 
@@ -41,6 +41,12 @@ def test_commit_makes_a_complete_checkpoint_with_manifest_and_pointer(tmp_path):
     assert (tmp_path / "ck" / "latest").read_text() == "step-10"
     assert not list((tmp_path / "ck").glob(".pending-*"))
     assert store.resolve().tag == "step-10"
+
+
+def test_open_store_on_a_directory_is_the_disk_store_one_tier_only(tmp_path):
+    store = open_store(tmp_path / "ck", keep_last=2)
+    assert type(store) is CheckpointStore and store.keep_last == 2 and store.root == tmp_path / "ck"
+    assert isinstance(store, Store) and not isinstance(store, TieredStore) and not store.agrees_attempts
 
 
 def test_uncommitted_and_refused_commits_stay_invisible(tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import re
 import time
 
 import aiohttp
@@ -23,6 +24,8 @@ CONTROL_ROUTES = [
     ("DELETE", "/_emulator/faults", None),
     ("POST", "/_emulator/reset", None),
     ("GET", "/_emulator/requests", None),
+    ("GET", "/_emulator/instance", None),
+    ("POST", "/_emulator/instance", {"instance_id": "i-0000000000000000f"}),
 ]
 
 
@@ -61,11 +64,12 @@ async def aws(make_emulator, http):
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}],
                          ids=["none", "wrong-token", "other-scheme"])
 async def test_control_api_requires_the_bearer_token(aws, method, path, body, headers):
+    before = aws.emu.handler.instance_id
     status, reply = await aws.control(method, path, body, headers=headers)
     assert status == 401 and "token" in reply["error"]
     status, listed = await aws.control("GET", "/_emulator/notices")
     assert status == 200 and listed["notices"] == []  # the refused call changed nothing
-    assert aws.emu.faults.rules == []
+    assert aws.emu.faults.rules == [] and aws.emu.handler.instance_id == before
 
 
 @pytest.mark.parametrize("cloud", CLOUDS_PRESENT)
@@ -266,3 +270,66 @@ async def test_request_counts_by_path(aws):
     await aws.get(LIFECYCLE)
     _, counts = await aws.control("GET", "/_emulator/requests")
     assert counts == {"total": 3, "by_path": {SPOT: 2, LIFECYCLE: 1}}
+
+
+# -- the instance -----------------------------------------------------------------------------------
+
+INSTANCE_ID_READS = {  # cloud -> (path, query, headers, the form of that cloud's instance ids)
+    "aws": ("/latest/meta-data/instance-id", {}, {}, r"i-[0-9a-f]{17}"),
+    "gcp": ("/computeMetadata/v1/instance/id", {}, {"Metadata-Flavor": "Google"}, r"[1-9][0-9]{18}"),
+    "azure": ("/metadata/instance/compute/vmId", {"api-version": "2021-02-01", "format": "text"},
+              {"Metadata": "true"}, r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"),
+    "alibaba": ("/latest/meta-data/instance-id", {}, {}, r"i-[0-9a-z]{20}"),
+}
+
+
+async def served_instance_id(http: aiohttp.ClientSession, emu: Emulator) -> str:
+    """The instance id the emulated cloud serves on its own path (with the headers it asks for)."""
+    path, query, headers, form = INSTANCE_ID_READS[emu.cloud]
+    async with http.get(emu.url + path, params=query, headers=headers) as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    assert re.fullmatch(form, text), text
+    return text
+
+
+@pytest.mark.parametrize("cloud", sorted(INSTANCE_ID_READS))
+async def test_every_emulated_vm_is_a_new_instance(make_emulator, http, cloud):
+    first, _ = await make_emulator(cloud)
+    second, _ = await make_emulator(cloud)
+    ids = [await served_instance_id(http, emu) for emu in (first, second)]
+    assert ids == [first.handler.instance_id, second.handler.instance_id] and ids[0] != ids[1]
+    assert await served_instance_id(http, first) == ids[0]  # the same VM: the same id on every read
+
+
+@pytest.mark.parametrize("cloud", sorted(INSTANCE_ID_READS))
+async def test_replacing_the_instance_keeps_the_name_and_the_notices(make_emulator, http, cloud):
+    emu, control = await make_emulator(cloud)
+    raw = Raw(http, emu)
+    await control.schedule(emu.handler.kinds[0], lead=300)
+    old = await control.instance_id()
+    new = await control.replace_instance()
+    assert new != old and await served_instance_id(http, emu) == new == await control.instance_id()
+    assert [n["served_at"] is not None for n in await control.notices()] == [True]
+    assert (await raw.control("POST", "/_emulator/instance", {"instance_id": 7}))[0] == 400
+    status, reply = await raw.control("POST", "/_emulator/instance", {"instance_id": "two words"})
+    assert status == 400 and reply["error"].startswith("instance_id:")
+    assert await control.instance_id() == new  # a refused id changes nothing
+
+
+@pytest.mark.parametrize("cloud", sorted(INSTANCE_ID_READS))
+async def test_the_instance_id_can_be_given(make_emulator, http, cloud):
+    given = {"aws": "i-0123456789abcdef0", "gcp": "4520031799277581759",
+             "azure": "02aab8a4-74ef-476e-8182-f6d2ba4166a6", "alibaba": "i-bp67acfmxazb4ph3pqx0"}[cloud]
+    emu, control = await make_emulator(cloud, instance_id=given)
+    assert await served_instance_id(http, emu) == given
+    assert await control.replace_instance(given) == given  # the same id again: as a test may need
+
+
+async def test_azure_serves_the_vm_id_as_a_leaf_only(make_emulator, http):
+    emu, _ = await make_emulator("azure")
+    url = emu.url + "/metadata/instance/compute/vmId"
+    async with http.get(url, params={"api-version": "2021-02-01"}, headers={"Metadata": "true"}) as resp:
+        assert resp.status == 400  # without format=text
+    async with http.get(url, params={"api-version": "2021-02-01", "format": "text"}) as resp:
+        assert resp.status == 400  # without the Metadata header

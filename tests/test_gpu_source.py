@@ -390,3 +390,68 @@ async def test_notice_ids_differ_between_nodes_and_gpus():
         await a.close()
         await b.close()
     assert len(ids_a) == 2 and len(ids_b) == 2 and not ids_a & ids_b
+
+
+# ---- the instance in the ids: the machine's boot ------------------------------------------------
+BOOT_A = "0d4b8a3e-4c38-4a55-8a3c-63c9a2a1f001"
+BOOT_B = "5e1f2c44-9b71-4e0e-b3aa-0b3f2e7d9002"
+
+
+def boot_file(tmp_path, name: str, content: str) -> str:
+    path = tmp_path / name
+    path.write_text(content + "\n")
+    return str(path)
+
+
+async def fault_ids(fake: FakeGpuBackend, boot_id_path: str) -> tuple[set[str], GpuHealthSource]:
+    """The gpu-fault ids a freshly started source (an agent started now) reads from `fake`."""
+    source = make_source(fake, boot_id_path=boot_id_path)
+    async with Running(source) as run:
+        await run.until(lambda: len(run.notices) == 2, what="both faults")
+        await run.settle(2)
+    return {n.id for n in run.notices}, source
+
+
+async def test_the_same_fault_on_a_new_boot_is_a_new_notice(tmp_path):
+    """A VM re-created under its name may get the very same GPU (same uuid, same failed rows):
+    its notices are new ones. The same boot keeps its ids across restarted agents."""
+    fake = FakeGpuBackend([FakeGpu(uuid="GPU-same-board")])
+    fake.set(0, remap_failure=True, ecc_uncorrected=1)  # persistent faults: read again by every agent
+    this_boot = boot_file(tmp_path, "boot-a", BOOT_A)
+    first, _ = await fault_ids(fake, this_boot)
+    again, _ = await fault_ids(fake, this_boot)
+    assert len(first) == 2 and again == first
+    recreated, source = await fault_ids(fake, boot_file(tmp_path, "boot-b", BOOT_B))
+    assert len(recreated) == 2 and not recreated & first
+    assert not source.stats.errors
+
+
+async def test_the_dry_runs_new_gpu_has_new_ids():
+    """Each fake backend is one machine's GPUs: a re-created one (the dry-run's new instance) has
+    new uuids, so the same Xid there is a new notice even on one kernel (one boot id)."""
+    ids = []
+    for _ in range(2):
+        fake = FakeGpuBackend(1)
+        async with Running(make_source(fake)) as run:
+            await run.event_handled(lambda f=fake: f.xid(0, 79))
+            await run.until(lambda: len(run.notices) == 1, what="the Xid 79 notice")
+        ids.append(run.notices[0].id)
+    assert ids[0] != ids[1]
+
+
+@pytest.mark.parametrize("content", [None, "not-a-boot-id", "\xff"], ids=["missing", "garbage", "binary"])
+async def test_an_unreadable_boot_id_never_costs_the_notice(tmp_path, content):
+    path = str(tmp_path / "boot_id")
+    if content == "\xff":
+        (tmp_path / "boot_id").write_bytes(b"\xff\xfe\n")
+    elif content is not None:
+        boot_file(tmp_path, "boot_id", content)
+    fake = FakeGpuBackend([FakeGpu(uuid="GPU-same-board")])
+    fake.set(0, remap_failure=True, ecc_uncorrected=1)
+    fallback, source = await fault_ids(fake, path)
+    assert len(fallback) == 2
+    reason = "instance_id:unreadable" if content in (None, "\xff") else "instance_id:malformed"
+    assert dict(source.stats.errors) == {reason: 1}
+    known, _ = await fault_ids(fake, boot_file(tmp_path, "boot-a", BOOT_A))
+    assert not known & fallback  # the fallback ids are not the boot's
+    assert (await fault_ids(fake, path))[0] == fallback  # stable while the boot id stays unreadable

@@ -96,3 +96,59 @@ def test_no_component_may_touch_secrets_or_delete_pods():
             assert "secrets" not in rule["resources"], doc["metadata"]["name"]
             assert not ("pods" in rule["resources"] and "delete" in rule["verbs"]), doc["metadata"]["name"]
             assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+PUBLISHED_NAME = "ghcr.io/spotguard/spotguard"
+
+
+def install_blocks() -> list[str]:
+    """The code blocks of the README's "Install on a cluster" section, in order."""
+    section = README.read_text(encoding="utf-8").split("\n## Install on a cluster\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```")[1::2]
+
+
+def readme_overlay() -> str:
+    """The kustomization the README's install writes (`my-spotguard/kustomization.yaml`)."""
+    [block] = [b for b in install_blocks() if "my-spotguard/kustomization.yaml" in b]
+    return block.split("<<'EOF'\n", 1)[1].split("\nEOF", 1)[0] + "\n"
+
+
+def images_of(docs: list[dict]) -> dict[str, str]:
+    """`<kind>/<name>/<container>` -> image, for every container and init container, plus
+    `.../SPOTGUARD_SIDECAR_IMAGE` -> the image the injector injects."""
+    found = {}
+    for doc in docs:
+        spec = (doc.get("spec") or {}).get("template", {}).get("spec", {})
+        for container in [*spec.get("containers", []), *spec.get("initContainers", [])]:
+            where = f"{doc['kind']}/{doc['metadata']['name']}/{container['name']}"
+            found[where] = container["image"]
+            for env in container.get("env", []):
+                if env["name"] == "SPOTGUARD_SIDECAR_IMAGE":
+                    found[f"{where}/SPOTGUARD_SIDECAR_IMAGE"] = env["value"]
+    return found
+
+
+def test_every_image_is_the_one_the_base_names_the_sidecar_too():
+    images = images_of(render(ROOT))
+    assert "Deployment/spotguard-injector/injector/SPOTGUARD_SIDECAR_IMAGE" in images
+    assert len(images) == 5 and set(images.values()) == {f"{PUBLISHED_NAME}:0.1.0"}, images
+
+
+@pytest.mark.parametrize("target", ["daemonset", "daemonset/overlays/aws", "daemonset/overlays/cert-manager"])
+def test_the_readmes_images_override_reaches_every_container_and_the_sidecar(tmp_path, target):
+    shutil.copytree(ROOT, tmp_path / "daemonset")
+    overlay = tmp_path / "my-spotguard"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(readme_overlay().replace("../daemonset ", f"../{target} ", 1))
+    images = images_of(render(overlay))
+    # the sidecar image used to stay ghcr.io/spotguard/spotguard:0.1.0 (unpublished) under an override
+    assert len(images) >= 4 and set(images.values()) == {"registry.example.com/ml/spotguard:0.1.0"}, images
+
+
+def test_examples_name_no_namespace_and_the_training_image():
+    """So `kubectl apply -n NS -f` puts them where the user says (a namespace in the file wins or fails)."""
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        assert [d["metadata"]["name"] for d in docs if "namespace" in d["metadata"]] == [], path.name
+        assert "ghcr.io/spotguard/spotguard-train:0.1.0" in path.read_text()

@@ -3,7 +3,8 @@
 Every source parses one HTTP answer with a pure function (status, headers, body) -> notices.
 Whatever comes in, such a function returns notices or raises SourceError, nothing else; a body
 that is not a valid answer (wrong status, corrupt, truncated, of the wrong shape) never becomes a
-notice; and a valid answer becomes exactly the notices it describes.
+notice; and a valid answer becomes exactly the notices it describes, with ids that change with
+the instance they are on. The instance ids those ids take are fuzzed the same way.
 """
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from spotguard.agent.sources import alibaba, aws, azure, gcp
 from spotguard.agent.sources.base import SourceError
+from spotguard.agent.sources.instance import FALLBACK, parse_instance_id
 from spotguard.emulator.clouds.gcp import value_etag
 from spotguard.emulator.clouds.timefmt import aws_maintenance, iso_z, rfc1123
 from spotguard.wire.notice import Kind, Notice, notice_id
 
 NODE = "node-1"
 VM = "vmss_vm_1"
+INSTANCE = "i-0123456789abcdef0"  # the instance part every parser puts in its ids
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 GOOGLE = {"Metadata-Flavor": "Google", "ETag": "0123abcd"}
 
@@ -28,18 +31,19 @@ fuzz = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 
 def _gcp(parse):
-    def run(status, headers, body):
-        return parse(status, headers, body, node=NODE, detected_at=NOW)[1]
+    def run(status, headers, body, instance=INSTANCE):
+        return parse(status, headers, body, node=NODE, detected_at=NOW, instance=instance)[1]
     return run
 
 
-def _azure(status, headers, body):
-    return azure.parse_scheduled_events(status, headers, body, node=NODE, vm_name=VM, now=NOW).notices
+def _azure(status, headers, body, instance=INSTANCE):
+    return azure.parse_scheduled_events(status, headers, body, node=NODE, vm_name=VM, now=NOW,
+                                        instance=instance).notices
 
 
 def _plain(parse):
-    def run(status, headers, body):
-        return parse(status, headers, body, node=NODE, now=NOW)
+    def run(status, headers, body, instance=INSTANCE):
+        return parse(status, headers, body, node=NODE, now=NOW, instance=instance)
     return run
 
 
@@ -190,7 +194,7 @@ def test_aws_spot_valid(action, when):
     stamp = iso_z(when.timestamp())
     [notice] = outcome("aws.spot", 200, {}, json.dumps({"action": action, "time": stamp}).encode())
     assert notice.kind is Kind.RECLAIM and notice.deadline == when
-    assert notice.id == notice_id("aws.spot", NODE, action, stamp)
+    assert notice.id == notice_id("aws.spot", NODE, INSTANCE, action, stamp)
 
 
 @fuzz
@@ -198,7 +202,7 @@ def test_aws_spot_valid(action, when):
 def test_aws_maintenance_valid(events):
     notices = outcome("aws.maintenance", 200, {}, json.dumps(events).encode())
     active = [e for e in events if e["State"] == "active"]
-    assert [n.id for n in notices] == [notice_id("aws.maintenance", NODE, e["EventId"]) for e in active]
+    assert [n.id for n in notices] == [notice_id("aws.maintenance", NODE, INSTANCE, e["EventId"]) for e in active]
     assert all(n.kind is Kind.MAINTENANCE for n in notices)
 
 
@@ -216,7 +220,7 @@ def test_gcp_valid_and_flavor_required(name, value, kind, extra):
         assert notices == []
     else:
         [notice] = notices
-        assert notice.kind is kind and notice.id == notice_id(name, NODE, etag)
+        assert notice.kind is kind and notice.id == notice_id(name, NODE, INSTANCE, etag)
         assert notice.deadline > notice.detected_at == NOW
     for flavor in (None, "google", "Amazon"):
         wrong = {k: v for k, v in answer.items() if k != "Metadata-Flavor"}
@@ -235,7 +239,7 @@ def test_azure_valid_document(doc):
             and e["EventType"] in known]
     assert [n.detail["EventId"] for n in notices] == [e["EventId"] for e in mine]
     for notice, event in zip(notices, mine):
-        assert notice.id == notice_id("azure.events", NODE, event["EventId"])
+        assert notice.id == notice_id("azure.events", NODE, INSTANCE, event["EventId"])
         assert notice.kind is (Kind.RECLAIM if event["EventType"] in ("Preempt", "Terminate") else Kind.MAINTENANCE)
         if event["EventStatus"] == "Started" or not event["NotBefore"]:
             assert notice.deadline == NOW
@@ -284,3 +288,62 @@ def test_azure_vm_name(name):
     except SourceError:
         return
     assert parsed == parsed.strip() and parsed and " " not in parsed and parsed.isascii()
+
+
+# -- the instance in the ids, and the instance ids themselves -----------------------------------
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+@fuzz
+@given(data=st.data(), other=st.text(min_size=1, max_size=40))
+def test_the_same_answer_on_another_instance_has_other_ids(name, data, other):
+    """A VM re-created under the same name can serve the very same answer: its notices are the
+    same events with new ids; the same instance (or the fallback) always gives the same ids."""
+    body = data.draw(VALID_BODIES[name], "valid body").encode()
+    mine = PARSERS[name](200, dict(GOOGLE), body)
+    assert [n.id for n in PARSERS[name](200, dict(GOOGLE), body)] == [n.id for n in mine]
+    for instance in {other, FALLBACK} - {INSTANCE}:
+        theirs = PARSERS[name](200, dict(GOOGLE), body, instance=instance)
+        assert [n.detail for n in theirs] == [n.detail for n in mine]
+        assert not {n.id for n in theirs} & {n.id for n in mine}
+
+
+INSTANCE_IDS = {  # cloud -> (parse, valid ids, answers that are no id)
+    "gcp": (gcp.parse_instance_id_answer, st.integers(0, 2**64 - 1).map(str), [b"", b"-1", b"12 34", b"0x1f"]),
+    "aws": (lambda status, headers, body: parse_instance_id(status, headers, body, path="/id",
+                                                            pattern=aws.ImdsClient.instance_id_pattern),
+            st.sampled_from(["i-0123456789abcdef0", "i-1234abcd"]), [b"", b"i-", b"i-XYZ12345", b"<html>404</html>"]),
+    "azure": (azure.parse_vm_id, st.uuids().map(str), [b"", b"vmss_vm_1", b'{"vmId": "x"}', b"not-a-uuid-at-all"]),
+    "alibaba": (lambda status, headers, body: parse_instance_id(status, headers, body, path="/id",
+                                                                pattern=alibaba.EcsMetadataClient.instance_id_pattern),
+                st.sampled_from(["i-bp67acfmxazb4ph3pqx0", "i-2zeabcdef0123"]), [b"", b"i-", b"2015-01-05T18:0"]),
+}
+
+
+@pytest.mark.parametrize("cloud", sorted(INSTANCE_IDS))
+@fuzz
+@given(data=st.data())
+def test_instance_ids_are_read_or_refused(cloud, data):
+    """Whatever comes in, an instance id parser returns a stripped, printable id or raises
+    SourceError; a non-200 answer and an answer that is no id never pass; valid ids do."""
+    parse, valid, garbage = INSTANCE_IDS[cloud]
+    status = data.draw(statuses, "status")
+    body = data.draw(st.one_of(st.binary(max_size=80), valid.map(str.encode), st.sampled_from(garbage)), "body")
+    try:
+        value = parse(status, dict(GOOGLE), body)
+    except SourceError as exc:
+        assert exc.reason
+    else:
+        assert status == 200 and value and value == value.strip() and value.isprintable()
+    good = data.draw(valid, "valid id")
+    assert parse(200, dict(GOOGLE), f" {good}\n".encode()) == good.lower()
+    for bad in garbage:
+        with pytest.raises(SourceError):
+            parse(200, dict(GOOGLE), bad)
+    with pytest.raises(SourceError):
+        parse(data.draw(st.integers(100, 599).filter(lambda s: s != 200)), dict(GOOGLE), good.encode())
+
+
+def test_gcp_instance_id_needs_the_flavor():
+    with pytest.raises(SourceError) as err:
+        gcp.parse_instance_id_answer(200, {"ETag": "x"}, b"4520031799277581759")
+    assert err.value.reason == "flavor"

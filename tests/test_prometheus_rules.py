@@ -59,7 +59,7 @@ def run_promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_promtool_checks_the_rules(rules_dir: Path):
     result = run_promtool("check", "rules", "rules.yaml", cwd=rules_dir)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 5 rules found" in result.stdout
+    assert f"SUCCESS: {sum(len(g['rules']) for g in rule_groups())} rules found" in result.stdout
 
 
 def test_promtool_unit_tests_pass(rules_dir: Path):

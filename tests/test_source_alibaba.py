@@ -54,7 +54,8 @@ async def test_reclaim_detected_id_stable_and_withdrawn(make_emulator):
             ids.append(notice.id)
     assert notice.kind is Kind.RECLAIM and notice.source == "alibaba.spot"
     assert notice.deadline == deadline_of(scheduled)
-    assert ids[0] == ids[1] == notice_id("alibaba.spot", NODE, format_time(deadline_of(scheduled)))
+    assert ids[0] == ids[1] == notice_id("alibaba.spot", NODE, emu.handler.instance_id,
+                                         format_time(deadline_of(scheduled)))
     source = spot_source(emu.url)
     async with SourceRunner(source) as run:
         await run.wait_for(lambda u: isinstance(u, Notice))

@@ -7,7 +7,7 @@ from datetime import datetime, UTC
 
 import pytest
 
-from spotguard.agent.sources.aws import (TOKEN_PATH, ImdsClient, LifecycleSource, MaintenanceSource,
+from spotguard.agent.sources.aws import (INSTANCE_ID_PATH, TOKEN_PATH, ImdsClient, LifecycleSource, MaintenanceSource,
                                          RebalanceSource, SpotInterruptionSource, aws_sources,
                                          parse_maintenance_time)
 from spotguard.agent.sources.base import SourceError
@@ -16,6 +16,7 @@ from spotguard.backoff import Backoff
 from spotguard.wire.notice import Kind, Notice
 from spotguard.wire.withdrawal import Withdrawal
 from tests.helpers import next_update, poll_until
+from tests.sidecar_helpers import eventually
 from tests.source_runner import RunningSource
 
 SPOT_PATH = "/latest/meta-data/spot/instance-action"
@@ -62,7 +63,9 @@ async def test_token_put_carries_ttl_and_is_used(make_emulator, imds_for):
     assert len(emu.handler.session.tokens) == 1
     expiry = next(iter(emu.handler.session.tokens.values()))
     assert before + 899 <= expiry <= time.monotonic() + 900
-    assert (await counts(control)) == {TOKEN_PATH: 1, SPOT_PATH: 1}
+    await eventually(lambda: source.instance.identity.value == emu.handler.instance_id)
+    # one token serves the notice path and the instance-id read beside it
+    assert (await counts(control)) == {TOKEN_PATH: 1, SPOT_PATH: 1, INSTANCE_ID_PATH: 1}
     assert await source.poll() == []  # the token is reused, not fetched per request
     assert (await counts(control))[TOKEN_PATH] == 1
 

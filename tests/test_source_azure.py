@@ -75,7 +75,7 @@ async def test_preempt_detected_with_notbefore_deadline_and_event_id(make_emulat
     event_id = scheduled["params"]["event_id"]
     assert notice.kind is Kind.RECLAIM and notice.source == "azure.events"
     assert notice.deadline == deadline_of(scheduled)
-    assert notice.id == notice_id("azure.events", NODE, event_id)
+    assert notice.id == notice_id("azure.events", NODE, emu.handler.instance_id, event_id)
     assert notice.detail["EventId"] == event_id and notice.detail["EventStatus"] == "Scheduled"
     assert source.vm_name == emu.handler.vm_name and source.incarnation is not None
 

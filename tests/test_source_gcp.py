@@ -97,7 +97,7 @@ async def test_reclaim_detected_with_lead_and_etag_id(make_emulator):
     assert notice.deadline - notice.detected_at == timedelta(seconds=15)
     served = (await control.notices())[0]["served_at"]
     assert abs(notice.detected_at.timestamp() - served) < 5
-    assert notice.id == notice_id("gcp.preempted", NODE, value_etag(PREEMPTED_PATH, "TRUE"))
+    assert notice.id == notice_id("gcp.preempted", NODE, emu.handler.instance_id, value_etag(PREEMPTED_PATH, "TRUE"))
 
 
 async def test_hanging_get_does_not_poll_and_rereads_keep_the_deadline(make_emulator):
@@ -158,7 +158,7 @@ async def test_fault_counted_then_later_notice_detected(make_emulator, fault):
     async with SourceRunner(source) as run:
         notice = await fault_then_detect(run, control, fault, PREEMPTED_PATH, schedule,
                                          lambda n: n.kind is Kind.RECLAIM and n.detail["preempted"] == "TRUE")
-    assert notice.id == notice_id("gcp.preempted", NODE, value_etag(PREEMPTED_PATH, "TRUE"))
+    assert notice.id == notice_id("gcp.preempted", NODE, emu.handler.instance_id, value_etag(PREEMPTED_PATH, "TRUE"))
 
 
 async def test_answer_without_flavor_header_is_an_error(make_emulator):

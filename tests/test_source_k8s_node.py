@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 
 import kmock
 import pytest
@@ -28,9 +29,13 @@ class Cluster:
         self.api_client = load_api_client(host=url)
         self.api = client.CoreV1Api(self.api_client)
 
-    async def create_node(self, name: str, spec: dict | None = None) -> None:
-        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}, "spec": spec or {}}
+    async def create_node(self, name: str, spec: dict | None = None, uid: str | None = None) -> str:
+        """Creates a Node; returns its uid (kmock keeps the one given: a real API server makes
+        a new one for each Node object, which this emulates with a random one)."""
+        uid = uid or str(uuid.uuid4())
+        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}, "spec": spec or {}}
         await asyncio.to_thread(self.api.create_node, body)
+        return uid
 
     async def patch_spec(self, name: str, spec: dict) -> None:
         await asyncio.to_thread(self.api.patch_node, name, {"spec": spec})
@@ -313,3 +318,58 @@ def test_a_cordon_made_by_the_agent_is_not_a_new_drain_signal():
     theirs = {"metadata": {"name": "n1", "annotations": {}}, "spec": {"unschedulable": True}}
     assert drain_signals(ours) == {}
     assert "unschedulable" in drain_signals(theirs)
+
+
+# -- the instance in the ids: the Node object's uid ------------------------------------------------
+
+async def test_a_node_recreated_under_its_name_gives_new_ids(cluster, run_source):
+    """A new VM registers a new Node object of the same name (a new uid): the same signal on it
+    is a new notice; the same Node keeps its ids across restarted sources."""
+    await cluster.create_node("n1", {"unschedulable": True})
+    first = run_source(cluster.source())
+    before = await first.wait_for(is_notice)
+    restarted = run_source(cluster.source())
+    assert (await restarted.wait_for(is_notice)).id == before.id
+    await restarted.stop()
+    await cluster.delete_node("n1")
+    assert (await first.wait_for(lambda u: isinstance(u, Withdrawal))).notice_id == before.id
+    await cluster.create_node("n1", {"unschedulable": True})
+    after = await first.wait_for(is_notice, after=2)
+    assert after.id != before.id and after.detail == before.detail
+    assert not first.source.stats.errors
+
+
+async def test_a_node_without_uid_still_yields_its_notices(cluster, run_source):
+    body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}, "spec": {"unschedulable": True}}
+    await asyncio.to_thread(cluster.api.create_node, body)  # kmock keeps what it is given: no uid
+    running = run_source(cluster.source())
+    notice = await running.wait_for(is_notice)
+    assert notice.detail == {"signal": "unschedulable", "unschedulable": True}
+    assert set(running.source.stats.errors) == {"instance_id:missing"}
+    await cluster.create_node("n2", {"unschedulable": True})
+    other = run_source(cluster.source("n2"))
+    assert (await other.wait_for(is_notice)).id != notice.id  # the fallback still names the node
+
+
+@pytest.mark.k8s
+async def test_the_api_server_gives_a_recreated_node_a_new_identity(control_plane, k8s_namespace, run_source):
+    """On a real API server (which sets every Node's uid): delete and re-create a cordoned Node."""
+    core = client.CoreV1Api(control_plane.api_client())
+    name = f"{k8s_namespace}-n"
+    body = {"metadata": {"name": name}, "spec": {"unschedulable": True}}
+    await asyncio.to_thread(core.create_node, body)
+    try:
+        running = run_source(NodeSource(control_plane.api_client(), name, backoff=Backoff(base=0.05, cap=0.2)))
+        before = await running.wait_for(is_notice, timeout=20)
+        await asyncio.to_thread(core.delete_node, name)
+        await running.wait_for(lambda u: isinstance(u, Withdrawal), timeout=20)
+        await asyncio.to_thread(core.create_node, body)
+        after = await running.wait_for(is_notice, timeout=20, after=2)
+        assert after.id != before.id and after.detail == before.detail
+        assert not running.source.stats.errors
+    finally:
+        try:
+            await asyncio.to_thread(core.delete_node, name)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise

@@ -31,6 +31,7 @@ from spotguard.hooks.guard import Guard
 from spotguard.hooks.step_result import CONTINUED
 from spotguard.trainer.events import EventLog, process_fields
 from spotguard.trainer.model import build_model, global_batch, rank_share, state_digest
+from spotguard.trainer.console import ConsoleEcho
 
 log = logging.getLogger("spotguard.trainer")
 
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     base_world = args.base_world_size or int(os.environ.get("SPOTGUARD_BASE_WORLD_SIZE", world_size))
     args.base_world = base_world
     batching = Batching(args, world_size, base_world)
+    events = ConsoleEcho(events, args.steps, args.checkpoint_dir)  # rank 0's start, progress, changes, end
 
     build = build_deepspeed if args.framework == "deepspeed" else build_ddp
     model, optimizer, adapter = build(args, rank, world_size, batching, guarded=not args.no_guard)

@@ -1,6 +1,6 @@
 """The reference Hugging Face Trainer script with spotguard (one line: `SpotguardCallback.attach`).
 
-    torchrun --nproc-per-node=2 -m spotguard.trainer.train_hf --ckpt /ckpt --out /out --steps 24
+    spotguard launch --standalone --nproc-per-node=2 -m spotguard.trainer.train_hf --ckpt /ckpt --out /out --steps 24
     ... --deepspeed-stage 2      # the same through the Trainer's DeepSpeed integration (ZeRO-1/2 run on CPU)
 
 The global batch is the same at every world size (per-device batch = 8 / world size) and the
@@ -9,13 +9,11 @@ Records: `trainer.framework_refs`.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
-from spotguard.integrations.hf import SpotguardCallback
+from spotguard.integrations.hf import SpotguardCallback, last_checkpoint
 from spotguard.trainer.framework_refs import (GLOBAL_BATCH, DryRunEvents, Records, Samples, TinyRegression,
                                               base_optimizer, fail_rank0_saves, parse_args, world)
 
@@ -61,10 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer.add_callback(RecordSteps(records, model, events, unwrap=bool(opts.deepspeed_stage)))
     if opts.fail_save:
         fail_rank0_saves(rank, opts.ckpt)
-    resume = get_last_checkpoint(opts.ckpt) is not None if os.path.isdir(opts.ckpt) else False
-
     trainer.add_callback(_OnReclaim(callback, records, events))
-    trainer.train(resume_from_checkpoint=True if resume else None)
+    trainer.train(resume_from_checkpoint=last_checkpoint(trainer))
     events.finished(trainer.state.global_step)
     records.final(model)
     return 0

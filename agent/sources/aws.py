@@ -8,16 +8,20 @@ One small monitor per IMDS path, all sharing one `ImdsClient` (and so one IMDSv2
 - `LifecycleSource` (aws.asg): autoscaling/target-lifecycle-state Terminated -> drain.
 Each path's answer is parsed by a pure function `parse_*(status, headers, body, node=...)`
 that returns the notices or raises SourceError (fuzzed by tests/test_parsers_property.py).
+Every notice id starts with the instance's `instance-id` (read once through the shared client,
+with its token: `instance.py`), so a re-created instance of the same name gives new ids.
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 from datetime import datetime, UTC
 from collections.abc import Mapping
 
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.agent.sources.http import Response, expect_status
+from spotguard.agent.sources.instance import FALLBACK, InstanceIdentity, InstancePin
 from spotguard.agent.sources.session_token import SessionTokenClient
 from spotguard.wire.notice import Kind, Notice, NoticeFormatError, notice_id, now_utc, parse_time
 
@@ -29,6 +33,8 @@ TOKEN_PATH = "/latest/api/token"
 TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 SPOT_ACTIONS = ("terminate", "stop", "hibernate")
+INSTANCE_ID_PATH = f"{MD}/instance-id"
+_INSTANCE_ID = re.compile(r"i-[0-9a-f]{8,17}")
 
 
 class ImdsClient(SessionTokenClient):
@@ -44,6 +50,8 @@ class ImdsClient(SessionTokenClient):
     def mode(self) -> str:
         """"v2" with a session token, "v1" while falling back to tokenless IMDSv1."""
         return "v1" if self.tokenless else "v2"
+    instance_id_path = INSTANCE_ID_PATH
+    instance_id_pattern = _INSTANCE_ID
 
 
 def json_body(resp: Response, path: str):
@@ -72,7 +80,8 @@ def parse_maintenance_time(value: object, field_name: str) -> datetime:
 
 # -- pure parsers: (status, headers, body) -> notices, or SourceError --------------------------
 # Each takes one HTTP answer of its path and returns the notices it shows (empty on 404);
-# anything else (other status, corrupt or unexpected body) raises SourceError. No I/O.
+# anything else (other status, corrupt or unexpected body) raises SourceError. No I/O. Ids hash
+# the node, `instance` (the instance-id; FALLBACK when unknown) and the event's fields.
 
 SPOT_PATH = f"{MD}/spot/instance-action"
 REBALANCE_PATH = f"{MD}/events/recommendations/rebalance"
@@ -83,7 +92,8 @@ LIFECYCLE_STATES = ("InService", "Terminated", "Standby", "Warmed:Terminated", "
 
 
 def parse_instance_action(status: int, headers: Mapping[str, str], body: bytes, *, node: str,
-                          source: str = "aws.spot", now: datetime | None = None) -> list[Notice]:
+                          source: str = "aws.spot", now: datetime | None = None,
+                          instance: str = FALLBACK) -> list[Notice]:
     """spot/instance-action -> one reclaim notice, deadline = `time`, id from action + time."""
     resp, path = Response(status, headers, body), SPOT_PATH
     if resp.status == 404:
@@ -99,13 +109,14 @@ def parse_instance_action(status: int, headers: Mapping[str, str], body: bytes, 
         deadline = parse_time(doc.get("time"), "time")
     except NoticeFormatError as exc:
         raise SourceError("malformed", f"{path}: {exc}") from None
-    return [Notice(id=notice_id(source, node, action, doc["time"]), kind=Kind.RECLAIM,
+    return [Notice(id=notice_id(source, node, instance, action, doc["time"]), kind=Kind.RECLAIM,
                    source=source, node=node, detected_at=now or now_utc(), deadline=deadline,
                    detail={"action": action, "time": doc["time"]})]
 
 
 def parse_rebalance(status: int, headers: Mapping[str, str], body: bytes, *, node: str,
-                    source: str = "aws.rebalance", now: datetime | None = None) -> list[Notice]:
+                    source: str = "aws.rebalance", now: datetime | None = None,
+                    instance: str = FALLBACK) -> list[Notice]:
     """events/recommendations/rebalance -> one rebalance notice (no deadline), id from noticeTime."""
     resp, path = Response(status, headers, body), REBALANCE_PATH
     if resp.status == 404:
@@ -118,13 +129,14 @@ def parse_rebalance(status: int, headers: Mapping[str, str], body: bytes, *, nod
         parse_time(doc["noticeTime"], "noticeTime")
     except NoticeFormatError as exc:
         raise SourceError("malformed", f"{path}: {exc}") from None
-    return [Notice(id=notice_id(source, node, doc["noticeTime"]), kind=Kind.REBALANCE,
+    return [Notice(id=notice_id(source, node, instance, doc["noticeTime"]), kind=Kind.REBALANCE,
                    source=source, node=node, detected_at=now or now_utc(), deadline=None,
                    detail={"noticeTime": doc["noticeTime"]})]
 
 
 def parse_maintenance(status: int, headers: Mapping[str, str], body: bytes, *, node: str,
-                      source: str = "aws.maintenance", now: datetime | None = None) -> list[Notice]:
+                      source: str = "aws.maintenance", now: datetime | None = None,
+                      instance: str = FALLBACK) -> list[Notice]:
     """events/maintenance/scheduled -> one maintenance notice per active event, deadline =
     NotBefore, id from EventId; completed and canceled events show nothing."""
     resp, path = Response(status, headers, body), MAINTENANCE_PATH
@@ -146,14 +158,15 @@ def parse_maintenance(status: int, headers: Mapping[str, str], body: bytes, *, n
             continue
         detail = {k: event[k] for k in ("Code", "Description", "EventId", "NotBefore", "NotAfter", "State")
                   if isinstance(event.get(k), str)}
-        notices.append(Notice(id=notice_id(source, node, event["EventId"]), kind=Kind.MAINTENANCE,
+        notices.append(Notice(id=notice_id(source, node, instance, event["EventId"]), kind=Kind.MAINTENANCE,
                               source=source, node=node, detected_at=now or now_utc(),
                               deadline=not_before, detail=detail))
     return notices
 
 
 def parse_lifecycle(status: int, headers: Mapping[str, str], body: bytes, *, node: str,
-                    source: str = "aws.asg", now: datetime | None = None) -> list[Notice]:
+                    source: str = "aws.asg", now: datetime | None = None,
+                    instance: str = FALLBACK) -> list[Notice]:
     """autoscaling/target-lifecycle-state -> a drain notice when the state ends in Terminated."""
     resp, path = Response(status, headers, body), LIFECYCLE_PATH
     if resp.status == 404:
@@ -164,7 +177,7 @@ def parse_lifecycle(status: int, headers: Mapping[str, str], body: bytes, *, nod
         raise SourceError("malformed", f"{path}: unknown lifecycle state {state!r:.40}")
     if not state.endswith("Terminated"):
         return []
-    return [Notice(id=notice_id(source, node, state), kind=Kind.DRAIN, source=source,
+    return [Notice(id=notice_id(source, node, instance, state), kind=Kind.DRAIN, source=source,
                    node=node, detected_at=now or now_utc(), deadline=None,
                    detail={"target-lifecycle-state": state})]
 
@@ -175,16 +188,23 @@ class _ImdsSource(Source):
     path: str = ""
     parse = staticmethod(parse_instance_action)
 
-    def __init__(self, imds: ImdsClient, node: str, interval: float = 1.0, owns_client: bool = False):
+    def __init__(self, imds: ImdsClient, node: str, interval: float = 1.0, owns_client: bool = False,
+                 identity: InstanceIdentity | None = None):
         super().__init__(node, interval)
         self.imds = imds
+        self.instance = InstancePin(identity or imds.identity(), self.stats.errors)
         self._owns_client = owns_client
 
     async def poll(self) -> list[Notice]:
+        self.instance.prefetch()
         resp = await self.imds.get(self.path)
-        return self.parse(resp.status, resp.headers, resp.body, node=self.node, source=self.name)
+        return await self.instance.identify(
+            lambda instance: self.parse(resp.status, resp.headers, resp.body, node=self.node, source=self.name,
+                                        instance=instance),
+            has_live=bool(self._live))
 
     async def close(self) -> None:
+        await self.instance.close()
         if self._owns_client:
             await self.imds.close()
 
@@ -216,11 +236,13 @@ class LifecycleSource(_ImdsSource):
 
 def aws_sources(node: str, base_url: str = DEFAULT_URL, interval: float = 1.0,
                 maintenance_interval: float = 5.0, timeout: float = 2.0) -> list[Source]:
-    """The AWS monitors for one node, sharing one IMDS client (the first one closes it)."""
+    """The AWS monitors for one node, sharing one IMDS client (the first one closes it) and the
+    instance-id it reads once."""
     imds = ImdsClient(base_url, timeout=timeout)
+    identity = imds.identity()
     return [
-        SpotInterruptionSource(imds, node, interval, owns_client=True),
-        RebalanceSource(imds, node, interval),
-        MaintenanceSource(imds, node, maintenance_interval),
-        LifecycleSource(imds, node, interval),
+        SpotInterruptionSource(imds, node, interval, owns_client=True, identity=identity),
+        RebalanceSource(imds, node, interval, identity=identity),
+        MaintenanceSource(imds, node, maintenance_interval, identity=identity),
+        LifecycleSource(imds, node, interval, identity=identity),
     ]

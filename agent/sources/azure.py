@@ -9,13 +9,15 @@ availability set or scale-set placement group):
 - Reboot, Redeploy, Freeze -> maintenance;
 - an EventType this code does not know is skipped (counted in `skipped_types`), not guessed at.
 The deadline is NotBefore; when NotBefore is empty or the event has Started, it is the moment
-the source first saw it that way (kept across reads). The id comes from EventId.
+the source first saw it that way (kept across reads). The id comes from the VM's id
+(/metadata/instance/compute/vmId, read once: `instance.py`) and EventId, so a VM re-created
+under the same name gives new ids.
 
 The VM's name is read once from /metadata/instance/compute/name (retried on the next poll until
 it succeeds) unless given. `DocumentIncarnation` is tracked in `incarnation`; a document is
 parsed in full on every read, so no change is ever missed.
 
-All requests (polls, the name, approvals) share one `RateLimiter`: at most 5 within any second
+All requests (polls, the name, the VM id, approvals) share one `RateLimiter`: at most 5 within any second
 (IMDS answers 429 beyond that). `approve(event_id)` POSTs StartRequests; call it only once the
 checkpoint is durable, since approving lets the platform act at once.
 """
@@ -33,7 +35,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from spotguard.agent.sources.base import Source, SourceError
-from spotguard.agent.sources.http import MetadataClient, Response, expect_status
+from spotguard.agent.sources.http import MetadataClient, Response, expect_status, parse_text_leaf
+from spotguard.agent.sources.instance import UUID, FALLBACK, InstanceIdentity, InstancePin, parse_instance_id
 from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ EVENTS_PATH = "/metadata/scheduledevents"
 EVENTS_API = "2020-07-01"
 NAME_PATH = "/metadata/instance/compute/name"
 NAME_API = "2021-02-01"
+VM_ID_PATH = "/metadata/instance/compute/vmId"
 HEADERS = {"Metadata": "true"}
 MIN_INTERVAL = 0.25
 EVENT_KINDS = {"Preempt": Kind.RECLAIM, "Terminate": Kind.RECLAIM, "Reboot": Kind.MAINTENANCE,
@@ -111,22 +115,24 @@ def _json(resp: Response, path: str) -> object:
 
 def parse_vm_name(status: int, headers: Mapping[str, str], body: bytes) -> str:
     """The VM name from /metadata/instance/compute/name?format=text; SourceError otherwise."""
-    resp = Response(status, headers, body)
-    expect_status(resp, NAME_PATH, 200)
-    name = resp.text().strip()
-    if not _VM_NAME.fullmatch(name):
-        raise SourceError("malformed", f"{NAME_PATH}: not a VM name: {name!r:.60}")
-    return name
+    return parse_text_leaf(status, headers, body, path=NAME_PATH, pattern=_VM_NAME, what="a VM name")
+
+
+def parse_vm_id(status: int, headers: Mapping[str, str], body: bytes) -> str:
+    """The VM's unique id (a UUID) from /metadata/instance/compute/vmId?format=text; SourceError
+    otherwise."""
+    return parse_instance_id(status, headers, body, path=VM_ID_PATH, pattern=UUID).lower()
 
 
 def parse_scheduled_events(status: int, headers: Mapping[str, str], body: bytes, *, node: str, vm_name: str,
                            now: datetime | None = None, previous: Mapping[str, Notice] | None = None,
-                           source: str = "azure.events") -> EventsDocument:
+                           source: str = "azure.events", instance: str = FALLBACK) -> EventsDocument:
     """Parses a scheduled-events answer into this VM's notices (see the module docstring).
 
     `previous` (the live notices by id) keeps the deadline of an event without NotBefore from
-    the read that first saw it so. Any structural fault in the document raises SourceError:
-    a half-understood document never yields notices.
+    the read that first saw it so. Ids hash the node, `instance` (the vmId; FALLBACK when unknown)
+    and EventId. Any structural fault in the document raises SourceError: a half-understood
+    document never yields notices.
     """
     resp = Response(status, headers, body)
     expect_status(resp, EVENTS_PATH, 200)
@@ -166,7 +172,7 @@ def parse_scheduled_events(status: int, headers: Mapping[str, str], body: bytes,
         if kind is None:
             skipped += 1
             continue
-        nid = notice_id(source, node, event_id)
+        nid = notice_id(source, node, instance, event_id)
         if deadline is None or event_status == "Started":
             earlier = (previous or {}).get(nid)
             if earlier is not None and earlier.detail.get("EventStatus") == event_status \
@@ -205,6 +211,10 @@ class AzureImdsClient:
         resp = await self.request("GET", NAME_PATH, {"api-version": NAME_API, "format": "text"})
         return parse_vm_name(resp.status, resp.headers, resp.body)
 
+    async def vm_id(self) -> str:
+        resp = await self.request("GET", VM_ID_PATH, {"api-version": NAME_API, "format": "text"})
+        return parse_vm_id(resp.status, resp.headers, resp.body)
+
     async def events(self) -> Response:
         return await self.request("GET", EVENTS_PATH, {"api-version": EVENTS_API})
 
@@ -232,11 +242,13 @@ class ScheduledEventsSource(Source):
         super().__init__(node, interval)
         self.client = client
         self.vm_name = vm_name
+        self.instance = InstancePin(InstanceIdentity(client.vm_id, "Azure compute/vmId"), self.stats.errors)
         self.incarnation: int | None = None
         self.skipped_types = 0
         self._owns_client = owns_client
 
     async def poll(self) -> list[Notice]:
+        self.instance.prefetch()
         if self.vm_name is None:
             try:
                 self.vm_name = await self.client.vm_name()
@@ -244,8 +256,12 @@ class ScheduledEventsSource(Source):
                 raise SourceError("vm_name", f"cannot read this VM's name: {exc}") from None
             log.info("azure: this VM is %s", self.vm_name)
         resp = await self.client.events()
-        doc = parse_scheduled_events(resp.status, resp.headers, resp.body, node=self.node, vm_name=self.vm_name,
-                                     previous=self._live, source=self.name)
+        vm_name = self.vm_name
+        doc = await self.instance.identify(
+            lambda instance: parse_scheduled_events(resp.status, resp.headers, resp.body, node=self.node,
+                                                    vm_name=vm_name, previous=self._live, source=self.name,
+                                                    instance=instance),
+            has_live=bool(self._live), shows=lambda parsed: parsed.notices)
         if self.incarnation is not None and doc.incarnation < self.incarnation:
             log.info("azure: DocumentIncarnation went back from %s to %s (service restarted)",
                      self.incarnation, doc.incarnation)
@@ -262,6 +278,7 @@ class ScheduledEventsSource(Source):
         await self.client.approve(event_id)
 
     async def close(self) -> None:
+        await self.instance.close()
         if self._owns_client:
             await self.client.close()
 

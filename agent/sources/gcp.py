@@ -13,11 +13,13 @@ last one of a clean answer, so a change that happens while a read fails is seen 
 next read. A response without `Metadata-Flavor: Google` is not from the metadata server
 (SourceError "flavor"), whatever it says.
 
-The notice id is derived from the node and the ETag of the value that raised it, so every read
-and every restarted agent gives the same id for the same value. (The metadata server's ETag is a
-hash of the content; a later maintenance event with the same value therefore reuses the id of a
-withdrawn one.) The deadline of a live notice is kept from its first detection; a restarted
-agent can only date it from its own first read.
+The notice id is derived from the node, the instance (`instance/id`, read once and shared by
+both monitors: `instance.py`) and the ETag of the value that raised it, so every read and every
+restarted agent gives the same id for the same value on the same VM, and a VM re-created under
+the same name (a managed instance group) gives a new one although the ETag is the same. (The
+metadata server's ETag is a hash of the content; a later maintenance event with the same value
+on the same VM therefore reuses the id of a withdrawn one.) The deadline of a live notice is
+kept from its first detection; a restarted agent can only date it from its own first read.
 """
 from __future__ import annotations
 
@@ -28,12 +30,14 @@ from collections.abc import Mapping
 
 from spotguard.agent.sources.base import Source, SourceError
 from spotguard.agent.sources.http import MetadataClient, Response, expect_status, header
+from spotguard.agent.sources.instance import FALLBACK, InstanceIdentity, InstancePin, parse_instance_id
 from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
 
 DEFAULT_URL = "http://metadata.google.internal"
 PREFIX = "/computeMetadata/v1/instance"
 PREEMPTED_PATH = f"{PREFIX}/preempted"
 MAINTENANCE_PATH = f"{PREFIX}/maintenance-event"
+INSTANCE_ID_PATH = f"{PREFIX}/id"
 FLAVOR_HEADER = "Metadata-Flavor"
 FLAVOR = "Google"
 PREEMPTED_VALUES = ("TRUE", "FALSE")
@@ -41,6 +45,7 @@ MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_
 PREEMPT_LEAD = 30.0
 MAINTENANCE_LEAD = 60.0
 _ETAG = re.compile(r"[\x21-\x7e]{1,128}")
+_INSTANCE_ID = re.compile(r"[0-9]{1,20}")  # a uint64, in decimal
 
 
 def read_value(status: int, headers: Mapping[str, str], body: bytes, *, path: str,
@@ -60,31 +65,50 @@ def read_value(status: int, headers: Mapping[str, str], body: bytes, *, path: st
     return value, etag
 
 
+def parse_instance_id_answer(status: int, headers: Mapping[str, str], body: bytes) -> str:
+    """The VM's id from an instance/id answer; SourceError unless it is a 200 from the metadata
+    server (Metadata-Flavor: Google) carrying a decimal id."""
+    if status == 200 and header(headers, FLAVOR_HEADER) != FLAVOR:
+        raise SourceError("flavor", f"{INSTANCE_ID_PATH}: response lacks {FLAVOR_HEADER}: {FLAVOR}")
+    return parse_instance_id(status, headers, body, path=INSTANCE_ID_PATH, pattern=_INSTANCE_ID)
+
+
+async def read_instance_id(http: MetadataClient) -> str:
+    """Reads this VM's id (instance/id)."""
+    resp = await http.request("GET", INSTANCE_ID_PATH, headers={FLAVOR_HEADER: FLAVOR})
+    return parse_instance_id_answer(resp.status, resp.headers, resp.body)
+
+
+def instance_identity(http: MetadataClient) -> InstanceIdentity:
+    """The VM's id, read through `http`, for the monitors sharing it."""
+    return InstanceIdentity(lambda: read_instance_id(http), "GCP instance/id")
+
+
 def parse_preempted(status: int, headers: Mapping[str, str], body: bytes, *, node: str,
                     detected_at: datetime | None = None, lead: float = PREEMPT_LEAD,
-                    source: str = "gcp.preempted") -> tuple[str, list[Notice]]:
+                    source: str = "gcp.preempted", instance: str = FALLBACK) -> tuple[str, list[Notice]]:
     """(etag, notices) of an instance/preempted answer: TRUE -> one reclaim notice with
-    deadline detected_at + lead and an id from the ETag; FALSE -> none."""
+    deadline detected_at + lead and an id from the instance and the ETag; FALSE -> none."""
     value, etag = read_value(status, headers, body, path=PREEMPTED_PATH, allowed=PREEMPTED_VALUES)
     if value != "TRUE":
         return etag, []
     detected = detected_at or now_utc()
-    return etag, [Notice(id=notice_id(source, node, etag), kind=Kind.RECLAIM, source=source, node=node,
+    return etag, [Notice(id=notice_id(source, node, instance, etag), kind=Kind.RECLAIM, source=source, node=node,
                          detected_at=detected, deadline=detected + timedelta(seconds=lead),
                          detail={"preempted": value, "etag": etag})]
 
 
 def parse_maintenance_event(status: int, headers: Mapping[str, str], body: bytes, *, node: str,
                             detected_at: datetime | None = None, lead: float = MAINTENANCE_LEAD,
-                            source: str = "gcp.maintenance") -> tuple[str, list[Notice]]:
+                            source: str = "gcp.maintenance", instance: str = FALLBACK) -> tuple[str, list[Notice]]:
     """(etag, notices) of an instance/maintenance-event answer: a MIGRATE_/TERMINATE_ON_HOST_
-    MAINTENANCE value -> one maintenance notice (deadline detected_at + lead, id from the ETag);
-    NONE -> none."""
+    MAINTENANCE value -> one maintenance notice (deadline detected_at + lead, id from the instance
+    and the ETag); NONE -> none."""
     value, etag = read_value(status, headers, body, path=MAINTENANCE_PATH, allowed=MAINTENANCE_VALUES)
     if value == "NONE":
         return etag, []
     detected = detected_at or now_utc()
-    return etag, [Notice(id=notice_id(source, node, etag), kind=Kind.MAINTENANCE, source=source, node=node,
+    return etag, [Notice(id=notice_id(source, node, instance, etag), kind=Kind.MAINTENANCE, source=source, node=node,
                          detected_at=detected, deadline=detected + timedelta(seconds=lead),
                          detail={"maintenance-event": value, "etag": etag})]
 
@@ -96,7 +120,7 @@ class _HangingGetSource(Source):
     parse = staticmethod(parse_preempted)
 
     def __init__(self, http: MetadataClient, node: str, interval: float = 0.0, lead: float = PREEMPT_LEAD,
-                 wait_seconds: int = 30, owns_client: bool = False):
+                 wait_seconds: int = 30, owns_client: bool = False, identity: InstanceIdentity | None = None):
         if not 1 <= wait_seconds <= 3600 or wait_seconds != int(wait_seconds):
             raise ValueError("wait_seconds must be whole seconds within 1..3600")
         super().__init__(node, interval)
@@ -104,6 +128,7 @@ class _HangingGetSource(Source):
         self.lead = lead
         self.wait_seconds = int(wait_seconds)
         self.etag: str | None = None  # of the last clean answer
+        self.instance = InstancePin(identity or instance_identity(http), self.stats.errors)
         self._owns_client = owns_client
 
     async def poll(self) -> list[Notice]:
@@ -112,10 +137,13 @@ class _HangingGetSource(Source):
         if self.etag is not None:
             params = {"wait_for_change": "true", "last_etag": self.etag, "timeout_sec": str(self.wait_seconds)}
             timeout += self.wait_seconds
+        self.instance.prefetch()
         resp = await self.http.request("GET", self.path, headers={FLAVOR_HEADER: FLAVOR}, params=params,
                                        timeout=timeout)
-        etag, notices = self.parse(resp.status, resp.headers, resp.body, node=self.node, lead=self.lead,
-                                   source=self.name)
+        etag, notices = await self.instance.identify(
+            lambda instance: self.parse(resp.status, resp.headers, resp.body, node=self.node, lead=self.lead,
+                                        source=self.name, instance=instance),
+            has_live=bool(self._live), shows=lambda parsed: parsed[1])
         self.etag = etag
         return [self._first_seen(n) for n in notices]
 
@@ -127,6 +155,7 @@ class _HangingGetSource(Source):
         return replace(notice, detected_at=previous.detected_at, deadline=previous.deadline)
 
     async def close(self) -> None:
+        await self.instance.close()
         if self._owns_client:
             await self.http.close()
 
@@ -149,9 +178,13 @@ def gcp_sources(node: str, base_url: str = DEFAULT_URL, interval: float = 0.0, t
     """The GCP monitors for one node, sharing one HTTP client (the first one closes it).
 
     `interval` is the pause between hanging GETs (0: none); `wait_seconds` (whole seconds) is
-    the `timeout_sec` the server may hold each one, and `timeout` bounds a request beyond it."""
+    the `timeout_sec` the server may hold each one, and `timeout` bounds a request beyond it.
+    Both put the VM's id, read once for the two, in their notice ids."""
     http = MetadataClient(base_url, timeout=timeout)
+    identity = instance_identity(http)
     return [
-        PreemptedSource(http, node, interval, lead=preempt_lead, wait_seconds=wait_seconds, owns_client=True),
-        MaintenanceEventSource(http, node, interval, lead=maintenance_lead, wait_seconds=wait_seconds),
+        PreemptedSource(http, node, interval, lead=preempt_lead, wait_seconds=wait_seconds, owns_client=True,
+                        identity=identity),
+        MaintenanceEventSource(http, node, interval, lead=maintenance_lead, wait_seconds=wait_seconds,
+                               identity=identity),
     ]

@@ -14,18 +14,29 @@ signals) and `agent/gpu/policy.py` (what each signal means):
 
 What it reports:
 - fatal -> a `Notice` of kind gpu-fault, deadline = when first seen, id = notice_id("gpu", node,
-  gpu uuid, signal, value) where value is the Xid (signal "xid"), the recovery action name, the
-  expected GPU count, or empty. Event-borne faults (an Xid, GpuIsLost, poison) stay live for the
-  life of the process (the GPU needs a reset or a reboot, which restarts the agent); faults read
-  from persistent counters stay live while the counter shows them. Because those counters
-  survive an agent restart, a still-failed GPU yields the same notice id again after a restart.
+  boot id, gpu uuid, signal, value) where value is the Xid (signal "xid"), the recovery action
+  name, the expected GPU count, or empty. Event-borne faults (an Xid, GpuIsLost, poison) stay
+  live for the life of the process (the GPU needs a reset or a reboot, which restarts the agent);
+  faults read from persistent counters stay live while the counter shows them. Because those
+  counters survive an agent restart, a still-failed GPU yields the same notice id again after a
+  restart.
 - warn/cordon -> an ADVISORY notice (`Severity.ADVISORY`: information, never a reason to act)
-  of kind gpu-fault, deadline None, id = notice_id("gpu", node, gpu uuid, signal, "advisory"),
+  of kind gpu-fault, deadline None, id = notice_id("gpu", node, boot id, gpu uuid, signal,
+  "advisory"),
   detail = `warning_detail()` (with `"cordon": true` for a cordon), frozen at first sight; and
   `warnings[reason] += 1` (the agent's metrics). An advisory read from a persistent signal is
   live while the reading shows the condition and withdrawn when it clears; an event-borne one
   (an Xid) is live until `advisory_hold` seconds after its latest event. Event warnings count
   per event; persistent ones when the condition appears (again only after it cleared).
+
+The instance part of the ids is the machine's boot id (`/proc/sys/kernel/random/boot_id`, the
+host kernel's even in a container; read once at start), not the cloud's instance id: the GPU
+uuid already names the device, but a VM re-created under the same name may get the same
+physical GPU, and node-wide findings (a GPU count drop, a lost GPU no call names) have no uuid.
+A re-created VM is a new boot, and an agent restarted on the same boot keeps its ids. A reboot
+of the same VM gives new ids too, on purpose: a fault still read after a reboot threatens a job
+that resumed after it, whatever checkpoint answered it before. An unreadable boot id: the
+fallback instance part (`instance.py`), counted as `instance_id:<reason>`.
 
 Degraded modes: without NVML (LibraryNotFound / DriverNotLoaded at init, or no GPU) it logs
 "no GPUs" once and yields nothing; NotSupported/FunctionNotFound on event registration or from
@@ -40,6 +51,7 @@ import collections
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -49,6 +61,7 @@ from spotguard.agent.gpu.readers import Finding, Gpu, SignalReaders, error_name
 from spotguard.agent.gpu.policy import GpuPolicy
 from spotguard.wire.notice import Kind, Notice, Severity, notice_id, now_utc
 from spotguard.agent.sources.base import Source, SourceError
+from spotguard.agent.sources.instance import BOOT_ID_PATH, FALLBACK, read_boot_id
 from spotguard.backoff import Backoff
 
 log = logging.getLogger(__name__)
@@ -73,7 +86,7 @@ class GpuHealthSource(Source):
 
     def __init__(self, node: str, backend: gb.GpuBackend | None = None, policy: GpuPolicy | None = None,
                  interval: float = 5.0, *, expected_count: int | None = None,
-                 wait_timeout_ms: int = 500, advisory_hold: float = 600.0):
+                 wait_timeout_ms: int = 500, advisory_hold: float = 600.0, boot_id_path: str = BOOT_ID_PATH):
         if not interval > 0 or wait_timeout_ms <= 0 or not advisory_hold > 0:
             raise ValueError("GpuHealthSource needs interval > 0, wait_timeout_ms > 0 and advisory_hold > 0")
         super().__init__(node, interval=0.0, backoff=Backoff(base=1.0, cap=60.0))
@@ -83,6 +96,8 @@ class GpuHealthSource(Source):
         self.expected_count = expected_count
         self.advisory_hold = advisory_hold
         self.wait_timeout_ms = wait_timeout_ms
+        self.boot_id_path = boot_id_path
+        self.origin = Origin(self.name, node, FALLBACK)  # the instance part is read at start
         self.warnings: collections.Counter = collections.Counter()
         self.seen: collections.Counter = collections.Counter()  # events and xids, e.g. "xid:13"
         self.available: bool | None = None  # None: not started yet; False: no GPUs
@@ -178,29 +193,14 @@ class GpuHealthSource(Source):
             return f"NVML unavailable ({exc})"
         except nvml.NVMLError as exc:
             raise SourceError(f"nvml_{error_name(exc)}", f"nvmlInit failed: {exc}") from None
-        try:
-            count = backend.device_count()
-            gpus = []
-            for i in range(count):
-                try:
-                    uuid = backend.uuid(i)
-                except nvml.NVMLError_GpuIsLost:
-                    uuid = f"index-{i}"
-                    self._lost.add(i)
-                try:
-                    pci = backend.pci_bus_id(i)
-                except nvml.NVMLError:
-                    pci = ""
-                gpus.append(Gpu(i, uuid, pci))
-        except nvml.NVMLError as exc:
-            backend.shutdown()
-            raise SourceError(f"nvml_{error_name(exc)}", f"enumerating GPUs failed: {exc}") from None
+        gpus = enumerate_gpus(backend, self._lost)
         if not gpus:
             backend.shutdown()
             return "NVML sees no GPU"
         self.gpus = gpus
         if self.expected_count is None:
-            self.expected_count = count
+            self.expected_count = len(gpus)
+        self.origin = Origin(self.name, self.node, read_boot_id(self.boot_id_path, self.stats.errors))
         self._registered = {}
         for gpu in gpus:
             if gpu.index in self._lost:
@@ -315,7 +315,7 @@ class GpuHealthSource(Source):
                 notice = self._notice(finding, previous=self._level)
                 level[notice.id] = notice
             elif action in ("warn", "cordon"):
-                advisory = self._level_advisories.get(advisory_notice_id(self.name, self.node, finding))
+                advisory = self._level_advisories.get(advisory_notice_id(self.origin, finding))
                 if advisory is None:
                     advisory = self._warn(finding, action)
                 advisories[advisory.id] = advisory
@@ -336,19 +336,19 @@ class GpuHealthSource(Source):
                             extra={"notice_id": notice.id})
                 self._sticky[notice.id] = notice
         elif action in ("warn", "cordon"):
-            live = self._event_advisories.get(advisory_notice_id(self.name, self.node, finding))
+            live = self._event_advisories.get(advisory_notice_id(self.origin, finding))
             fresh = self._warn(finding, action)
             self._event_advisories[fresh.id] = (live[0] if live else fresh, time.monotonic() + self.advisory_hold)
 
     def _notice(self, finding: Finding, previous: dict[str, Notice]) -> Notice:
         """The notice for a fatal finding, frozen at first sight: no churn from changing readings."""
-        nid = fault_notice_id(self.name, self.node, finding)
+        nid = fault_notice_id(self.origin, finding)
         existing = previous.get(nid) or self._sticky.get(nid) or self._level.get(nid)
-        return existing if existing is not None else fault_notice(self.name, self.node, finding, self.policy)
+        return existing if existing is not None else fault_notice(self.origin, finding, self.policy)
 
     def _warn(self, finding: Finding, action: str) -> Notice:
         """Counts and logs a warning; returns its advisory notice as it would be new."""
-        advisory = advisory_notice(self.name, self.node, finding, action, self.policy)
+        advisory = advisory_notice(self.origin, finding, action, self.policy)
         self.warnings[finding.signal] += 1
         log.warning("gpu %s: warning %s", advisory.detail["gpu"], finding.signal,
                     extra={"gpu": advisory.detail["gpu"], "detail": advisory.detail, "notice_id": advisory.id})
@@ -396,23 +396,60 @@ def warning_detail(finding: Finding, action: str, policy: GpuPolicy) -> dict[str
     return detail
 
 
-def advisory_notice_id(source: str, node: str, finding: Finding) -> str:
-    """The stable id of a warning's advisory: one per GPU and signal."""
-    return notice_id(source, node, _gpu_name(finding), finding.signal, "advisory")
+@dataclass(frozen=True)
+class Origin:
+    """Where the GPU source's notices come from: its name, the node, and the instance part of
+    their ids (the boot id, or FALLBACK)."""
+
+    source: str
+    node: str
+    instance: str
+
+    def notice_id(self, *fields: Any) -> str:
+        return notice_id(self.source, self.node, self.instance, *fields)
 
 
-def advisory_notice(source: str, node: str, finding: Finding, action: str, policy: GpuPolicy) -> Notice:
+def enumerate_gpus(backend: gb.GpuBackend, lost: set[int]) -> list[Gpu]:
+    """The GPUs NVML sees, by index (a lost one named `index-<i>` and added to `lost`); raises
+    SourceError (after shutting the backend down) when the enumeration fails."""
+    nvml = _pynvml()
+    gpus = []
+    try:
+        for i in range(backend.device_count()):
+            try:
+                uuid = backend.uuid(i)
+            except nvml.NVMLError_GpuIsLost:
+                uuid = f"index-{i}"
+                lost.add(i)
+            try:
+                pci = backend.pci_bus_id(i)
+            except nvml.NVMLError:
+                pci = ""
+            gpus.append(Gpu(i, uuid, pci))
+    except nvml.NVMLError as exc:
+        backend.shutdown()
+        raise SourceError(f"nvml_{error_name(exc)}", f"enumerating GPUs failed: {exc}") from None
+    return gpus
+
+
+def advisory_notice_id(origin: Origin, finding: Finding) -> str:
+    """The stable id of a warning's advisory: one per instance, GPU and signal."""
+    return origin.notice_id(_gpu_name(finding), finding.signal, "advisory")
+
+
+def advisory_notice(origin: Origin, finding: Finding, action: str, policy: GpuPolicy) -> Notice:
     """The advisory gpu-fault notice for a warn/cordon finding (no deadline: nothing to act on)."""
     detail = {"gpu": _gpu_name(finding), **warning_detail(finding, action, policy)}
-    return Notice(id=advisory_notice_id(source, node, finding), kind=Kind.GPU_FAULT, source=source, node=node,
-                  detected_at=now_utc(), deadline=None, detail=detail, severity=Severity.ADVISORY)
+    return Notice(id=advisory_notice_id(origin, finding), kind=Kind.GPU_FAULT, source=origin.source,
+                  node=origin.node, detected_at=now_utc(), deadline=None, detail=detail, severity=Severity.ADVISORY)
 
 
-def fault_notice_id(source: str, node: str, finding: Finding) -> str:
-    return notice_id(source, node, _gpu_name(finding), finding.signal, "" if finding.value is None else finding.value)
+def fault_notice_id(origin: Origin, finding: Finding) -> str:
+    """The stable id of a fatal finding: one per instance, GPU, signal and value."""
+    return origin.notice_id(_gpu_name(finding), finding.signal, "" if finding.value is None else finding.value)
 
 
-def fault_notice(source: str, node: str, finding: Finding, policy: GpuPolicy) -> Notice:
+def fault_notice(origin: Origin, finding: Finding, policy: GpuPolicy) -> Notice:
     """A new gpu-fault notice for a fatal finding (deadline: now)."""
     uuid = _gpu_name(finding)
     now: datetime = now_utc()
@@ -422,7 +459,7 @@ def fault_notice(source: str, node: str, finding: Finding, policy: GpuPolicy) ->
     if finding.value is not None:
         detail["value"] = finding.value
     detail.update(finding.detail)
-    return Notice(id=fault_notice_id(source, node, finding), kind=Kind.GPU_FAULT, source=source, node=node,
+    return Notice(id=fault_notice_id(origin, finding), kind=Kind.GPU_FAULT, source=origin.source, node=origin.node,
                   detected_at=now, deadline=now, detail=detail)
 
 

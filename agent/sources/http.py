@@ -7,6 +7,7 @@ transport failure becomes a `SourceError` with a metrics label.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime, UTC
 from email.utils import parsedate_to_datetime
@@ -116,6 +117,18 @@ def retry_after_seconds(value: str | None, now: datetime | None = None) -> float
         when = when.replace(tzinfo=UTC)
     seconds = (when - (now or datetime.now(UTC))).total_seconds()
     return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+def parse_text_leaf(status: int, headers: Mapping[str, str], body: bytes, *, path: str, pattern: re.Pattern[str],
+                    what: str) -> str:
+    """The value a metadata leaf answered as text (`what` and `path` name it in errors):
+    SourceError unless it is a 200 whose stripped UTF-8 body matches `pattern` in full."""
+    resp = Response(status, headers, body)
+    expect_status(resp, path, 200)
+    value = resp.text().strip()
+    if not pattern.fullmatch(value):
+        raise SourceError("malformed", f"{path}: not {what}: {value!r:.60}")
+    return value
 
 
 def expect_status(resp: Response, path: str, *ok: int) -> None:

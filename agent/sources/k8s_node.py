@@ -6,8 +6,11 @@ Watches ONE Node object and turns these marks into `drain` notices (deadline Non
 - taint `ToBeDeletedByClusterAutoscaler` (its value, a unix timestamp, is kept in `detail`);
 - taint `cloud.google.com/impending-node-termination`;
 - `spec.unschedulable: true` (a cordon, e.g. by `kubectl drain`).
-Each notice's id comes from (node, signal), so it is stable across watches and agent restarts;
-a removed taint or an uncordon withdraws it, as does the Node's deletion.
+Each notice's id comes from (node, the Node object's `metadata.uid`, signal), so it is stable
+across watches and agent restarts, and a Node re-created under the same name (a new VM
+registering) gives new ids; a removed taint or an uncordon withdraws it, as does the Node's
+deletion. A Node without a uid (the API server always sets one) still yields its notices, with
+the fallback instance part (`instance.py`), counted as error `instance_id:missing`.
 
 The Kubernetes access layer (`spotguard.kube.api`) is blocking, so a daemon thread runs list + watch (field selector
 `metadata.name=<node>`, also filtered by name here) and hands each new Node state, or each
@@ -27,6 +30,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from spotguard.agent.sources.base import Source, SourceError
+from spotguard.agent.sources.instance import FALLBACK, count_failure
 from spotguard.backoff import Backoff
 from spotguard.wire import names
 from spotguard.wire.notice import Kind, Notice, notice_id, now_utc
@@ -79,10 +83,18 @@ def drain_signals(node: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
     return signals
 
 
-def node_notices(node_name: str, node: Mapping[str, Any] | None) -> list[Notice]:
-    """One `drain` notice per signal on the Node, with ids stable per (node, signal)."""
+def node_uid(node: Mapping[str, Any] | None) -> str | None:
+    """The Node object's `metadata.uid`, or None when it has none (or is no Node)."""
+    metadata = node.get("metadata") if isinstance(node, Mapping) else None
+    uid = metadata.get("uid") if isinstance(metadata, Mapping) else None
+    return uid if isinstance(uid, str) and 0 < len(uid) <= 128 else None
+
+
+def node_notices(node_name: str, node: Mapping[str, Any] | None, instance: str = FALLBACK) -> list[Notice]:
+    """One `drain` notice per signal on the Node, with ids stable per (node, instance, signal);
+    `instance` is the Node's uid."""
     now = now_utc()
-    return [Notice(id=notice_id(SOURCE_NAME, node_name, signal), kind=Kind.DRAIN, source=SOURCE_NAME,
+    return [Notice(id=notice_id(SOURCE_NAME, node_name, instance, signal), kind=Kind.DRAIN, source=SOURCE_NAME,
                    node=node_name, detected_at=now, deadline=None, detail=detail)
             for signal, detail in sorted(drain_signals(node).items())]
 
@@ -140,7 +152,12 @@ class NodeSource(Source):
         item = self._items.popleft()  # in order: states coalesce on arrival, errors are kept
         if isinstance(item, _WatchError):
             raise SourceError(item.reason, item.message)
-        return node_notices(self.node, item.node)
+        uid = node_uid(item.node)
+        if uid is None and item.node is not None:
+            first = count_failure(self.stats.errors, "missing") == 1
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "Node %s has no metadata.uid: its notice ids fall back to the node name", self.node)
+        return node_notices(self.node, item.node, uid or FALLBACK)
 
     def _ensure_thread(self) -> None:
         if self._thread is not None and self._thread.is_alive():

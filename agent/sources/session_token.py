@@ -5,29 +5,34 @@ It is renewed when less than a tenth of its TTL is left, and at once on a 401 (t
 retried once; `token_refreshes` counts these). When no token can be had (PUT refused, failing,
 or answering something that is not a token), GETs go out without one, and a token is tried again
 after `retry_token_after` seconds. Sources sharing one client poll concurrently: one PUT serves
-them all.
+them all. `identity()` reads the instance's id (`instance_id_path`, with the token) for them.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 from spotguard.agent.sources.base import SourceError
 from spotguard.agent.sources.http import MetadataClient, Response
+from spotguard.agent.sources.instance import InstanceIdentity, parse_instance_id
 
 log = logging.getLogger(__name__)
 MAX_TOKEN_BYTES = 1024
 
 
 class SessionTokenClient:
-    """Subclasses set `token_path`, `ttl_header`, `token_header`, `default_url` and `label` (for logs)."""
+    """Subclasses set `token_path`, `ttl_header`, `token_header`, `default_url`, `label` (for logs),
+    and the instance id's path and form (`instance_id_path`, `instance_id_pattern`)."""
 
     token_path = "/latest/api/token"
     ttl_header = ""
     token_header = ""
     label = "metadata"
     default_url = ""
+    instance_id_path = "/latest/meta-data/instance-id"
+    instance_id_pattern = re.compile(r"[\x21-\x7e]{1,64}")
 
     def __init__(self, base_url: str | None = None, timeout: float = 2.0, token_ttl: int = 21600,
                  retry_token_after: float = 60.0):
@@ -87,6 +92,16 @@ class SessionTokenClient:
             if resp.status == 401:
                 raise SourceError("auth", f"{path}: 401 even with a fresh token")
         return resp
+
+    async def instance_id(self) -> str:
+        """This instance's id; SourceError when unreadable (no answer, an error, not an id)."""
+        resp = await self.get(self.instance_id_path)
+        return parse_instance_id(resp.status, resp.headers, resp.body, path=self.instance_id_path,
+                                 pattern=self.instance_id_pattern)
+
+    def identity(self) -> InstanceIdentity:
+        """The instance's id, read through this client, for the sources sharing it."""
+        return InstanceIdentity(self.instance_id, f"{self.label} {self.instance_id_path}")
 
     async def close(self) -> None:
         await self.http.close()

@@ -3,7 +3,8 @@
 Paths: PUT /latest/api/token (header `X-aliyun-ecs-metadata-token-ttl-seconds`, 1..21600;
 403 with `X-Forwarded-For`, 400 for a bad TTL), GET /latest/meta-data/instance/spot/termination-time
 (404 with an HTML page while not reclaimed, else the UTC time of the reclaim as
-`2015-01-05T18:02:00Z`), GET /latest/meta-data/instance-id.
+`2015-01-05T18:02:00Z`), GET /latest/meta-data/instance-id (option `instance_id`, default a
+random `i-` + 20 lowercase letters and digits per emulated VM).
 
 A GET that carries `X-aliyun-ecs-metadata-token` must carry a valid one (401 otherwise, e.g. once
 expired); with option `hardened=True` a GET without a token is refused with 401 as well.
@@ -11,6 +12,8 @@ Schedule kind: reclaim (default lead 300 s); canceling it brings the 404 back.
 """
 from __future__ import annotations
 
+import secrets
+import string
 from typing import Any, ClassVar
 
 from aiohttp import web
@@ -32,7 +35,6 @@ class Handler(CloudHandler):
     name = "alibaba"
     kinds = ("reclaim",)
     default_lead: ClassVar[dict[str, float]] = {"reclaim": 300.0}
-    vm_name = "i-bp67acfmxazb4ph3pqx0"
 
     def __init__(self, hardened: bool = False, **options: Any) -> None:
         super().__init__(**options)
@@ -59,4 +61,8 @@ class Handler(CloudHandler):
         return web.Response(text=iso_z(live[-1].deadline), content_type="text/plain")
 
     async def _instance_id(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.vm_name, content_type="text/plain")
+        return web.Response(text=self.instance_id, content_type="text/plain")
+
+    @staticmethod
+    def new_instance_id() -> str:
+        return "i-" + "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(20))

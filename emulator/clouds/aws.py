@@ -1,7 +1,8 @@
 """Emulated EC2 instance metadata (IMDS): IMDSv2 tokens, spot, rebalance, maintenance, ASG.
 
 Options: `imdsv1` (default True) lets GETs without a token through, as instances that still
-allow IMDSv1 do; False answers them 401 like an IMDSv2-only instance.
+allow IMDSv1 do; False answers them 401 like an IMDSv2-only instance. `instance_id`: what
+meta-data/instance-id serves (default: a random `i-` + 17 hex digits per emulated VM).
 Schedule kinds and their fields:
 - reclaim: `action` terminate|stop|hibernate (instance-action and termination-time paths);
 - rebalance: (noticeTime = flip time);
@@ -53,7 +54,6 @@ class Handler(CloudHandler):
         "maintenance": 3600.0,
         "lifecycle": 300.0,
     }
-    vm_name = "i-0123456789abcdef0"
 
     def __init__(self, imdsv1: bool = True, **options: Any) -> None:
         super().__init__(**options)
@@ -143,4 +143,8 @@ class Handler(CloudHandler):
         return web.Response(text=state, content_type="text/plain")
 
     async def _instance_id(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.vm_name, content_type="text/plain")
+        return web.Response(text=self.instance_id, content_type="text/plain")
+
+    @staticmethod
+    def new_instance_id() -> str:
+        return "i-" + secrets.token_hex(9)[:17]

@@ -1,7 +1,9 @@
 """Emulated Azure Instance Metadata Service: Scheduled Events and the VM's name.
 
-Paths: GET/POST /metadata/scheduledevents?api-version=2020-07-01 and
-GET /metadata/instance/compute/name?api-version=2021-02-01&format=text.
+Paths: GET/POST /metadata/scheduledevents?api-version=2020-07-01,
+GET /metadata/instance/compute/name?api-version=2021-02-01&format=text and
+GET /metadata/instance/compute/vmId?api-version=2021-02-01&format=text (the VM's unique id, a
+UUID: option `instance_id`, default a random one per emulated VM).
 
 Like IMDS: every request needs `Metadata: true`, no `X-Forwarded-For` and an `api-version`
 (400 otherwise); the name is a leaf, served with `format=text` only. More than `rate_limit`
@@ -38,6 +40,7 @@ from spotguard.emulator.clouds.timefmt import rfc1123
 
 EVENTS_PATH = "/metadata/scheduledevents"
 NAME_PATH = "/metadata/instance/compute/name"
+VM_ID_PATH = "/metadata/instance/compute/vmId"
 EVENT_TYPES = ("Freeze", "Reboot", "Redeploy", "Preempt", "Terminate")
 STATUSES = ("Scheduled", "Started")
 KIND_TYPES = {"reclaim": "Preempt", "maintenance": "Reboot"}
@@ -69,7 +72,12 @@ class Handler(CloudHandler):
             web.get(EVENTS_PATH, self._guard(self._events)),
             web.post(EVENTS_PATH, self._guard(self._approve)),
             web.get(NAME_PATH, self._guard(self._name)),
+            web.get(VM_ID_PATH, self._guard(self._vm_id)),
         ]
+
+    @staticmethod
+    def new_instance_id() -> str:
+        return str(uuid.uuid4())
 
     def schedule_params(self, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
         event_type = spec.get("event_type", KIND_TYPES.get(kind, "Preempt"))
@@ -180,6 +188,13 @@ class Handler(CloudHandler):
             self.state.cancel(notice_id)
 
     async def _name(self, request: web.Request) -> web.Response:
+        return self._leaf(request, self.vm_name)
+
+    async def _vm_id(self, request: web.Request) -> web.Response:
+        return self._leaf(request, self.instance_id)
+
+    @staticmethod
+    def _leaf(request: web.Request, value: str) -> web.Response:
         if request.query.get("format") != "text":
             return _error(400, "Bad request. Leaf node values are only served with format=text")
-        return web.Response(text=self.vm_name, content_type="text/plain")
+        return web.Response(text=value, content_type="text/plain")

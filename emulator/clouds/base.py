@@ -18,6 +18,9 @@ class CloudHandler(abc.ABC):
 
     `kinds` lists the notice kinds this cloud can show; `schedule_params` validates the
     cloud-specific fields of a schedule request and returns them with defaults filled in.
+    `instance_id` is the emulated VM's id, as the cloud serves it: option `instance_id`, else a
+    new random one (`new_instance_id`) for every handler, so every emulated VM is a new instance;
+    `replace_instance` re-creates the VM under the same name.
     """
 
     name: str = "cloud"
@@ -25,9 +28,27 @@ class CloudHandler(abc.ABC):
     default_lead: ClassVar[dict[str, float]] = {}
     vm_name: str = "vm-0"
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, instance_id: str | None = None, **options: Any) -> None:
         self.options = options
         self.state: EmulatorState | None = None
+        self.instance_id = self._checked_instance_id(instance_id) if instance_id is not None else self.new_instance_id()
+
+    @staticmethod
+    @abc.abstractmethod
+    def new_instance_id() -> str:
+        """A new random instance id, in the form this cloud gives them."""
+
+    def replace_instance(self, instance_id: str | None = None) -> str:
+        """The VM is re-created under the same name: a new instance id (`instance_id`, else a
+        random one). ScheduleError for an id this cloud could not give."""
+        self.instance_id = self._checked_instance_id(instance_id) if instance_id is not None else self.new_instance_id()
+        return self.instance_id
+
+    @staticmethod
+    def _checked_instance_id(value: Any) -> str:
+        if not isinstance(value, str) or not 0 < len(value) <= 128 or not value.isprintable() or " " in value:
+            raise ScheduleError(f"instance_id: expected a non-empty printable string without spaces, got {value!r:.60}")
+        return value
 
     def bind(self, state: EmulatorState) -> None:
         self.state = state

@@ -2,7 +2,8 @@
 
 Paths under /computeMetadata/v1/instance/: `preempted` (TRUE/FALSE), `maintenance-event`
 (NONE / MIGRATE_ON_HOST_MAINTENANCE / TERMINATE_ON_HOST_MAINTENANCE), `scheduling/preemptible`,
-`scheduling/on-host-maintenance`, `name`, `id`.
+`scheduling/on-host-maintenance`, `name`, `id` (the instance id: a random 19-digit number per
+emulated VM, or option `instance_id`).
 
 Like the real server: a request without `Metadata-Flavor: Google` (or with `X-Forwarded-For`)
 gets 403; every answer carries `Metadata-Flavor: Google` and an `ETag` derived from the path and
@@ -20,6 +21,7 @@ Schedule kinds and their fields:
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from typing import Any, ClassVar
 from collections.abc import Callable
@@ -46,7 +48,6 @@ class Handler(CloudHandler):
     kinds = ("reclaim", "maintenance")
     default_lead: ClassVar[dict[str, float]] = {"reclaim": 30.0, "maintenance": 60.0}
     vm_name = "gke-pool-1-vm-0"
-    instance_id = "4520031799277581759"
 
     def __init__(self, preemptible: bool = True, **options: Any) -> None:
         super().__init__(**options)
@@ -62,6 +63,10 @@ class Handler(CloudHandler):
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get(path, self._serve) for path in self._values]
+
+    @staticmethod
+    def new_instance_id() -> str:
+        return str(10**18 + secrets.randbelow(9 * 10**18))
 
     def schedule_params(self, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
         if kind == "maintenance":

@@ -1,21 +1,22 @@
 """The `CheckpointAdapter` protocol the Guard drives, and `StoreAdapter`, what every adapter shares:
-the store, the commit protocol across ranks, save timing, snapshots.
+the store, save timing, snapshots, and the commit protocol across ranks (checkpoint/commit.py) each
+save runs.
 
 An adapter is made on its own (`checkpoint_dir=` or `store=`) and handed to the Guard
 (`Guard.from_env(adapter=...)` or `guard.attach(adapter)`); it never needs the Guard.
 
-Contract for subclasses. An adapter on the snapshot engine (checkpoint/engine.py: every adapter
-here) implements `_state(step)` (the live state tree to copy: tensors, and plain values) and
+Contract for subclasses. Every adapter saves on the snapshot engine (checkpoint/engine.py): it
+implements `_state(step)` (the live state tree to copy: tensors, and plain values),
 `_write_state(pending, state)` (this rank's files from that tree, whose tensors are the engine's
-buffers); an adapter whose framework writes its own files (the integrations) implements
-`_write(pending, step)` instead. Both implement `_load(info)`. The base class then gives the Guard's
+buffers, into a `PendingCheckpoint`) and `_load(info)`. The base class then gives the Guard's
 `CheckpointAdapter` interface:
-- `save(step, reason=..., notice=...)`: collective. On the engine: the state is copied into the
-  buffers (the only time training is held; it is also the held snapshot of `step`), then the
-  engine persists that copy through the store: begins `step-<step>-<reason>`, writes,
-  `finish_rank`, agrees that every rank finished, rank 0 commits with metadata {step, reason,
-  notice_id, world_size, extra}, every rank learns the outcome. Durable when it returns; raises
-  `CheckpointFailed` on every rank when any rank failed (so no rank waits forever for a commit).
+- `save(step, reason=..., notice=...)`: collective. The state is copied into the buffers (the only
+  time training is held; it is also the held snapshot of `step`), then the engine persists that
+  copy through the commit protocol (`CollectiveCommit` on the formation's checkpoint group): every
+  rank writes its part of `step-<step>-<reason>`, every rank learns that every part is written,
+  rank 0 commits with metadata {step, reason, notice_id, world_size, snapshot, extra}, every rank
+  learns the outcome. Durable when it returns; raises `CheckpointFailed` on every rank when any
+  rank failed (so no rank waits forever for a commit).
 - `save_async(step)`: the same copy now, the persist and commit in the background (`wait()`,
   `async_error`); `snapshot(step)` / `persist_snapshot(...)`: the copy alone, and later its commit.
 - `save_behind(step, ...)` / `persist_snapshot_behind(...)`: a save (a persist of the held
@@ -23,27 +24,38 @@ buffers); an adapter whose framework writes its own files (the integrations) imp
   its checkpoint while the state moves); the next save, snapshot or `rebuild` waits for it.
 - `prepare()`: allocates the buffers now (call once after the first optimizer step, so that no
   notice pays for it); `save_parts()`: measured seconds of each part (snapshot, persist).
-- `estimate_save_seconds()`: 1.25 x (slowest recent snapshot + slowest recent persist) on the
-  engine, else 1.25 x the slowest of the last 5 measured fresh saves.
+- `estimate_save_seconds()`: 1.25 x (slowest recent snapshot + slowest recent persist), else
+  1.25 x the slowest of the last 5 measured fresh saves.
 - `resume()`: the newest complete, verified checkpoint -> `_load`, `resumed_metadata`,
   `extra` (the dict `extra_state()` returned at save time); returns `step + 1`.
 - `answered_notice_id()`: the notice the resumed checkpoint was saved for; `gradient_carrier()`:
   None (an adapter of a DDP model returns the model); `held_snapshot`: the last snapshot's state.
+An adapter that can change its world size in place also implements `ResizableAdapter`.
 """
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from collections.abc import Callable
 
-from spotguard.hooks.adapters.store import (CheckpointInfo, CheckpointStore, PartTimes, Snapshot, SnapshotEngine,
-                                             open_store)
+from spotguard.hooks.adapters.store import (CheckpointFailed, CheckpointInfo, PartTimes, PendingCheckpoint, Snapshot,
+                                             SnapshotEngine, Store, open_store)
+from spotguard.hooks.checkpoint.commit import CollectiveCommit, Vote, reraise_interrupts
 from spotguard.wire.notice import Notice
+
+if TYPE_CHECKING:
+    import torch
+
+    from spotguard.hooks.elastic.reshard_state import Shards
+
+# CheckpointFailed (checkpoint/types.py) and reraise_interrupts (checkpoint/commit.py) were defined
+# here: their old import path keeps working.
+__all__ = ["CheckpointAdapter", "CheckpointFailed", "ResizableAdapter", "StoreAdapter", "done_future",
+           "reraise_interrupts", "resizable_adapter", "tag_for"]
 
 log = logging.getLogger("spotguard.hooks.adapters")
 
@@ -83,10 +95,14 @@ class CheckpointAdapter(Protocol):
 @runtime_checkable
 class ResizableAdapter(CheckpointAdapter, Protocol):
     """What an in-place membership change needs besides the checkpoint (`hooks/elastic`): an
-    adapter that can rebuild its model for another world size and carry the state across.
+    adapter that can rebuild its model for another world size and carry the state across, peer to
+    peer (`shard_state` -> `load_shards`, elastic/transfer.py's default) or gathered
+    (`full_state` -> `load_full_state`, `SPOTGUARD_RESHARD=gather`).
     `resizable_adapter(adapter)` is the one check the Guard makes."""
 
-    resizable: bool  # False: made without what a rebuild needs (TorchDCPAdapter without build=)
+    @property
+    def resizable(self) -> bool:
+        """False: made without what a rebuild needs (TorchDCPAdapter without build=)."""
     extra: dict[str, Any]  # the extras a resume or a live peer handed over
 
     def extra_state_now(self) -> dict[str, Any]:
@@ -101,6 +117,17 @@ class ResizableAdapter(CheckpointAdapter, Protocol):
     def load_full_state(self, state: dict[str, Any]) -> None:
         """Local: loads what `full_state()` returned into the rebuilt model and optimizer."""
 
+    def shard_state(self) -> Shards:
+        """Local: this rank's pieces of the model and optimizer state with their layouts
+        (elastic/reshard_state.py), views of the live tensors; what the change moves peer to peer."""
+
+    def shard_device(self) -> torch.device:
+        """Local: where this rank's pieces live (a joiner allocates its new pieces there)."""
+
+    def load_shards(self, manifest: dict[str, Any], pieces: dict[int, torch.Tensor]) -> None:
+        """Local, after `rebuild()`: this rank's new pieces (manifest entry index -> piece, laid out
+        for the current world size) become the model's parameters and the optimizer's state."""
+
 
 def resizable_adapter(adapter: object) -> ResizableAdapter | None:
     """`adapter` as a ResizableAdapter when it can take an in-place change now, else None."""
@@ -110,7 +137,7 @@ def resizable_adapter(adapter: object) -> ResizableAdapter | None:
 
 
 def done_future(call: Callable[[], Any]) -> Future:
-    """A Future already done with `call()`'s result or exception (a save without the engine)."""
+    """A Future already done with `call()`'s result or exception (a save that has no Future of its own)."""
     future: Future = Future()
     try:
         future.set_result(call())
@@ -119,24 +146,15 @@ def done_future(call: Callable[[], Any]) -> Future:
     return future
 
 
-class CheckpointFailed(RuntimeError):
-    """A checkpoint could not be made durable (some rank failed to write, or the commit failed)."""
-
-
-def reraise_interrupts(exc: BaseException) -> None:
-    """Re-raises what must not be swallowed (SystemExit, KeyboardInterrupt)."""
-    if isinstance(exc, (SystemExit, KeyboardInterrupt)):
-        raise exc
-
-
 def tag_for(step: int, reason: str) -> str:
+    """The store's name of an adapter's checkpoint of `step` saved for `reason`."""
     return f"step-{step:09d}-{reason}"
 
 
 class StoreAdapter:
     """Base of the framework adapters; see the module docstring."""
 
-    def __init__(self, *, checkpoint_dir: str | os.PathLike | None = None, store: CheckpointStore | None = None,
+    def __init__(self, *, checkpoint_dir: str | os.PathLike | None = None, store: Store | None = None,
                  keep_last: int = 3, extra_state: Callable[[], dict[str, Any]] | None = None):
         if store is None:
             if checkpoint_dir is None:
@@ -148,65 +166,36 @@ class StoreAdapter:
         self.resumed_metadata: dict[str, Any] | None = None
         self.snapshot_step: int | None = None
         self._snapshot: Snapshot | None = None
-        self.snapshot_engine: SnapshotEngine | None = SnapshotEngine() if self._on_engine() else None
+        self.snapshot_engine = SnapshotEngine()
         self.save_seconds: deque[float] = deque(maxlen=5)
         self.last_info: CheckpointInfo | None = None
         self.async_error: BaseException | None = None
         self._setup_group()
 
-    def _on_engine(self) -> bool:
-        return type(self)._state is not StoreAdapter._state
-
-    # ---- collectives: the formation's checkpoint group, which spotguard makes (control_group) --
     def _setup_group(self) -> None:
+        """The collectives of the commit protocol: on the formation's checkpoint group, which
+        spotguard makes (agreement/control_group.py), or none for a process alone. Again after a
+        rebuild: the new formation's group."""
         import torch.distributed as dist
 
+        from spotguard.hooks.agreement.collectives import Collectives, GroupCollectives
         from spotguard.hooks.agreement.control_group import control_groups
 
-        self.rank, self.world_size, self._group = 0, 1, None
+        self._group = None
         if dist.is_available() and dist.is_initialized():
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             groups = control_groups()
             self._group = groups.checkpoint if groups is not None else None
-
-    def _all_ok(self, ok: bool) -> bool:
-        """True on every rank when `ok` is true on every rank (one all_reduce MIN)."""
-        if self._group is None:
-            return ok
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(flag.item())
-
-    def _barrier(self) -> None:
-        self._all_ok(True)
-
-    def _agreed_attempt(self) -> str:
-        """One fresh id for this save, the same on every rank (one all_reduce MAX of random numbers):
-        a store with `agrees_attempts` keeps parts of different attempts at one tag apart."""
-        mine = secrets.randbits(62)
-        if self._group is None:
-            return f"{mine:016x}"
-        import torch
-        import torch.distributed as dist
-
-        value = torch.tensor([mine], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group)
-        return f"{int(value.item()):016x}"
+        self._collectives: Vote = GroupCollectives(self._group) if self._group is not None else Collectives()
+        self.rank, self.world_size = self._collectives.rank, self._collectives.world_size
+        self._commit = CollectiveCommit(self.store, self._collectives)
 
     # ---- subclass hooks --------------------------------------------------------------------
     def _state(self, step: int) -> Any:
-        """The live state to copy at `step` (adapters on the engine)."""
+        """The live state to copy at `step`."""
         raise NotImplementedError
 
-    def _write_state(self, pending, state: Any) -> None:
-        """This rank's files of `state`, a tree over the engine's buffers (adapters on the engine)."""
-        raise NotImplementedError
-
-    def _write(self, pending, step: int) -> None:
-        """This rank's files for a fresh save of `step` (adapters whose framework writes them itself)."""
+    def _write_state(self, pending: PendingCheckpoint, state: Any) -> None:
+        """This rank's files of `state`, a tree over the engine's buffers."""
         raise NotImplementedError
 
     def _load(self, info: CheckpointInfo) -> None:
@@ -223,14 +212,9 @@ class StoreAdapter:
         """Rank 0, right after the commit: a failure here fails the checkpoint on every rank."""
 
     # ---- the engine -------------------------------------------------------------------------
-    def _require_engine(self) -> SnapshotEngine:
-        if self.snapshot_engine is None:
-            raise CheckpointFailed(f"{type(self).__name__} takes no in-memory snapshots")
-        return self.snapshot_engine
-
     def _copy(self, step: int) -> Snapshot:
         """The snapshot of `step` (the stall); it becomes the held snapshot."""
-        engine = self._require_engine()
+        engine = self.snapshot_engine
         extra = self.extra_state() if self.extra_state else {}
         self._snapshot, self.snapshot_step = None, None  # the buffers are about to change
         snap = engine.snapshot(lambda: self._state(step), step=step, extra=extra)
@@ -238,26 +222,31 @@ class StoreAdapter:
         return snap
 
     def _persist(self, snap: Snapshot | None, step: int, reason: str, notice: Notice | None, *,
-                 snapshot: bool, failure: BaseException | None = None) -> Any:
-        """The engine's background persist of `snap` through the store's commit (a Future).
-        With `failure` (this rank could not take the snapshot) every rank still runs the commit
-        protocol, so all of them learn that this checkpoint failed."""
-        engine = self._require_engine()
+                 snapshot: bool, failure: BaseException | None = None) -> Future:
+        """The engine's background persist of `snap` through the commit protocol (a Future of the
+        CheckpointInfo on rank 0, None elsewhere). With `failure` (this rank could not take the
+        snapshot) every rank still runs the protocol, so all of them learn that this checkpoint failed."""
         extra = snap.extra if snap is not None else {}
 
-        def write(pending) -> None:
+        def write(pending: PendingCheckpoint) -> None:
             if failure is not None or snap is None:
                 raise CheckpointFailed(f"rank {self.rank}: no snapshot of step {step}") from failure
             self._write_state(pending, snap.state)
 
-        def commit(_state: Any) -> CheckpointInfo | None:
-            return self._checkpoint(step, reason, notice, extra, write, snapshot=snapshot)
+        def metadata() -> dict[str, Any]:
+            return {"step": step, "reason": reason, "notice_id": notice.id if notice else None,
+                    "world_size": self.world_size, "snapshot": snapshot, "extra": extra, **self._metadata_extra()}
+
+        def commit(_state: Any = None) -> CheckpointInfo | None:
+            info = self._commit.run(self._tag(step, reason), write, metadata, after_commit=self._after_commit)
+            self.last_info = info
+            return info
 
         if snap is None:
-            return engine.submit(lambda: commit(None))
-        return engine.persist(snap, commit)
+            return self.snapshot_engine.submit(commit)
+        return self.snapshot_engine.persist(snap, commit)
 
-    def _fresh(self, step: int, reason: str, notice: Notice | None) -> Any:
+    def _fresh(self, step: int, reason: str, notice: Notice | None) -> Future:
         """Snapshot now, persist in the background: the Future of the commit."""
         self.wait()
         try:
@@ -272,7 +261,7 @@ class StoreAdapter:
     def prepare(self) -> None:
         """Allocates the snapshot buffers now (a copy of the current state, not a checkpoint).
         Call after the first optimizer step, on every rank (DeepSpeed's copy is collective)."""
-        engine = self._require_engine()
+        engine = self.snapshot_engine
         self.wait()
         engine.snapshot(lambda: self._state(-1), step=-1, timed=False)
         engine.forget()
@@ -280,25 +269,19 @@ class StoreAdapter:
 
     def save_parts(self) -> PartTimes:
         """Measured seconds of each part of a save (snapshot, persist); None where not measured."""
-        return self.snapshot_engine.estimate() if self.snapshot_engine is not None else PartTimes(None, None)
+        return self.snapshot_engine.estimate()
 
     # ---- the CheckpointAdapter interface ----------------------------------------------------
     def save(self, step: int, *, reason: str = "periodic", notice: Notice | None = None) -> CheckpointInfo | None:
         t0 = time.monotonic()
-        if self.snapshot_engine is None:
-            extra = self.extra_state() if self.extra_state else {}
-            info = self._checkpoint(step, reason, notice, extra, lambda pending: self._write(pending, step))
-        else:
-            info = self._fresh(step, reason, notice).result()
+        info = self._fresh(step, reason, notice).result()
         self.save_seconds.append(time.monotonic() - t0)
         return info
 
     def save_behind(self, step: int, *, reason: str = "periodic", notice: Notice | None = None) -> Future:
         """Collective: `save`, but returns once the state is copied (the stall); the Future is done
         when the commit is (its result the CheckpointInfo; CheckpointFailed on every rank when any
-        rank failed). Without the engine the save runs now and the Future is done already."""
-        if self.snapshot_engine is None:
-            return done_future(lambda: self.save(step, reason=reason, notice=notice))
+        rank failed)."""
         t0 = time.monotonic()
         future = self._fresh(step, reason, notice)
 
@@ -334,8 +317,7 @@ class StoreAdapter:
 
     def wait(self, timeout: float | None = None) -> None:
         """Waits for the persist in flight (if any) to be committed or to fail."""
-        if self.snapshot_engine is not None:
-            self.snapshot_engine.wait(timeout)
+        self.snapshot_engine.wait(timeout)
 
     def snapshot(self, step: int) -> None:
         self._copy(step)
@@ -363,8 +345,7 @@ class StoreAdapter:
         return None
 
     def close(self) -> None:
-        if self.snapshot_engine is not None:
-            self.snapshot_engine.close()
+        self.snapshot_engine.close()
 
     def estimate_save_seconds(self) -> float | None:
         fresh = self.save_parts().fresh
@@ -376,45 +357,9 @@ class StoreAdapter:
         info = self.store.resolve(verify=True)
         if info is None:
             return None
-        self._barrier()  # every rank sees the same newest checkpoint before anyone loads
+        self._collectives.all_ok(True)  # every rank sees the same newest checkpoint before anyone loads
         self._load(info)
         self.resumed_metadata = dict(info.metadata)
         self.extra = dict(info.metadata.get("extra") or {})
         log.info("resumed from checkpoint %s (step %s, saved by %s ranks)", info.tag, info.step, info.world_size)
         return int(info.metadata["step"]) + 1
-
-    # ---- the commit protocol ---------------------------------------------------------------
-    def _checkpoint(self, step: int, reason: str, notice: Notice | None, extra: dict[str, Any],
-                    write: Callable[[Any], None], snapshot: bool = False, pending: Any = None) -> CheckpointInfo | None:
-        tag = self._tag(step, reason)
-        ok = True
-        attempt = self._agreed_attempt() if pending is None and getattr(self.store, "agrees_attempts", False) else None
-        try:
-            if pending is None:
-                pending = self.store.begin(tag, attempt=attempt)
-            write(pending)
-            pending.finish_rank(self.rank)
-        except BaseException as exc:  # every rank must learn about the failure
-            reraise_interrupts(exc)  # (DCP's CheckpointException derives from BaseException)
-            log.exception("rank %d could not write its part of checkpoint %s", self.rank, tag)
-            ok = False
-        if not self._all_ok(ok):
-            if pending is not None:  # every rank stopped writing: the next open's cleanup may remove it
-                pending.close()
-            raise CheckpointFailed(f"checkpoint {tag}: a rank failed to write its part")
-        info, ok = None, True
-        if self.rank == 0:
-            metadata = {"step": step, "reason": reason, "notice_id": notice.id if notice else None,
-                        "world_size": self.world_size, "snapshot": snapshot, "extra": extra,
-                        **self._metadata_extra()}
-            try:
-                info = self.store.commit(tag, world_size=self.world_size, metadata=metadata)
-                self._after_commit(info)
-            except BaseException as exc:
-                reraise_interrupts(exc)
-                log.exception("commit of checkpoint %s failed", tag)
-                ok = False
-        if not self._all_ok(ok):
-            raise CheckpointFailed(f"checkpoint {tag}: commit failed")
-        self.last_info = info
-        return info

@@ -148,7 +148,7 @@ class DeepSpeedAdapter(StoreAdapter):
             except Exception:  # every rank must learn about the failure
                 log.exception("conversion of %s to a universal checkpoint failed", info.tag)
                 ok = False
-        if not self._all_ok(ok):
+        if not self._collectives.all_ok(ok):
             raise RuntimeError(f"conversion of {info.tag} to a universal checkpoint failed")
         return copies.path(info.tag)
 

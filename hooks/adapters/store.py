@@ -2,8 +2,9 @@
 re-exported so adapter code names one place."""
 from __future__ import annotations
 
-from spotguard.hooks.checkpoint import CheckpointCorrupt, CheckpointInfo, CheckpointStore, open_store
+from spotguard.hooks.checkpoint import (CheckpointCorrupt, CheckpointFailed, CheckpointInfo, CheckpointStore,
+                                        PendingCheckpoint, Store, open_store)
 from spotguard.hooks.checkpoint.engine import PartTimes, Snapshot, SnapshotEngine
 
-__all__ = ["CheckpointCorrupt", "CheckpointInfo", "CheckpointStore", "PartTimes", "Snapshot", "SnapshotEngine",
-           "open_store"]
+__all__ = ["CheckpointCorrupt", "CheckpointFailed", "CheckpointInfo", "CheckpointStore", "PartTimes",
+           "PendingCheckpoint", "Snapshot", "SnapshotEngine", "Store", "open_store"]

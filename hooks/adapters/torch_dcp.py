@@ -10,9 +10,10 @@
 
 Contract:
 - State is `get_state_dict(model, optimizer)` (DTensor shards under FSDP2, full tensors under
-  DDP), written by DCP straight into the store's pending directory through the store's
-  `dcp_writer` (DCP's own extension point); resume loads through `dcp_reader` into this job's
-  `get_state_dict` layout, which reshards to the current world size, then `set_state_dict`.
+  DDP), written by DCP straight into the store's pending checkpoint through
+  `checkpoint.dcp.StoreDcpWriter` (DCP's own extension point); resume loads through
+  `StoreDcpReader` into this job's `get_state_dict` layout, which reshards to the current world
+  size, then `set_state_dict`.
 - Every save runs on the snapshot engine (checkpoint/engine.py): `get_state_dict`'s state (as
   `dcp_state.StateCapture` gives it: the same dict, with the names learnt once) is copied into
   host buffers allocated once (DTensors keep their spec over a host copy of the local shard;
@@ -32,7 +33,8 @@ Contract:
   checkpoint group was made when it formed) and `load_full_state(state)` loads it, sharding it
   to the new mesh. `model` and `optimizer` then name the new objects: training code reads them again after a resize.
   The peer-to-peer transfer (`hooks/elastic/transfer.py`, the default) uses `shard_state()`
-  (this rank's pieces and their layouts, local) and `load_shards(manifest, pieces)` instead of
+  (this rank's pieces and their layouts, local), `shard_device()` and `load_shards(manifest, pieces)`
+  (`ResizableAdapter` declares all of them) instead of
   the full state: no rank then holds more than its old and new pieces. A `build` that makes the
   model on the meta device and materialises only the shards (`to_empty` after `fully_shard`)
   keeps the rebuild from allocating the whole model too: its values are overwritten anyway.
@@ -47,8 +49,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from spotguard.hooks.adapters.base import StoreAdapter
+from spotguard.hooks.adapters.base import ResizableAdapter, StoreAdapter
 from spotguard.hooks.adapters.dcp_state import StateCapture
+from spotguard.hooks.checkpoint.dcp import StoreDcpReader, StoreDcpWriter
+from spotguard.hooks.checkpoint.types import CheckpointInfo, PendingCheckpoint
 from spotguard.hooks.elastic.reshard_state import Shards, collect, install
 
 log = logging.getLogger("spotguard.hooks.adapters.dcp")
@@ -68,7 +72,7 @@ def _shard_like(mine: Any, full: Any) -> Any:
     return full
 
 
-class TorchDCPAdapter(StoreAdapter):
+class TorchDCPAdapter(StoreAdapter, ResizableAdapter):
     """Checkpoints a DDP or FSDP2 model and its optimizer with DCP through the store."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, piggyback: bool = True,
@@ -130,7 +134,7 @@ class TorchDCPAdapter(StoreAdapter):
             raise RuntimeError("this adapter was made without build=: it cannot be resized in place")
         self.wait()
         self.model, self.optimizer = self.build()
-        self._snapshot_buffers, self._snapshot, self.snapshot_step = None, None, None
+        self._snapshot, self.snapshot_step = None, None
         self._setup_group()
 
     def load_full_state(self, state: dict[str, Any]) -> None:
@@ -144,10 +148,10 @@ class TorchDCPAdapter(StoreAdapter):
     def _state(self, step: int) -> dict[str, Any]:
         return self.state()
 
-    def _write_state(self, pending, state: dict[str, Any]) -> None:
-        dcp.save(state, storage_writer=self.store.dcp_writer(pending), process_group=self._group)
+    def _write_state(self, pending: PendingCheckpoint, state: dict[str, Any]) -> None:
+        dcp.save(state, storage_writer=StoreDcpWriter(pending), process_group=self._group)
 
-    def _load(self, info) -> None:
+    def _load(self, info: CheckpointInfo) -> None:
         state = self.state()
-        dcp.load(state, storage_reader=self.store.dcp_reader(info), process_group=self._group)
+        dcp.load(state, storage_reader=StoreDcpReader(info.dir), process_group=self._group)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

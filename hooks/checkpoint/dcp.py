@@ -14,12 +14,15 @@
   file is read back;
 - ends with `pending.finish_rank(rank)` (non-coordinators after their data, the coordinator
   after `.metadata`), so when `dcp.save` / the `dcp.async_save` future returns, this rank's
-  part is durable; the caller barriers and rank 0 calls `store.commit`;
+  part is durable; the commit protocol (commit.py) then commits it;
 - as the async stager (`dcp.async_save(..., storage_writer=writer)`), copies the state into
   CPU buffers that the store keeps across saves (allocated, memory-checked, once), so a
   save's stall is the copy only.
 Use `async_checkpointer_type=THREAD` (the default): the writer holds the pending checkpoint's
 lock and cannot move to another process.
+`StoreDcpReader(info.dir)` reads a committed checkpoint of either store (the object store's `dir`
+is where `resolve` downloaded it). Any `PendingCheckpoint` (types.py) takes the writer: the stores
+host no format plug-in (their `dcp_writer` / `dcp_reader` are deprecated names for these two).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import contextlib
 import io
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -39,8 +43,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import fsutil
-from .store import PendingCheckpoint
 from .torchfile import lay_out
+from .types import CheckpointInfo, PendingCheckpoint
 
 _file_writers = ThreadPoolExecutor(16, thread_name_prefix="spotguard-dcp-file")
 
@@ -203,3 +207,17 @@ class StoreDcpReader(FileSystemReader):
 
     def __init__(self, path: os.PathLike | str, **options: Any):
         super().__init__(path, **options)
+
+
+def deprecated_writer(pending: PendingCheckpoint, **options: Any) -> StoreDcpWriter:
+    """What the deprecated `store.dcp_writer(pending)` gives, with its DeprecationWarning."""
+    warnings.warn("store.dcp_writer(pending) is deprecated: use "
+                  "spotguard.hooks.checkpoint.dcp.StoreDcpWriter(pending)", DeprecationWarning, stacklevel=3)
+    return StoreDcpWriter(pending, **options)
+
+
+def deprecated_reader(info: CheckpointInfo, **options: Any) -> StoreDcpReader:
+    """What the deprecated `store.dcp_reader(info)` gives, with its DeprecationWarning."""
+    warnings.warn("store.dcp_reader(info) is deprecated: use "
+                  "spotguard.hooks.checkpoint.dcp.StoreDcpReader(info.dir)", DeprecationWarning, stacklevel=3)
+    return StoreDcpReader(info.dir, **options)

@@ -23,15 +23,12 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 from collections.abc import Callable, Iterable
 
 from . import fsutil
 from .locks import WriterLock, live_tags_reaping_dead, store_lock
 from .manifest import TRASH_PREFIX, aside_name, tag_of_aside
-
-if TYPE_CHECKING:
-    from .store import CheckpointInfo
+from .types import CheckpointInfo
 
 MARKER = ".spotguard-derived"
 SOURCE = "spotguard-source.json"

@@ -25,6 +25,14 @@ MANIFEST_VERSION = 1
 TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 
 
+def validate_tag(tag: str) -> str:
+    """Returns `tag` if it is a safe directory name (letters, digits, `_ . -`), else ValueError."""
+    if not isinstance(tag, str) or not TAG_RE.match(tag) or tag in (LATEST, MANIFEST):
+        raise ValueError(f"invalid checkpoint tag {tag!r}: use letters, digits, '_', '.', '-' "
+                         "(not starting with '.' or '-')")
+    return tag
+
+
 def read_manifest(directory: Path, tag: str) -> tuple[dict[str, Any], bytes]:
     """(manifest, its raw bytes) of `directory`; FileNotFoundError/NotADirectoryError when absent,
     ValueError when unreadable or not a manifest of `tag` in this format."""

@@ -20,9 +20,9 @@ complete checkpoints or that set plus the new one: the next open's `cleanup` mak
 complete copy of every tag `<tag>/` again (recovery.py) before it deletes any leftover, and
 points `latest` at the newest checkpoint.
 
-Backends: `open_store(location)` opens this store for a directory and, for `s3://bucket/prefix`,
-`objectstore.store.ObjectCheckpointStore` (this store as the local first tier, the object store as
-the tier that survives the node; same interface).
+This store implements `types.Store`, as `objectstore.store.ObjectCheckpointStore` does (this
+store as its local first tier, the object store as the tier that survives the node);
+`factory.open_store(location)` opens one or the other. A rank's part is a `pending.PendingDirectory`.
 """
 from __future__ import annotations
 
@@ -31,219 +31,108 @@ import contextlib
 import json
 import logging
 import os
-import queue
 import shutil
 import threading
 import time
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Mapping
 
 from spotguard.config import ConfigError, positive_int
 
 from . import fsutil
 from .derived import DerivedCopies, derived_areas
 from .locks import WriterLock, live_tags_reaping_dead, store_lock
-from .manifest import (LATEST, MANIFEST, MANIFEST_VERSION, PART_PREFIX, PENDING_PREFIX, REPLACED_PREFIX, TAG_RE,
-                       TRASH_PREFIX, aside_name, collect_parts, fingerprint, read_manifest)
+from .manifest import (LATEST, MANIFEST, MANIFEST_VERSION, PENDING_PREFIX, REPLACED_PREFIX, TAG_RE, TRASH_PREFIX,
+                       aside_name, collect_parts, fingerprint, read_manifest, validate_tag)
+from .pending import PartFinished, PendingDirectory
 from .recovery import recover_commits, repair_latest
+from .removal import BackgroundRemoval
+from .types import CheckpointCorrupt, CheckpointInfo, CommitError, PendingCheckpoint, Store
+from .verify import newest_that_checks, verify_files
 
 log = logging.getLogger(__name__)
 
+# CheckpointCorrupt, CommitError, PendingCheckpoint (types.py) and validate_tag (manifest.py) were
+# defined here: their old import path keeps working.
 __all__ = ["MANIFEST", "CheckpointCorrupt", "CheckpointInfo", "CheckpointStore", "CommitError", "PendingCheckpoint",
-           "open_store", "validate_tag"]
+           "validate_tag"]
 
 
-class CheckpointCorrupt(Exception):
-    """A committed checkpoint failed verification (missing file, wrong size or checksum)."""
-
-    def __init__(self, tag: str, problems: list[str]):
-        super().__init__(f"checkpoint {tag!r} is damaged: " + "; ".join(problems[:5])
-                         + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
-        self.tag = tag
-        self.problems = problems
-
-
-class CommitError(Exception):
-    """A commit was refused (a rank's part is missing or inconsistent); nothing became visible."""
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed checkpoint as its manifest describes it."""
-
-    tag: str
-    dir: Path
-    sequence: int
-    world_size: int
-    metadata: dict[str, Any]
-    files: dict[str, dict[str, Any]] = field(repr=False)
-    committed_at: float = 0.0
-    fingerprint: str = field(default="", repr=False)  # SHA-256 of the manifest: this very commit
-
-    @property
-    def step(self) -> int | None:
-        step = self.metadata.get("step")
-        return int(step) if isinstance(step, (int, float)) else None
-
-    @property
-    def size(self) -> int:
-        return sum(int(f["size"]) for f in self.files.values())
+def install(root: Path, pending_dir: Path, final_dir: Path) -> Path | None:
+    """Renames the pending dir (manifest written) to `<tag>` in `root`; returns where an existing
+    `<tag>` was set aside. If the rename fails, the old copy is put back and the manifest removed."""
+    replaced = None
+    try:
+        if os.path.lexists(final_dir):
+            log.warning("checkpoint %s exists; replacing it with the new commit", final_dir.name)
+            replaced = root / aside_name(REPLACED_PREFIX, final_dir.name)
+            os.rename(final_dir, replaced)
+        os.rename(pending_dir, final_dir)
+    except OSError:
+        if replaced is not None:
+            with contextlib.suppress(OSError):
+                os.rename(replaced, final_dir)
+        with contextlib.suppress(OSError):
+            (pending_dir / MANIFEST).unlink()
+        raise
+    fsutil.fsync_dir(root)
+    return replaced
 
 
-def validate_tag(tag: str) -> str:
-    """Returns `tag` if it is a safe directory name (letters, digits, `_ . -`), else ValueError."""
-    if not isinstance(tag, str) or not TAG_RE.match(tag) or tag in (LATEST, MANIFEST):
-        raise ValueError(f"invalid checkpoint tag {tag!r}: use letters, digits, '_', '.', '-' "
-                         "(not starting with '.' or '-')")
-    return tag
+def info_from_manifest(directory: Path, manifest: dict[str, Any], identity: str) -> CheckpointInfo:
+    """The CheckpointInfo of a manifest read from `directory` (`identity`: its fingerprint)."""
+    return CheckpointInfo(tag=manifest["tag"], dir=directory, sequence=int(manifest["sequence"]),
+                          world_size=int(manifest["world_size"]), metadata=dict(manifest.get("metadata") or {}),
+                          files=dict(manifest["files"]), committed_at=float(manifest.get("committed_at", 0.0)),
+                          fingerprint=identity)
 
 
-def _validate_relpath(relpath: str | os.PathLike) -> str:
-    rel = Path(relpath)
-    if rel.is_absolute() or not rel.parts or any(p in ("", ".", "..") for p in rel.parts):
-        raise ValueError(f"invalid file name in a checkpoint: {str(relpath)!r}")
-    if rel.name == MANIFEST or rel.name.startswith(PART_PREFIX):
-        raise ValueError(f"{str(relpath)!r} is reserved by the checkpoint store")
-    return rel.as_posix()
-
-
-class PendingCheckpoint:
-    """One rank's view of `.pending-<tag>/` between `store.begin()` and the commit.
-
-    Files reach the part manifest by being written through `write_bytes`/`open_file`, or by
-    `record` (written and fsynced elsewhere, checksum known) or `adopt` (written elsewhere:
-    read back, checksummed, fsynced). The writer lock is held until `close()` (or `commit`
-    in this process), so cleanup by other processes leaves the directory alone meanwhile.
-    """
-
-    def __init__(self, store: CheckpointStore, tag: str, lock: WriterLock):
-        self.store = store
-        self.tag = tag
-        self.dir = store.root / f"{PENDING_PREFIX}{tag}"
-        self._lock = lock
-        self._files: dict[str, dict[str, Any]] = {}
-        self._dirs_touched: set[Path] = {self.dir}
-        self._mutex = threading.Lock()
-        self.finished_ranks: set[int] = set()
-
-    def path(self, relpath: str | os.PathLike) -> Path:
-        """Absolute path for `relpath` inside the pending directory (parents created)."""
-        rel = _validate_relpath(relpath)
-        target = self.dir / rel
-        if target.parent != self.dir:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with self._mutex:
-                probe = target.parent
-                while probe != self.dir:
-                    self._dirs_touched.add(probe)
-                    probe = probe.parent
-        return target
-
-    def record(self, relpath: str | os.PathLike, size: int, crc32: int) -> None:
-        """Registers a file already written and fsynced by the caller, with its size and CRC-32."""
-        rel = _validate_relpath(relpath)
-        with self._mutex:
-            self._files[rel] = {"size": int(size), "crc32": f"{crc32 & 0xFFFFFFFF:08x}"}
-
-    def write_bytes(self, relpath: str | os.PathLike, data) -> int:
-        """Writes `data` (bytes or any buffer) to `relpath`, fsyncs it, records it; returns its size."""
-        target = self.path(relpath)
-        size, crc = fsutil.write_file_synced(target, data)
-        self.record(relpath, size, crc)
-        return size
-
-    def adopt(self, relpath: str | os.PathLike) -> int:
-        """Records a file something else wrote into the pending dir: checksums and fsyncs it."""
-        target = self.path(relpath)
-        size, crc = fsutil.file_crc32(target)
-        fsutil.fsync_path(target)
-        self.record(relpath, size, crc)
-        return size
-
-    @property
-    def files(self) -> dict[str, dict[str, Any]]:
-        with self._mutex:
-            return dict(self._files)
-
-    def forget(self, relpath: str | os.PathLike) -> None:
-        """Drops a recorded file (it was renamed or removed by its writer)."""
-        with self._mutex:
-            self._files.pop(_validate_relpath(relpath), None)
-
-    def finish_rank(self, rank: int) -> Path:
-        """fsyncs this rank's directories and writes its part manifest atomically.
-
-        Call after every file of this rank is written (and fsynced). Returns the part path.
-        """
-        if rank < 0:
-            raise ValueError(f"rank must be >= 0, got {rank}")
-        with self._mutex:
-            files = dict(self._files)
-            dirs = sorted(self._dirs_touched, key=lambda p: len(p.parts), reverse=True)
-        for name in files:
-            if not (self.dir / name).is_file():
-                raise CommitError(f"{self.tag}: rank {rank} recorded {name} but it is not in {self.dir}")
-        for d in dirs:
-            fsutil.fsync_dir(d)
-        part = {"v": MANIFEST_VERSION, "tag": self.tag, "rank": rank, "files": files,
-                "checksum": fsutil.CHECKSUM_ALGO, "host": os.uname().nodename, "pid": os.getpid()}
-        path = self.dir / f"{PART_PREFIX}{rank}.json"
-        fsutil.write_file_atomic(path, json.dumps(part, sort_keys=True).encode())
-        self.finished_ranks.add(rank)
-        return path
-
-    def close(self) -> None:
-        """Releases the writer lock. After this, a pending dir nobody else holds may be cleaned."""
-        self._lock.release()
-        self.store._forget_pending(self)
-
-    def __enter__(self) -> PendingCheckpoint:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class CheckpointStore:
+class CheckpointStore(Store):
     """Atomic, verifiable checkpoints under one root directory, with retention.
 
     `keep_last` (>= 1): how many of the newest checkpoints survive retention; checkpoints whose
     metadata has `reason == "notice"` are always kept. Opening a store creates the root and
-    removes the leftovers of dead writers (see `cleanup`).
+    removes the leftovers of dead writers (see `cleanup`). `on_part(pending, rank, part_path)`:
+    called when a rank's part manifest is written (the object store's tier above this one).
     """
 
-    def __init__(self, root: str | os.PathLike, keep_last: int = 3, *, clean: bool = True):
+    agrees_attempts = False  # every rank writes into the one `.pending-<tag>/`: the commit checks it
+
+    def __init__(self, root: str | os.PathLike, keep_last: int = 3, *, clean: bool = True,
+                 on_part: PartFinished | None = None):
         self.keep_last = positive_int("keep_last", keep_last)
         if not str(root):
             raise ConfigError("checkpoint_root", "must not be empty")
-        self.root = Path(root).absolute()
+        self._root = Path(root).absolute()
         try:
             fsutil.makedirs_durable(self.root)
         except OSError as exc:
             raise ConfigError("checkpoint_root", f"cannot create {self.root}: {exc}") from exc
         if not os.access(self.root, os.W_OK):
             raise ConfigError("checkpoint_root", f"{self.root} is not writable")
-        self._pending: dict[str, list[PendingCheckpoint]] = {}
+        self._on_part = on_part
+        self._pending: dict[str, list[PendingDirectory]] = {}
         self._pending_mutex = threading.Lock()
-        self._removal_queue: queue.Queue[Path] = queue.Queue()
-        self._removal_mutex = threading.Condition()
-        self._removals_queued = 0
-        self._removal_thread: threading.Thread | None = None
+        self._removal = BackgroundRemoval()
         if clean:
             self.cleanup()
 
+    @property
+    def root(self) -> Path:
+        return self._root
+
     # ---- writing ---------------------------------------------------------------------------
-    def begin(self, tag: str, attempt: str | None = None) -> PendingCheckpoint:
+    def begin(self, tag: str, attempt: str | None = None) -> PendingDirectory:
         """Opens `root/.pending-<tag>/` for this rank (same dir on every rank); creates it durably.
         `attempt` (an id the ranks of one save agreed on) is not needed here: the commit checks the
-        parts in the one directory every rank writes to; an object store uses it."""
+        parts in the one directory every rank writes to; the pending checkpoint carries it."""
         validate_tag(tag)
         with store_lock(self.root, exclusive=False):
             lock = WriterLock(self.root, tag)
-            pending = self._new_pending(tag, lock)
+            pending = PendingDirectory(self.root, tag, lock, attempt=attempt, on_close=self._forget_pending,
+                                       on_part=self._on_part)
             if not pending.dir.is_dir():
                 with contextlib.suppress(FileExistsError):
                     pending.dir.mkdir()
@@ -256,17 +145,21 @@ class CheckpointStore:
             self._pending.setdefault(tag, []).append(pending)
         return pending
 
-    def _new_pending(self, tag: str, lock: WriterLock) -> PendingCheckpoint:
-        """The pending checkpoint `begin` hands out (a tier above this store returns its own kind)."""
-        return PendingCheckpoint(self, tag, lock)
-
-    def _forget_pending(self, pending: PendingCheckpoint) -> None:
+    def _forget_pending(self, pending: PendingDirectory) -> None:
         with self._pending_mutex:
             group = self._pending.get(pending.tag, [])
             if pending in group:
                 group.remove(pending)
             if not group:
                 self._pending.pop(pending.tag, None)
+
+    def release(self, tag: str) -> None:
+        """Closes this process's pending checkpoints of `tag`: their writers are done (committed
+        here, or in the tier above when the parts lie on several nodes)."""
+        with self._pending_mutex:
+            mine = list(self._pending.get(tag, []))
+        for pending in mine:
+            pending.close()
 
     def commit(self, tag: str, world_size: int, metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
         """Makes `.pending-<tag>` the complete checkpoint `<tag>` (one rank, after a barrier).
@@ -297,53 +190,24 @@ class CheckpointStore:
                         "metadata": metadata, "files": files}
             raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
             fsutil.write_file_atomic(pending_dir / MANIFEST, raw)
-            replaced = self._install(pending_dir, final_dir)
+            replaced = install(self.root, pending_dir, final_dir)
             fsutil.write_file_atomic(self.root / LATEST, tag.encode())
-        with self._pending_mutex:
-            mine = list(self._pending.get(tag, []))
-        for pending in mine:
-            pending.close()
+        self.release(tag)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
-        info = self._info_from_manifest(final_dir, manifest, fingerprint(raw))
+        info = info_from_manifest(final_dir, manifest, fingerprint(raw))
         self.apply_retention(protect={tag}, remove_later=True)
         log.info("checkpoint %s committed (sequence %d, %d files, %.1f MB)", tag, sequence, len(files),
                  info.size / 1e6, extra={"tag": tag, "step": info.step})
         return info
 
-    def _install(self, pending_dir: Path, final_dir: Path) -> Path | None:
-        """Renames the pending dir (manifest written) to `<tag>`; returns where an existing `<tag>`
-        was set aside. If the rename fails, the old copy is put back and the manifest removed."""
-        replaced = None
-        try:
-            if os.path.lexists(final_dir):
-                log.warning("checkpoint %s exists; replacing it with the new commit", final_dir.name)
-                replaced = self.root / aside_name(REPLACED_PREFIX, final_dir.name)
-                os.rename(final_dir, replaced)
-            os.rename(pending_dir, final_dir)
-        except OSError:
-            if replaced is not None:
-                with contextlib.suppress(OSError):
-                    os.rename(replaced, final_dir)
-            with contextlib.suppress(OSError):
-                (pending_dir / MANIFEST).unlink()
-            raise
-        fsutil.fsync_dir(self.root)
-        return replaced
-
     # ---- reading ---------------------------------------------------------------------------
-    def _info_from_manifest(self, directory: Path, manifest: dict[str, Any], identity: str) -> CheckpointInfo:
-        return CheckpointInfo(tag=manifest["tag"], dir=directory, sequence=int(manifest["sequence"]),
-                              world_size=int(manifest["world_size"]), metadata=dict(manifest.get("metadata") or {}),
-                              files=dict(manifest["files"]), committed_at=float(manifest.get("committed_at", 0.0)),
-                              fingerprint=identity)
-
     def read(self, tag: str) -> CheckpointInfo | None:
         """The committed checkpoint `<tag>`, or None when absent or without a readable manifest."""
         directory = self.root / validate_tag(tag)
         try:
             manifest, raw = read_manifest(directory, tag)
-            return self._info_from_manifest(directory, manifest, fingerprint(raw))
+            return info_from_manifest(directory, manifest, fingerprint(raw))
         except (FileNotFoundError, NotADirectoryError):
             return None
         except (ValueError, KeyError, TypeError) as exc:
@@ -369,23 +233,7 @@ class CheckpointStore:
 
     def verify(self, info: CheckpointInfo) -> None:
         """Recomputes every file's size and CRC-32; raises CheckpointCorrupt listing the damage."""
-        problems = []
-        for name, entry in sorted(info.files.items()):
-            path = info.dir / name
-            try:
-                size, crc = fsutil.file_crc32(path)
-            except FileNotFoundError:
-                problems.append(f"{name} is missing")
-                continue
-            except OSError as exc:
-                problems.append(f"{name} unreadable: {exc}")
-                continue
-            if size != entry["size"]:
-                problems.append(f"{name} has {size} bytes, manifest says {entry['size']}")
-            elif f"{crc:08x}" != entry["crc32"]:
-                problems.append(f"{name} checksum {crc:08x} != {entry['crc32']}")
-        if problems:
-            raise CheckpointCorrupt(info.tag, problems)
+        verify_files(info)
 
     def resolve(self, verify: bool = True) -> CheckpointInfo | None:
         """The newest complete checkpoint whose checksums verify, falling back to older ones.
@@ -407,39 +255,14 @@ class CheckpointStore:
         os.rename(directory, trash)
         fsutil.fsync_dir(self.root)
         if later:
-            self._remove_later(trash)
+            self._removal.remove(trash)
         else:
             shutil.rmtree(trash, ignore_errors=True)
-
-    def _remove_later(self, trash: Path) -> None:
-        with self._removal_mutex:
-            self._removals_queued += 1
-            if self._removal_thread is None or not self._removal_thread.is_alive():
-                self._removal_thread = threading.Thread(target=self._remove_queued, name="spotguard-retention",
-                                                        daemon=True)
-                self._removal_thread.start()
-            self._removal_queue.put(trash)  # under the mutex: the thread ends only with an empty queue
-
-    def _remove_queued(self) -> None:
-        while True:
-            try:
-                trash = self._removal_queue.get(timeout=5.0)
-            except queue.Empty:
-                with self._removal_mutex:
-                    if self._removal_queue.empty():
-                        self._removal_thread = None
-                        return
-                continue
-            shutil.rmtree(trash, ignore_errors=True)
-            with self._removal_mutex:
-                self._removals_queued -= 1
-                self._removal_mutex.notify_all()
 
     def removals_done(self, timeout: float | None = None) -> bool:
         """Waits until the checkpoints retention set aside at a commit are deleted; False on timeout.
         (A process that ends first leaves `.trash-*` names, which the next open removes.)"""
-        with self._removal_mutex:
-            return self._removal_mutex.wait_for(lambda: self._removals_queued == 0, timeout)
+        return self._removal.done(timeout)
 
     def derived(self, kind: str) -> DerivedCopies:
         """The copies of kind `kind` derived from this store's checkpoints (`<root>/_<kind>/`, derived.py)."""
@@ -520,56 +343,20 @@ class CheckpointStore:
             log.warning("removed leftovers of interrupted checkpoint writers: %s", ", ".join(sorted(removed)))
         return removed
 
-    # ---- framework plug-ins ---------------------------------------------------------------------
-    def dcp_writer(self, pending: PendingCheckpoint, **options):
-        """A torch.distributed.checkpoint StorageWriter writing into `pending.dir` (see dcp.py)."""
-        from .dcp import StoreDcpWriter
+    # ---- framework plug-ins: dcp.py, torchfile.py, torchshards.py write into any PendingCheckpoint --
+    def dcp_writer(self, pending: PendingCheckpoint, **options: Any) -> Any:
+        """Deprecated: `spotguard.hooks.checkpoint.dcp.StoreDcpWriter(pending, **options)`."""
+        from .dcp import deprecated_writer
 
-        return StoreDcpWriter(pending, **options)
+        return deprecated_writer(pending, **options)
 
-    def dcp_reader(self, info: CheckpointInfo, **options):
-        """A torch.distributed.checkpoint StorageReader over a committed checkpoint."""
-        from .dcp import StoreDcpReader
+    def dcp_reader(self, info: CheckpointInfo, **options: Any) -> Any:
+        """Deprecated: `spotguard.hooks.checkpoint.dcp.StoreDcpReader(info.dir, **options)`."""
+        from .dcp import deprecated_reader
 
-        return StoreDcpReader(info.dir, **options)
+        return deprecated_reader(info, **options)
 
-    def deepspeed_engine(self, **options):
+    def deepspeed_engine(self, **options: Any) -> Any:
         """Removed (issue 21): DeepSpeed saves through `DeepSpeedAdapter(engine, store=store)`."""
         raise RuntimeError("CheckpointStore.deepspeed_engine() was removed: use "
                            "spotguard.hooks.adapters.deepspeed.DeepSpeedAdapter(engine, store=store).save(step)")
-
-
-def newest_that_checks(candidates: list[CheckpointInfo],
-                       check: Callable[[CheckpointInfo], None]) -> CheckpointInfo | None:
-    """The newest of `candidates` (oldest first) for which `check` (verify, or download and verify)
-    raises no CheckpointCorrupt, falling back to older ones with a warning naming the damage.
-    None when there are no candidates; CheckpointCorrupt when there are some but none checks
-    (starting from scratch silently would throw training away)."""
-    failures: list[CheckpointCorrupt] = []
-    for info in reversed(candidates):
-        try:
-            check(info)
-        except CheckpointCorrupt as exc:
-            failures.append(exc)
-            log.warning("checkpoint %s failed verification, falling back to an older one: %s", info.tag, exc,
-                        extra={"tag": info.tag})
-            continue
-        if failures:
-            log.warning("resuming from %s (step %s) instead of the damaged %s", info.tag, info.step,
-                        ", ".join(f.tag for f in failures))
-        return info
-    if failures:
-        raise CheckpointCorrupt(failures[0].tag, [f"no checkpoint verifies: {f}" for f in failures])
-    return None
-
-
-def open_store(location: str | os.PathLike, keep_last: int = 3, **options: Any) -> Any:
-    """The store for `location`: `s3://bucket/prefix` opens an ObjectCheckpointStore (options: see
-    objectstore/store.py), anything else a CheckpointStore on that directory."""
-    from .objectstore.url import is_object_store_url
-
-    if is_object_store_url(location):
-        from .objectstore.store import ObjectCheckpointStore
-
-        return ObjectCheckpointStore(str(location), keep_last=keep_last, **options)
-    return CheckpointStore(location, keep_last=keep_last, **options)

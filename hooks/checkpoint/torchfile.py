@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from . import fsutil
-from .store import PendingCheckpoint
+from .types import PendingCheckpoint
 
 
 def save_torch_file(pending: PendingCheckpoint, relpath: str, obj: Any) -> int:

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from .store import PendingCheckpoint
 from .torchfile import save_torch_file
+from .types import PendingCheckpoint
 
 FORMAT = "spotguard.torch-shards/1"
 DEFAULT_SHARDS = 8  # 8 vs 4 vs 6 files, 504 MB, 9 rounds: 0.92x / 1.00x / 0.98x the raw write (median)

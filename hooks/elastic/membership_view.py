@@ -43,14 +43,13 @@ from dataclasses import dataclass
 from spotguard.config import positive_int
 from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.elastic.plan import ReformPlan
-from spotguard.wire import names
+from spotguard.wire import names, notice_policy
 from spotguard.wire.membership import Membership, MembershipFormatError
 from spotguard.wire.notice import Kind, Notice, now_utc
 
 log = logging.getLogger("spotguard.hooks.elastic")
 
 MEMBERSHIP_SOURCE = names.MEMBERSHIP_SOURCE
-ONE_HOST_KINDS = frozenset({Kind.RECLAIM, Kind.MAINTENANCE, Kind.GPU_FAULT, Kind.DRAIN})
 
 
 def _generation_of(notice: Notice) -> int:
@@ -192,7 +191,8 @@ class MembershipView:
             if not plan.survivors or plan.new_world_size < self.min_world_size:
                 return None
             return Change(plan, f"m{membership.generation}/", membership.store, membership.generation, "membership")
-        if notice.kind not in ONE_HOST_KINDS or notice.source == names.SUPERVISOR_DRAIN_SOURCE or notice.advisory:
+        if notice.kind not in notice_policy.DEPARTING_KINDS or notice.source == names.SUPERVISOR_DRAIN_SOURCE \
+                or notice.advisory:
             return None
         if notice.node not in self.hosts:
             return None

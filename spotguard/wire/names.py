@@ -86,6 +86,7 @@ ENV_READY_FILE = "SPOTGUARD_READY_FILE"  # a joiner creates it once ready (readi
 ENV_REFORM_TIMEOUT = "SPOTGUARD_REFORM_TIMEOUT"  # seconds a re-form may take before the fallback
 ENV_MIN_WORLD_SIZE = "SPOTGUARD_MIN_WORLD_SIZE"  # fewer survivors than this: everyone drains instead
 ENV_LAUNCHER_PID = "SPOTGUARD_LAUNCHER_PID"  # the launcher's pid: a worker it no longer parents leaves
+SIGNAL_SOURCE = "signal"  # source of the drain notice a rank makes of SIGTERM (hooks/signals.py)
 SUPERVISOR_DRAIN_SOURCE = "supervisor.drain"  # source of the drain notice a membership's `drain` becomes
 MEMBERSHIP_SOURCE = "spotguard.membership"  # source of the Guard's internal notice for a pushed membership
 ANN_IN_PLACE = PREFIX + "in-place"  # "true": the elastic policy changes membership in place

@@ -3,9 +3,13 @@
 Also the wire layer's shared time format (`format_time`/`parse_time`, RFC 3339 UTC).
 
 Contract (stable across releases):
-- `id` is stable across polls and agent restarts. It is derived from the cloud's own event id
-  where one exists, otherwise from the fields that identify the event (kind + deadline, or an
-  ETag): see `notice_id`. Consumers dedupe by id.
+- `id` identifies one event on one instance: it is stable across polls and agent restarts on
+  the same instance (VM), and a VM re-created under the same name gives new ids, so "already
+  answered" never covers the new VM's notices. It is derived from the node, the instance (the
+  cloud's instance id, the Node's uid, the boot for GPU faults; "" when unreadable, with the
+  price `agent/sources/instance.py` states) and the cloud's own event id where one exists,
+  otherwise the fields that identify the event (kind + deadline, or an ETag): see `notice_id`.
+  Consumers dedupe by id.
 - `kind` is one of `Kind`; `source` names the monitor that saw it (e.g. "aws.spot");
   `node` is the Kubernetes node (or host) name.
 - `detected_at` and `deadline` are timezone-aware UTC datetimes; `deadline` is None when the
@@ -92,7 +96,8 @@ def notice_id(source: str, node: str, *identity: Any) -> str:
     """A stable id: `<source>:<hash>` over the node and the fields that identify the event.
 
     The same event seen again (next poll, restarted agent) gives the same id; two nodes never
-    share one. `identity` should be the cloud's own event id when it has one.
+    share one. The agent's sources pass the instance first in `identity`, then the cloud's own
+    event id when it has one.
     """
     digest = hashlib.sha256(json.dumps([node, *map(str, identity)]).encode()).hexdigest()[:16]
     return f"{source}:{digest}"

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from spotguard.hooks.adapters.store import CheckpointStore
+from spotguard.hooks.checkpoint.dcp import StoreDcpReader
 from spotguard.processes import free_port
 from tests.workers.state_dump import flatten
 from tests.workers.launch import ROOT, base_env, kill_all, load_state
@@ -171,7 +172,7 @@ def newest_checkpoint(ckpt: Path) -> tuple[int | None, dict[str, torch.Tensor]]:
     info = store.latest()
     assert info is not None, f"no complete checkpoint in {ckpt}"
     state: dict = {}
-    _load_state_dict(state, storage_reader=store.dcp_reader(info), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(state, storage_reader=StoreDcpReader(info.dir), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return info.step, flatten(state["model"], state["optim"])
 
 

@@ -39,9 +39,11 @@ from spotguard.config import ConfigError, positive_float, positive_int
 
 from ..derived import DerivedCopies, derived_areas
 from ..locks import WriterLock, live_tags_reaping_dead
-from ..manifest import PENDING_PREFIX, collect_parts
-from ..store import (CheckpointCorrupt, CheckpointInfo, CheckpointStore, PendingCheckpoint, newest_that_checks,
-                     validate_tag)
+from ..manifest import PENDING_PREFIX, collect_parts, validate_tag
+from ..pending import PendingDirectory
+from ..store import CheckpointStore
+from ..types import CheckpointCorrupt, CheckpointInfo, PendingCheckpoint, TieredStore
+from ..verify import newest_that_checks, verify_files
 from .client import check_access, make_client
 from .remote import MULTIPART_CHUNK, MULTIPART_THRESHOLD, RemoteCheckpoints, RemoteCommitError, RemoteManifest
 from .uploader import FAILED, OBJECT, Uploader
@@ -53,32 +55,6 @@ LOCAL_DIR_ENV = "SPOTGUARD_LOCAL_CHECKPOINT_DIR"
 DOWNLOADS = "downloads"  # <local>/_downloads/<tag>/: checkpoints downloaded for loading
 
 
-class _TieredPending(PendingCheckpoint):
-    """A pending checkpoint of the local tier whose `finish_rank` also queues this rank's upload."""
-
-    store: _LocalTier
-    attempt: str | None = None  # ObjectCheckpointStore.begin's `attempt`
-
-    def finish_rank(self, rank: int) -> Path:
-        path = super().finish_rank(rank)
-        self.store.rank_finished(self, rank, path)
-        return path
-
-
-class _LocalTier(CheckpointStore):
-    """The local first tier: a CheckpointStore whose pending checkpoints report finished ranks."""
-
-    def __init__(self, root: Path, keep_last: int, owner: ObjectCheckpointStore):
-        self.owner = owner
-        super().__init__(root, keep_last=keep_last)
-
-    def _new_pending(self, tag: str, lock: WriterLock) -> PendingCheckpoint:
-        return _TieredPending(self, tag, lock)
-
-    def rank_finished(self, pending: PendingCheckpoint, rank: int, part: Path) -> None:
-        self.owner._upload_part(pending, rank, part)
-
-
 def default_local_dir(url: ObjectStoreURL) -> Path:
     """`SPOTGUARD_LOCAL_CHECKPOINT_DIR`, else `<tmp>/spotguard-checkpoints/<bucket>-<hash of the URL>`."""
     configured = os.environ.get(LOCAL_DIR_ENV)
@@ -88,7 +64,7 @@ def default_local_dir(url: ObjectStoreURL) -> Path:
     return Path(tempfile.gettempdir()) / "spotguard-checkpoints" / f"{url.bucket}-{digest}"
 
 
-class ObjectCheckpointStore:
+class ObjectCheckpointStore(TieredStore):
     """Checkpoints under `s3://bucket/prefix` with a local first tier; see the module docstring.
 
     `keep_last`: retention in both tiers (notice checkpoints are always kept). `endpoint_url`:
@@ -112,7 +88,7 @@ class ObjectCheckpointStore:
                                         multipart_chunk=min(MULTIPART_CHUNK, max(multipart_threshold, 5 << 20)))
         self.base = Path(local_dir) if local_dir is not None else default_local_dir(self.url)
         try:
-            self.local = _LocalTier(self.base / "tier1", self.keep_last, self)
+            self.local = CheckpointStore(self.base / "tier1", keep_last=self.keep_last, on_part=self._upload_part)
         except ConfigError as exc:
             raise ConfigError("local_dir", f"{self.base}: {exc.message}") from exc
         self.staging = self.base / "staging"
@@ -145,16 +121,14 @@ class ObjectCheckpointStore:
         tag left (a slow rank's, a crashed writer's). Without it (a single writer, older callers)
         any complete set of parts is taken."""
         pending = self.local.begin(tag, attempt)
-        if isinstance(pending, _TieredPending):
-            pending.attempt = attempt
         with self._attempts_mutex:
             self._attempts[tag] = attempt
         return pending
 
-    def _upload_part(self, pending: PendingCheckpoint, rank: int, part: Path) -> None:
-        """Stages this rank's files by hard link (so local commits and retention do not disturb the
-        upload) and queues their upload, the part manifest last."""
-        tag, attempt = pending.tag, getattr(pending, "attempt", None)
+    def _upload_part(self, pending: PendingDirectory, rank: int, part: Path) -> None:
+        """The local tier's `on_part`: stages this rank's files by hard link (so local commits and
+        retention do not disturb the upload) and queues their upload, the part manifest last."""
+        tag, attempt = pending.tag, pending.attempt
         lock = WriterLock(self.staging, tag)
         stage = self.staging / f"{tag}.{rank}.{uuid.uuid4().hex[:8]}"
         stage.mkdir()
@@ -194,8 +168,7 @@ class ObjectCheckpointStore:
             info = self.local.commit(tag, world_size, metadata)
         else:
             log.info("checkpoint %s: parts are on several nodes; committing in the object store only", tag)
-            for pending in list(self.local._pending.get(tag, [])):
-                pending.close()
+            self.local.release(tag)
 
         def commit_remote() -> RemoteManifest:
             if self.uploader.tier(tag) == FAILED:  # this process's part of it did not get there
@@ -266,7 +239,7 @@ class ObjectCheckpointStore:
 
     def verify(self, info: CheckpointInfo) -> None:
         """Checksums of the downloaded copy (see CheckpointStore.verify)."""
-        self.local.verify(info)
+        verify_files(info)
 
     @contextlib.contextmanager
     def _downloads_locked(self) -> Iterator[None]:
@@ -348,12 +321,18 @@ class ObjectCheckpointStore:
         removed += self._prune_downloads(complete)
         return removed
 
-    # ---- framework plug-ins ---------------------------------------------------------------------
+    # ---- framework plug-ins: dcp.py, torchfile.py, torchshards.py write into any PendingCheckpoint --
     def dcp_writer(self, pending: PendingCheckpoint, **options: Any) -> Any:
-        return self.local.dcp_writer(pending, **options)
+        """Deprecated: `spotguard.hooks.checkpoint.dcp.StoreDcpWriter(pending, **options)`."""
+        from ..dcp import deprecated_writer
+
+        return deprecated_writer(pending, **options)
 
     def dcp_reader(self, info: CheckpointInfo, **options: Any) -> Any:
-        return self.local.dcp_reader(info, **options)
+        """Deprecated: `spotguard.hooks.checkpoint.dcp.StoreDcpReader(info.dir, **options)`."""
+        from ..dcp import deprecated_reader
+
+        return deprecated_reader(info, **options)
 
     def deepspeed_engine(self, **options: Any) -> Any:
         return self.local.deepspeed_engine(**options)
