@@ -18,11 +18,12 @@ pytestmark = pytest.mark.slow
 def dry_run(tmp_path: Path, scenario_text: str | None = None, *args: str,
             timeout: float = 300) -> tuple[int, dict | None, str]:
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "spotguard", "dry-run", "--no-live", "--out", str(out), "--time-limit", "240", *args]
+    cmd = [sys.executable, "-m", "spotguard", "dry-run", "--no-live", "--out", str(out), "--time-limit", "240"]
     if scenario_text is not None:
         path = tmp_path / "scenario.yaml"
         path.write_text(scenario_text)
         cmd += ["--scenario", str(path)]
+    cmd += args  # last: `-- TRAINER ARGS` takes the rest
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=timeout)

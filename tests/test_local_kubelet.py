@@ -18,6 +18,7 @@ import pytest
 from spotguard.agent.app import Agent
 from spotguard.agent.config import AgentConfig
 from spotguard.kube.api import NODES, PODS, NotFound
+from spotguard.trainer.cluster.admission import inject
 from spotguard.trainer.cluster.gc import node_gone
 from spotguard.trainer.cluster.kube import LocalKube
 from spotguard.trainer.cluster.kubelet import Kubelet, LaunchEpochs
@@ -35,6 +36,7 @@ async def node(tmp_path):
                               report_token_file=str(secret), ready_grace=0.5, log_level="warning"), sources=[])
     address = await agent.start()
     kube = LocalKube()
+    kube.admit(PODS, inject)  # the injector's webhook, as in the dry-run's cluster
     kubelet = Kubelet(kube, "n0", run_dir=tmp_path / "run", agent_url=f"http://{address}", report_secret=secret,
                       epochs=LaunchEpochs(), labels={"karpenter.sh/capacity-type": "spot"})
     await kubelet.start()
@@ -62,6 +64,10 @@ async def until(check, what: str, bound: float = WAIT):
             return value
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.05)
+
+
+def text_of(path: str) -> str:
+    return Path(path).read_text()
 
 
 def pod_status(kube: LocalKube, name: str) -> dict:
@@ -99,10 +105,13 @@ async def test_a_drained_container_leaves_its_exit_code_and_termination_message(
     assert pod_status(kube, "finishes")["phase"] == "Succeeded"
 
 
-async def test_a_container_gets_the_downward_api_its_variables_and_its_volume_paths(node, tmp_path):
+async def test_a_container_gets_the_downward_api_its_variables_its_volume_paths_and_its_sidecar(node, tmp_path):
+    """An injected pod (the product's injector at admission): its sidecar runs, on a port of its own
+    that the container's `SPOTGUARD_SIDECAR_URL` names, and wrote the hooks token where the
+    container's `SPOTGUARD_TOKEN_FILE` points."""
     kube, _ = node
     script = ("import json, os, sys\n"
-              "keys = ['INDEX', 'NODE', 'IP', 'RANK_ARG', 'SPOTGUARD_SIDECAR_URL', 'DATA']\n"
+              "keys = ['INDEX', 'NODE', 'IP', 'RANK_ARG', 'SPOTGUARD_SIDECAR_URL', 'DATA', 'SPOTGUARD_TOKEN_FILE']\n"
               "seen = {k: os.environ.get(k) for k in keys} | {'argv': sys.argv[1:]}\n"
               "json.dump(seen, open(os.environ['OUT'], 'w'))\n")
     out = tmp_path / "env.json"
@@ -117,11 +126,14 @@ async def test_a_container_gets_the_downward_api_its_variables_and_its_volume_pa
                 {"name": "DATA", "value": "/data/y"}],
         "volumeMounts": [{"name": "scratch", "mountPath": "/data"}]},
         volumes=[{"name": "scratch", "emptyDir": {}}])
+    pod["metadata"]["labels"]["spotguard.io/inject"] = "true"
     kube.create(PODS, NS, pod)
     await until(lambda: terminated(kube, "env"), "the exit")
     seen = json.loads(out.read_text())
     assert (seen["INDEX"], seen["NODE"], seen["IP"], seen["RANK_ARG"]) == ("3", "n0", "127.0.0.1", "rank-3-$(INDEX)")
     assert seen["SPOTGUARD_SIDECAR_URL"].startswith("http://127.0.0.1:")
+    assert seen["SPOTGUARD_SIDECAR_URL"] != "http://127.0.0.1:9741"  # the injected port, remapped here
+    assert text_of(seen["SPOTGUARD_TOKEN_FILE"])  # the sidecar's hooks token, in the shared volume
     scratch = tmp_path / "run" / "pods" / "env" / "volumes" / "scratch"
     assert seen["DATA"] == f"{scratch}/y" and seen["argv"] == ["--rank=3", f"--dir={scratch}/x"]
 
@@ -168,6 +180,25 @@ async def test_a_deleted_pod_gets_sigterm_then_after_its_grace_its_whole_tree_is
     await until(lambda: not kube.list(PODS, NS)[0], "the pod's deletion")
     assert time.monotonic() - started >= 1.5  # its grace (2 s) before the kill
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_a_deleted_pods_pre_stop_hook_runs_before_its_sigterm(node, tmp_path):
+    kube, _ = node
+    marker, seen = tmp_path / "pre-stopped", tmp_path / "seen"
+    script = ("import os, signal, sys, time\n"
+              "def term(*_):\n"
+              "    open(os.environ['SEEN'], 'w').write(str(os.path.exists(os.environ['MARKER'])))\n"
+              "    sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, term)\n"
+              "open(os.environ['SEEN'] + '.ready', 'w').close()\n"
+              "time.sleep(600)\n")
+    env = [{"name": "MARKER", "value": str(marker)}, {"name": "SEEN", "value": str(seen)}]
+    hook = {"preStop": {"exec": {"command": ["python", "-c", f"open({str(marker)!r}, 'w').close()"]}}}
+    kube.create(PODS, NS, make_pod("hooked", script, container={"env": env, "lifecycle": hook}))
+    await until(lambda: Path(f"{seen}.ready").exists(), "the container")
+    kube.delete(PODS, NS, "hooked")
+    await until(lambda: seen.exists() and seen.read_text(), "the SIGTERM")
+    assert seen.read_text() == "True"  # the hook had run when the container got SIGTERM
 
 
 async def test_a_dead_node_leaves_no_process_of_its_pods_and_its_pods_fail_as_disrupted(node, tmp_path):

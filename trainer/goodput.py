@@ -110,15 +110,15 @@ class PeriodicDryRun(DryRun):
                              len(survivors), self.survivor_grace)
 
     def report(self, finished_at: float) -> dict:
-        """The report, each generation a drain hit while it ran (crashed without a Guard) marked `evicted`."""
+        """The report, each generation that crashed after a drain hit it (no Guard to save it) and
+        before the next one launched marked `evicted`."""
         report = super().report(finished_at)
-        evicted = {g["index"] for g in report["generations"] if g["reason"] == "crashed" and any(
-            g["launched_at"] <= e.at <= (g["ended_at"] or finished_at) for e in self.evictions)}
-        for g in report["generations"]:
-            if g["index"] in evicted:
-                g["reason"] = "evicted"
-        for row in report["relaunches"]:
-            if row["generation"] in evicted:
+        generations = report["generations"]
+        ends = [g["launched_at"] for g in generations[1:]] + [finished_at]
+        evicted = {g["index"] for g, end in zip(generations, ends) if g["reason"] == "crashed"
+                   and any(g["launched_at"] <= e.at <= end for e in self.evictions)}
+        for row in [*generations, *report["relaunches"]]:
+            if row.get("index", row.get("generation")) in evicted:
                 row["reason"] = "evicted"
         return report
 

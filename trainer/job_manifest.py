@@ -4,8 +4,8 @@ deploy, so that a passing scenario proves what those manifests do.
 - in place (elastic DDP/FSDP2): in-place-indexed-job.yaml: an Indexed Job, `spotguard launch
   --nnodes=W --node-rank=$(JOB_COMPLETION_INDEX)`, `restartPolicy: Never`, `podFailurePolicy`
   Ignore on exit 83 and on DisruptionTarget, annotations `policy: elastic`, `in-place`, min/max,
-  the template's `spotguard.io/in-place` with what the injector adds for it (injector/in_place.py:
-  the in-place environment, the ready file's volume and its readiness probe); start at min:
+  the template labelled for the injector with `spotguard.io/in-place` (the local API's admission
+  runs the product's injector on every pod: trainer/cluster/admission.py); start at min:
   `--nnodes=MIN:REPLICAS` and `spotguard.io/start-at-min`;
 - backfill (in place with `spotguard.io/fallback: on-demand`): the template admits spot and
   on-demand (required node affinity on `karpenter.sh/capacity-type`) and carries the gate
@@ -15,15 +15,15 @@ deploy, so that a passing scenario proves what those manifests do.
   (fixed: W:W), `--max-restarts=0` (a worker that drains ends its pod; the Job controller makes
   a new one, and a scale-out is torchrun's own restart of its workers).
 Every pod mounts the claim `train-checkpoints` at /ckpt (the checkpoints outlive the pods) and
-asks for one `nvidia.com/gpu`. Pods share this host, so each completion index gets a rendezvous
-port of its own (`RendezvousPorts`, run at pod admission: a cluster gives each pod its own IP).
+asks for one `nvidia.com/gpu`. What differs from the examples, because the pods share this host:
+`--master-addr` is 127.0.0.1 (no cluster DNS), each completion index gets a rendezvous port of its
+own (`RendezvousPorts`, run at pod admission: a cluster gives each pod its own IP), and the
+image's CPU settings (`DS_ACCELERATOR=cpu`, `OMP_NUM_THREADS=1`) are in the template.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
-from spotguard.injector import in_place as injected
 from spotguard.processes import free_port
 from spotguard.supervisor.placement import GATE
 from spotguard.trainer.cluster.job_pods import index_of
@@ -104,12 +104,12 @@ def _command(scenario: Scenario, shape: JobShape) -> list[str]:
     if scenario.in_place:
         at_min = scenario.start_at_min or shape.backfill is not None
         nnodes = f"{scenario.min_workers}:{count}" if at_min else str(count)
-        return [sys.executable, "-m", "spotguard", "launch", f"--nnodes={nnodes}",
+        return ["spotguard", "launch", f"--nnodes={nnodes}",
                 "--node-rank=$(JOB_COMPLETION_INDEX)", "--nproc-per-node=1", "--master-addr=127.0.0.1",
                 f"--master-port={shape.ports.port(0)}", "--reform-timeout=10",
                 f"--min-world-size={scenario.min_workers}", "--same-session", *shape.train_argv]
     least = scenario.min_workers if scenario.policy == "elastic" else scenario.workers
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={least}:{scenario.workers}",
+    return ["torchrun", f"--nnodes={least}:{scenario.workers}",
             "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{shape.c10d_port}",
             f"--rdzv-id={JOB}", "--max-restarts=0", "--rdzv-conf=last_call_timeout=1", "--monitor-interval=0.1",
             *shape.train_argv]
@@ -124,10 +124,10 @@ def _placement(backfill: Backfill | None) -> dict:
 
 
 def _pod_template(scenario: Scenario, shape: JobShape) -> dict:
-    container: dict = {"name": "trainer", "image": "spotguard-dry-run (this interpreter)",
-                       "command": _command(scenario, shape),
-                       "env": [{"name": names.ENV_GRACE_SECONDS, "value": str(GRACE_SECONDS)},
-                               {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
+    command = _command(scenario, shape)
+    container: dict = {"name": "trainer", "image": "spotguard (this checkout)", "command": command[:2],
+                       "args": command[2:],
+                       "env": [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
                                {"name": "TORCHELASTIC_SHUTDOWN_TIMEOUT", "value": "60"},
                                {"name": "DS_ACCELERATOR", "value": "cpu"}, {"name": "OMP_NUM_THREADS", "value": "1"}],
                        "resources": {"limits": {"nvidia.com/gpu": 1}},
@@ -137,14 +137,10 @@ def _pod_template(scenario: Scenario, shape: JobShape) -> dict:
                 "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": GRACE_SECONDS,
                          **_placement(shape.backfill), "containers": [container],
                          "volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": CLAIM}}]}}
-    if not scenario.in_place:  # the ranks' node, as memberships and notices name it (in place: below)
-        container["env"].append({"name": names.ENV_NODE, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
-    if scenario.in_place:  # what the injector adds to an in-place pod (injector/in_place.py)
+    if scenario.in_place:  # the injector adds the in-place environment, the ready file and its probe
         template["metadata"]["annotations"][names.ANN_IN_PLACE] = "true"
-        container["env"] += injected.container_env(template, container)
-        container["volumeMounts"].append(injected.ready_mount())
-        container["readinessProbe"] = injected.readiness_probe()
-        template["spec"]["volumes"].append(injected.ready_volume())
+    else:  # the ranks' node, as memberships and notices name it (the injector adds it in place)
+        container["env"].append({"name": names.ENV_NODE, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
     return template
 
 

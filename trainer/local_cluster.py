@@ -2,7 +2,8 @@
 scheduler, the simulated nodes (trainer/nodes.py: metadata, agent, kubelet per instance), and
 the supervisor itself: `spotguard.supervisor.controller.Controller` over the local API, as
 `spotguard supervisor` runs it over a cluster's (informers, cache, work queue, reconciler,
-policy, effects, in-place code, placer, cost keeper; nothing replaced).
+policy, effects, in-place code, placer, cost keeper; nothing replaced); and the injector, as the
+API's mutating webhook for pods (trainer/cluster/admission.py).
 
 `Timings` are where this cluster is quicker than a real one, set the way an operator would set
 them (the supervisor's `Settings` and `ControllerConfig`, the Job controller's failure backoff);
@@ -18,6 +19,7 @@ from pathlib import Path
 from spotguard.kube.api import JOBS, PODS, NotFound
 from spotguard.supervisor.controller import Controller, ControllerConfig
 from spotguard.supervisor.policy import Settings
+from spotguard.trainer.cluster.admission import inject
 from spotguard.trainer.cluster.jobs import JobController
 from spotguard.trainer.cluster.kube import LocalKube
 from spotguard.trainer.cluster.loop import Wakeup, keep_reconciling
@@ -54,6 +56,7 @@ class LocalCluster:
                  env: dict[str, str] | None = None):
         self.run_dir, self.cloud, self.timings = run_dir, cloud, timings
         self.kube = LocalKube()
+        self.kube.admit(PODS, inject)  # the injector's webhook
         self.services = NodeServices(self.kube, run_dir, run_dir / "report-secret", dict(env or {}))
         self.nodes: dict[str, SimulatedNode] = {}
         self.jobs = JobController(self.kube, timings.failure_backoff)

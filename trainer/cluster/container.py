@@ -10,7 +10,9 @@
   `valueFrom.fieldRef` (`metadata.name|namespace|uid`, `metadata.labels['k']`,
   `metadata.annotations['k']`, `spec.nodeName`, `spec.serviceAccountName`, `status.podIP`,
   `status.hostIP`), over `extra` (the sidecar's and the node's part), container paths mapped;
-- `argv(container, env, volumes)`: command + args with `$(NAME)` expanded from `env`, paths mapped;
+- `argv(container, env, volumes)`: command + args with `$(NAME)` expanded from `env`, paths mapped,
+  and the image's commands (`IMAGE_COMMANDS`: `spotguard`, `python`, `torchrun`) run by this
+  checkout's interpreter, which stands in for the training image;
 - `ready_file(container, volumes)`: the file an exec readiness probe `test -f FILE` checks
   (the injector's probe), mapped; None when the container has no such probe (it is Ready once
   Running). Other probes are not run (ValueError names them).
@@ -18,10 +20,13 @@
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+IMAGE_COMMANDS = {"spotguard": [sys.executable, "-m", "spotguard"], "python": [sys.executable],
+                  "python3": [sys.executable], "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 _SUBSCRIPT = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
 
@@ -104,7 +109,8 @@ def argv(container: Mapping[str, Any], env: Mapping[str, str], volumes: Volumes)
     if not words:
         raise ValueError(f"container {container.get('name')!r}: no command (the local kubelet has no image "
                          "entrypoint)")
-    return [volumes.host_path(expand(str(w), env)) for w in words]
+    expanded = [volumes.host_path(expand(str(w), env)) for w in words]
+    return [*IMAGE_COMMANDS.get(expanded[0], expanded[:1]), *expanded[1:]]
 
 
 def ready_file(container: Mapping[str, Any], volumes: Volumes) -> Path | None:

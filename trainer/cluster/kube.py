@@ -8,10 +8,10 @@ What it does, as the API server does it (and what the product relies on):
 - every write stamps a new, increasing `metadata.resourceVersion`; a patch whose body carries
   `metadata.resourceVersion` other than the stored one changes nothing and raises `Conflict`
   (409); create of an existing name is `Conflict` too (AlreadyExists); unknown objects `NotFound`;
-- `patch`: JSON merge patch (null deletes), strategic merge (patches.py; 415 on a custom
-  resource, as the API server answers), JSON patch 415; `status=True` writes only `status` (the
-  status subresource), and a write of the main resource leaves `status` alone; the update
-  rules of validation.py (422) for Jobs and Pods;
+- `patch`: JSON merge patch (null deletes), strategic merge (415 on a custom resource, as the
+  API server answers), JSON patch (patches.py); `status=True` writes only `status` (the status
+  subresource), and a write of the main resource leaves `status` alone; the update rules of
+  validation.py (422) for Jobs and Pods;
 - `list` / `watch` with label selectors (`{key: value}`) and field selectors (selectors.py);
   a watch from a version replays what happened since (410 once that history is gone), from ""
   starts with the current objects as ADDED, ends at its timeout, and `close()` ends it from any
@@ -41,7 +41,7 @@ from typing import Any
 
 from spotguard.kube.api import (EVENTS, JOBS, JSON_PATCH, LEASES, MERGE_PATCH, NODES, PODS, STRATEGIC_MERGE_PATCH,
                                 ApiError, Conflict, Kube, NotFound, Resource)
-from spotguard.trainer.cluster.patches import merge_patch, strategic_merge_patch
+from spotguard.trainer.cluster.patches import json_patch, merge_patch, strategic_merge_patch
 from spotguard.trainer.cluster.selectors import field_terms, matches
 from spotguard.trainer.cluster.validation import Invalid, check_job_update, check_pod_update
 from spotguard.trainer.cluster.watch import LocalWatch
@@ -50,6 +50,7 @@ SERVED: tuple[Resource, ...] = (NODES, PODS, EVENTS, JOBS, LEASES)
 BUILT_IN_GROUPS = ("", "batch", "coordination.k8s.io")
 WITH_STATUS = (str(NODES), str(PODS), str(JOBS))  # resources whose status is a subresource
 DEFAULT_GRACE = 30
+IDENTITY = ("name", "namespace", "uid", "creationTimestamp", "resourceVersion")  # no patch changes these
 HISTORY = 2000  # events a watch can resume from (older: 410, the informer lists again)
 Key = tuple[str, str, str]  # (resource, namespace, name)
 
@@ -142,6 +143,7 @@ class LocalKube(Kube):
             raise ApiError(422, "metadata.name: Required value")
         for hook in self._admission.get(key, []):
             hook(obj)
+        meta = _meta(obj)  # a hook may have replaced it
         with self._lock:
             where = (key, self._ns(res, namespace), meta["name"])
             if where in self._objects:
@@ -155,15 +157,7 @@ class LocalKube(Kube):
     def patch(self, res: Resource, namespace: str | None, name: str, body: Mapping[str, Any] | builtins.list, *,
               status: bool = False, content_type: str = MERGE_PATCH) -> dict:
         key = self._served_key(res)
-        apply = self._patcher(res, content_type)
-        if not isinstance(body, Mapping):
-            raise ApiError(400, "the patch body is not a JSON object")
-        patch = copy.deepcopy(dict(body))
-        wanted = (patch.get("metadata") or {}).pop("resourceVersion", None)
-        if status:
-            patch = {"status": patch["status"]} if "status" in patch else {}
-        elif key in WITH_STATUS:
-            patch.pop("status", None)
+        apply, wanted = self._patcher(res, content_type, body)
         with self._lock:
             where = (key, self._ns(res, namespace), name)
             old = self._objects.get(where)
@@ -173,12 +167,7 @@ class LocalKube(Kube):
                 stored = old["metadata"].get("resourceVersion")
                 raise Conflict(409, f"the object has been modified (resourceVersion {stored}, not {wanted}); "
                                     "please apply your changes to the latest version")
-            try:
-                new = apply(old, patch)
-            except ValueError as exc:
-                raise ApiError(400, str(exc)) from None
-            new["metadata"] = {**new.get("metadata", {}), **{k: old["metadata"][k] for k in
-                               ("name", "namespace", "uid", "creationTimestamp") if k in old["metadata"]}}
+            new = self._patched(old, apply, status, key)
             if new == old:
                 return copy.deepcopy(old)
             if not status and key in self._checks:
@@ -192,6 +181,26 @@ class LocalKube(Kube):
             result = copy.deepcopy(new)
         self._notify()
         return result
+
+    @staticmethod
+    def _patched(old: dict, apply: Callable[[dict], Any], status: bool, key: str) -> dict:
+        """`old` patched: only its status through the status subresource, all but its status
+        through the main resource of one that has the subresource; its identity kept."""
+        try:
+            candidate = apply(old)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        if not isinstance(candidate, dict):
+            raise ApiError(422, "the patched object is not an object")
+        if status:
+            new = {**copy.deepcopy(old), "status": candidate.get("status")}
+        else:
+            new = {**candidate, "status": copy.deepcopy(old.get("status"))} if key in WITH_STATUS else candidate
+        if new.get("status") is None:
+            new.pop("status", None)
+        kept = {k: old["metadata"][k] for k in IDENTITY if k in old["metadata"]}
+        new["metadata"] = {**new.get("metadata", {}), **kept}
+        return new
 
     def delete(self, res: Resource, namespace: str | None, name: str, grace_seconds: float | None = None) -> None:
         """See the module docstring; NotFound when there is no such object."""
@@ -282,14 +291,24 @@ class LocalKube(Kube):
             raise ApiError(400, str(exc)) from None
 
     @staticmethod
-    def _patcher(res: Resource, content_type: str) -> Callable[[Any, Any], Any]:
-        if content_type == MERGE_PATCH:
-            return merge_patch
-        if content_type == STRATEGIC_MERGE_PATCH and res.group in BUILT_IN_GROUPS:
-            return strategic_merge_patch
-        if content_type in (STRATEGIC_MERGE_PATCH, JSON_PATCH):
-            raise ApiError(415, f"the local API does not apply {content_type} to {res}")
-        raise ApiError(415, f"unsupported media type {content_type!r}")
+    def _patcher(res: Resource, content_type: str, body: Any) -> tuple[Callable[[dict], Any], str | None]:
+        """How to apply `body` (a function of the stored object) and the resourceVersion it
+        requires (None: unconditional)."""
+        if content_type == JSON_PATCH:
+            if not isinstance(body, builtins.list):
+                raise ApiError(400, "a JSON patch is a list of operations")
+            ops = copy.deepcopy(body)
+            return (lambda old: json_patch(old, ops)), None
+        if content_type == STRATEGIC_MERGE_PATCH and res.group not in BUILT_IN_GROUPS:
+            raise ApiError(415, f"strategic merge patch is not supported for {res} (a custom resource)")
+        if content_type not in (MERGE_PATCH, STRATEGIC_MERGE_PATCH):
+            raise ApiError(415, f"unsupported media type {content_type!r}")
+        if not isinstance(body, Mapping):
+            raise ApiError(400, "the patch body is not a JSON object")
+        patch = copy.deepcopy(dict(body))
+        wanted = (patch.get("metadata") or {}).pop("resourceVersion", None)
+        merge = strategic_merge_patch if content_type == STRATEGIC_MERGE_PATCH else merge_patch
+        return (lambda old: merge(old, patch)), wanted
 
     @staticmethod
     def _running(pod: Mapping[str, Any]) -> bool:

@@ -41,7 +41,10 @@ async def keep_reconciling(sync: Callable[[], float | None], wakeup: Wakeup, idl
             log.exception("%s: a pass failed; trying again in %.1fs", name, idle)
             again = idle
         delay = idle if again is None else max(0.0, min(idle, again))
+        # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+        # arrives as the event is set, and the loop would then never end.
+        waiter = asyncio.ensure_future(wakeup.event.wait())
         try:
-            await asyncio.wait_for(wakeup.event.wait(), delay)
-        except TimeoutError:
-            pass
+            await asyncio.wait({waiter}, timeout=delay)
+        finally:
+            waiter.cancel()

@@ -8,6 +8,9 @@
   the list is replaced and the patch applies as a merge patch. Directives (`$patch`,
   `$retainKeys`, `$deleteFromPrimitiveList...`) are refused (ValueError): nothing here sends them,
   and a silent merge would hide it.
+- `json_patch(target, ops)`: JSON patch (RFC 6902): `add`, `remove`, `replace` and `test` at
+  JSON pointers (RFC 6901: `~1` is `/`, `~0` is `~`; `-` appends to a list). ValueError names the
+  op that does not apply (a missing path, a failed test); the target is not modified.
 """
 from __future__ import annotations
 
@@ -46,3 +49,72 @@ def _refuse_directives(patch: Any, path: str) -> None:
     elif isinstance(patch, list):
         for index, item in enumerate(patch):
             _refuse_directives(item, f"{path}[{index}]")
+
+
+def _pointer(path: str) -> list[str]:
+    if path == "":
+        return []
+    if not path.startswith("/"):
+        raise ValueError(f"JSON pointer {path!r} does not start with /")
+    return [part.replace("~1", "/").replace("~0", "~") for part in path[1:].split("/")]
+
+
+def _child(node: Any, key: str, path: str) -> Any:
+    if isinstance(node, dict) and key in node:
+        return node[key]
+    if isinstance(node, list) and key.isdigit() and int(key) < len(node):
+        return node[int(key)]
+    raise ValueError(f"{path}: no such path")
+
+
+def _apply_op(doc: Any, op: Mapping[str, Any]) -> Any:
+    kind, path = op.get("op"), str(op.get("path", ""))
+    parts = _pointer(path)
+    if kind == "test":
+        node = doc
+        for part in parts:
+            node = _child(node, part, path)
+        if node != op.get("value"):
+            raise ValueError(f"test {path}: the value differs")
+        return doc
+    if not parts:
+        if kind in ("add", "replace"):
+            return copy.deepcopy(op.get("value"))
+        raise ValueError(f"{kind} of the whole document")
+    parent = doc
+    for part in parts[:-1]:
+        parent = _child(parent, part, path)
+    last = parts[-1]
+    if isinstance(parent, dict):
+        if kind == "add" or (kind == "replace" and last in parent):
+            parent[last] = copy.deepcopy(op.get("value"))
+        elif kind == "remove" and last in parent:
+            del parent[last]
+        else:
+            raise ValueError(f"{kind} {path}: no such path")
+    elif isinstance(parent, list):
+        index = len(parent) if last == "-" and kind == "add" else (int(last) if last.isdigit() else -1)
+        if kind == "add" and 0 <= index <= len(parent):
+            parent.insert(index, copy.deepcopy(op.get("value")))
+        elif kind in ("remove", "replace") and 0 <= index < len(parent):
+            if kind == "remove":
+                del parent[index]
+            else:
+                parent[index] = copy.deepcopy(op.get("value"))
+        else:
+            raise ValueError(f"{kind} {path}: no such index")
+    else:
+        raise ValueError(f"{kind} {path}: the parent is not an object or a list")
+    return doc
+
+
+def json_patch(target: Any, ops: Any) -> Any:
+    """See the module docstring."""
+    if not isinstance(ops, list):
+        raise ValueError("a JSON patch is a list of operations")
+    doc = copy.deepcopy(target)
+    for op in ops:
+        if not isinstance(op, Mapping) or op.get("op") not in ("add", "remove", "replace", "test"):
+            raise ValueError(f"JSON patch operation {op!r}: only add, remove, replace and test are applied")
+        doc = _apply_op(doc, op)
+    return doc

@@ -3,9 +3,8 @@
 `run()` carries the pod from bound to finished:
 1. the pod's IP is the node's (pods share this host; each has its own ports), the pod's
    directory is made (`<run>/pods/<pod>`: its volumes, its podinfo file, its termination log);
-2. its sidecar starts (the injector adds it as a native sidecar: it starts before the app and
-   relays the node agent's notices and the membership the supervisor writes), and the
-   downward-API file `podinfo/annotations` holds the pod's annotations (`key="value"` lines,
+2. its injected sidecar starts (a native sidecar: before the app; sidecar.py runs it here), and
+   the downward-API file `podinfo/annotations` holds the pod's annotations (`key="value"` lines,
    replaced atomically whenever they change: `observe`);
 3. the one app container starts as a local process (container.py: its environment, its
    `$(VAR)`s, its paths), in a process group of its own, every process of it carrying the pod's
@@ -15,8 +14,10 @@
    for a signal), `finishedAt`, `reason`, and the termination message (the file the container
    knows as `SPOTGUARD_TERMINATION_LOG`, at most 4096 bytes); phase Succeeded / Failed
    (`restartPolicy: OnFailure` restarts a failed container in the pod instead);
-5. `terminate(grace)` (the pod was deleted): SIGTERM to the main process, after `grace`
-   seconds SIGKILL to all of the pod's processes; the pod is then deleted for good.
+5. `terminate(grace)` (the pod was deleted): the container's preStop hook (the injected
+   `spotguard sidecar prestop`: it holds while a checkpoint is being made), then SIGTERM to the
+   main process, and once `grace` seconds have passed since the deletion SIGKILL to all of the
+   pod's processes; the pod is then deleted for good.
 `kill()` (the node died): every process of the pod is killed at once and nothing more is
 written (a dead node's kubelet writes nothing).
 """
@@ -32,11 +33,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spotguard.hooks.sidecar.service import Sidecar, SidecarConfig
+from spotguard.hooks.sidecar.service import Sidecar
 from spotguard.kube.api import PODS, NotFound
 from spotguard.processes import die_with_parent
 from spotguard.trainer.cluster import container as spec
 from spotguard.trainer.cluster.kube import rfc3339
+from spotguard.trainer.cluster.sidecar import PortMap, sidecar_config, sidecar_container, write_service_account_tokens
 from spotguard.trainer.reaper import POD_ENV, kill_marked
 from spotguard.wire import names
 
@@ -71,7 +73,10 @@ class PodRunner:
         if len(containers) != 1:
             raise ValueError(f"pod {self.name}: the local kubelet runs pods of exactly one container")
         self.container = containers[0]
+        self.sidecar_spec = sidecar_container(pod)
         self.volumes = spec.Volumes(pod, self.container, self.dir, kubelet.run_dir / "claims")
+        self.ports = PortMap(0, 0)  # the sidecar's port as the pod knows it -> where it listens here
+        self.env: dict[str, str] = {}
         self.ready_file = spec.ready_file(self.container, self.volumes)
         self.process: asyncio.subprocess.Process | None = None
         self.sidecar: Sidecar | None = None
@@ -104,13 +109,15 @@ class PodRunner:
         return ready
 
     async def terminate(self, grace: float) -> None:
-        """The pod was deleted: SIGTERM, then after `grace` seconds every process killed (a pod
-        whose container had ended already is deleted for good at once)."""
+        """The pod was deleted (module docstring; a pod whose container had ended already is
+        deleted for good at once)."""
         self.deleting = True
         if self.done.is_set():
             if not self.dead:
                 self._delete()
             return
+        until = time.monotonic() + max(0.0, grace)
+        await self._pre_stop(until)
         process = self.process
         if process is not None and process.returncode is None:
             try:
@@ -118,10 +125,26 @@ class PodRunner:
             except ProcessLookupError:
                 pass
             try:
-                await asyncio.wait_for(process.wait(), max(0.0, grace))
+                await asyncio.wait_for(process.wait(), max(0.0, until - time.monotonic()))
             except TimeoutError:
-                log.warning("pod %s: still running %.0fs after SIGTERM: killing it", self.name, grace)
+                log.warning("pod %s: still running %.0fs after its deletion: killing it", self.name, grace)
         await self.kill()
+
+    async def _pre_stop(self, until: float) -> None:
+        """Runs the container's preStop exec hook (bounded by the grace period)."""
+        hook = ((self.container.get("lifecycle") or {}).get("preStop") or {}).get("exec")
+        if not hook or self.process is None or self.process.returncode is not None:
+            return
+        command = spec.argv({"name": "preStop", "command": hook.get("command")}, self.env, self.volumes)
+        try:
+            done = await asyncio.create_subprocess_exec(*[self.ports.rewrite(w) for w in command], env=self.env,
+                                                        stdout=asyncio.subprocess.DEVNULL,
+                                                        stderr=asyncio.subprocess.DEVNULL)
+            await asyncio.wait_for(done.wait(), max(0.0, until - time.monotonic()))
+        except TimeoutError:
+            done.kill()
+        except OSError as exc:
+            log.warning("pod %s: its preStop hook did not run: %s", self.name, exc)
 
     async def kill(self) -> list[int]:
         """Every process of the pod, killed now (PIDs)."""
@@ -154,20 +177,23 @@ class PodRunner:
             self.done.set()
 
     async def _prepare(self) -> None:
-        self.pod.setdefault("status", {}).update(podIP=self.kubelet.ip, hostIP=self.kubelet.ip)
+        self._write_status({"podIP": self.kubelet.ip, "hostIP": self.kubelet.ip})  # the sandbox's address
         self.volumes.create()
         (self.dir / "podinfo").mkdir(parents=True, exist_ok=True)
         self.termination_log.unlink(missing_ok=True)
-        self.sidecar = Sidecar(SidecarConfig(
-            agent_url=self.kubelet.agent_url, token_file=str(self.dir / "hooks-token"), listen_port=0,
-            agent_token_file=str(self.kubelet.report_secret), local_world_size=1, pod=self.name,
-            namespace=self.namespace, podinfo_dir=str(self.dir / "podinfo"), podinfo_interval=0.1))
+        write_service_account_tokens(self.pod, self.dir, self.kubelet.report_secret.read_text())
         self._write_podinfo()
-        await self.sidecar.start()
+        if self.sidecar_spec is not None:
+            volumes = spec.Volumes(self.pod, self.sidecar_spec, self.dir, self.kubelet.run_dir / "claims")
+            volumes.create()
+            config, pod_port = sidecar_config(self.pod, self.sidecar_spec, volumes, self.kubelet.agent_url)
+            self.sidecar = Sidecar(config)
+            await self.sidecar.start()
+            self.ports = PortMap(pod_port, int(self.sidecar.url.rsplit(":", 1)[1]))
 
     async def _run_container(self) -> int:
-        env = self._environment()
-        command = spec.argv(self.container, env, self.volumes)
+        self.env = env = self._environment()
+        command = [self.ports.rewrite(w) for w in spec.argv(self.container, env, self.volumes)]
         logs = self.kubelet.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         started = time.time()
@@ -187,14 +213,16 @@ class PodRunner:
         return exit_status(returncode)
 
     def _environment(self) -> dict[str, str]:
+        """The container's variables (container.py) over this host's, the kubelet's own: the file
+        the container knows as /dev/termination-log, and the dry-run's plumbing (its event log,
+        its launch epoch, the pod's marker)."""
         epoch = self.kubelet.epochs.started(self.pod, self.uid)
-        assert self.sidecar is not None
         extra = {**os.environ, **self.kubelet.env, "PYTHONUNBUFFERED": "1",
-                 names.ENV_SIDECAR_URL: self.sidecar.url, names.ENV_TOKEN_FILE: str(self.dir / "hooks-token"),
                  names.ENV_TERMINATION_LOG: str(self.termination_log),
                  "SPOTGUARD_EVENT_LOG": str(self.kubelet.run_dir / "events" / f"{self.name}.jsonl"),
                  "SPOTGUARD_GENERATION": str(epoch), POD_ENV: self.uid}
-        return spec.container_env(self.pod, self.container, self.volumes, extra)
+        env = spec.container_env(self.pod, self.container, self.volumes, extra)
+        return {k: self.ports.rewrite(v) for k, v in env.items()}
 
     # ---- what the kubelet writes ---------------------------------------------------------------
     def _write_podinfo(self) -> None:
