@@ -16,7 +16,7 @@ from typing import Any
 from collections.abc import Mapping
 
 from spotguard.kube.api import PODS, NotFound
-from spotguard.supervisor import capacity, placement
+from spotguard.supervisor import capacity, membership, placement
 from spotguard.supervisor.backfill import BackfillClocks, BackfillSettings
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, meta
 from spotguard.supervisor.effects import JobEffects, now, record_patch
@@ -58,7 +58,8 @@ class Placer:
         if label is None or policy.fallback is None:
             return None
         pods = self.cache.replica_pods(key, adapter)
-        facts = [self._facts(p, label) for p in pods]
+        facts = [pod_facts(p, label, self.cache.nodes.get((p.get("spec") or {}).get("nodeName") or ""),
+                           record.members, self.effects.membership_hosts) for p in pods]
         spot_spec = {**spec, "nodeSelector": {**(spec.get("nodeSelector") or {}), label.key: label.spot[0]}}
         od_spec = {**spec, "nodeSelector": {**(spec.get("nodeSelector") or {}), label.key: label.on_demand}}
         settings = BackfillSettings(policy.max_replicas, policy.fallback.after, policy.fallback.return_after,
@@ -83,12 +84,18 @@ class Placer:
             await self.effects.write_job(key, adapter, record_patch(obj, updated))
         return chosen.step.recheck_at
 
-    def _facts(self, pod: Mapping[str, Any], label) -> placement.PodFacts:
-        name = meta(pod).get("name", "")
-        where = placement.placed_on(pod, label)
-        node_name = (pod.get("spec") or {}).get("nodeName") or ""
-        node = self.cache.nodes.get(node_name)
-        running = (pod.get("status") or {}).get("phase") == "Running"
-        noticed = node is not None and capacity.has_notice(node)
-        return placement.PodFacts(name, pod_index(pod), where, member=running and node is not None and not noticed,
-                                  leaving=running and noticed)
+
+def pod_facts(pod: Mapping[str, Any], label, node: Mapping[str, Any] | None, members: tuple[str, ...],
+              hosts_mode: str) -> placement.PodFacts:
+    """One replica pod as placement sees it: a member when it runs on a node without a notice and
+    the last membership lists its host (before any membership: when it runs), leaving when it
+    runs on a noticed node. A pod that runs but was not admitted yet (a warm standby starting,
+    a joiner waiting to be Ready) is starting, not a member: counted as a member, a standby
+    still starting looked like an on-demand member, and a spot node that came back meanwhile
+    was placed to replace it (the swap-back) before it ever joined."""
+    running = (pod.get("status") or {}).get("phase") == "Running"
+    noticed = node is not None and capacity.has_notice(node)
+    listed = not members or membership.host_of(pod, hosts_mode) in members
+    return placement.PodFacts(meta(pod).get("name", ""), pod_index(pod), placement.placed_on(pod, label),
+                              member=running and node is not None and not noticed and listed,
+                              leaving=running and noticed)

@@ -194,3 +194,25 @@ def test_a_spare_needs_start_at_min():
     else:
         raise AssertionError("a spare without start-at-min passed")
     check_spare(parse_policy({**base, names.ANN_START_AT_MIN: "true"}, default_max=5), 5, places_pods=True)
+
+
+def test_a_running_pod_is_a_member_only_once_the_membership_lists_it():
+    """A warm standby that runs but was not admitted yet is starting, not an (on-demand) member:
+    otherwise a spot node coming back during its start-up gets a swap-back placed against it."""
+    from spotguard.supervisor.capacity_type import BY_KEY, ON_DEMAND
+    from spotguard.supervisor.placer import pod_facts
+
+    label = BY_KEY["karpenter.sh/capacity-type"]
+    healthy = {"metadata": {"name": "od-0"}, "spec": {}}
+    noticed = {"metadata": {"name": "n1", "annotations": {"spotguard.io/notice": "{}"}}, "spec": {}}
+
+    def pod(node: str, phase: str = "Running") -> dict:
+        return {"metadata": {"name": f"p-{node}"}, "spec": {"nodeName": node, "nodeSelector": {label.key: "on-demand"}},
+                "status": {"phase": phase}}
+
+    standby = pod_facts(pod("od-0"), label, healthy, ("n0", "n1"), "node")
+    assert (standby.member, standby.leaving, standby.capacity) == (False, False, ON_DEMAND)
+    assert pod_facts(pod("od-0"), label, healthy, ("n0", "od-0"), "node").member is True
+    assert pod_facts(pod("od-0"), label, healthy, (), "node").member is True  # no membership yet: the first group
+    assert pod_facts(pod("n1"), label, noticed, ("n0", "n1"), "node").leaving is True
+    assert pod_facts(pod("od-0", "Pending"), label, healthy, ("od-0",), "node").member is False
