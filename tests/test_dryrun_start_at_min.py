@@ -12,11 +12,13 @@ import time
 
 import pytest
 
+from spotguard.kube.api import PODS
 from spotguard.trainer.dryrun import DryRun
 from spotguard.trainer.reaper import POD_ENV, marked
 from spotguard.trainer.scenario import parse_scenario
 
 pytestmark = pytest.mark.slow
+INDEX = "batch.kubernetes.io/job-completion-index"
 
 START_AT_MIN = """\
 name: start-at-min
@@ -31,7 +33,13 @@ step_seconds: 0.05
 
 
 async def test_the_job_trains_at_min_and_grows_in_place(tmp_path):
-    dry = DryRun(parse_scenario(START_AT_MIN, "<test>"), tmp_path / "run", time_limit=300)
+    """The third pod is held back by a scheduling gate of the test's own until the first group
+    started (the three would otherwise race to be Ready, and the supervisor lists every pod Ready
+    when it starts the group), then scheduled: it joins in place."""
+    hold = HoldIndex("2")
+    dry = DryRun(parse_scenario(START_AT_MIN, "<test>"), tmp_path / "run", on_update=hold.release_once_started,
+                 time_limit=300)
+    dry.cluster.kube.admit(PODS, hold)
     report = await dry.run()
     assert report["ok"] and report["status"] == "finished", report["problems"]
     (start, first), (admitted, grown) = [(m["cause"], m["hosts"]) for m in report["memberships"]][:2]
@@ -39,6 +47,29 @@ async def test_the_job_trains_at_min_and_grows_in_place(tmp_path):
     assert grown[:2] == first and sorted(grown) == ["node-0", "node-1", "node-2"]  # appended, in place
     grows = [(c["from_world"], c["to_world"], c["path"]) for c in report["membership_changes"]]
     assert grows == [(2, 3, "in-place")], report["membership_changes"]
+
+
+class HoldIndex:
+    """Admission: the first pod of a completion index waits behind a scheduling gate of the test's
+    own (`__call__`), until the supervisor pushed its first membership (`release_once_started`)."""
+
+    GATE = "test/held"
+
+    def __init__(self, index: str):
+        self.index = index
+        self.held: str | None = None  # the name of the pod held
+
+    def __call__(self, pod: dict) -> None:
+        if self.held is None and pod["metadata"].get("annotations", {}).get(INDEX) == self.index:
+            self.held = pod["metadata"].get("name") or pod["metadata"].get("generateName", "")
+            pod["spec"].setdefault("schedulingGates", []).append({"name": self.GATE})
+
+    def release_once_started(self, dry: DryRun) -> None:
+        if not dry.memberships:
+            return
+        for pod in dry.cluster.pods():
+            if {"name": self.GATE} in (pod["spec"].get("schedulingGates") or []):
+                dry.cluster.kube.patch(PODS, "default", pod["metadata"]["name"], {"spec": {"schedulingGates": None}})
 
 
 @pytest.mark.timeout(420)

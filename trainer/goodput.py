@@ -88,6 +88,7 @@ class PeriodicDryRun(DryRun):
         # Today's practice relaunches on every change: torchrun, no Guard, nothing in place.
         baseline = dataclasses.replace(scenario, checkpoint_every=checkpoint_every, membership="restart")
         super().__init__(baseline, run_dir, ["--no-guard", *(train_argv_extra or [])], **kwargs)
+        self.shape.inject = False  # no sidecar either: its preStop would hold the drain for a notice
         self.survivor_grace = survivor_grace
         self.evictions: list[Eviction] = []
         self._drained_ids: set[str] = set()

@@ -77,6 +77,7 @@ class JobShape:
     ports: RendezvousPorts = field(default_factory=RendezvousPorts)
     backfill: Backfill | None = None
     c10d_port: int = field(default_factory=free_port)
+    inject: bool = True  # labelled for the injector (False: a cluster without spotguard's pods)
 
 
 def replicas(scenario: Scenario, backfill: Backfill | None) -> int:
@@ -132,7 +133,7 @@ def _pod_template(scenario: Scenario, shape: JobShape) -> dict:
                                {"name": "DS_ACCELERATOR", "value": "cpu"}, {"name": "OMP_NUM_THREADS", "value": "1"}],
                        "resources": {"limits": {"nvidia.com/gpu": 1}},
                        "volumeMounts": [{"name": "ckpt", "mountPath": CHECKPOINTS}]}
-    template = {"metadata": {"labels": {names.LABEL_INJECT: "true"},
+    template = {"metadata": {"labels": {names.LABEL_INJECT: "true"} if shape.inject else {},
                              "annotations": {names.ANN_GRACE_SECONDS: str(GRACE_SECONDS)}},
                 "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": GRACE_SECONDS,
                          **_placement(shape.backfill), "containers": [container],
