@@ -273,3 +273,24 @@ async def test_the_supervisors_informer_syncs_and_follows_the_local_api():
         await asyncio.to_thread(informer.stop)
     assert events[0][0] == "SYNC" and [n["metadata"]["name"] for n in events[0][1]] == ["n0"]
     assert [(k, p["metadata"]["name"]) for k, p in events[1:3]] == [("ADDED", "n1"), ("MODIFIED", "n0")]
+
+
+def test_admission_runs_the_products_injector_on_labelled_pods():
+    from spotguard.trainer.cluster.admission import inject
+
+    kube = LocalKube()
+    kube.admit(PODS, inject)
+    labelled = pod("a", **{"spotguard.io/inject": "true"})
+    labelled["metadata"]["annotations"] = {"spotguard.io/in-place": "true"}
+    created = kube.create(PODS, NS, labelled)
+    assert created["metadata"]["annotations"]["spotguard.io/injected"] == "true" and created["metadata"]["uid"]
+    assert [c["name"] for c in created["spec"]["initContainers"]] == ["spotguard-sidecar"]
+    env = {e["name"] for e in created["spec"]["containers"][0]["env"]}
+    assert {"SPOTGUARD_SIDECAR_URL", "SPOTGUARD_IN_PLACE", "SPOTGUARD_READY_FILE"} <= env
+    assert "initContainers" not in kube.create(PODS, NS, pod("b"))["spec"]  # not labelled: untouched
+    bad = pod("c", **{"spotguard.io/inject": "true"})
+    bad["metadata"]["annotations"] = {"spotguard.io/grace-seconds": "forever"}
+    with pytest.raises(ApiError) as refused:
+        kube.create(PODS, NS, bad)
+    assert refused.value.status == 400 and "grace-seconds" in str(refused.value)
+    assert [p["metadata"]["name"] for p in kube.list(PODS, NS)[0]] == ["a", "b"]

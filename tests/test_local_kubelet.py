@@ -105,6 +105,23 @@ async def test_a_drained_container_leaves_its_exit_code_and_termination_message(
     assert pod_status(kube, "finishes")["phase"] == "Succeeded"
 
 
+async def test_on_failure_restarts_the_container_in_its_pod_and_keeps_its_last_exit(node, tmp_path):
+    kube, _ = node
+    count = tmp_path / "runs"
+    script = ("import os, sys\n"
+              "path = os.environ['COUNT']\n"
+              "runs = int(open(path).read()) + 1 if os.path.exists(path) else 1\n"
+              "open(path, 'w').write(str(runs))\n"
+              "sys.exit(3 if runs == 1 else 0)\n")
+    pod = make_pod("retry", script, container={"env": [{"name": "COUNT", "value": str(count)}]})
+    pod["spec"]["restartPolicy"] = "OnFailure"
+    kube.create(PODS, NS, pod)
+    await until(lambda: pod_status(kube, "retry").get("phase") == "Succeeded", "the second run's success")
+    (status,) = pod_status(kube, "retry")["containerStatuses"]
+    assert status["restartCount"] == 1 and status["lastState"]["terminated"]["exitCode"] == 3
+    assert status["state"]["terminated"]["exitCode"] == 0
+
+
 async def test_a_container_gets_the_downward_api_its_variables_its_volume_paths_and_its_sidecar(node, tmp_path):
     """An injected pod (the product's injector at admission): its sidecar runs, on a port of its own
     that the container's `SPOTGUARD_SIDECAR_URL` names, and wrote the hooks token where the
