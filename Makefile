@@ -55,7 +55,7 @@ test: $(STAMP)
 # mapping: they run inside the symlink tree tools/package_tree.py builds, with that tree as the
 # current directory (import-linter puts the cwd first on sys.path, ahead of the editable install).
 TREE := .cache/package-tree
-PRODUCT_PARTS := spotguard.wire spotguard.kube spotguard.agent spotguard.hooks spotguard.supervisor spotguard.injector
+PRODUCT_PARTS := spotguard.wire spotguard.kube spotguard.data spotguard.agent spotguard.hooks spotguard.supervisor spotguard.injector
 SHARED_MODULES := spotguard.config spotguard.daemon spotguard.http_server spotguard.metrics spotguard.backoff \
                   spotguard.logs spotguard.processes spotguard.safe_json spotguard.stream_slots
 

@@ -8,12 +8,13 @@ The rules (annotation, taint, cordon, boot id, restart grace, maintenance reboot
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from spotguard.wire import names
-from spotguard.wire.urgency import most_urgent
+from spotguard.wire import names, notice_policy
+from spotguard.wire.urgency import urgency_key
 from spotguard.wire.notice import Kind, Notice, NoticeFormatError, format_time
 
 
@@ -56,7 +57,7 @@ def plan_marks(node: dict, desired: list[Notice] | None, *, mine: set[str], cord
     boot_id = ((node.get("status") or {}).get("nodeInfo") or {}).get("bootID") or None
     current_text = annotations.get(names.ANN_NOTICE)
     current = parse_notice(current_text)
-    urgent = most_urgent(desired or ())
+    urgent = marked_notice(desired or (), now)
 
     if urgent is not None:
         want_marked = True
@@ -108,6 +109,13 @@ def plan_marks(node: dict, desired: list[Notice] | None, *, mine: set[str], cord
     if spec_changes:
         patch["spec"] = spec_changes
     return MarkPlan(patch=patch, marked=mark.id if mark is not None else None)
+
+
+def marked_notice(notices: Iterable[Notice], now: datetime) -> Notice | None:
+    """The notice the Node's mark shows: a departure at `now` first (notice_policy: a GPU fault
+    with no deadline outranks a maintenance beyond the horizon, which the supervisor holds), then
+    the urgency order (earliest deadline first). None when there is none."""
+    return min(notices, key=lambda n: (not notice_policy.departs(n, now), urgency_key(n)), default=None)
 
 
 def our_taints(taints: list[dict]) -> list[dict]:

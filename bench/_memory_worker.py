@@ -1,5 +1,5 @@
 """One rank of bench/membership_memory.py: an FSDP2 job of ~1 GiB of state (parameters and Adam
-moments) through a shrink 4 -> 3 and a grow 3 -> 4, with the transfer the reformer runs
+moments) through a shrink 4 -> 3 and a grow 3 -> 4, with the transfer the agreed-step machine runs
 (`hooks.elastic.transfer`: hand_over in the old group, rebuild, receive and load in the new),
 chosen by SPOTGUARD_RESHARD (shards | gather).
 

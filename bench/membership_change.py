@@ -50,7 +50,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from spotguard.hooks.elastic.reformer import PHASES
+from spotguard.hooks.machine.model import PHASES
 from spotguard.hooks.launch import LaunchConfig, worker_env
 from spotguard.processes import die_with_parent, free_port
 from spotguard.wire import names

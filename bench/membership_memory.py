@@ -7,8 +7,8 @@ gathered on every rank, pickled, broadcast) and the new one (shards peer to peer
     .venv/bin/python bench/membership_memory.py --dim 9460 --layers 1 --transfers shards --check   # the test's
 
 Each rank is its own process (`bench/_memory_worker.py`, gloo on 127.0.0.1, one CPU thread),
-running the transfer exactly as the reformer runs it (`hooks.elastic.transfer`: `hand_over` in
-the old group, the group re-formed, `adapter.rebuild()`, `receive`, `load`), without the Guard's
+running the transfer exactly as the agreed-step machine runs it (`hooks.elastic.transfer`:
+`hand_over` in the old group, the group re-formed, `adapter.rebuild()`, `receive`, `load`), without the Guard's
 agreement and checkpoint around it. This process samples every rank's RSS from outside (psutil,
 every 10 ms). Per rank and change: peak extra = the highest RSS between the change's begin and
 end minus the last RSS sampled before its begin, divided by the rank's new shard (the bytes of its

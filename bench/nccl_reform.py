@@ -1,6 +1,6 @@
 """Shrink and grow of the default group on however many GPUs this machine has (1 included),
-through spotguard's own re-form path (`hooks/elastic/rendezvous.py` with `backend="nccl"`), and
-what it checked.
+through spotguard's own re-form path (`hooks/group_session.py`: `GroupSession.reform` with an
+NCCL `Rendezvous`), and what it checked.
 
     .venv/bin/python bench/nccl_reform.py                       # NCCL on every visible GPU
     .venv/bin/python bench/nccl_reform.py --backend gloo --world 3   # the same walk on CPU (CI)
@@ -33,14 +33,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def form_and_check(rdzv, prefix: str, rank: int, world: int, report, backend: str) -> None:
+def form_and_check(session, prefix: str, rank: int, world: int, report, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
     from spotguard.hooks.agreement.collectives import GroupCollectives
 
+    rdzv = session.rendezvous
     t0 = time.monotonic()
-    rdzv.form(f"127.0.0.1:{rdzv.port}", prefix, rank, world)
+    session.reform(f"127.0.0.1:{rdzv.port}", prefix, rank, world, session.timeouts.reform)
     formed = time.monotonic() - t0
     device = torch.device("cuda", rdzv.local_rank) if backend == "nccl" else torch.device("cpu")
     ones = torch.ones(1, device=device)
@@ -66,32 +67,28 @@ def member(rank: int, world: int, port: int, backend: str, report, plan: str) ->
     os.environ.update(RECIPE_ENV)
     from spotguard.hooks.elastic import nccl
     from spotguard.hooks.elastic.rendezvous import Rendezvous
+    from spotguard.hooks.group_session import GroupSession, Timeouts
 
-    rdzv = Rendezvous("127.0.0.1", port, timeout=60.0, backend=backend, local_rank=rank)
+    session = GroupSession(Timeouts.of(60.0), Rendezvous("127.0.0.1", port, backend=backend, local_rank=rank))
     if rank == 0:
-        rdzv.serve()
+        session.rendezvous.serve(session.timeouts.reform)
     try:
         if backend == "nccl":
-            nccl.check(rdzv.timeout)
+            nccl.check(session.timeouts.reform)
         if plan == "join":
-            form_and_check(rdzv, "g2/", rank, world, report, backend)
+            form_and_check(session, "g2/", rank, world, report, backend)
             finish(backend)
             return
-        form_and_check(rdzv, "g0/", rank, world, report, backend)
+        form_and_check(session, "g0/", rank, world, report, backend)
         t0 = time.monotonic()
-        if backend == "nccl":
-            nccl.quiesce_and_abort()
-        else:
-            from spotguard.hooks.elastic.rendezvous import destroy_groups
-
-            destroy_groups()
+        session.leave()  # NCCL: the stream synchronised, the communicators aborted; gloo: destroyed
         report.put(("abort", rank, world, True, time.monotonic() - t0))
         leaving = world > 1 and rank == world - 1
         if leaving:
             return
-        form_and_check(rdzv, "g1/", rank, max(world - 1, 1), report, backend)
+        form_and_check(session, "g1/", rank, max(world - 1, 1), report, backend)
         if world > 1:
-            form_and_check(rdzv, "g2/", rank, world, report, backend)
+            form_and_check(session, "g2/", rank, world, report, backend)
         finish(backend)
     except Exception as exc:  # every failure is a line of the report
         report.put(("error", rank, world, False, f"{type(exc).__name__}: {exc}"))

@@ -9,11 +9,12 @@ Usage (every rank, after `init_process_group`, in the same order on every rank):
         train_one_step()
         guard.step(step)                                   # after step `step` is complete
 
-The Guard wires its parts (policy apart from mechanism): `notice_gate.NoticeGate` (which notices
-count, now or later), an `agreement.Agreement` (how the ranks agree at a boundary),
-`save_decision` (fresh save or snapshot) and `drain.DrainSequence` plus a departure (the only
-place that exits). An agreement is bound to one process group: a new group gets new collectives
-(`join_collectives`) and a new agreement (`make_agreement`).
+The Guard keeps the configuration, takes notices in and registers hooks; at a boundary its
+`agreement.Agreement` says whether the ranks act, and the agreed-step machine
+(`hooks/machine`: `executor.AgreedStepMachine`) does the rest, a drain and an in-place change
+alike, with the departure its one exit. The Guard hands the machine a narrow `Effects`, never
+itself. The process's groups are its `group_session.GroupSession`; an agreement is bound to one
+process group: a new formation gets new collectives and a new agreement (`rejoin`).
 
 Contract:
 - Notices arrive on a background thread (the sidecar's stream, `SPOTGUARD_SIDECAR_URL`) and from
@@ -52,7 +53,9 @@ Contract:
   snapshot of the same step); runs the adapter's save, then the `@on_reclaim` hooks
   (`hook(step, notice)`); agrees that every rank succeeded; reports `checkpoint-durable` (or
   `failed`) with the seconds taken to the sidecar; runs `@on_drain` hooks and reports `drained`;
-  then exits with `EXIT_PREEMPTED` (83), or `EXIT_CHECKPOINT_FAILED` (84) when any rank failed.
+  then writes its termination message and exits with `EXIT_PREEMPTED` (83), or
+  `EXIT_CHECKPOINT_FAILED` (84) when any rank failed (`hooks/machine/departure.py`, for every
+  rank that leaves: a drain, a leaving rank, a fallback).
   With `exit_on_drain=False`, `step()` returns a drained result instead of exiting (`last_drain`
   tells what happened).
 - `step(step)` returns a `StepResult` (`hooks/step_result.py`): continued, resized (`.resize` is
@@ -65,18 +68,19 @@ Contract:
 - In place (`in_place=True`, default from `SPOTGUARD_IN_PLACE=1` as `spotguard launch` sets, and
   an adapter made with `build=`; `hooks/elastic`): a notice naming one host of the group, or a
   membership the supervisor pushes, changes the group instead of ending it. At the agreed step
-  every change first writes the durable checkpoint of that step (a shrink through the drain
-  sequence, a grow with the survivors' own save), then the leaving ranks hand over and exit 83 and the
+  every change first writes the durable checkpoint of that step (a shrink as the notice's, a
+  grow with the survivors' own save), then the leaving ranks hand over and exit 83 and the
   survivors re-form the group and continue from the next step in the same processes; a grow
-  re-forms with the joiners, who receive the state from a live peer (`hooks/elastic/reformer.py`
-  is the change as one state machine). `step()` then returns a resized result (its `.resize`
-  says what happened, with the pause; `last_resize` is deprecated), `rank`/`world_size` are the
-  new group's, the `@on_resize` hooks run (`hook(record)`), and training code reads
-  `adapter.model` / `adapter.optimizer` again. Any failure falls back to the drain (exit 83 with a durable
-  checkpoint). In-place jobs make the model, then the adapter, then the Guard (the order a
-  joiner repeats), and call `hooks.elastic.init_process_group()` instead of torch's. The
-  collectives of a change are the Guard's alone, in one order on both sides (`reformer.take_state`
-  ends the survivors' change and a joiner's `resume()`); training code makes none of its own
+  re-forms with the joiners, who receive the state from a live peer (`hooks/machine/table.py`
+  is the change as one table). `step()` then returns a resized result (its `.resize` says what
+  happened, with the pause; `last_resize` is deprecated), `rank`/`world_size` are the new
+  group's, the `@on_resize` hooks run (`hook(record)`), and training code reads `adapter.model` /
+  `adapter.optimizer` again. Any failure falls back to the drain (exit 83 with a durable
+  checkpoint); a peer that stops answering costs the others at most one re-form timeout.
+  In-place jobs make the model, then the adapter, then the Guard (the order a joiner repeats),
+  and call `hooks.elastic.init_process_group()` instead of torch's. The collectives of a change
+  are the Guard's alone, in one order on both sides (the table's `transferred` and `committed`
+  rows end the survivors' change and a joiner's `resume()`); training code makes none of its own
   between `init_process_group` and a joiner's first step (the survivors are already training).
 - Under `spotguard launch` (`SPOTGUARD_LAUNCHER_PID`), a rank whose launcher died leaves within
   `grace_seconds` even when blocked in a collective (`orphan_watch`).
@@ -89,29 +93,28 @@ import os
 import signal as signal_module
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
-from collections.abc import Callable, Iterable
 
 from spotguard.config import ConfigError, http_url, positive_float, positive_int
+from spotguard.hooks.adapters.base import resizable_adapter
 from spotguard.hooks.agreement import Agreement, make_agreement
-from spotguard.hooks.agreement.base import Verdict
-from spotguard.hooks.agreement.collectives import GroupCollectives, join_collectives
-from spotguard.hooks.drain import (DrainRecord, DrainSequence, ExitProcess, PendingCheckpoint, ReturnToLoop,
-                                   agreed_notice)
-from spotguard.hooks.elastic.bound import release_groups
-from spotguard.hooks.elastic.in_place import InPlace, start_save_before_grow
+from spotguard.hooks.agreement.collectives import Collectives, GroupCollectives
 from spotguard.hooks.elastic.join import in_place_enabled
-from spotguard.hooks.elastic.membership_view import Change, MembershipView, Settled
-from spotguard.hooks.elastic.reformer import Outcome, ResizeRecord
+from spotguard.hooks.elastic.membership_view import MembershipView
+from spotguard.hooks.group_session import process_session
 from spotguard.hooks.hook_reporter import HookReporter
+from spotguard.hooks.machine.departure import ExitProcess, ReturnToLoop
+from spotguard.hooks.machine.effects import Effects, Hooks
+from spotguard.hooks.machine.executor import AgreedStepMachine
+from spotguard.hooks.machine.model import DrainRecord, StepRecord
 from spotguard.hooks.notice_gate import ACT_ON, Action, NoticeGate
 from spotguard.hooks.notice_listener import NoticeListener
 from spotguard.hooks.orphan_watch import OrphanWatch
 from spotguard.hooks.replacement_hold import HOLD_MARGIN_SECONDS, release_at
 from spotguard.hooks.signals import SignalTrap
-from spotguard.hooks.step_result import CONTINUED, Happened, StepResult
-from spotguard.hooks.termination_message import write_termination_message
+from spotguard.hooks.step_result import CONTINUED, StepResult
 from spotguard.wire import names, notice_policy
 from spotguard.wire.notice import Kind, Notice, now_utc
 
@@ -147,29 +150,23 @@ class Guard:
         self.exit_on_drain = exit_on_drain
         self.pipeline = pipeline
         self.sidecar_url = None if sidecar_url is None else http_url(names.ENV_SIDECAR_URL, sidecar_url)
-
-        self._reclaim_hooks: list[Callable] = []
-        self._drain_hooks: list[Callable] = []
-        self._resume_hooks: list[Callable] = []
-        self._resize_hooks: list[Callable] = []
-        self._phase_hooks: list[Callable] = []
+        self.hooks = Hooks()
         self.adapter: CheckpointAdapter | None = None
-        self.last_drain: DrainRecord | None = None
-        self.resizes: list[ResizeRecord] = []
 
-        self.in_place = InPlace(self._resize_phase) if (in_place_enabled() if in_place is None else in_place) \
-            else None
+        self.session = process_session()
         self._process_group = process_group
-        self.collectives = join_collectives(process_group)
+        self.collectives: Collectives = self.session.collectives(process_group)
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
         self.agreement: Agreement = make_agreement(self.collectives, agree_every=self.agree_every, pipeline=pipeline)
-        if self.in_place is not None:
-            self.in_place.learn(self.collectives)
-        if self.in_place is None or not self.in_place.owes_state():
-            release_groups()  # a starting rank's formation is complete (a joiner's: in resume())
-        self.departure = ExitProcess(self.close, self.leave_group, hard_exit) if exit_on_drain else ReturnToLoop()
         self.reporter = (HookReporter(self.sidecar_url, token_file, self.rank, self.world_size)
                          if self.sidecar_url else None)
+        departure = (ExitProcess(self.close, self.session.leave, hard_exit) if exit_on_drain else ReturnToLoop())
+        effects = Effects(lambda: self.adapter, lambda: self.collectives, self.rejoin, self.gate.answered, self.close,
+                          self.hooks, self.reporter, self.save_margin_seconds)
+        in_place = in_place_enabled() if in_place is None else in_place
+        self.machine = AgreedStepMachine(self.session, effects, MembershipView.from_env() if in_place else None,
+                                         departure)
+        self.machine.learn()
 
         self._trap: SignalTrap | None = None
         if install_signals:
@@ -204,10 +201,20 @@ class Guard:
     @property
     def view(self) -> MembershipView | None:
         """The membership view of an in-place Guard (None otherwise)."""
-        return self.in_place.view if self.in_place is not None else None
+        return self.machine.view
 
     @property
-    def last_resize(self) -> ResizeRecord | None:
+    def last_drain(self) -> StepRecord | None:
+        """The newest agreed step that wrote a notice's checkpoint or left (a drain, a shrink, a fallback)."""
+        return self.machine.last_drain
+
+    @property
+    def resizes(self) -> list[StepRecord]:
+        """Every in-place change of this process, in order (`outcome` says how it ended)."""
+        return self.machine.resizes
+
+    @property
+    def last_resize(self) -> StepRecord | None:
         """Deprecated: `step()` returns the change (`result.resized`, `result.resize`)."""
         warnings.warn("guard.last_resize is deprecated: use the result of guard.step(step) "
                       "(`if result.resized: record = result.resize`)", DeprecationWarning, stacklevel=2)
@@ -237,32 +244,28 @@ class Guard:
     # ---- registration ---------------------------------------------------------------------
     def on_reclaim(self, fn: Callable) -> Callable:
         """Decorator: `fn(step, notice)` runs on every rank at the agreed step (the checkpoint)."""
-        self._reclaim_hooks.append(fn)
+        self.hooks.reclaim.append(fn)
         return fn
 
     def on_drain(self, fn: Callable) -> Callable:
-        """Decorator: `fn(step, notice)` runs on every rank after the checkpoint is durable."""
-        self._drain_hooks.append(fn)
+        """Decorator: `fn(step, notice)` runs on every rank that leaves, after the checkpoint is durable."""
+        self.hooks.drain.append(fn)
         return fn
 
     def on_resume(self, fn: Callable) -> Callable:
         """Decorator: `fn()` runs in `resume()`; a non-None return is the step to start from."""
-        self._resume_hooks.append(fn)
+        self.hooks.resume.append(fn)
         return fn
 
     def on_resize(self, fn: Callable) -> Callable:
         """Decorator: `fn(record)` runs on every rank of the new group after an in-place change."""
-        self._resize_hooks.append(fn)
+        self.hooks.resize.append(fn)
         return fn
 
     def on_resize_phase(self, fn: Callable) -> Callable:
         """Decorator: `fn(phase, record)` runs as each phase of an in-place change ends (timelines, tests)."""
-        self._phase_hooks.append(fn)
+        self.hooks.phase.append(fn)
         return fn
-
-    def _resize_phase(self, phase: str, record: ResizeRecord) -> None:
-        for hook in self._phase_hooks:
-            hook(phase, record)
 
     def attach(self, adapter: CheckpointAdapter) -> None:
         """Makes `adapter` the checkpoint of this job (every rank, before the first backward); the
@@ -279,8 +282,10 @@ class Guard:
     def resume(self) -> int:
         """Loads the newest checkpoint (adapter, then @on_resume hooks); the step to start from.
         A joiner receives the state of a live peer instead (no storage read, no @on_resume hooks)."""
-        if self.in_place is not None and self.in_place.owes_state():
-            return self.in_place.receive_state(self)
+        if self.view is not None and self.session.owes_state():
+            if resizable_adapter(self.adapter) is None:
+                raise RuntimeError("a joiner needs an adapter made with build= before resume()")
+            return self.machine.join()
         start = 0
         if self.adapter is not None:
             loaded = self.adapter.resume()
@@ -289,7 +294,7 @@ class Guard:
             answered = self.adapter.answered_notice_id()
             if answered:
                 self.gate.answered(answered)
-        for hook in self._resume_hooks:
+        for hook in self.hooks.resume:
             value = hook()
             if value is not None:
                 start = int(value)
@@ -358,77 +363,17 @@ class Guard:
         membership = self.view.pending_notice() if self.view is not None else None
         verdict = self.agreement.at_boundary(step, self.gate.pending, membership)
         if verdict is not None:
-            return self._act(step, verdict)
+            return self.machine.run(step, verdict)
         if self.snapshot_every and self.adapter is not None and step % self.snapshot_every == 0:
             self.adapter.snapshot(step)
         return CONTINUED
 
-    def _act(self, step: int, verdict: Verdict) -> StepResult:
-        """The agreed notice: a change in place, nothing (a settled membership), or the drain."""
-        if not verdict.on_notice:  # a pushed membership, agreed in its own field: its source sends it
-            verdict = Verdict(verdict.membership, verdict.deadline_ts, verdict.membership_source)
-        notice = agreed_notice(self.collectives, verdict)
-        change: Change | Settled | None = None
-        if self.in_place is not None:
-            change = self.in_place.change_for(self.collectives, self.adapter, notice, step)
-        if isinstance(change, Settled):
-            return CONTINUED
-        if change is None:
-            return self._depart(self.checkpoint_for_change(step, notice, staying=False, grow=False))
-        assert self.in_place is not None
-        record = self.in_place.run(self, step, notice, change)
-        self.resizes.append(record)
-        if record.outcome is Outcome.CONTINUE:
-            for hook in self._resize_hooks:
-                hook(record)
-            return StepResult(Happened.RESIZED, record, record.drain)
-        drained: DrainRecord = record.drain
-        if record.outcome is Outcome.FALLBACK:
-            write_termination_message(notice.id, step, drained.saved_step, drained.ok)
-        return self._depart(drained)
-
-    def _depart(self, record: DrainRecord) -> StepResult:
-        self.last_drain = record
-        self.departure.after_drain(record)
-        return StepResult(Happened.DRAINED, drain=record)
-
-    # ---- the seam the reformer drives ------------------------------------------------------------
-    def checkpoint_for_change(self, step: int, notice: Notice, *, staying: bool, grow: bool) -> DrainRecord:
-        """The durable checkpoint of the agreed step (collective): the drain sequence (`staying`:
-        this rank continues in place), or for a grow the survivors' own save."""
-        return self.start_checkpoint(step, notice, staying=staying, grow=grow).finish()
-
-    def start_checkpoint(self, step: int, notice: Notice, *, staying: bool, grow: bool) -> PendingCheckpoint:
-        """`checkpoint_for_change` up to the copy of the state (collective); its write runs behind
-        until `finish()` (collective again), which is when `last_drain` is set."""
-        if grow:
-            return start_save_before_grow(self.collectives, self.adapter, step, notice)
-        sequence = DrainSequence(self.collectives, self.adapter, reclaim_hooks=self._reclaim_hooks,
-                                 drain_hooks=self._drain_hooks, reporter=self.reporter,
-                                 save_margin_seconds=self.save_margin_seconds)
-        self.gate.answered(notice.id)  # a re-sent or updated copy does not drain again
-        pending = sequence.start(step, None, notice=notice, staying=staying)
-        finish = pending.finisher
-
-        def finished(done: PendingCheckpoint) -> DrainRecord:
-            self.last_drain = finish(done)
-            return self.last_drain
-
-        pending.finisher = finished
-        return pending
-
-    def leave_group(self) -> None:
-        """Closes the agreement and destroys this rank's process groups (after a last agreement)."""
+    def rejoin(self) -> None:
+        """The Guard's collectives, agreement and reporter on the session's new formation (collective)."""
         self.agreement.close()
-        self.collectives.leave()
-
-    def bind_group(self) -> None:
-        """The Guard's collectives, agreement and host list on the (new) default group (collective)."""
-        self.collectives = join_collectives(self._process_group)
+        self.collectives = self.session.collectives(self._process_group)
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
         self.agreement = make_agreement(self.collectives, agree_every=self.agree_every, pipeline=self.pipeline)
-        if self.view is not None:
-            self.view.learn_hosts(self.collectives)
         if self.reporter is not None:
             self.reporter.rank, self.reporter.world_size = self.rank, self.world_size
         carrier = self.adapter.gradient_carrier() if self.adapter is not None else None
@@ -446,4 +391,4 @@ class Guard:
             self._orphan_watch.stop()
         if self.adapter is not None:
             self.adapter.close()
-        self.departure.release()
+        self.machine.departure.release()

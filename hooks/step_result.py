@@ -8,8 +8,10 @@
         break
 
 Contract: `happened` is CONTINUED (nothing, or a membership that asked nothing), RESIZED (`resize`
-is the change's `ResizeRecord`; `drain` the checkpoint the change wrote first, when it wrote one)
-or DRAINED (`drain` is the `DrainRecord`). The truth value is `drained`, so code written for the
+is the change's record; `drain` the same record when the change wrote its checkpoint first) or
+DRAINED (`drain` is the step's record: a drain, a leaving rank, a fallback). Both are the
+agreed-step machine's `StepRecord` (`hooks/machine/model.py`; also named `ResizeRecord` and
+`DrainRecord`). The truth value is `drained`, so code written for the
 boolean `step()` returned before (`if guard.step(step): break`) keeps working;
 `== True` / `== False` work with a DeprecationWarning (`is True` cannot be intercepted: it is
 now always False).
@@ -19,7 +21,10 @@ from __future__ import annotations
 import enum
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spotguard.hooks.machine.model import StepRecord
 
 
 class Happened(enum.Enum):
@@ -31,8 +36,8 @@ class Happened(enum.Enum):
 @dataclass(frozen=True)
 class StepResult:
     happened: Happened
-    resize: Any = None  # hooks.elastic.reformer.ResizeRecord when RESIZED
-    drain: Any = None  # hooks.drain.DrainRecord when DRAINED (or the change's own checkpoint)
+    resize: StepRecord | None = None  # the change's record when RESIZED
+    drain: StepRecord | None = None  # the step's record when DRAINED (or the change's, when it saved)
 
     @property
     def continued(self) -> bool:

@@ -1,12 +1,14 @@
-"""The drained rank's last word to the supervisor: the container's termination message.
+"""The last word to the supervisor of a rank that leaves after an agreed step (a drain, a leaving
+rank, a failed change's fallback): the container's termination message.
 
-After a drain every rank writes `{"v": 1, "notice_id": ..., "step": n, "saved_step": n,
-"steps_lost": n, "checkpoint": "durable"|"failed"}` (with an object store also `"durable_tier"`,
-and with tier "local" `"object_step"`: the newest step known in the object store) to the file named by
-`SPOTGUARD_TERMINATION_LOG`, or to `/dev/termination-log` when the kubelet mounted one (it
-copies the file into `containerStatuses[].state.terminated.message`, where the supervisor reads
-the steps lost: supervisor/progress.py). Ranks agree on the step, so ranks sharing a container
-write the same content. Writing never raises: a rank that cannot write still exits with its code.
+Every such rank writes (`hooks/machine/departure.py`, whatever ended its walk) `{"v": 1,
+"notice_id": ..., "step": n, "saved_step": n, "steps_lost": n, "checkpoint": "durable"|"failed"}`
+(with an object store also `"durable_tier"`, and with tier "local" `"object_step"`: the newest
+step known in the object store) to the file named by `SPOTGUARD_TERMINATION_LOG`, or to
+`/dev/termination-log` when the kubelet mounted one (it copies the file into
+`containerStatuses[].state.terminated.message`, where the supervisor reads the steps lost:
+supervisor/progress.py). Ranks agree on the step, so ranks sharing a container write the same
+content. Writing never raises: a rank that cannot write still exits with its code.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """spotguard for Accelerate: a helper around `Accelerator`.
 
+    sampler = ElasticSampler(dataset, global_batch=32, seed=0)           # optional: the data position
+    loader = DataLoader(dataset, batch_size=32 // world_size, sampler=sampler.global_order())
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    guard = AccelerateGuard(accelerator, checkpoint_dir="/ckpt", model=model)   # the one line
+    guard = AccelerateGuard(accelerator, checkpoint_dir="/ckpt", model=model, sampler=sampler)  # the one line
     start = guard.resume()                        # steps already done (0 without a checkpoint)
     for step, batch in guard.batches(loader, start, total):
         ...forward, accelerator.backward(loss), optimizer.step()...
@@ -24,22 +26,35 @@ Contract:
   `latest`, retention of `keep_last` plus every notice's checkpoint). `path_of_latest()` is an
   ordinary `save_state` directory: `accelerator.load_state(path)` reads it.
 - `resume()` loads the newest complete checkpoint with `accelerator.load_state` and returns the
-  number of steps done; `batches(loader, start, total)` yields `(step, batch)` from that step on,
-  skipping the batches already consumed in the current epoch (`skip_first_batches`), so the data
-  position continues (keep the global batch the same at every world size).
+  number of steps done; `batches(loader, start, total)` yields `(step, batch)` from that step on.
+- The data position. With `sampler=` (a `spotguard.data.ElasticSampler`, registered for
+  checkpointing here, so every `save_state` holds its position and `load_state` restores it) the
+  loader draws from `sampler.global_order()` and Accelerate deals each step's global batch to the
+  ranks; each batch `batches` yields advances the sampler by one global batch (the loader's
+  `total_batch_size`, which must be the sampler's samples per step at this world size). Every
+  sample is then seen once per epoch at any world size, and with a constant global batch the
+  sequence of global batches is an uninterrupted run's. `batches` refuses a loader that does not
+  draw from it and a start the sampler's position does not belong to. Without `sampler=`, a
+  resume skips `step mod len(loader)` batches of the loader at the new size
+  (`skip_first_batches`): exact only when the global batch and the loader's order are the same at
+  every world size, and it warns so at a resume.
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from spotguard.config import ConfigError
+from spotguard.data import ElasticSampler, GlobalOrder
 from spotguard.hooks import Guard
 from spotguard.hooks.adapters.store import CheckpointInfo
 from spotguard.integrations import versions
-from spotguard.integrations.core import FrameworkAdapter, guard_for
+from spotguard.integrations.core import FrameworkAdapter, find_in_loader, guard_for
+
+log = logging.getLogger("spotguard.integrations")
 
 
 class AcceleratorSave(FrameworkAdapter):
@@ -71,9 +86,12 @@ class AccelerateGuard:
     """See the module docstring."""
 
     def __init__(self, accelerator: Any, checkpoint_dir: str | os.PathLike, *, model: Any = None, keep_last: int = 3,
-                 **guard_options: Any):
+                 sampler: ElasticSampler | None = None, **guard_options: Any):
         versions.require("accelerate", "spotguard.integrations.accelerate")
         self.accelerator = accelerator
+        self.sampler = sampler
+        if sampler is not None:
+            accelerator.register_for_checkpointing(sampler)  # before any load_state: its position resumes too
         self.adapter = AcceleratorSave(accelerator, checkpoint_dir, model=model, keep_last=keep_last)
         self.guard: Guard = guard_for(self.adapter, **guard_options)
 
@@ -87,7 +105,43 @@ class AccelerateGuard:
         return None if info is None else info.dir
 
     def batches(self, loader: Any, start: int, total: int) -> Iterator[tuple[int, Any]]:
-        """(step, batch) for steps `start`..`total - 1`, epoch after epoch, resuming mid-epoch."""
+        """(step, batch) for steps `start`..`total - 1`, epoch after epoch, resuming mid-epoch
+        (module docstring: the data position)."""
+        if self.sampler is not None:
+            return self._sampled(self.sampler, loader, start, total)
+        if start > 0:
+            log.warning("resuming at step %d by skipping batches of this loader at this world size: exact only when "
+                        "the global batch and the loader's order are the same at every world size; give "
+                        "AccelerateGuard(sampler=ElasticSampler(...)) and DataLoader(sampler=sampler.global_order()) "
+                        "for every sample once per epoch at any world size", start)
+        return self._skipping(loader, start, total)
+
+    def _sampled(self, sampler: ElasticSampler, loader: Any, start: int, total: int) -> Iterator[tuple[int, Any]]:
+        found = find_in_loader(loader, GlobalOrder)
+        if found is None or found.sampler is not sampler:
+            raise ConfigError("loader", "does not draw from the sampler given to AccelerateGuard: make it "
+                              "DataLoader(dataset, batch_size=..., sampler=sampler.global_order()) before prepare")
+        shape = sampler.geometry()
+        per_batch = getattr(loader, "total_batch_size", shape.global_size)
+        if per_batch != shape.global_size:
+            raise ConfigError("loader", f"deals {per_batch} samples per step to the ranks together, but the sampler's "
+                              f"step takes {shape.global_size} at this world size: make the loader's batch_size "
+                              f"{shape.global_size} / {shape.world_size} ranks")
+        sampler.check_position(start)
+        return self._sampled_steps(sampler, loader, start, total)
+
+    @staticmethod
+    def _sampled_steps(sampler: ElasticSampler, loader: Any, start: int, total: int) -> Iterator[tuple[int, Any]]:
+        step = start
+        while step < total:
+            for batch in loader:  # each pass starts at the sampler's position
+                sampler.advance()
+                yield step, batch
+                step += 1
+                if step >= total:
+                    return
+
+    def _skipping(self, loader: Any, start: int, total: int) -> Iterator[tuple[int, Any]]:
         per_epoch = len(loader)
         if per_epoch == 0:
             raise ConfigError("loader", "is empty")

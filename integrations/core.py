@@ -20,6 +20,9 @@ the framework's own format, and the Guard they drive.
 The framework's format is kept byte for byte where it matters (the same objects through the same
 serializers), so the framework's own resume call reads the checkpoint, as do its tools.
 
+`find_in_loader(loader, kind)` finds a sampler inside the wrappers a framework puts around a
+loader (the integrations check that the loader draws from the `ElasticSampler` they were given).
+
 `guard_for(adapter, ...)` makes the Guard every integration uses: configured from SPOTGUARD_*
 (sidecar, grace, agree_every), restart path only (`in_place=False`: in-place membership
 changes through these frameworks are for later), no periodic in-memory snapshots (a notice saves
@@ -31,7 +34,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from spotguard.hooks import Guard
 from spotguard.hooks.adapters.base import StoreAdapter
@@ -40,9 +43,25 @@ from spotguard.integrations import capture
 from spotguard.wire.notice import Notice
 
 log = logging.getLogger("spotguard.integrations")
+T = TypeVar("T")
 
 SCRATCH_PREFIX = ".spotguard-boundary-"  # <checkpoint_dir>/.spotguard-boundary-<rank>: invisible to every framework
 LOOSE_WARNING_BYTES = 16 << 20  # a framework that wrote this much past the capture: a save path it does not know
+
+
+def find_in_loader(loader: Any, kind: type[T], depth: int = 5) -> T | None:
+    """The first `kind` object among a loader's samplers: the loader itself, its `batch_sampler`,
+    `sampler`, and theirs, as the frameworks wrap them (Accelerate's BatchSamplerShard around a
+    BatchSampler around the sampler; Lightning's CombinedLoader's `iterables`), `depth` levels down."""
+    if isinstance(loader, kind):
+        return loader
+    if depth == 0 or loader is None:
+        return None
+    for name in ("batch_sampler", "sampler", "iterables"):
+        found = find_in_loader(getattr(loader, name, None), kind, depth - 1)
+        if found is not None:
+            return found
+    return None
 
 
 def guard_for(adapter: FrameworkAdapter, **guard_options: Any) -> Guard:

@@ -1,6 +1,10 @@
 """spotguard for PyTorch Lightning: one callback.
 
-    trainer = L.Trainer(..., callbacks=[ModelCheckpoint(dirpath="/ckpt", save_last=True), SpotguardCallback()])
+    sampler = ElasticSampler(dataset, global_batch=32, micro_batch=8)        # optional: the data position
+    loader = DataLoader(dataset, batch_sampler=sampler)
+    checkpoints = ModelCheckpoint(dirpath="/ckpt", save_last=True)
+    trainer = L.Trainer(..., use_distributed_sampler=False, accumulate_grad_batches=sampler.micro_batches_per_step(),
+                        callbacks=[checkpoints, SpotguardCallback(sampler=sampler)])
     trainer.fit(model, loader, ckpt_path="last")
 
 Launch with `spotguard launch` (torchrun's flags), which exits 83 when every rank drained; torchrun
@@ -30,9 +34,17 @@ Contract:
   behind the link is never overwritten.
 - Why `.ckpt` and not the engine's sharded layout: `fit(ckpt_path=...)`,
   `LightningModule.load_from_checkpoint` and Lightning's tools read one `torch.save` file.
-- Data position: Lightning restores a mid-epoch position only for dataloaders with
-  `state_dict`/`load_state_dict` (its rule); use one whose state is in global samples so a resume
-  at another world size continues where the run stopped.
+- Data position, with `sampler=` (a `spotguard.data.ElasticSampler`, the loader made with
+  `batch_sampler=sampler` and `Trainer(use_distributed_sampler=False)`, so Lightning leaves the
+  dealing to it): the callback's `state_dict()` is the sampler's position, so every Lightning
+  checkpoint holds it (Lightning's own saves and spotguard's) and `fit(ckpt_path=...)` restores it
+  before the first batch; each optimizer step advances it by one global batch. `on_train_start`
+  raises when the train loader does not draw from it, when `accumulate_grad_batches` is not its
+  `micro_batches_per_step()`, and when the resumed global step is not its position's
+  (DataPositionError). Every sample is then seen once per epoch at any world size. Without
+  `sampler=`, Lightning restores a mid-epoch position only for loaders with
+  `state_dict`/`load_state_dict` (its rule), exact at another world size only when that state
+  means the same there.
 """
 from __future__ import annotations
 
@@ -46,12 +58,13 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from spotguard.config import ConfigError
+from spotguard.data import ElasticSampler
 from spotguard.hooks import Guard
 from spotguard.hooks.adapters.store import CheckpointInfo
 from spotguard.hooks.checkpoint import fsutil
 from spotguard.hooks.checkpoint.manifest import TRASH_PREFIX, aside_name
 from spotguard.integrations import versions
-from spotguard.integrations.core import FrameworkAdapter, guard_for
+from spotguard.integrations.core import FrameworkAdapter, find_in_loader, guard_for
 
 LAST = "last.ckpt"
 STAGED_LINK = ".last.ckpt.spotguard-tmp"
@@ -132,9 +145,10 @@ class LightningSave(FrameworkAdapter):
 class SpotguardCallback(pl.Callback):
     """See the module docstring."""
 
-    def __init__(self, dirpath: str | None = None, **guard_options: Any):
+    def __init__(self, dirpath: str | None = None, *, sampler: ElasticSampler | None = None, **guard_options: Any):
         versions.require("lightning", "spotguard.integrations.lightning")
         self.dirpath = dirpath
+        self.sampler = sampler
         self.guard_options = guard_options
         self.guard: Guard | None = None
         self.adapter: LightningSave | None = None
@@ -147,17 +161,40 @@ class SpotguardCallback(pl.Callback):
                               "SpotguardCallback(dirpath=...)")
         return str(dirpath)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What Lightning keeps in every checkpoint for this callback: the sampler's position."""
+        return {"data": self.sampler.state_dict()} if self.sampler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.sampler is not None and "data" in state_dict:
+            self.sampler.load_state_dict(state_dict["data"])
+
     def on_train_start(self, trainer, pl_module) -> None:
+        if self.sampler is not None:
+            self._check_data(trainer, self.sampler)
         if self.guard is None:
             self.adapter = LightningSave(trainer, self._checkpoint_dir(trainer))
             self.guard = guard_for(self.adapter, **self.guard_options)
         self._last_step = trainer.global_step
+
+    @staticmethod
+    def _check_data(trainer: Any, sampler: ElasticSampler) -> None:
+        if find_in_loader(trainer.train_dataloader, ElasticSampler) is not sampler:
+            raise ConfigError("sampler", "the train loader does not draw from it: make it "
+                              "DataLoader(dataset, batch_sampler=sampler) with Trainer(use_distributed_sampler=False)")
+        if trainer.accumulate_grad_batches != sampler.micro_batches_per_step():
+            raise ConfigError("accumulate_grad_batches", f"is {trainer.accumulate_grad_batches}, but a step of the "
+                              f"sampler is {sampler.micro_batches_per_step()} micro-batches at this world size: "
+                              "Trainer(accumulate_grad_batches=sampler.micro_batches_per_step())")
+        sampler.check_position(trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if self.guard is None or step == self._last_step:  # mid gradient accumulation: not a step boundary
             return
         self._last_step = step
+        if self.sampler is not None:
+            self.sampler.advance()  # this step's global batch is consumed: a save at this boundary holds that
         if self.adapter is not None and not self.adapter.prepared:
             self.adapter.prepare()  # every rank, the same step: the buffers exist before any notice
         if self.guard.step(step):

@@ -8,8 +8,9 @@ Contract:
   with pods there first, then (a node that turned healthy, or an active pod that ended) the
   jobs waiting for capacity;
 - reads are pure: `node_notice` (parsed once per annotation value), `pods_of`, `replica_pods`,
-  `members`, `free_slots` (memoized per pod shape until something that moves capacity changes),
-  `notice_seen_at` (when the supervisor first saw the notice on a job's nodes).
+  `free_slots` (memoized per pod shape until something that moves capacity changes),
+  `notice_seen_at` (when the supervisor first saw the notice on a job's nodes). What a notice
+  means for a job is not the cache's to say: job_notices.py reads it (notice_policy).
 """
 from __future__ import annotations
 
@@ -19,11 +20,10 @@ from typing import Any
 from collections.abc import Mapping
 
 from spotguard.wire.notice import Notice, NoticeFormatError
-from spotguard.supervisor import capacity, membership
-from spotguard.supervisor.disruption import disrupted
+from spotguard.supervisor import capacity
 from spotguard.wire import names
 from spotguard.supervisor.jobs import JobAdapter
-from spotguard.supervisor.policy import ELASTIC
+from spotguard.supervisor.decision import ELASTIC
 
 log = logging.getLogger(__name__)
 
@@ -212,25 +212,6 @@ class ClusterCache:
     def replica_pods(self, key: JobKey, adapter: JobAdapter) -> list[dict]:
         """The job's active replica pods."""
         return [p for p in self.pods_of(key) if capacity.pod_active(p) and adapter.is_replica_pod(p)]
-
-    def on_healthy_node(self, pod: Mapping[str, Any]) -> bool:
-        """The pod is bound to a known node without a notice, and Kubernetes is not taking the
-        pod itself away (`DisruptionTarget`, disruption.py): only then can it be a member."""
-        node = self.nodes.get((pod.get("spec") or {}).get("nodeName") or "")
-        return node is not None and not capacity.has_notice(node) and not disrupted(pod)
-
-    def on_noticed_node(self, pod: Mapping[str, Any]) -> bool:
-        """The pod is bound to a known node with a notice, and Kubernetes is not taking the pod
-        itself away: a member the replacement hold may keep listed (in_place.py)."""
-        node = self.nodes.get((pod.get("spec") or {}).get("nodeName") or "")
-        return node is not None and capacity.has_notice(node) and not disrupted(pod)
-
-    def members(self, key: JobKey, adapter: JobAdapter,
-                hosts_mode: str) -> tuple[list[dict], tuple[str, ...], list[dict]]:
-        """(active replica pods, member hosts, member pods): members run on nodes without a notice."""
-        pods = self.replica_pods(key, adapter)
-        members = [p for p in pods if (p.get("status") or {}).get("phase") == "Running" and self.on_healthy_node(p)]
-        return pods, membership.hosts_of(members, hosts_mode), members
 
     def notice_seen_at(self, key: JobKey) -> float | None:
         """The monotonic time the latest notice on one of the job's nodes was first seen."""

@@ -6,8 +6,10 @@ The controller wires its parts and runs them:
   jobs waiting for it), which go into
 - `WorkQueue` (work_queue.py): dedupe, delayed requeue, per-key backoff; a worker pool
   reconciles one job at a time per job through
-- `Reconciler` (reconciler.py): job -> state -> `policy.decide` -> ONE conditional patch, then
-- `JobEffects` (effects.py): Events, conditions, steps lost, membership and drain on the pods;
+- `Reconciler` (reconciler.py): job -> state -> `policy.decide` (action, record, membership) ->
+  at most ONE conditional patch of the job, then
+- `JobEffects` (effects.py): the job's one patch per pass, then the Event, the conditions and the
+  membership (decided with the record by `policy.decide`) on the pods;
 - `CostKeeper` (cost_keeper.py): cost totals observed, saved into the records, exported.
 Only the leader acts (`elector.is_leader()` is checked before every write); followers keep warm
 caches. Nothing but the API holds state: a restarted supervisor rebuilds everything from it.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from collections.abc import Iterable
 
@@ -52,7 +54,8 @@ class ControllerConfig:
     membership_hosts: str = "node"
     cost_interval: float = 15.0
     cost_save_interval: float = 300.0  # how often the cost totals are saved into the decision record
-    join_settle: float = 10.0  # in place: how long Ready joiners wait for replacements still starting
+    join_settle: float = 10.0  # in place: how long Ready joiners wait for replacements still starting (wins
+    # over settings.join_settle)
 
 
 class Controller:
@@ -70,10 +73,10 @@ class Controller:
         cfg = self.config
         self.cache = ClusterCache(self.adapters)
         self.queue: WorkQueue[JobKey] = WorkQueue(self.reconcile, on_error=self.metrics.errors.inc)
-        self.effects = JobEffects(kube, self.cache, identity=cfg.identity, membership_hosts=cfg.membership_hosts,
-                                  metrics=self.metrics, is_leader=self.is_leader, requeue=self.queue.add,
-                                  join_settle=cfg.join_settle)
-        self.reconciler = Reconciler(self.cache, self.effects, self.adapters, settings=cfg.settings,
+        self.effects = JobEffects(kube, self.cache, identity=cfg.identity, metrics=self.metrics,
+                                  is_leader=self.is_leader, requeue=self.queue.add)
+        settings = replace(cfg.settings, join_settle=cfg.join_settle)
+        self.reconciler = Reconciler(self.cache, self.effects, self.adapters, settings=settings,
                                      identity=cfg.identity, membership_hosts=cfg.membership_hosts, ledger=self.ledger,
                                      metrics=self.metrics, is_leader=self.is_leader, requeue=self.queue.add)
         self.costs = CostKeeper(self.ledger, self.cache, self.adapters, self.effects, self.metrics, self.is_leader)

@@ -11,23 +11,23 @@ annotated. The pod's ranks get SIGTERM from the kubelet, which the Guard turns i
 Contract:
 - `disruption_of(pod)` is the condition when it is True, else None;
 - `disrupted(pod)` says whether the pod is leaving that way: it is no member and no survivor;
-- `disruption_hits(pods, is_replica)` gives one `NoticeHit` per disrupted replica pod still
-  bound and not finished (Terminating included): id `<reason>/<pod name>/<uid prefix>` (stable
-  for the pod's life, readable in the decision's Event), node the pod's node, kind `drain`,
-  deadline the pod's `deletionTimestamp` (the end of its grace period) when it has one. The
-  policy handles it as any notice (in place: the ranks there leave, the others re-form; elastic:
-  scale to the survivors; fixed: checkpoint, then suspend), once (the record's `handled`).
+- `hit_id(pod, condition)` names the notice it gives its job: `<reason>/<pod name>/<uid prefix>`
+  (stable for the pod's life, readable in the decision's Event), and `disruption_deadline(pod)`
+  its deadline, the pod's `deletionTimestamp` (the end of its grace period) when it has one.
+  job_notices.py makes one departing `NoticeHit` (kind `drain`, never withdrawn) per disrupted
+  replica pod still bound and not finished; the policy handles it as any notice (in place: the
+  ranks there leave, the others re-form; elastic: scale to the survivors; fixed: checkpoint,
+  then suspend), once (the record's `handled`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
-from spotguard.wire.notice import Kind, NoticeFormatError, parse_time
-from spotguard.supervisor.policy import NoticeHit
+from spotguard.wire.notice import NoticeFormatError, parse_time
 
 CONDITION = "DisruptionTarget"
-TERMINAL_PHASES = ("Succeeded", "Failed")
 
 
 def disruption_of(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -48,23 +48,12 @@ def hit_id(pod: Mapping[str, Any], condition: Mapping[str, Any]) -> str:
     return f"{condition.get('reason') or CONDITION}/{meta.get('name', '')}/{uid}"
 
 
-def disruption_hits(pods: Iterable[Mapping[str, Any]],
-                    is_replica: Callable[[Mapping[str, Any]], bool]) -> list[NoticeHit]:
-    """The module docstring's hits, in the order of `pods`."""
-    hits = []
-    for pod in pods:
-        condition = disruption_of(pod)
-        node = (pod.get("spec") or {}).get("nodeName")
-        if condition is None or not node or not is_replica(pod):
-            continue
-        if (pod.get("status") or {}).get("phase") in TERMINAL_PHASES:
-            continue
-        deadline = None
-        raw = (pod.get("metadata") or {}).get("deletionTimestamp")
-        if raw:
-            try:
-                deadline = parse_time(raw, "deletionTimestamp")
-            except NoticeFormatError:
-                deadline = None
-        hits.append(NoticeHit(hit_id(pod, condition), str(node), Kind.DRAIN.value, deadline))
-    return hits
+def disruption_deadline(pod: Mapping[str, Any]) -> datetime | None:
+    """The end of the pod's grace period (its `deletionTimestamp`), None when not set or unreadable."""
+    raw = (pod.get("metadata") or {}).get("deletionTimestamp")
+    if not raw:
+        return None
+    try:
+        return parse_time(raw, "deletionTimestamp")
+    except NoticeFormatError:
+        return None

@@ -2,7 +2,9 @@
 elastic policy only): which pods are members, in which order, and where their store is. Pure.
 
 Contract (docs/protocols.md, "In-place membership"):
-- a pod is a member when it is an active replica, Running, on a node without a notice, and
+- a pod is a member when it is an active replica, Running, on a node that is not departing (the
+  caller's `on_healthy_node`: membership_plan.py reads notices through notice_policy, so a
+  rebalance or a maintenance beyond the horizon keeps its members), and
   either its host is in the last pushed membership (a survivor), or no membership has been
   pushed yet (the launcher's initial group), or it is Ready (a joiner: its readiness probe is
   the trainer's ready file, injector/patch.py);
@@ -17,7 +19,7 @@ Contract (docs/protocols.md, "In-place membership"):
   Ready joiner beyond max takes the place of one on-demand member in the same membership (the
   swap-back: the spot joiner joins, the on-demand member leaves, the world size stays), or waits;
 - warm standby with the replacement hold (`held_for_replacement`, a backfill job with a spare:
-  its memberships say `standby`): a previous member on a node with a notice stays a member while
+  its memberships say `standby`): a previous member on a departing node stays a member while
   a replacement is on its way, one member per replacement (the gated spare, which the warm
   standby places at the notice; one starting; or one Ready and held back by the settle window),
   the first listed first; its rank trains on meanwhile (the Guard's hold). A spare that cannot be
@@ -77,7 +79,7 @@ def member_pods(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], host
                 on_healthy_node: Callable[[Mapping[str, Any]], bool],
                 admit_joiners: bool = True) -> list[Mapping[str, Any]]:
     """The member pods among a job's active replica `pods` (rules in the module docstring);
-    `on_healthy_node(pod)` says whether the pod's node is known and has no notice. Without
+    `on_healthy_node(pod)` says whether the pod's node is known and not departing. Without
     `admit_joiners`, Ready pods whose host is not in `previous` wait (`joiners_settled`)."""
     out = []
     for pod in pods:
@@ -99,7 +101,7 @@ def ready_joiners(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], ho
 
 def starting_joiners(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], hosts_mode: str,
                      on_healthy_node: Callable[[Mapping[str, Any]], bool]) -> list[Mapping[str, Any]]:
-    """Replacements still on their way: not Ready, not a previous host, not bound to a noticed
+    """Replacements still on their way: not Ready, not a previous host, not bound to a departing
     node (unscheduled or on a healthy one), and not held by a scheduling gate (a gated pod waits
     for someone to place it, a backfill job's spare for as long as the job is whole)."""
     if not previous:
@@ -111,16 +113,16 @@ def starting_joiners(pods: Iterable[Mapping[str, Any]], previous: Sequence[str],
 
 def held_for_replacement(pods: Iterable[Mapping[str, Any]], previous: Sequence[str], hosts_mode: str,
                          on_healthy_node: Callable[[Mapping[str, Any]], bool],
-                         on_noticed_node: Callable[[Mapping[str, Any]], bool],
+                         on_departing_node: Callable[[Mapping[str, Any]], bool],
                          admit_joiners: bool) -> Callable[[Mapping[str, Any]], bool]:
     """`on_healthy_node` widened by the members held for their replacements (module docstring):
-    `on_noticed_node(pod)` says the pod's node has a notice (and nothing else takes the pod away)."""
+    `on_departing_node(pod)` says the pod's node is departing (and nothing else takes the pod away)."""
     pods = list(pods)
     spares = sum(1 for p in pods if (p.get("spec") or {}).get("schedulingGates"))
     coming = spares + len(starting_joiners(pods, previous, hosts_mode, on_healthy_node))
     if not admit_joiners:
         coming += len(ready_joiners(pods, previous, hosts_mode, on_healthy_node))
-    noticed = sorted((p for p in pods if (p.get("status") or {}).get("phase") == "Running" and on_noticed_node(p)
+    noticed = sorted((p for p in pods if (p.get("status") or {}).get("phase") == "Running" and on_departing_node(p)
                       and membership.host_of(p, hosts_mode) in previous),
                      key=lambda p: list(previous).index(membership.host_of(p, hosts_mode)))
     held = {id(p) for p in noticed[:coming]}

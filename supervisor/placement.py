@@ -30,12 +30,12 @@ memberships, not from completion indices, so a job with a spare must start at mi
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from spotguard.supervisor import capacity_type
+from spotguard.supervisor import capacity_type, membership
 from spotguard.supervisor.backfill import BackfillClocks, BackfillSettings, BackfillStep, BackfillView, plan
 
 GATE = "spotguard.io/capacity"
@@ -90,6 +90,15 @@ def placed_on(pod: Mapping[str, Any], label: capacity_type.CapacityLabel) -> str
     if value in label.spot:
         return SPOT
     return ON_DEMAND if value == label.on_demand else ""
+
+
+def on_demand_hosts(pods: Iterable[Mapping[str, Any]], pod_spec: Mapping[str, Any], hosts_mode: str) -> frozenset[str]:
+    """Hosts of the replica `pods` the backfill placed on on-demand capacity (empty when the job's
+    template names no capacity-type label with an on-demand value)."""
+    label = capacity_label(pod_spec)
+    if label is None:
+        return frozenset()
+    return frozenset(membership.host_of(p, hosts_mode) for p in pods if placed_on(p, label) == ON_DEMAND)
 
 
 def placement_patch(label: capacity_type.CapacityLabel, where: str, gates: Sequence[Mapping[str, Any]] = ()) -> dict:

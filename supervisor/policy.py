@@ -1,70 +1,76 @@
 """Policies: the job's policy annotations, and the decision as a pure function of the job's state.
 
 Nothing here talks to Kubernetes: `decide(state, now, settings)` maps what the controller saw
-(the job's replicas, the live notices on its nodes, the capacity left, its decision record) to
-one `Decision`: the first of `TRANSITIONS` (phase and state conditions, in order) that holds
-decides, and what differs between the policies is a `Strategy` (`ElasticStrategy`,
-`FixedStrategy`). The same state and time always give the same decision, which is what lets a
-restarted supervisor, or the local dry-run, reproduce it.
+(the job's replicas, the departing notices on its nodes, the capacity left, its pods, its
+decision record) to one `Decision`: the first of `TRANSITIONS` (phase and state conditions, in
+order) that holds decides the action, and the membership the job's pods are told follows from
+the decision's record (membership_plan.py), with the steps lost its drained pods reported. What
+differs between the policies is a strategy (strategies.py); the moves between spot and on-demand
+are rows too (fallback_moves.py). The same state and time always give the same decision, which
+is what lets a restarted supervisor, or the local dry-run, reproduce it.
 
-Policies (annotation `spotguard.io/policy`, default `fixed`):
-- elastic: on a new notice, scale to the replicas running on unaffected nodes when that is
-  >= min, else suspend ("below min"); scale back out toward max as capacity returns (no sooner
-  than `scale_out_delay` after the last decision, so a flapping node does not thrash the job).
-- fixed: on a new notice, wait for the checkpoint (a replica exits 83/84, or the notice
-  deadline, or `checkpoint_timeout` when the notice has none), then suspend; resume when
-  capacity for all replicas exists.
+Notices are read through `spotguard.wire.notice_policy`, nowhere else: only a departure is a
+notice the policy acts on (`JobState.notices`); a rebalance or a maintenance beyond the horizon
+changes nothing until its release (`JobState.release_at`, when the decision looks again).
+
+Policies (annotation `spotguard.io/policy`, default `fixed`), strategies.py:
+- elastic: scale to the survivors of a departure (suspend below min), back out toward max;
+- elastic + `spotguard.io/in-place: "true"`: a departure only records itself;
+- fixed: a departure starts a checkpoint wait (phase Checkpointing) that ends when a replica
+  drained (suspend), when every notice it waits for is withdrawn while its node still exists
+  (back to Running, nothing suspended), or at the deadline (suspend);
 - a suspended job that cannot get its minimum within `max-wait` seconds stops waiting
-  (phase GaveUp): it stays suspended and the supervisor no longer resumes it.
-- elastic + `spotguard.io/in-place: "true"`: a notice only records itself (the noticed node's
-  pod leaves by itself, its replacement joins; in_place.py), below min it suspends as elastic.
-- `spotguard.io/fallback: on-demand`: moves between spot and on-demand capacity (fallback.py,
-  consulted first).
+  (phase GaveUp): it stays suspended and the supervisor no longer resumes it;
+- `spotguard.io/fallback: on-demand`: moves between spot and on-demand capacity.
 """
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
+from dataclasses import replace
 from datetime import datetime, timedelta
-from functools import cached_property
 from collections.abc import Callable, Mapping
 
 from spotguard.config import ConfigError
-from spotguard.supervisor import capacity_type
+from spotguard.supervisor import capacity_type, fallback_moves, membership_plan, progress
 from spotguard.supervisor import fallback as fallback_rules
+from spotguard.supervisor.decision import (ELASTIC, FIXED, MOVE, NONE, RECORD, RESUME, SCALE, SUSPEND, Context,
+                                           Decision, JobState, NoticeHit, Policy, Settings, decision_key, earliest)
 from spotguard.supervisor.in_place import wants_in_place
 from spotguard.supervisor.record import CHECKPOINTING, GAVE_UP, RUNNING, SUSPENDED, Record
+from spotguard.supervisor.strategies import strategy_of
 from spotguard.wire import names
 
-ELASTIC, FIXED = "elastic", "fixed"
+__all__ = [
+    "DEFAULT_POLICY",
+    "ELASTIC",
+    "FIXED",
+    "MOVE",
+    "NONE",
+    "POLICIES",
+    "RECORD",
+    "RESUME",
+    "SCALE",
+    "SUSPEND",
+    "TRANSITIONS",
+    "Decision",
+    "JobState",
+    "NoticeHit",
+    "Policy",
+    "PolicyError",
+    "Settings",
+    "check_spare",
+    "check_template",
+    "decide",
+    "decision_key",
+    "needs_capacity",
+    "parse_policy",
+]
+
 POLICIES = (ELASTIC, FIXED)
 DEFAULT_POLICY = FIXED
-
-# Decision actions
-NONE = "none"  # nothing to do (maybe recheck later)
-SCALE = "scale"  # set the job's replicas
-SUSPEND = "suspend"
-RESUME = "resume"  # unsuspend at `replicas`
-RECORD = "record"  # only the decision record changes (checkpoint wait, give-up)
-MOVE = "move"  # switch the pod template's scheduling directives and unsuspend at `replicas`
 
 
 class PolicyError(ConfigError):
     """A policy annotation is invalid. `field` is the annotation's full name."""
-
-
-@dataclass(frozen=True)
-class Policy:
-    """A job's validated policy. `max_wait` None means wait for capacity forever."""
-
-    mode: str
-    min_replicas: int
-    max_replicas: int
-    max_wait: float | None = None
-    fallback: fallback_rules.Fallback | None = None
-    in_place: bool = False  # spotguard.io/in-place: membership changes in place (elastic only)
-    on_demand_max: int | None = None  # spotguard.io/on-demand-max: backfill's cap (None: max)
-    start_at_min: bool = False  # spotguard.io/start-at-min: train once min pods are Ready (in place only)
 
 
 def _int_annotation(annotations: Mapping[str, str], name: str) -> int | None:
@@ -153,311 +159,119 @@ def check_spare(policy: Policy, replicas: int, places_pods: bool) -> None:
                                                   f"{names.ANN_START_AT_MIN}: \"true\"")
 
 
-@dataclass(frozen=True)
-class NoticeHit:
-    """A live notice on a node that runs at least one of the job's replicas."""
-
-    id: str
-    node: str
-    kind: str
-    deadline: datetime | None = None
-
-
-@dataclass(frozen=True)
-class JobState:
-    """What the controller saw of one job, reduced to what decisions depend on.
-
-    `healthy_replicas`: active replica pods on nodes without a notice; `free_slots`: further
-    replicas of this job's pod shape that fit on healthy, schedulable nodes; `drained`: a
-    replica exited 83/84 (the Guard drained after its checkpoint). Fallback (fallback.py):
-    `directives` are the pod roles' scheduling directives now; `alt_slots` the free slots on the
-    other capacity (on-demand while on spot, the saved spot directives while on on-demand);
-    `template_mutable` whether the API server lets the template change now and the job's active
-    pods (made from the old template) are gone, so that the new one reaches every replica.
-    """
-
-    policy: Policy
-    replicas: int
-    suspended: bool
-    record: Record
-    notices: tuple[NoticeHit, ...] = ()
-    healthy_replicas: int = 0
-    free_slots: int = 0
-    drained: bool = False
-    directives: Mapping[str, Mapping] = field(default_factory=dict)
-    alt_slots: int = 0
-    template_mutable: bool = False
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Supervisor-wide timings for decisions (seconds)."""
-
-    checkpoint_timeout: float = 120.0
-    scale_out_delay: float = 30.0
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One decision: the action, the record to write with it, and the Event that explains it.
-
-    `replicas` is the target for SCALE/RESUME/MOVE; `directives` the scheduling directives per
-    pod role that MOVE writes. `key` is the idempotency key (empty for NONE).
-    `recheck_at` asks the controller to look again then even if nothing changes.
-    """
-
-    action: str
-    record: Record
-    replicas: int | None = None
-    reason: str = ""
-    message: str = ""
-    event_type: str = "Normal"
-    key: str = ""
-    recheck_at: datetime | None = None
-    directives: Mapping[str, Mapping] | None = None
-
-    @property
-    def acts(self) -> bool:
-        return self.action != NONE
-
-
-def decision_key(*parts: object) -> str:
-    """A short, deterministic idempotency key over the decision's identifying parts."""
-    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
-
-
-def _act(action: str, state: JobState, now: datetime, identity: str, *, event: str, message: str, key: str,
-         replicas: int | None = None, event_type: str = "Normal", recheck_at: datetime | None = None,
-         directives: Mapping[str, Mapping] | None = None, **changes) -> Decision:
-    if replicas is not None:
-        changes["replicas"] = replicas
-    record = state.record.with_(decided_at=now, decided_by=identity, event=event, message=message, key=key, **changes)
-    return Decision(action, record, replicas=replicas, reason=event, message=message, event_type=event_type, key=key,
-                    recheck_at=recheck_at, directives=directives)
-
-
-@dataclass(frozen=True)
-class _Context:
-    """One `decide` call: the state, the clock and the derived values the transitions share."""
-
-    state: JobState
-    now: datetime
-    settings: Settings
-    identity: str
-
-    @property
-    def rec(self) -> Record:
-        return self.state.record
-
-    @property
-    def policy(self) -> Policy:
-        return self.state.policy
-
-    @property
-    def strategy(self) -> Strategy:
-        return IN_PLACE if self.policy.in_place else STRATEGIES[self.policy.mode]
-
-    @cached_property
-    def previous(self) -> str:
-        return self.rec.key or (self.rec.decided_at.isoformat() if self.rec.decided_at else "")
-
-    @cached_property
-    def move(self) -> Decision | None:
-        return fallback_rules.decide_move(self.state, self.now, self.settings, self.identity)
-
-    @cached_property
-    def new_notices(self) -> list[NoticeHit]:
-        return sorted((n for n in self.state.notices if n.id not in self.rec.handled), key=lambda n: n.id)
-
-    def act(self, action: str, **kw) -> Decision:
-        return _act(action, self.state, self.now, self.identity, **kw)
-
-    def stay(self, recheck_at: datetime | None = None) -> Decision:
-        return Decision(NONE, self.rec, recheck_at=recheck_at)
-
-
-class Strategy:
-    """What differs between the policies: how many replicas a resume needs and gets, what a new
-    notice does, and what a running job does without one."""
-
-    def resume_need(self, c: _Context) -> int:
-        raise NotImplementedError
-
-    def resume_target(self, c: _Context, need: int, slots: int) -> int:
-        raise NotImplementedError
-
-    def on_notices(self, c: _Context, new: list[NoticeHit]) -> Decision:
-        raise NotImplementedError
-
-    def when_running(self, c: _Context) -> Decision:
-        return c.stay()
-
-
-class ElasticStrategy(Strategy):
-    """Scale to the replicas on unaffected nodes (suspend below min); scale back out toward max."""
-
-    def resume_need(self, c: _Context) -> int:
-        return c.policy.min_replicas
-
-    def resume_target(self, c: _Context, need: int, slots: int) -> int:
-        return min(c.policy.max_replicas, slots)
-
-    def on_notices(self, c: _Context, new: list[NoticeHit]) -> Decision:
-        rec, policy, state = c.rec, c.policy, c.state
-        ids, nodes, handled = _notice_facts(rec, new)
-        target = min(state.healthy_replicas, policy.max_replicas)
-        if target >= policy.min_replicas:
-            return c.act(SCALE, event=names.EVENT_SCALED, replicas=target, key=decision_key("scale", *ids),
-                         message=(f"notice {', '.join(ids)} on {nodes}: scaling from {state.replicas} to the {target} "
-                                  f"replicas on unaffected nodes (min {policy.min_replicas})"),
-                         phase=RUNNING, reason="NoticeScaledDown", handled=handled,
-                         reclaims_survived=rec.reclaims_survived + 1)
-        return c.act(SUSPEND, event=names.EVENT_SUSPENDED, key=decision_key("suspend", *ids),
-                     message=(f"notice {', '.join(ids)} on {nodes}: only {target} replicas on unaffected nodes, below "
-                              f"min {policy.min_replicas}; suspending until capacity returns"),
-                     phase=SUSPENDED, reason="BelowMin", handled=handled, replicas=state.replicas, waiting_since=c.now,
-                     lacking_since=c.now)
-
-    def when_running(self, c: _Context) -> Decision:
-        rec, policy, state = c.rec, c.policy, c.state
-        desired = min(policy.max_replicas, state.healthy_replicas + state.free_slots)
-        if desired <= state.replicas:
-            return c.stay()
-        ready_at = (rec.decided_at or c.now) + timedelta(seconds=c.settings.scale_out_delay)
-        if rec.decided_at is not None and c.now < ready_at:
-            return c.stay(ready_at)
-        return c.act(SCALE, event=names.EVENT_SCALED, replicas=desired,
-                     key=decision_key("scale-out", c.previous, desired),
-                     message=(f"capacity returned: scaling out from {state.replicas} to {desired}"
-                              f" (max {policy.max_replicas})"),
-                     phase=RUNNING, reason="CapacityReturned")
-
-
-class FixedStrategy(Strategy):
-    """Wait for the checkpoint, suspend, resume at full size."""
-
-    def resume_need(self, c: _Context) -> int:
-        return c.rec.replicas or c.policy.max_replicas
-
-    def resume_target(self, c: _Context, need: int, slots: int) -> int:
-        return need
-
-    def on_notices(self, c: _Context, new: list[NoticeHit]) -> Decision:
-        rec, now = c.rec, c.now
-        ids, nodes, handled = _notice_facts(rec, new)
-        if rec.phase == CHECKPOINTING:
-            return c.act(RECORD, event=names.EVENT_NOTED, key=decision_key("noted", *ids),
-                         message=f"further notice on {nodes} while waiting for the checkpoint", handled=handled,
-                         recheck_at=rec.checkpoint_deadline)
-        deadlines = [n.deadline for n in new if n.deadline is not None]
-        deadline = min(deadlines) if deadlines else now + timedelta(seconds=c.settings.checkpoint_timeout)
-        return c.act(RECORD, event=names.EVENT_CHECKPOINTING, key=decision_key("checkpoint", *ids),
-                     message=(f"notice {', '.join(ids)} on {nodes}: waiting for the checkpoint (a replica exits "
-                              f"{names.EXIT_PREEMPTED}/{names.EXIT_CHECKPOINT_FAILED}) until "
-                              f"{deadline.isoformat()}, then suspending"),
-                     recheck_at=deadline, phase=CHECKPOINTING, reason="NoticeReceived", handled=handled,
-                     checkpoint_deadline=deadline, replicas=c.state.replicas, lacking_since=rec.lacking_since or now)
-
-
-class InPlaceStrategy(ElasticStrategy):
-    """Elastic, membership changed in place: a notice changes no replica count. The ranks on the
-    noticed node hand over and exit 83 by themselves, the survivors re-form without waiting,
-    and the Job controller (podFailurePolicy Ignore on 83) or the training operator replaces
-    the pod, which joins once Ready (effects.ensure_membership). Below min: suspend, as elastic."""
-
-    def on_notices(self, c: _Context, new: list[NoticeHit]) -> Decision:
-        rec, policy, state = c.rec, c.policy, c.state
-        survivors = min(state.healthy_replicas, policy.max_replicas)
-        if survivors < policy.min_replicas:
-            return super().on_notices(c, new)
-        ids, nodes, handled = _notice_facts(rec, new)
-        return c.act(RECORD, event=names.EVENT_LEAVING_IN_PLACE, key=decision_key("in-place", *ids),
-                     message=(f"notice {', '.join(ids)} on {nodes}: the replicas there leave in place, the "
-                              f"{survivors} on unaffected nodes keep training (min {policy.min_replicas}); "
-                              f"replacements join when capacity allows"),
-                     phase=RUNNING, reason="NoticeLeavingInPlace", handled=handled,
-                     reclaims_survived=rec.reclaims_survived + 1)
-
-
-STRATEGIES: dict[str, Strategy] = {ELASTIC: ElasticStrategy(), FIXED: FixedStrategy()}
-IN_PLACE = InPlaceStrategy()
-
-
-def _notice_facts(rec: Record, new: list[NoticeHit]) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
-    """(the new notices' ids, their nodes as text, the handled ids with them added)."""
-    ids = tuple(n.id for n in new)
-    return ids, ", ".join(sorted({n.node for n in new})), rec.handled_add(*ids)
-
-
-def _fallback_recheck(c: _Context) -> datetime | None:
-    return c.move.recheck_at if c.move is not None else None
-
-
-def _wait_for_capacity(c: _Context) -> Decision:
-    """A job we suspended: resume once its need fits, give up after max-wait, else wait."""
-    rec, policy = c.rec, c.policy
-    need = c.strategy.resume_need(c)
+def _wait_for_capacity(c: Context) -> Decision:
+    """A job we suspended: resume once its need fits, give up after max-wait, else wait (and look
+    again when the fallback to on-demand may be due)."""
+    rec, policy, strategy = c.rec, c.policy, strategy_of(c.policy)
+    need = strategy.resume_need(c)
     slots = c.state.free_slots
     if slots >= need:
-        target = c.strategy.resume_target(c, need, slots)
+        target = strategy.resume_target(c, need, slots)
         return c.act(RESUME, event=names.EVENT_RESUMED, replicas=target, key=decision_key("resume", c.previous, target),
                      message=f"capacity for {target} replicas returned (needed {need}); resuming at {target}",
                      phase=RUNNING, reason="CapacityReturned", waiting_since=None, lacking_since=None)
     waiting_since = rec.waiting_since or rec.decided_at or c.now
+    fallback_due = fallback_moves.fallback_recheck(c)
     if policy.max_wait is None:
-        return c.stay(_fallback_recheck(c))
+        return c.stay(fallback_due)
     expiry = waiting_since + timedelta(seconds=policy.max_wait)
     if c.now >= expiry:
         return c.act(RECORD, event=names.EVENT_MAX_WAIT, event_type="Warning", key=decision_key("give-up", c.previous),
                      message=(f"waited {policy.max_wait:g}s (max-wait) without capacity for {need} replicas "
                               f"({slots} available): no longer waiting, the job stays suspended"),
                      phase=GAVE_UP, reason="MaxWaitExceeded")
-    return c.stay(min(expiry, _fallback_recheck(c) or expiry))
+    return c.stay(earliest(expiry, fallback_due))
 
 
-def _await_checkpoint(c: _Context) -> Decision:
-    """Checkpointing: suspend once a replica drained or the deadline passed, else look again then."""
-    rec, state, now = c.rec, c.state, c.now
-    deadline = rec.checkpoint_deadline or now
-    if not (state.drained or now >= deadline):
-        return c.stay(deadline)
-    restore = rec.replicas or state.replicas
+# ---- the checkpoint wait (fixed policy) ------------------------------------------------------
+def _checkpointing(c: Context) -> bool:
+    return c.rec.phase == CHECKPOINTING
+
+
+def _deadline(c: Context) -> datetime:
+    return c.rec.checkpoint_deadline or c.now
+
+
+def _withdrawn(c: Context) -> bool:
+    """Every notice the checkpoint wait is for was withdrawn: a node's notice (never a pod's
+    disruption) no longer departs while its Node still exists. A Node that is gone departed: its
+    notice went with it, and the wait goes on to its end as for any departure (so does a state
+    without the view of the nodes, which cannot tell the two apart)."""
+    awaiting, pods = c.rec.awaiting, c.state.pods
+    live = {n.id for n in c.state.notices}
+    return bool(awaiting) and pods is not None and all(node and node in pods.nodes and notice not in live
+                                                       for notice, node in (awaiting or {}).items())
+
+
+def _suspend_after_checkpoint(c: Context) -> Decision:
+    rec, drained = c.rec, c.state.drained
+    restore = rec.replicas or c.state.replicas
     return c.act(SUSPEND, event=names.EVENT_SUSPENDED, key=decision_key("suspend", c.previous),
-                 message=("a replica drained after its checkpoint" if state.drained else
+                 message=("a replica drained after its checkpoint" if drained else
                           "the notice deadline passed") + f"; suspending, to resume at {restore} replicas",
-                 phase=SUSPENDED, reason="Checkpointed" if state.drained else "DeadlineReached",
-                 waiting_since=now, replicas=restore, reclaims_survived=rec.reclaims_survived + 1)
+                 phase=SUSPENDED, reason="Checkpointed" if drained else "DeadlineReached",
+                 waiting_since=c.now, replicas=restore, reclaims_survived=rec.reclaims_survived + 1, awaiting=None)
 
 
-def _fallback_decides(c: _Context) -> bool:
-    move = c.move
-    return move is not None and (move.acts or move.recheck_at is None or c.rec.phase != SUSPENDED)
+def _keep_running(c: Context) -> Decision:
+    """The notices were withdrawn before any replica drained: the wait ends, nothing is
+    suspended, and the notices may act again if they come back."""
+    awaiting = c.rec.awaiting or {}
+    ids = sorted(awaiting)
+    nodes = ", ".join(sorted(set(awaiting.values())))
+    return c.act(RECORD, event=names.EVENT_NOTICE_WITHDRAWN, key=decision_key("withdrawn", c.previous),
+                 message=(f"notice {', '.join(ids)} on {nodes} withdrawn before its deadline and before any replica "
+                          f"drained: the checkpoint wait ends, the job keeps running at {c.state.replicas} replicas"),
+                 phase=RUNNING, reason="NoticeWithdrawn", handled=tuple(h for h in c.rec.handled if h not in awaiting),
+                 awaiting=None, checkpoint_deadline=None, lacking_since=None)
 
 
-# The transitions, first match wins: (what holds, what follows). A step whose condition held
-# never gives None (the fallback step's condition checks for its move); decide() enforces that.
-TRANSITIONS: tuple[tuple[Callable[[_Context], bool], Callable[[_Context], Decision | None]], ...] = (
+Row = tuple[Callable[[Context], bool], Callable[[Context], Decision]]
+
+# The transitions, first match wins: (what holds, what follows).
+TRANSITIONS: tuple[Row, ...] = (
     (lambda c: c.rec.phase == GAVE_UP, lambda c: c.stay()),
-    (_fallback_decides, lambda c: c.move),  # spot <-> on-demand (fallback.py)
+    *fallback_moves.ROWS,  # spot <-> on-demand
     (lambda c: c.rec.phase == SUSPENDED, _wait_for_capacity),
     (lambda c: c.state.suspended, lambda c: c.stay()),  # suspended by someone else: not ours to resume
-    (lambda c: bool(c.new_notices), lambda c: c.strategy.on_notices(c, c.new_notices)),
-    (lambda c: c.rec.phase == CHECKPOINTING, _await_checkpoint),
-    (lambda c: True, lambda c: c.strategy.when_running(c)),
+    (lambda c: bool(c.new_notices), lambda c: strategy_of(c.policy).on_notices(c, c.new_notices)),
+    (lambda c: _checkpointing(c) and c.state.drained, _suspend_after_checkpoint),
+    (lambda c: _checkpointing(c) and _withdrawn(c), _keep_running),
+    (lambda c: _checkpointing(c) and c.now >= _deadline(c), _suspend_after_checkpoint),
+    (_checkpointing, lambda c: c.stay(_deadline(c))),
+    (lambda c: True, lambda c: strategy_of(c.policy).when_running(c)),
 )
 
 
-def decide(state: JobState, now: datetime, settings: Settings = Settings(), identity: str = "") -> Decision:
+DEFAULT_SETTINGS = Settings()
+
+
+def decide(state: JobState, now: datetime, settings: Settings = DEFAULT_SETTINGS, identity: str = "") -> Decision:
     """The decision for `state` at `now`: the first transition of TRANSITIONS whose condition
-    holds, with the job's policy strategy (see the module docstring for the policies)."""
-    context = _Context(state, now, settings, identity)
+    holds, then the membership and the steps lost that follow from its record (module docstring),
+    looking again when a held notice on the job's nodes becomes a departure."""
+    context = Context(state, now, settings, identity)
     for holds, step in TRANSITIONS:
         if holds(context):
-            decision = step(context)
-            if decision is None:
-                raise RuntimeError(f"transition {step!r} held but gave no decision for {state!r}")
-            return decision
+            return _completed(step(context), context)
     raise AssertionError("the last transition always holds")
+
+
+def _completed(decision: Decision, c: Context) -> Decision:
+    """`decision` with its membership, the steps lost and the release of held notices folded in."""
+    state, policy = c.state, c.policy
+    recheck = earliest(decision.recheck_at, state.release_at)
+    if state.pods is None:
+        return replace(decision, recheck_at=recheck)
+    record = progress.with_steps_lost(decision.record, state.pods.every)
+    shape = membership_plan.JobShape(
+        elastic=policy.mode == ELASTIC, in_place=policy.in_place,
+        start_at_min=policy.min_replicas if policy.start_at_min else 0, limit=policy.max_replicas,
+        suspended={SUSPEND: True, RESUME: False, MOVE: False}.get(decision.action, state.suspended),
+        replicas=decision.replicas or state.replicas)
+    planned = membership_plan.plan(record, state.pods, shape, c.now, c.settings.join_settle)
+    return replace(decision, record=planned.record, membership=planned.push,
+                   recheck_at=earliest(recheck, planned.recheck_at))
 
 
 def needs_capacity(state_policy: Policy, record: Record, replicas: int, suspended: bool) -> bool:

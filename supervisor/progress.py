@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 from collections.abc import Iterable, Iterator, Mapping
 
-from spotguard.supervisor.record import MAX_COUNTED_EXITS
+from spotguard.supervisor.record import MAX_COUNTED_EXITS, Record
 from spotguard.wire import names
 from spotguard.wire.notice import NoticeFormatError, parse_time
 
@@ -85,3 +85,20 @@ def count_steps_lost(pods: Iterable[Mapping[str, Any]], total: int,
     if not new:
         return None
     return total + max(per_pod.values(), default=0), (tuple(counted) + tuple(new))[-MAX_COUNTED_EXITS:]
+
+
+def with_steps_lost(record: Record, pods: Iterable[Mapping[str, Any]]) -> Record:
+    """`record` with the steps lost of the drained exits among `pods` not counted yet added."""
+    counted = count_steps_lost(pods, record.steps_lost, record.counted_exits)
+    if counted is None:
+        return record
+    total, exits = counted
+    return record.with_(steps_lost=total, counted_exits=exits)
+
+
+def steps_lost_annotation(record: Record) -> str | None:
+    """The `spotguard.io/steps-lost` value for `record`: its total once the supervisor decided
+    something for the job or counted a drained exit (None: the job carries none)."""
+    if record.decided_at is None and not record.counted_exits:
+        return None
+    return str(record.steps_lost)

@@ -20,7 +20,12 @@ action. Contract:
   (in place): the incarnations ("<pod uid>/<restarts>") of the member pods it was pushed for,
   so that a group whose every member pod restarted or ended is known to be gone.
   `start_generation` (start at min): the generation pushed as a job's first group, re-pushed
-  with its `start` mark for as long as it is the current one.
+  with its `start` mark for as long as it is the current one. `ready_seen` (in place): when each
+  Ready joiner held back by the settle window was first seen Ready (pod uid -> time), so the
+  window is the same for a restarted supervisor.
+- `awaiting` (phase Checkpointing, fixed policy): the notices the checkpoint wait is for (notice
+  id -> its node; "" for a pod Kubernetes takes away), so that a notice the cloud withdraws
+  ends the wait.
 - `cost` keeps the cost totals (cost.py) and `steps_lost` / `counted_exits` the steps lost
   reported by drained pods, so both survive a restart.
 - Reading never fails: a missing, malformed or newer-version record reads as a fresh record
@@ -84,6 +89,8 @@ class Record:
     split: dict | None = None  # backfill: {"spot": n, "on-demand": n} replica pods placed on each
     backfill: str = ""  # backfill: the last placement and why
     backfill_at: datetime | None = None  # backfill: when
+    ready_seen: dict[str, datetime] | None = None  # in place: Ready joiners held back -> first seen Ready
+    awaiting: dict[str, str] | None = None  # checkpoint wait: notice id -> its node ("" for a pod's)
 
     def handled_add(self, *notice_ids: str) -> tuple[str, ...]:
         kept = [i for i in self.handled if i not in notice_ids] + list(notice_ids)
@@ -102,6 +109,8 @@ class Record:
         obj["members"] = list(self.members)
         obj["member_pods"] = list(self.member_pods)
         obj["counted_exits"] = list(self.counted_exits)
+        obj["ready_seen"] = None if self.ready_seen is None else {
+            uid: format_time(t) for uid, t in self.ready_seen.items()}
         return json.dumps(obj, separators=(",", ":"), sort_keys=True)
 
 
@@ -137,9 +146,13 @@ def parse_record(text: str | None) -> Record:
         if not all(isinstance(x, list) and all(isinstance(i, str) for i in x)
                    for x in (handled, members, counted, member_pods)):
             raise RecordError("handled/members/counted_exits/member_pods: expected lists of strings")
-        for name in ("spot_directives", "cost", "split"):
+        for name in ("spot_directives", "cost", "split", "ready_seen", "awaiting"):
             if obj.get(name) is not None and not isinstance(obj[name], dict):
                 raise RecordError(f"{name}: expected an object")
+        awaiting = obj.get("awaiting")
+        if awaiting is not None and not all(isinstance(v, str) for v in awaiting.values()):
+            raise RecordError("awaiting: expected node names")
+        ready_seen = obj.get("ready_seen")
         return Record(
             phase=phase,
             reason=str(obj.get("reason", "")),
@@ -164,6 +177,9 @@ def parse_record(text: str | None) -> Record:
             counted_exits=tuple(counted),
             split=obj.get("split"),
             backfill=str(obj.get("backfill", "")),
+            ready_seen=None if ready_seen is None else {
+                str(uid): parse_time(t, "ready_seen") for uid, t in ready_seen.items()},
+            awaiting=awaiting,
             **times,
         )
     except (NoticeFormatError, TypeError, ValueError) as exc:

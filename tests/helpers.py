@@ -35,3 +35,22 @@ def notices(updates: list[Update]) -> list[Notice]:
 
 def withdrawals(updates: list[Update]) -> list[Withdrawal]:
     return [u for u in updates if isinstance(u, Withdrawal)]
+
+
+def drain_once(adapter: Any, notice: Notice, step: int, *, collectives: Any = None, reporter: Any = None,
+               save_margin_seconds: float = 1.0) -> Any:
+    """One agreed step that drains, as the Guard runs it (the agreed-step machine, with the
+    departure of `exit_on_drain=False`): the step's record."""
+    from spotguard.hooks.agreement.base import Verdict
+    from spotguard.hooks.agreement.collectives import Collectives
+    from spotguard.hooks.group_session import GroupSession
+    from spotguard.hooks.machine.departure import ReturnToLoop
+    from spotguard.hooks.machine.effects import Effects, Hooks
+    from spotguard.hooks.machine.executor import AgreedStepMachine
+    from spotguard.hooks.notice_gate import deadline_ts
+
+    ranks = collectives if collectives is not None else Collectives()
+    effects = Effects(lambda: adapter, lambda: ranks, lambda: None, lambda _id: None, lambda: None, Hooks(), reporter,
+                      save_margin_seconds)
+    machine = AgreedStepMachine(GroupSession(), effects, None, ReturnToLoop())
+    return machine.run(step, Verdict(notice, deadline_ts(notice), 0)).drain

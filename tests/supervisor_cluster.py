@@ -131,7 +131,7 @@ class Cluster:
         config = ControllerConfig(identity=identity, namespace=NS, resync=settings.pop("resync", 30.0),
                                   settings=Settings(checkpoint_timeout=settings.pop("checkpoint_timeout", 30.0),
                                                     scale_out_delay=settings.pop("scale_out_delay", 0.2)),
-                                  workers=2)
+                                  workers=2, join_settle=settings.pop("join_settle", 10.0))
         return Controller(Kube(load_api_client(host=self.url)), config, elector=elector)
 
 

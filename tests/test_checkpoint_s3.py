@@ -151,11 +151,10 @@ def test_an_upload_stuck_past_the_deadline_drains_with_the_local_tier_and_counts
 
     from spotguard.hooks.adapters.base import tag_for
     from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
-    from spotguard.hooks.agreement.collectives import Collectives
-    from spotguard.hooks.drain import DrainSequence
     from spotguard.supervisor.progress import steps_lost_of
     from spotguard.wire.names import EXIT_PREEMPTED
     from spotguard.wire.notice import Notice, now_utc
+    from tests.helpers import drain_once
     from tests.s3_server import SlowProxy
 
     proxy = SlowProxy(int(s3_server.endpoint.rsplit(":", 1)[1]), bytes_per_second=1 << 30)
@@ -173,8 +172,7 @@ def test_an_upload_stuck_past_the_deadline_drains_with_the_local_tier_and_counts
         notice = Notice(id="aws.spot:stuck", kind="reclaim", source="aws.spot", node="n1", detected_at=now,
                         deadline=now + timedelta(seconds=2.5))
         reports = _Reports()
-        record = DrainSequence(Collectives(), adapter, reporter=reports, save_margin_seconds=1.0).run(
-            7, None, notice=notice)
+        record = drain_once(adapter, notice, 7, reporter=reports, save_margin_seconds=1.0)
         assert notice.seconds_left() > 0, "the drain must end before the deadline"
         assert record.ok and record.exit_code == EXIT_PREEMPTED and record.saved_step == 7
         durable, drained = reports.sent

@@ -1,8 +1,9 @@
-"""The formation's gloo groups (`hooks/agreement/control_group.py`) across 2 real gloo ranks:
-a job that calls torch's `init_process_group` and makes the Guard before its adapter gets the
-two groups once (the Guard's control group, the adapter's checkpoint group; a save and the
-Guard's agreement work on them), and a spotguard formation (`Rendezvous.form`) makes the new
-group's before any user code runs; the adapter and the Guard move to them.
+"""The formation's gloo groups (`hooks/agreement/control_group.py`, kept by the process's
+`hooks/group_session.py`) across 2 real gloo ranks: a job that calls torch's
+`init_process_group` and makes the Guard before its adapter gets the two groups once (the
+Guard's control group, the adapter's checkpoint group; a save and the Guard's agreement work on
+them), and a spotguard formation (`GroupSession.reform`) makes the new group's before any user
+code runs; the adapter and the Guard move to them.
 
 Run as `python -m tests.test_control_group <out file> <port>`, the module is one rank."""
 from __future__ import annotations
@@ -39,6 +40,7 @@ def _worker(out: str, rdzv_port: int, ckpt: str) -> None:
     from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
     from spotguard.hooks.agreement import control_group
     from spotguard.hooks.elastic.rendezvous import Rendezvous
+    from spotguard.hooks.group_session import process_session
     from spotguard.hooks.guard import Guard
 
     made = []
@@ -66,12 +68,14 @@ def _worker(out: str, rdzv_port: int, ckpt: str) -> None:
     guard.step(1)
     seen["saved"] = adapter.last_info is not None or dist.get_rank() != 0
     rank = dist.get_rank()
-    Rendezvous("127.0.0.1", rdzv_port).form(f"127.0.0.1:{rdzv_port}", "m1/", rank, 2)  # a re-form
-    seen["made_at_formation"] = (control_group._made is not None
-                                 and control_group._made[0] is dist.group.WORLD)
+    session = process_session()
+    session.rendezvous = Rendezvous("127.0.0.1", rdzv_port)  # in place from here: a re-form
+    session.reform(f"127.0.0.1:{rdzv_port}", "m1/", rank, 2, 60.0)
+    made_by_the_formation = len(made)
+    seen["made_at_formation"] = made_by_the_formation == 4 and session.groups() is control_group.control_groups()
     seen["groups_made_after"] = len(made)
     adapter._setup_group()
-    guard.bind_group()
+    guard.rejoin()
     after = control_group.control_groups()
     seen["moved"] = (after is not groups and guard.collectives.group is after.control
                      and adapter._group is after.checkpoint and len(made) == 4)

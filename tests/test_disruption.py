@@ -1,14 +1,14 @@
 """supervisor/disruption.py: which pods Kubernetes is taking away (`DisruptionTarget=True`) and the
-notice each gives its job; the cluster cache never counts such a pod as a member."""
+notice each gives its job; the membership never counts such a pod as a member."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
 import pytest
 
-from spotguard.supervisor.cluster_cache import ClusterCache
-from spotguard.supervisor.disruption import disrupted, disruption_hits
-from spotguard.supervisor.jobs import BY_KIND
+from spotguard.supervisor.disruption import disrupted
+from spotguard.supervisor.job_notices import disruption_hits
+from spotguard.supervisor.membership_plan import JobPods
 
 
 def pod(name: str, reason: str | None = "PreemptionByScheduler", *, status: str = "True", phase: str = "Running",
@@ -33,7 +33,7 @@ def is_replica(p: dict) -> bool:
 def test_each_disruption_is_one_notice_for_its_pod(reason):
     [hit] = disruption_hits([pod("train-1", reason)], is_replica)
     assert hit.id == f"{reason}/train-1/train-1-"  # the uid's first 8 characters keep it one pod's
-    assert (hit.node, hit.kind) == ("n1", "drain")
+    assert (hit.node, hit.kind, hit.from_node) == ("n1", "drain", False)  # a pod's: never withdrawn
     assert hit.deadline == datetime(2026, 11, 25, 22, 0, 30, tzinfo=UTC)  # the end of its grace period
 
 
@@ -46,7 +46,7 @@ def test_only_live_disrupted_replica_pods_give_notices():
 
 
 def test_a_disrupted_pod_is_never_a_member():
-    cache = ClusterCache(dict(BY_KIND))
-    cache.apply_node("SYNC", [{"metadata": {"name": "n1"}, "spec": {}, "status": {}}])
-    assert cache.on_healthy_node(pod("kept", None, deleting=None))
-    assert not cache.on_healthy_node(pod("preempted", deleting=None))  # condition set, delete not seen yet
+    pods = JobPods(nodes=frozenset({"n1"}))
+    assert pods.on_healthy_node(pod("kept", None, deleting=None))
+    assert not pods.on_healthy_node(pod("preempted", deleting=None))  # condition set, delete not seen yet
+    assert not pods.on_departing_node(pod("preempted", deleting=None))

@@ -7,11 +7,17 @@
   creation): the survivors take the fallback within the re-form timeout (it was torch's 30 min).
 - A launcher SIGKILLed while its worker is blocked in such a change: the worker is gone within
   its grace, long before the re-form timeout.
+- A survivor stopped (SIGSTOP) during a shrink: the others wait for it at most one re-form
+  timeout (it was two: once in the old group's last agreement, again forming the new group),
+  the leaving rank leaves once its checkpoint is durable, and the stopped rank, woken after its
+  change's deadline, leaves at once (it sat in TCPStore's connect loop); every rank writes its
+  termination message.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -180,3 +186,35 @@ def test_a_joiner_waiting_for_its_membership_does_not_outlive_its_launcher(tmp_p
         hosts.procs["d"].kill()
         hosts.procs["d"].wait(10)
         wait_until(lambda: not alive(worker), "the joiner to leave after its launcher died", 10, hosts)
+
+
+@pytest.mark.parametrize("phase", ["handover", "durable"])
+def test_a_peer_stopped_during_a_change_costs_the_others_at_most_one_reform_timeout(phase, tmp_path):
+    """a leaves at step 3 (SIGTERM); c stops itself (SIGSTOP) as its `phase` ends, and is woken
+    once its change's deadline (3 re-form timeouts) has passed. b's fallback starts within one
+    re-form timeout of that phase (before: two when c stopped after `durable`, in `left` then in
+    `formed`); a waits on nobody after its checkpoint's vote; c leaves at once when woken."""
+    reform = 8.0
+    env = {"SPOTGUARD_REFORM_TIMEOUT": f"{reform:g}", "FAIL_AT": phase, "FAIL_NODE": "c", "FAIL_HOW": "stop"}
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", env=env) as hosts:
+        hosts.start(["a", "b", "c"], args=(*LONG, "--signal-at", "3", "--signal-node", "a"))
+        hosts.wait_for("stopped-c", timeout=240)
+        stopped = time.monotonic()
+        codes = hosts.wait(["a", "b"], timeout=240)
+        assert hosts.procs["c"].poll() is None, hosts.tail()  # still stopped
+        time.sleep(max(0.0, stopped + 3 * reform + 2 - time.monotonic()))  # past c's change's deadline
+        os.kill(hosts.pid("c"), signal.SIGCONT)
+        codes.update(hosts.wait(["c"], timeout=120))
+        a, b, c = (hosts.changes(h)[0] for h in ("a", "b", "c"))
+        messages = {h: hosts.termination(h) for h in ("a", "b", "c")}
+    assert set(codes.values()) <= {83, 84} and codes["a"] == codes["b"], (codes, hosts.tail())
+    assert (a["outcome"], b["outcome"], c["outcome"]) == ("leave", "fallback", "fallback"), (a, b, c)
+    for host, change in (("a", a), ("b", b), ("c", c)):
+        assert codes[host] == (83 if change["durable"] else 84), (host, change)
+        assert messages[host] is not None and messages[host]["checkpoint"] == \
+            ("durable" if change["durable"] else "failed"), (host, messages)
+    assert b["phases"]["fallback"] - b["phases"][phase] < 1.5 * reform, b  # one re-form timeout
+    assert a["phases"]["departed"] - a["phases"][phase] < 1.5 * reform, a
+    if phase == "durable":  # every part committed before c stopped: a waits on nobody
+        assert a["durable"] and a["phases"]["departed"] - a["phases"]["durable"] < reform / 2, a
+    assert "ChangeExpired" in c["error"], c  # woken after the deadline: no wait on the peers that had gone

@@ -249,10 +249,10 @@ def test_drain_saves_fresh_without_the_vote_for_an_adapter_that_takes_no_snapsho
     integrations' adapters never hold a snapshot, so the drain skips it and saves fresh."""
     from datetime import timedelta
 
-    from spotguard.hooks.agreement.base import Verdict
+    from spotguard.hooks.adapters.base import done_future
     from spotguard.hooks.agreement.collectives import Collectives
-    from spotguard.hooks.drain import DrainSequence
     from spotguard.wire.notice import Kind, Notice, now_utc
+    from tests.helpers import drain_once
 
     class CountingCollectives(Collectives):
         def __init__(self):
@@ -267,10 +267,10 @@ def test_drain_saves_fresh_without_the_vote_for_an_adapter_that_takes_no_snapsho
                     deadline=now + timedelta(milliseconds=10))  # too short for any save: a vote would weigh it
     model, optimizer = trained()
     for adapter, votes in ((TorchFiles(tmp_path / "framework", model, optimizer), 0), (SimpleNamespace(
-            snapshot_step=None, estimate_save_seconds=lambda: 5.0, save=lambda step, **kw: None), 1)):
+            snapshot_step=None, estimate_save_seconds=lambda: 5.0,
+            save_behind=lambda step, **kw: done_future(lambda: None)), 1)):
         collectives = CountingCollectives()
-        record = DrainSequence(collectives, adapter).run(7, Verdict(urgent, urgent.deadline.timestamp(), 0),
-                                                         notice=urgent)
+        record = drain_once(adapter, urgent, 7, collectives=collectives)
         assert record.ok and not record.used_snapshot and record.saved_step == 7
         assert collectives.maxes == votes
 

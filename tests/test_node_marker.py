@@ -490,3 +490,22 @@ async def test_an_advisory_posts_one_warning_event_and_never_marks(cluster):
         assert len(cluster.events_about("Node", NODE)) == 2
     finally:
         await marker.stop()
+
+
+def test_the_mark_shows_a_departure_before_a_notice_held_beyond_the_horizon():
+    """The supervisor reads the one marked notice: a GPU fault (no deadline: any moment) must not
+    hide behind a maintenance an hour out, which notice_policy holds (the plain urgency order,
+    earliest deadline first, would mark the maintenance)."""
+    from spotguard.agent.node_marks import marked_notice, plan_marks
+
+    fault = make_notice(Kind.GPU_FAULT, None, "g", source="nvml")
+    maintenance = make_notice(Kind.MAINTENANCE, 3600, "m", source="aws.maintenance")
+    rebalance = make_notice(Kind.REBALANCE, None, "r", source="aws.rebalance")
+    now = now_utc()
+    assert most_urgent([fault, maintenance]) is maintenance
+    assert marked_notice([maintenance, fault], now) is fault
+    assert marked_notice([rebalance, maintenance], now) is maintenance  # neither departs: the urgency order
+    assert marked_notice([], now) is None
+    plan = plan_marks({"metadata": {"name": NODE}, "spec": {}}, [maintenance, fault], mine=set(), cordon=False,
+                      grace_left=0.0, now=now)
+    assert plan.marked == fault.id and plan.patch["spec"]["taints"][0]["value"] == "gpu-fault"

@@ -840,8 +840,12 @@ async def test_supervisor_requests_are_all_authorized():
             line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
             assert line, proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "no announcement"
             assert json.loads(line)["event"] == "listening"
+            from datetime import UTC, datetime, timedelta
+
+            from spotguard.wire.notice import format_time
+            seen = datetime.now(UTC)  # a departure now (a deadline beyond the horizon would be held)
             notice = {"v": 1, "id": "aws.spot:rbac", "kind": "reclaim", "source": "aws.spot", "node": "n0",
-                      "detected_at": "2030-01-01T00:00:00.000000Z", "deadline": "2030-01-01T00:02:00.000000Z",
+                      "detected_at": format_time(seen), "deadline": format_time(seen + timedelta(seconds=60)),
                       "detail": {}}
             await call(kube.patch, NODES, None, "n0", {
                 "metadata": {"annotations": {names.ANN_NOTICE: json.dumps(notice)}},

@@ -203,16 +203,71 @@ def test_a_running_pod_is_a_member_only_once_the_membership_lists_it():
     from spotguard.supervisor.placer import pod_facts
 
     label = BY_KEY["karpenter.sh/capacity-type"]
-    healthy = {"metadata": {"name": "od-0"}, "spec": {}}
-    noticed = {"metadata": {"name": "n1", "annotations": {"spotguard.io/notice": "{}"}}, "spec": {}}
 
     def pod(node: str, phase: str = "Running") -> dict:
         return {"metadata": {"name": f"p-{node}"}, "spec": {"nodeName": node, "nodeSelector": {label.key: "on-demand"}},
                 "status": {"phase": phase}}
 
-    standby = pod_facts(pod("od-0"), label, healthy, ("n0", "n1"), "node")
+    def facts(node: str, members: tuple[str, ...], phase: str = "Running", departing: tuple[str, ...] = ()):
+        return pod_facts(pod(node, phase), label, known=True, departing=departing, members=members, hosts_mode="node")
+
+    standby = facts("od-0", ("n0", "n1"))
     assert (standby.member, standby.leaving, standby.capacity) == (False, False, ON_DEMAND)
-    assert pod_facts(pod("od-0"), label, healthy, ("n0", "od-0"), "node").member is True
-    assert pod_facts(pod("od-0"), label, healthy, (), "node").member is True  # no membership yet: the first group
-    assert pod_facts(pod("n1"), label, noticed, ("n0", "n1"), "node").leaving is True
-    assert pod_facts(pod("od-0", "Pending"), label, healthy, ("od-0",), "node").member is False
+    assert facts("od-0", ("n0", "od-0")).member is True
+    assert facts("od-0", ()).member is True  # no membership yet: the first group
+    leaver = facts("n1", ("n0", "n1"), departing=("n1",))
+    assert (leaver.member, leaver.leaving) == (False, True)
+    assert facts("od-0", ("od-0",), phase="Pending").member is False
+    unknown = pod_facts(pod("od-0"), label, known=False, departing=(), members=(), hosts_mode="node")
+    assert (unknown.member, unknown.leaving) == (False, False)
+    by_name = pod_facts(pod("od-0"), label, known=True, departing=(), members=("p-od-0",), hosts_mode="pod-name")
+    assert by_name.member is True
+
+
+def test_the_warm_standby_answers_only_a_departure():
+    """The spare is placed for a member whose node departs (a reclaim), not for one whose node has
+    a rebalance or a maintenance beyond the horizon (notice_policy): that member stays."""
+    from spotguard.supervisor.cluster_cache import ClusterCache
+    from spotguard.supervisor.jobs import BY_KIND
+    from spotguard.supervisor.placement import ON_DEMAND, GATE
+    from spotguard.supervisor.placer import Placer
+    from spotguard.supervisor.policy import parse_policy
+    from spotguard.supervisor.record import Record
+    from spotguard.wire import names
+
+    capacity = "karpenter.sh/capacity-type"
+    either = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": capacity, "operator": "In", "values": ["spot", "on-demand"]}]}]}}}
+    annotations = {names.ANN_POLICY: "elastic", names.ANN_IN_PLACE: "true", names.ANN_FALLBACK: "on-demand",
+                   names.ANN_MAX_REPLICAS: "2", names.ANN_START_AT_MIN: "true", names.ANN_MIN_REPLICAS: "1"}
+    template = {"spec": {"affinity": either, "schedulingGates": [{"name": GATE}],
+                         "containers": [{"name": "t", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+    job = {"metadata": {"name": "j", "namespace": "train", "annotations": annotations},
+           "spec": {"parallelism": 3, "completions": 3, "template": template}}
+
+    def node(name: str, kind: str) -> dict:
+        return {"metadata": {"name": name, "labels": {capacity: kind}}, "spec": {},
+                "status": {"allocatable": {"nvidia.com/gpu": "1"}, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    def replica(index: int, node_name: str | None) -> dict:
+        spec = {"containers": template["spec"]["containers"]}
+        spec.update({"nodeName": node_name, "nodeSelector": {capacity: "spot"}} if node_name
+                    else {"schedulingGates": [{"name": GATE}]})
+        return {"metadata": {"name": f"j-{index}", "namespace": "train", "labels": {},
+                             "annotations": {"batch.kubernetes.io/job-completion-index": str(index)},
+                             "ownerReferences": [{"kind": "Job", "name": "j", "controller": True,
+                                                  "apiVersion": "batch/v1"}]},
+                "spec": spec, "status": {"phase": "Running" if node_name else "Pending"}}
+
+    adapters = dict(BY_KIND)
+    cache = ClusterCache(adapters)
+    cache.apply_node("SYNC", [node("s0", "spot"), node("s1", "spot"), node("od", "on-demand")])
+    cache.apply_job(adapters["Job"], "SYNC", [job])
+    cache.apply_pod("SYNC", [replica(0, "s0"), replica(1, "s1"), replica(2, None)])
+    policy = parse_policy(annotations, default_max=3)
+    placer = Placer(cache, None)  # type: ignore[arg-type]  # plan() writes nothing
+    key = ("Job", "train", "j")
+    _, whole = placer.plan(key, job, adapters["Job"], policy, Record(), (), T0)  # a rebalance or a held maintenance
+    assert whole is not None and whole.chosen.pods == ()
+    _, departing = placer.plan(key, job, adapters["Job"], policy, Record(), {"s0"}, T0)
+    assert departing is not None and departing.chosen.pods == (("j-2", ON_DEMAND),)

@@ -198,3 +198,41 @@ def test_cost_ledger_restores_saved_totals_once():
     assert ledger.jobs["job"].on_demand_hours == 1.0 and ledger.jobs["job"].totals()["cost"] == 5.0
     ledger.restore("job", {"cost": 99.0})
     assert ledger.jobs["job"].cost == 5.0
+
+
+def test_the_moves_are_rows_of_the_policys_transitions():
+    from spotguard.supervisor import fallback, fallback_moves, policy
+
+    rows = policy.TRANSITIONS
+    start = rows.index(fallback_moves.ROWS[0])
+    assert rows[start:start + len(fallback_moves.ROWS)] == fallback_moves.ROWS  # in order, before the wait
+    assert not hasattr(fallback, "decide_move")
+
+
+# name, record, state changes, seconds after T0, action, record reason (or the note's reason)
+MOVES = [
+    ("suspended, spot short, before fallback-after: the policy waits", _suspended(), {"alt_slots": 2}, 5, NONE, ""),
+    ("suspended, spot short, fallback-after passed: move", _suspended(), {"alt_slots": 2}, 10, MOVE,
+     "FellBackToOnDemand"),
+    ("... but no on-demand either: the policy waits", _suspended(), {"alt_slots": 1}, 10, NONE, ""),
+    ("on-demand, spot free: the return-after clock starts", _on_demand(),
+     {"directives": ON_DEMAND, "alt_slots": 2}, 0, RECORD, "SpotFree"),
+    ("on-demand, spot gone again: the clock starts over", _on_demand(spot_free_since=T0),
+     {"directives": ON_DEMAND, "alt_slots": 0}, 1, RECORD, "SpotBusyAgain"),
+    ("on-demand, spot free for return-after: drain", _on_demand(spot_free_since=T0),
+     {"directives": ON_DEMAND, "alt_slots": 2}, 5, RECORD, "ReturningToSpot"),
+    ("draining, timeout passed: suspend", _on_demand(phase="Checkpointing", move_to="spot", drain="d",
+                                                     checkpoint_deadline=T0 + timedelta(seconds=3)),
+     {"directives": ON_DEMAND, "alt_slots": 2}, 3, SUSPEND, "Moving"),
+    ("moving, spot capacity gone: resume where it was", _on_demand(phase="Suspended", move_to="spot"),
+     {"directives": ON_DEMAND, "suspended": True, "alt_slots": 0, "free_slots": 2}, 0, RESUME, "ReturnAbandoned"),
+    ("moving, nothing free: wait", _on_demand(phase="Suspended", move_to="spot"),
+     {"directives": ON_DEMAND, "suspended": True}, 0, NONE, ""),
+]
+
+
+@pytest.mark.parametrize("name, record, changes, offset, action, reason", MOVES, ids=[m[0] for m in MOVES])
+def test_the_move_rows(name, record, changes, offset, action, reason):
+    decision = decide(_state(record, **changes), T0 + timedelta(seconds=offset), Settings())
+    why = decision.record.reason if decision.key else decision.reason  # a clock's note has no key
+    assert (decision.action, why if decision.acts else "") == (action, reason)

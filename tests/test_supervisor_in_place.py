@@ -4,6 +4,7 @@ and the decision on a notice (no scaling, the notice recorded). The cluster side
 real kube-apiserver in tests/test_k8s_in_place.py."""
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, UTC
 
 import pytest
@@ -11,7 +12,9 @@ import pytest
 from spotguard.supervisor.in_place import (fresh_members, group_gone, in_place_members, incarnation, joiners_settled,
                                            member_pods, ready_joiners, stable_hosts, start_members, starting_joiners,
                                            store_of)
-from spotguard.supervisor.policy import RECORD, SUSPEND, JobState, NoticeHit, Policy, PolicyError, decide, parse_policy
+from spotguard.supervisor.membership_plan import JobPods
+from spotguard.supervisor.policy import (RECORD, SCALE, SUSPEND, JobState, NoticeHit, Policy, PolicyError, Settings,
+                                         decide, parse_policy)
 from spotguard.supervisor.record import Record, parse_record
 from spotguard.wire import names
 
@@ -185,3 +188,109 @@ def test_a_gated_spare_is_not_a_replacement_on_its_way():
     assert starting_joiners([pod(0, "n0"), spare], ("n0",), "node", healthy_except()) == []
     del spare["spec"]["schedulingGates"]  # placed: on its way now
     assert starting_joiners([pod(0, "n0"), spare], ("n0",), "node", healthy_except()) == [spare]
+
+
+# ---- the membership comes with the decision (membership_plan.py, through policy.decide) ----------
+def uid_pod(index: int, node: str, **kw) -> dict:
+    p = pod(index, node, **kw)
+    p["metadata"]["uid"] = f"uid-{index}"
+    return p
+
+
+def job_pods(pods: list[dict], departing: tuple[str, ...] = (), **kw) -> JobPods:
+    nodes = frozenset(p["spec"]["nodeName"] for p in pods) | frozenset(departing)
+    return JobPods(replicas=tuple(pods), every=tuple(pods), nodes=nodes, departing=frozenset(departing), **kw)
+
+
+def told(decision) -> dict:
+    return json.loads(decision.membership.value)
+
+
+def test_decide_returns_the_membership_the_notice_makes_with_the_record_that_names_it():
+    pods = [uid_pod(i, f"n{i}") for i in range(4)]
+    st = JobState(IN_PLACE, 4, False, Record(), HIT, healthy_replicas=3, pods=job_pods(pods, departing=("n0",)))
+    decision = decide(st, T0)
+    assert decision.action == RECORD and decision.reason == names.EVENT_LEAVING_IN_PLACE
+    rec = decision.record
+    assert (rec.generation, rec.members, rec.store) == (1, ("n1", "n2", "n3"), "10.0.0.2:29411")
+    assert rec.member_pods == ("uid-1/0", "uid-2/0", "uid-3/0")
+    assert told(decision)["hosts"] == ["n1", "n2", "n3"] and told(decision)["generation"] == 1
+    assert decision.membership.pods == ("train-0", "train-1", "train-2", "train-3")  # the leaver is told too
+    assert decision.membership.why == "members changed"
+    # The pods told, the same state decides nothing new: no second write, nothing to push.
+    for p in pods:
+        p["metadata"]["annotations"][names.ANN_MEMBERSHIP] = decision.membership.value
+    again = decide(JobState(IN_PLACE, 4, False, rec, HIT, healthy_replicas=3, pods=job_pods(pods, ("n0",))), T0)
+    assert not again.acts and again.record == rec and again.membership.pods == ()
+
+
+def test_an_elastic_scale_carries_its_membership():
+    pods = [uid_pod(i, f"n{i}") for i in range(4)]
+    elastic = Policy("elastic", 2, 4, None)
+    decision = decide(JobState(elastic, 4, False, Record(), HIT, healthy_replicas=3,
+                               pods=job_pods(pods, ("n0",), per_replica=2)), T0)
+    assert decision.action == SCALE and decision.replicas == 3
+    assert decision.record.generation == 1 and decision.record.members == ("n1", "n2", "n3")
+    assert told(decision)["world_size"] == 6 and not told(decision).get("store")
+
+
+@pytest.mark.parametrize("policy", [IN_PLACE, Policy("elastic", 2, 4, None)], ids=["in-place", "elastic"])
+def test_a_node_that_is_not_departing_keeps_its_member(policy):
+    """A rebalance or a maintenance beyond the horizon is no departure (notice_policy): the
+    membership keeps its host, so nothing is pushed and no generation is added."""
+    pods = [uid_pod(i, f"n{i}") for i in range(4)]
+    for p in pods:
+        p["metadata"]["annotations"][names.ANN_MEMBERSHIP] = ""
+    rec = Record(decided_at=T0, generation=3, members=("n0", "n1", "n2", "n3"),
+                 store="10.0.0.1:29411" if policy.in_place else "", member_pods=tuple(incarnation(p) for p in pods))
+    decision = decide(JobState(policy, 4, False, rec, (), healthy_replicas=4, pods=job_pods(pods),
+                               release_at=T0 + timedelta(seconds=480)), T0)
+    assert not decision.acts and decision.record == rec and told(decision)["hosts"] == list(rec.members)
+    assert decision.recheck_at == T0 + timedelta(seconds=480)
+
+
+SETTLE = Settings(join_settle=10.0)
+SURVIVORS = Record(decided_at=T0, generation=2, members=("n1", "n2"), store="10.0.0.2:29411",
+                   member_pods=("uid-1/0", "uid-2/0"))
+
+
+def settling(record: Record, offset: float, *, second_ready: bool = False):
+    """Survivors on n1, n2; a Ready joiner on n5 and another replacement on n6, Ready or not."""
+    pods = [uid_pod(1, "n1"), uid_pod(2, "n2"), uid_pod(0, "n5", ready=True), uid_pod(3, "n6", ready=second_ready)]
+    st = JobState(IN_PLACE, 4, False, record, (), healthy_replicas=4, pods=job_pods(pods))
+    return decide(st, T0 + timedelta(seconds=offset), SETTLE)
+
+
+def test_the_join_settle_clock_lives_in_the_record():
+    held = settling(SURVIVORS, 0)
+    assert held.record.members == SURVIVORS.members and held.record.ready_seen == {"uid-0": T0}
+    assert held.recheck_at == T0 + timedelta(seconds=10) and held.membership.why == ""
+    # A restarted supervisor reads the record back: the same window, the same moment to admit.
+    stored = parse_record(held.record.to_json())
+    assert stored == held.record
+    later = settling(stored, 5)
+    assert later.record == stored and later.recheck_at == T0 + timedelta(seconds=10)  # nothing to write
+    due = settling(stored, 10)
+    assert due.record.members == ("n1", "n2", "n5") and due.record.generation == 3 and due.record.ready_seen is None
+    both = settling(stored, 5, second_ready=True)  # the other one Ready in time: both in one membership
+    assert both.record.members == ("n1", "n2", "n5", "n6") and both.record.generation == 3
+
+
+def test_a_return_to_spot_carries_its_drain_on_the_membership():
+    pods = [uid_pod(i, f"n{i}") for i in range(2)]
+    rec = Record(phase="Checkpointing", decided_at=T0, generation=4, members=("n0", "n1"), store="10.0.0.1:29411",
+                 drain="d1", move_to="spot", checkpoint_deadline=T0 + timedelta(seconds=60))
+    decision = decide(JobState(IN_PLACE, 2, False, rec, (), healthy_replicas=2, pods=job_pods(pods)), T0)
+    assert decision.record == rec and told(decision)["drain"] == "d1" and told(decision)["generation"] == 4
+
+
+def test_steps_lost_are_counted_in_the_same_record():
+    drained = uid_pod(0, "n0", phase="Failed")
+    drained["status"]["containerStatuses"] = [{"name": "trainer", "state": {"terminated": {
+        "exitCode": 83, "finishedAt": "2026-01-02T03:04:06Z", "message": '{"v":1,"steps_lost":7}'}}}]
+    pods = [uid_pod(1, "n1"), uid_pod(2, "n2")]
+    st = JobState(IN_PLACE, 3, False, Record(), HIT, healthy_replicas=2,
+                  pods=JobPods(replicas=tuple(pods), every=(drained, *pods), nodes=frozenset({"n0", "n1", "n2"}),
+                               departing=frozenset({"n0"})))
+    decision = decide(st, T0)
+    assert decision.record.steps_lost == 7 and decision.record.generation == 1 and decision.record.handled

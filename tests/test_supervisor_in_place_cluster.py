@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 from spotguard.kube.api import NODES, PODS
 from spotguard.wire import names
@@ -70,8 +71,7 @@ async def in_place_cluster(nodes: tuple[str, ...], join_settle: float) -> AsyncI
         for node in nodes:
             await cluster.add_node(node)
         await cluster.add_job_with_pods("j", ["n0", "n1", "n2", "n3"], IN_PLACE)
-        controller = cluster.controller()
-        controller.effects.join_settle = join_settle
+        controller = cluster.controller(join_settle=join_settle)
         await controller.start()
         try:
             yield cluster, controller
@@ -106,6 +106,8 @@ async def test_replacements_ready_together_join_in_one_change():
         await eventually(lambda: seen(controller, "j-4", ready), what="j-4 seen Ready")
         await controller.reconciler.reconcile(KEY)  # a pass that sees j-4 Ready and j-5 starting
         assert (await membership_of(cluster, "j-2"))["hosts"] == ["n2", "n3"]
+        held = record_of(await cluster.job("j")).get("ready_seen") or {}
+        assert list(held) == ["j-4"]  # the settle window's clock is in the record (kmock gives pods no uid)
         await set_status(cluster, "j-5", ready=True)
         both = await survivors_told(cluster, ["j-2", "j-3", "j-4", "j-5"], ["n2", "n3", "n4", "n5"])
         assert both["generation"] == first["generation"] + 1 and both["world_size"] == 4
@@ -175,3 +177,38 @@ async def _no_notice(controller, node: str) -> bool:
 
 async def _recorded_pods(cluster, count: int) -> bool:
     return len(record_of(await cluster.job("j")).get("member_pods", [])) == count
+
+
+async def test_a_pass_writes_the_job_once():
+    """A notice on n0 and the drained exit of n0's rank (with its steps lost), both there when the
+    supervisor starts: ONE pass decides (the in-place notice), counts the steps lost and makes the
+    membership without n0, and writes the job ONCE (spec, record and annotations; before: the
+    decision, the steps lost and the membership's generation were three writes) plus its status
+    (the conditions: a separate endpoint); then the pods are told."""
+    async with running_cluster() as cluster:
+        for node in ("n0", "n1", "n2", "n3"):
+            await cluster.add_node(node)
+        await cluster.add_job_with_pods("j", ["n0", "n1", "n2", "n3"], IN_PLACE)
+        await cluster.notice("n0")
+        finished = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        drained = {"terminated": {"exitCode": names.EXIT_PREEMPTED, "finishedAt": finished,
+                                  "message": json.dumps({"v": 1, "steps_lost": 3})}}
+        await cluster.call(cluster.kube.patch, PODS, NS, "j-0", {"status": {"phase": "Running", "containerStatuses": [
+            {"name": "train", "state": {"running": {}}, "lastState": drained}]}})  # restartPolicy OnFailure
+        writes: list[tuple[str, str | None]] = []
+        cluster.emulator.on_write = lambda r: writes.append((r.name, r.subresource)) \
+            if r.resource is not None and r.resource.plural == "jobs" else None
+        controller = cluster.controller()
+        await controller.start()
+        try:
+            told = await survivors_told(cluster, ["j-1", "j-2", "j-3"], ["n1", "n2", "n3"])
+            await eventually(lambda: cluster.events("j", names.EVENT_LEAVING_IN_PLACE), what="the Event")
+            await controller.reconciler.reconcile(KEY)  # one more pass: nothing left to write
+            job = await cluster.job("j")
+            record = record_of(job)
+            assert record["generation"] == told["generation"] == 1 and record["steps_lost"] == 3
+            assert record["event"] == names.EVENT_LEAVING_IN_PLACE
+            assert job["metadata"]["annotations"][names.ANN_STEPS_LOST] == "3"
+            assert sorted(writes, key=repr) == sorted([("j", None), ("j", "status")], key=repr), writes
+        finally:
+            await controller.stop()

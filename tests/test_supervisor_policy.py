@@ -10,8 +10,11 @@ from spotguard.supervisor import capacity, conditions
 from spotguard.supervisor.cost import CostLedger, PriceTable
 from spotguard.supervisor.policy import (NONE, RECORD, RESUME, SCALE, SUSPEND, JobState, NoticeHit, Policy, PolicyError,
                                          Settings, decide, parse_policy)
+from spotguard.supervisor.job_notices import read_job
+from spotguard.supervisor.membership_plan import JobPods
 from spotguard.supervisor.record import Record, RecordError, parse_record
 from spotguard.wire import names
+from spotguard.wire.notice import Kind, Notice, Severity
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 EL = Policy("elastic", 2, 4, None)
@@ -164,3 +167,119 @@ def test_cost_ledger_spot_vs_on_demand():
         with pytest.raises(ConfigError) as err:
             PriceTable.from_mapping(bad)
         assert field_name in str(err.value)
+
+
+# ---- notices read through spotguard.wire.notice_policy (job_notices.py) --------------------------
+def _notice(kind: str, lead: float | None, *, nid: str = "n", node: str = "n0", advisory: bool = False) -> Notice:
+    deadline = None if lead is None else T0 + timedelta(seconds=lead)
+    return Notice(nid, Kind(kind), "aws.spot", node, T0, deadline=deadline,
+                  severity=Severity.ADVISORY if advisory else Severity.ACT)
+
+
+def _replica(name: str, node: str, **status) -> dict:
+    return {"metadata": {"name": name, "uid": f"uid-{name}"}, "spec": {"nodeName": node},
+            "status": {"phase": "Running", **status}}
+
+
+# (the notice on n0 (kind, seconds to its deadline; None: no notice), departs, survivors of 3, release after T0 (s))
+READINGS = [
+    (None, False, 3, None),
+    (("reclaim", 120.0), True, 2, None),  # AWS's 2 minutes: a departure at once
+    (("reclaim", None), True, 2, None),
+    (("maintenance", 600.0), False, 3, 480.0),  # held: its replica survives until deadline - 120 s
+    (("maintenance", 119.0), True, 2, None),
+    (("rebalance", None), False, 3, None),  # a risk, not a departure: its replica still counts
+    (("gpu-fault", None), True, 2, None),
+    (("drain", 30.0), True, 2, None),
+]
+
+
+@pytest.mark.parametrize("notice, departs, survivors, release_in", READINGS)
+def test_which_notices_hit_a_job_and_who_survives(notice, departs, survivors, release_in):
+    pods = [_replica("a", "n0"), _replica("b", "n1"), _replica("c", "n2")]
+    notices = {"n0": None if notice is None else _notice(*notice), "n1": None, "n2": None}
+    reading = read_job(pods, lambda p: True, notices, T0)
+    assert [h.node for h in reading.hits] == (["n0"] if departs else [])
+    assert reading.departing == (frozenset({"n0"}) if departs else frozenset())
+    assert reading.healthy == survivors
+    assert reading.release_at == (None if release_in is None else T0 + timedelta(seconds=release_in))
+
+
+def test_an_advisory_an_unknown_node_and_a_disrupted_pod():
+    evicted = [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]
+    pods = [_replica("a", "n0"), _replica("b", "gone"), _replica("c", "n2", conditions=evicted)]
+    reading = read_job(pods, lambda p: True, {"n0": _notice("reclaim", 30.0, advisory=True), "n2": None}, T0)
+    assert reading.healthy == 1  # a: advisory only; b: its node is unknown; c: taken away
+    assert [(h.id.split("/")[0], h.from_node) for h in reading.hits] == [("EvictionByEvictionAPI", False)]
+
+
+@pytest.mark.parametrize("policy", [EL, FX, Policy("elastic", 2, 4, None, in_place=True)], ids=str)
+def test_a_held_notice_changes_nothing_and_is_looked_at_again_at_its_release(policy):
+    release = T0 + timedelta(seconds=480)
+    held = JobState(policy, 4, False, Record(), (), healthy_replicas=4, release_at=release)
+    decision = decide(held, T0)
+    assert decision.action == NONE and decision.record == Record() and decision.recheck_at == release
+
+
+# ---- the checkpoint wait ends when its notices are withdrawn -------------------------------------
+WAITING = Record(phase="Checkpointing", decided_at=T0, key="k", replicas=4, handled=("old", "m1"),
+                 checkpoint_deadline=T0 + timedelta(seconds=100), awaiting={"m1": "n0"})
+LIVE = (NoticeHit("m1", "n0", "maintenance", T0 + timedelta(seconds=100)),)
+
+
+def pods_on(*nodes: str) -> JobPods:
+    return JobPods(nodes=frozenset(nodes))
+
+
+# name, record, live departing notices, drained, known nodes, seconds after T0, action, phase, reason
+WITHDRAWALS = [
+    ("still live: wait", WAITING, LIVE, False, ("n0",), 5, NONE, "Checkpointing", ""),
+    ("withdrawn: keeps running", WAITING, (), False, ("n0",), 5, RECORD, "Running", "NoticeWithdrawn"),
+    ("withdrawn after the stale deadline: still keeps running", WAITING, (), False, ("n0",), 200, RECORD, "Running",
+     "NoticeWithdrawn"),
+    ("a replica drained first: the checkpoint exists, suspend", WAITING, (), True, ("n0",), 5, SUSPEND, "Suspended",
+     "Checkpointed"),
+    ("the node is gone: it departed, wait for the deadline", WAITING, (), False, (), 5, NONE, "Checkpointing", ""),
+    ("the node is gone at the deadline: suspend", WAITING, (), False, (), 100, SUSPEND, "Suspended", "DeadlineReached"),
+    ("a pod taken away is never withdrawn", WAITING.with_(awaiting={"Evict/p/u": ""}), (), False, ("n0",), 5, NONE,
+     "Checkpointing", ""),
+    ("one of two withdrawn: wait on", WAITING.with_(awaiting={"m1": "n0", "m2": "n1"}, handled=("m1", "m2")),
+     (NoticeHit("m2", "n1", "reclaim"),), False, ("n0", "n1"), 5, NONE, "Checkpointing", ""),
+    ("a record from before `awaiting`: wait as before", WAITING.with_(awaiting=None), (), False, ("n0",), 5, NONE,
+     "Checkpointing", ""),
+    ("no view of the nodes (a model without pods): wait as before", WAITING, (), False, None, 5, NONE,
+     "Checkpointing", ""),
+]
+
+
+@pytest.mark.parametrize("name, rec, live, drained, nodes, offset, action, phase, reason", WITHDRAWALS,
+                         ids=[w[0] for w in WITHDRAWALS])
+def test_a_withdrawn_notice_ends_the_checkpoint_wait(name, rec, live, drained, nodes, offset, action, phase, reason):
+    st = JobState(FX, 4, False, rec, live, 4, 0, drained, pods=None if nodes is None else pods_on(*nodes))
+    decision = decide(st, T0 + timedelta(seconds=offset), Settings(), "me")
+    assert (decision.action, decision.record.phase, decision.record.reason if decision.acts else "") == \
+        (action, phase, reason)
+    if reason == "NoticeWithdrawn":
+        assert decision.reason == names.EVENT_NOTICE_WITHDRAWN and "withdrawn" in decision.message
+        assert decision.record.handled == ("old",)  # the notice acts again if it comes back
+        assert decision.record.awaiting is None and decision.record.checkpoint_deadline is None
+        assert decision.record.reclaims_survived == rec.reclaims_survived
+
+
+def test_the_checkpoint_wait_records_what_it_waits_for():
+    hits = (NoticeHit("m1", "n0", "maintenance", T0 + timedelta(seconds=100)),
+            NoticeHit("Evict/p/u", "n1", "drain", None, from_node=False))
+    first = decide(JobState(FX, 4, False, Record(), hits[:1], 3), T0)
+    assert first.record.awaiting == {"m1": "n0"} and first.record.checkpoint_deadline == T0 + timedelta(seconds=100)
+    further = decide(JobState(FX, 4, False, first.record, hits, 2), T0 + timedelta(seconds=1))
+    assert further.reason == names.EVENT_NOTED and further.record.awaiting == {"m1": "n0", "Evict/p/u": ""}
+    assert parse_record(further.record.to_json()) == further.record
+
+
+def test_a_released_notice_says_since_when_it_departs():
+    """The notice-to-patch latency of a maintenance announced 10 minutes ahead counts from its
+    release, not from its announcement."""
+    notices = {"n0": _notice("maintenance", 600.0), "n1": _notice("reclaim", 120.0, nid="r", node="n1")}
+    reading = read_job([_replica("a", "n0"), _replica("b", "n1")], lambda p: True, notices,
+                       T0 + timedelta(seconds=500))
+    assert {h.id: h.released_at for h in reading.hits} == {"n": T0 + timedelta(seconds=480), "r": None}

@@ -25,7 +25,9 @@ import torch
 
 SAMPLES = 64
 FEATURES = 8
-GLOBAL_BATCH = 8
+GLOBAL_BATCH = 8  # samples per step at every world size (--keep-batch global)
+PER_RANK_BATCH = 4  # samples per rank per step (--keep-batch rank: the global batch follows the world)
+ORDER_SEED = 7  # the ElasticSampler's seed: the data order of every script
 
 
 class TinyRegression(torch.nn.Module):
@@ -81,6 +83,8 @@ def parse_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
                    help="train_hf only: run through the Trainer's DeepSpeed integration at this ZeRO stage")
     p.add_argument("--log-every", type=int, default=5, help="a `step` event every N steps (the dry-run's log)")
     p.add_argument("--event-log", default=os.environ.get("SPOTGUARD_EVENT_LOG"))
+    p.add_argument("--keep-batch", choices=("global", "rank"), default="global",
+                   help=f"global: {GLOBAL_BATCH} samples per step at every world size; rank: {PER_RANK_BATCH} per rank")
     for unused in ("--framework", "--snapshot-every", "--checkpoint-every", "--batch-policy", "--base-world-size"):
         p.add_argument(unused, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -169,10 +173,21 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def sampler_for(data: Samples, opts: argparse.Namespace):
+    """The scripts' ElasticSampler over `data`: the global batch kept, or each rank's (`--keep-batch`)."""
+    from spotguard.data import ElasticSampler
+
+    per_step = {"global_batch": GLOBAL_BATCH} if opts.keep_batch == "global" else {"batch_size": PER_RANK_BATCH}
+    return ElasticSampler(data, seed=ORDER_SEED, **per_step)
+
+
 def expected_ids(step: int) -> list[int]:
-    """The global batch of global step `step` (1-based): the data order is fixed in every script."""
-    start = ((step - 1) * GLOBAL_BATCH) % SAMPLES
-    return list(range(start, start + GLOBAL_BATCH))
+    """The global batch of global step `step` (1-based) with the global batch kept: the ElasticSampler's
+    order (each epoch `torch.randperm` seeded with ORDER_SEED + epoch, epochs end to end), sorted."""
+    first, stream = (step - 1) * GLOBAL_BATCH, []
+    for epoch in range(first // SAMPLES, (first + GLOBAL_BATCH - 1) // SAMPLES + 1):
+        stream += torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(ORDER_SEED + epoch)).tolist()
+    return sorted(stream[first % SAMPLES:first % SAMPLES + GLOBAL_BATCH])
 
 
 class Records:

@@ -1,8 +1,8 @@
 """The reference trainer's model and data: small, deterministic, world-size independent.
 
-The data for global step `s` is a function of (seed, s) only, so a job resumed at step s at any
-world size sees exactly the samples an uninterrupted job would have seen: each rank takes its
-contiguous share of the step's global batch.
+The data is a fixed set of samples (`Samples`), each a function of (seed, its index); the
+trainer deals them out with `spotguard.data.ElasticSampler`, whose position is in the checkpoint,
+so a job resumed or resized at any world size continues the same sample order.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import hashlib
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 IN_FEATURES = 32
 HIDDEN = 64
@@ -37,18 +38,20 @@ def _teacher(seed: int) -> torch.Tensor:
     return torch.randn(IN_FEATURES, OUT_FEATURES, generator=g) / IN_FEATURES ** 0.5
 
 
-def global_batch(seed: int, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole global batch of step `step` (inputs, targets); identical on every rank."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    x = torch.randn(size, IN_FEATURES, generator=g)
-    y = torch.tanh(x @ _teacher(seed)) + 0.01 * torch.randn(size, OUT_FEATURES, generator=g)
-    return x, y
+class Samples(Dataset):
+    """`count` fixed samples (inputs, targets, id), a function of (seed, count) alone: sample `i`
+    is the same in every process, so a sampler's order and position mean the same everywhere."""
 
+    def __init__(self, seed: int, count: int):
+        g = torch.Generator().manual_seed(seed * 1_000_003)
+        self.x = torch.randn(count, IN_FEATURES, generator=g)
+        self.y = torch.tanh(self.x @ _teacher(seed)) + 0.01 * torch.randn(count, OUT_FEATURES, generator=g)
 
-def rank_share(x: torch.Tensor, rank: int, world_size: int) -> slice:
-    """The contiguous slice of a global batch that `rank` trains on."""
-    per_rank = x.shape[0] // world_size
-    return slice(rank * per_rank, (rank + 1) * per_rank)
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
 
 
 def state_digest(*tensor_dicts: dict) -> str:

@@ -5,6 +5,9 @@
 - torch DDP with the DCP adapter, or DeepSpeed ZeRO with its adapter (`--framework deepspeed`);
 - resumes from the newest complete checkpoint at any world size (DCP reshards; DeepSpeed goes
   through a universal checkpoint when the data-parallel size changed);
+- the data: `--samples` fixed samples dealt out by `spotguard.data.ElasticSampler` (through a
+  DataLoader with `--data-workers` workers), its position in every checkpoint, so each epoch sees
+  every sample once at any world size; `--ledger DIR` records the sample ids of every step;
 - `--batch-policy keep-global` (the fixed policy's choice) keeps the global batch when workers
   leave by accumulating gradients; `scale-lr` (the elastic policy's choice) keeps each rank's
   batch and scales the learning rate with the world size;
@@ -26,12 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
+from spotguard.data import ElasticSampler
 from spotguard.hooks.elastic import elastic_process
 from spotguard.hooks.guard import Guard
 from spotguard.hooks.step_result import CONTINUED
 from spotguard.trainer.events import EventLog, process_fields
-from spotguard.trainer.model import build_model, global_batch, rank_share, state_digest
+from spotguard.trainer.model import Samples, build_model, state_digest
 from spotguard.trainer.console import ConsoleEcho
 
 log = logging.getLogger("spotguard.trainer")
@@ -59,9 +64,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--deepspeed-config", default=None, help="DeepSpeed JSON config (default: built in)")
     p.add_argument("--no-guard", action="store_true", help="baseline: no spotguard (periodic checkpoints only)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--samples", type=int, default=4096, help="samples in the dataset (an epoch)")
+    p.add_argument("--data-workers", type=int, default=0, help="the DataLoader's num_workers")
+    p.add_argument("--ledger", default=None, help="directory: each rank appends the sample ids of each step it "
+                                                  "trains to ledger-<pid>.jsonl")
     p.add_argument("--event-log", default=os.environ.get("SPOTGUARD_EVENT_LOG"))
     args = p.parse_args(argv)
-    for name in ("steps", "global_batch", "micro_batch", "log_every"):
+    for name in ("steps", "global_batch", "micro_batch", "log_every", "samples"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     return args
@@ -147,13 +156,23 @@ def torch_builder(args, base_world: int):
     return build
 
 
-def build_ddp(args, rank, world_size, batching, guarded: bool):
+def build_ddp(args, rank, world_size, batching, guarded: bool, data: ElasticSampler):
     from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 
     build = torch_builder(args, args.base_world)
     model, optimizer = build()
-    adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=args.checkpoint_dir, build=build)
+    adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=args.checkpoint_dir, build=build, data=data)
     return model, optimizer, adapter
+
+
+def make_data(args) -> tuple[ElasticSampler, DataLoader]:
+    """The dataset dealt out by an ElasticSampler: the global batch kept (keep-global) or each
+    rank's (scale-lr), micro-batches of --micro-batch; its position lives in the checkpoint."""
+    dataset = Samples(args.seed, args.samples)
+    per_step = ({"global_batch": args.global_batch} if args.batch_policy == "keep-global"
+                else {"batch_size": args.global_batch // args.base_world})
+    sampler = ElasticSampler(dataset, micro_batch=args.micro_batch, seed=args.seed, **per_step)
+    return sampler, DataLoader(dataset, batch_sampler=sampler, num_workers=args.data_workers)
 
 
 def ds_config(args, world_size, batching) -> dict:
@@ -170,7 +189,7 @@ def ds_config(args, world_size, batching) -> dict:
     return config
 
 
-def build_deepspeed(args, rank, world_size, batching, guarded: bool):
+def build_deepspeed(args, rank, world_size, batching, guarded: bool, data: ElasticSampler):
     import deepspeed
 
     from spotguard.hooks.adapters.deepspeed import DeepSpeedAdapter
@@ -180,7 +199,7 @@ def build_deepspeed(args, rank, world_size, batching, guarded: bool):
     optimizer = torch.optim.AdamW(model.parameters(), lr=batching.lr)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                    config=ds_config(args, world_size, batching))
-    adapter = DeepSpeedAdapter(engine, checkpoint_dir=args.checkpoint_dir) if guarded else None
+    adapter = DeepSpeedAdapter(engine, checkpoint_dir=args.checkpoint_dir, data=data) if guarded else None
     return engine, None, adapter
 
 
@@ -190,24 +209,25 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def train_step_ddp(model, optimizer, x, y, batching) -> float:
+def train_step_ddp(model, optimizer, chunks) -> float:
+    """One optimizer step over this rank's micro-batches (inputs, targets, ids) of the step."""
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
-    chunks = list(zip(x.split(batching.micro), y.split(batching.micro)))
-    for i, (xm, ym) in enumerate(chunks):
+    samples = sum(xm.shape[0] for xm, _ym, _ids in chunks)
+    for i, (xm, ym, _ids) in enumerate(chunks):
         sync = i == len(chunks) - 1 or not hasattr(model, "no_sync")
         ctx = model.no_sync() if not sync else _nullcontext()
         with ctx:
-            loss = F.mse_loss(model(xm), ym) * (xm.shape[0] / x.shape[0])
+            loss = F.mse_loss(model(xm), ym) * (xm.shape[0] / samples)
             loss.backward()
         total += loss.item()
     optimizer.step()
     return total
 
 
-def train_step_deepspeed(engine, x, y, batching) -> float:
+def train_step_deepspeed(engine, chunks, batching) -> float:
     total = 0.0
-    for xm, ym in zip(x.split(batching.micro), y.split(batching.micro)):
+    for xm, ym, _ids in chunks:
         loss = F.mse_loss(engine(xm), ym)
         engine.backward(loss)
         engine.step()
@@ -270,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     batching = Batching(args, world_size, base_world)
     events = ConsoleEcho(events, args.steps, args.checkpoint_dir)  # rank 0's start, progress, changes, end
 
+    sampler, loader = make_data(args)
+    ledger = open(os.path.join(args.ledger, f"ledger-{os.getpid()}.jsonl"), "a", buffering=1) if args.ledger else None
     build = build_deepspeed if args.framework == "deepspeed" else build_ddp
-    model, optimizer, adapter = build(args, rank, world_size, batching, guarded=not args.no_guard)
+    model, optimizer, adapter = build(args, rank, world_size, batching, guarded=not args.no_guard, data=sampler)
     # The Guard after the model and adapter: the order a joiner repeats in place.
     guard = None if args.no_guard else Guard.from_env(adapter=adapter, snapshot_every=args.snapshot_every,
                                                        exit_on_drain=False)
@@ -292,13 +314,14 @@ def main(argv: list[str] | None = None) -> int:
     tick, tick_step = time.monotonic(), start
     step = start
     last_step_at, max_gap = time.time(), 0.0
-    for step in range(start, args.steps):
-        x, y = global_batch(args.seed, step, batching.global_size)
-        share = rank_share(x, rank, world_size)
+    for step, chunks in sampler.steps(loader, start, args.steps):
         if args.framework != "deepspeed":
-            loss = train_step_ddp(model, optimizer, x[share], y[share], batching)
+            loss = train_step_ddp(model, optimizer, chunks)
         else:
-            loss = train_step_deepspeed(model, x[share], y[share], batching)
+            loss = train_step_deepspeed(model, chunks, batching)
+        if ledger is not None:
+            ledger.write(json.dumps({"step": step, "rank": rank, "world": world_size,
+                                     "ids": [int(i) for _x, _y, ids in chunks for i in ids]}) + "\n")
         if args.step_seconds:
             time.sleep(args.step_seconds)
         now_wall = time.time()
@@ -332,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     events.write("finished", step=args.steps if step + 1 >= args.steps else step + 1, max_step_gap=round(max_gap, 4),
                  pid=os.getpid())
     events.close()
+    if ledger is not None:
+        ledger.close()
     if guard is not None:
         guard.close()
     _shutdown()

@@ -3,8 +3,9 @@
     torchrun --nproc-per-node=2 -m spotguard.trainer.train_accelerate --ckpt /ckpt --out /out --steps 24
     ... --deepspeed-stage 2      # through Accelerate's DeepSpeed plugin (ZeRO-1/2 run on CPU)
 
-The global batch is the same at every world size (per-device batch = 8 / world size); the data
-order is fixed (no shuffle), so the data position is the step. Records: `trainer.framework_refs`.
+The data is dealt out by `spotguard.data.ElasticSampler` (`--keep-batch global`: the global batch
+is 8 at every world size, per-device batch = 8 / world size; `rank`: 4 per device), its
+position saved with every `save_state`. Records: `trainer.framework_refs`.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs
 
 from spotguard.integrations.accelerate import AccelerateGuard
-from spotguard.trainer.framework_refs import (GLOBAL_BATCH, DryRunEvents, Records, Samples, TinyRegression,
-                                              base_optimizer, fail_rank0_saves, parse_args, world)
+from spotguard.trainer.framework_refs import (DryRunEvents, Records, Samples, TinyRegression, base_optimizer,
+                                              fail_rank0_saves, parse_args, sampler_for, world)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,9 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     model = TinyRegression(opts.step_sleep)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / opts.steps))
-    loader = torch.utils.data.DataLoader(Samples(), batch_size=GLOBAL_BATCH // size, shuffle=False)
+    data = Samples()
+    sampler = sampler_for(data, opts)
+    loader = torch.utils.data.DataLoader(data, batch_size=sampler.geometry(size).global_size // size,
+                                         sampler=sampler.global_order())
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    guard = AccelerateGuard(accelerator, opts.ckpt, model=model)
+    guard = AccelerateGuard(accelerator, opts.ckpt, model=model, sampler=sampler)
     records.adapter = guard.adapter
     guard.guard.on_reclaim(records.saved)
     events.attach(guard.guard, guard.adapter, offset=1)

@@ -3,8 +3,9 @@
     spotguard launch --standalone --nproc-per-node=2 -m spotguard.trainer.train_hf --ckpt /ckpt --out /out --steps 24
     ... --deepspeed-stage 2      # the same through the Trainer's DeepSpeed integration (ZeRO-1/2 run on CPU)
 
-The global batch is the same at every world size (per-device batch = 8 / world size) and the
-sample order is fixed, so a resume at another world size continues the same sample order.
+The data is dealt out by `spotguard.data.ElasticSampler` (`SpotguardCallback.attach(trainer,
+sampler=...)`): the global batch is 8 at every world size (per-device batch = 8 / world size;
+`--keep-batch rank`: 4 per device), and a resume at any world size continues the order.
 Records: `trainer.framework_refs`.
 """
 from __future__ import annotations
@@ -14,8 +15,8 @@ import sys
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from spotguard.integrations.hf import SpotguardCallback, last_checkpoint
-from spotguard.trainer.framework_refs import (GLOBAL_BATCH, DryRunEvents, Records, Samples, TinyRegression,
-                                              base_optimizer, fail_rank0_saves, parse_args, world)
+from spotguard.trainer.framework_refs import (DryRunEvents, Records, Samples, TinyRegression, base_optimizer,
+                                              fail_rank0_saves, parse_args, sampler_for, world)
 
 
 def deepspeed_config(stage: int) -> dict:
@@ -46,17 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     rank, size = world()
     records = Records(opts.out, rank)
     events = DryRunEvents(opts, rank, size)
-    args = TrainingArguments(output_dir=opts.ckpt, per_device_train_batch_size=GLOBAL_BATCH // size,
+    data = Samples()
+    sampler = sampler_for(data, opts)
+    per_device = sampler.geometry(size).global_size // size
+    args = TrainingArguments(output_dir=opts.ckpt, per_device_train_batch_size=per_device,
                              max_steps=opts.steps, learning_rate=1e-2, lr_scheduler_type="linear",
                              save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
                              dataloader_num_workers=0, remove_unused_columns=False, seed=7,
-                             train_sampling_strategy="sequential",
+                             ignore_data_skip=True,
                              ddp_backend="gloo" if size > 1 else None, disable_tqdm=True,
                              deepspeed=deepspeed_config(opts.deepspeed_stage) if opts.deepspeed_stage else None)
     model = TinyRegression(opts.step_sleep)
-    trainer = Trainer(model=model, args=args, train_dataset=Samples())
-    callback = SpotguardCallback.attach(trainer)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    # RecordSteps ahead of spotguard's callback: the step a notice drains at is recorded too
     trainer.add_callback(RecordSteps(records, model, events, unwrap=bool(opts.deepspeed_stage)))
+    callback = SpotguardCallback.attach(trainer, sampler=sampler)
     if opts.fail_save:
         fail_rank0_saves(rank, opts.ckpt)
     trainer.add_callback(_OnReclaim(callback, records, events))

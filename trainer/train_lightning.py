@@ -2,9 +2,10 @@
 
     torchrun --nproc-per-node=2 -m spotguard.trainer.train_lightning --ckpt /ckpt --out /out --steps 24
 
-Resumes with `fit(ckpt_path="last")`. The loader is stateful (`state_dict` / `load_state_dict`,
-its position counted in global samples), so Lightning restores the mid-epoch data position at any
-world size; the global batch is the same at every world size. Records: `trainer.framework_refs`.
+Resumes with `fit(ckpt_path="last")`. The data is dealt out by `spotguard.data.ElasticSampler`
+(`SpotguardCallback(sampler=...)`: its position in every Lightning checkpoint), so the data
+continues where the run stopped at any world size (`--keep-batch`: the global batch kept, or
+each rank's). Records: `trainer.framework_refs`.
 """
 from __future__ import annotations
 
@@ -17,35 +18,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from spotguard.integrations.lightning import SpotguardCallback
-from spotguard.trainer.framework_refs import (GLOBAL_BATCH, DryRunEvents, Records, Samples, TinyRegression,
-                                              fail_rank0_saves, parse_args, world)
-
-
-class ResumableBatches:
-    """Batches of this rank's share of each global batch, in a fixed order, resumable: its state is
-    the number of global samples consumed (so it means the same at any world size)."""
-
-    def __init__(self, rank: int, size: int):
-        self.data, self.rank, self.size = Samples(), rank, size
-        self.consumed = 0  # global samples, across epochs
-
-    def __len__(self) -> int:
-        return len(self.data) // GLOBAL_BATCH
-
-    def __iter__(self):
-        """The rest of the current epoch, from the position held."""
-        per_rank = GLOBAL_BATCH // self.size
-        start = self.consumed % len(self.data)
-        for offset in range(start, len(self.data) - GLOBAL_BATCH + 1, GLOBAL_BATCH):
-            lo = offset + self.rank * per_rank
-            self.consumed += GLOBAL_BATCH
-            yield torch.utils.data.default_collate([self.data[i] for i in range(lo, lo + per_rank)])
-
-    def state_dict(self) -> dict:
-        return {"consumed": self.consumed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.consumed = int(state["consumed"])
+from spotguard.trainer.framework_refs import (DryRunEvents, Records, Samples, TinyRegression, fail_rank0_saves,
+                                              parse_args, sampler_for, world)
 
 
 class Module(pl.LightningModule):
@@ -56,10 +30,6 @@ class Module(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         return self.model(**batch)["loss"]
 
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.records.progress(self.trainer.global_step, self.model.take_ids())
-        self.events.step(self.trainer.global_step)
-
     def on_train_start(self):
         self.records.optimizer = self.trainer.optimizers[0]
         self.records.resumed(self.trainer.global_step, self.trainer.optimizers[0])
@@ -69,6 +39,18 @@ class Module(pl.LightningModule):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / self.steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class RecordSteps(pl.Callback):
+    """Records each step; ahead of SpotguardCallback in `callbacks`, so the step a notice drains at is
+    recorded too (Lightning calls callbacks before the module's own hooks)."""
+
+    def __init__(self, module: Module):
+        self.module = module
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.module.records.progress(trainer.global_step, self.module.model.take_ids())
+        self.module.events.step(trainer.global_step)
 
 
 class RecordReclaims(pl.Callback):
@@ -86,17 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     rank, size = world()
     records = Records(opts.out, rank)
     events = DryRunEvents(opts, rank, size)
-    spotguard = SpotguardCallback()
+    data = Samples()
+    sampler = sampler_for(data, opts)
+    spotguard = SpotguardCallback(sampler=sampler)
+    module = Module(records, events, opts.steps, opts.step_sleep)
     trainer = pl.Trainer(accelerator="cpu", devices=size, num_nodes=1, strategy="ddp" if size > 1 else "auto",
                          max_steps=opts.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, num_sanity_val_steps=0,
-                         callbacks=[ModelCheckpoint(dirpath=opts.ckpt, save_last=True, save_top_k=0), spotguard,
-                                    RecordReclaims(spotguard, records, events)])
+                         accumulate_grad_batches=sampler.micro_batches_per_step(size),
+                         callbacks=[ModelCheckpoint(dirpath=opts.ckpt, save_last=True, save_top_k=0),
+                                    RecordSteps(module), spotguard, RecordReclaims(spotguard, records, events)])
     if opts.fail_save:
         fail_rank0_saves(rank, opts.ckpt)
-    module = Module(records, events, opts.steps, opts.step_sleep)
     resume = "last" if (Path(opts.ckpt) / "last.ckpt").exists() else None
-    trainer.fit(module, ResumableBatches(rank, size), ckpt_path=resume)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_sampler=sampler), ckpt_path=resume)
     events.finished(trainer.global_step)
     records.final(module.model)
     return 0

@@ -28,6 +28,11 @@ buffers, into a `PendingCheckpoint`) and `_load(info)`. The base class then give
   1.25 x the slowest of the last 5 measured fresh saves.
 - `resume()`: the newest complete, verified checkpoint -> `_load`, `resumed_metadata`,
   `extra` (the dict `extra_state()` returned at save time); returns `step + 1`.
+- `data=` (an `ElasticSampler`, or anything with a JSON `state_dict()` / `load_state_dict()` that
+  is the same on every rank): its position is saved with every checkpoint and snapshot (in the
+  metadata's extras, under `DATA_KEY`) and handed to a joiner in place (`extra_state_now()`);
+  assigning `extra` (a resume, a live peer's hand-over) loads it back into `data` and leaves the
+  user's extras alone in `extra`.
 - `answered_notice_id()`: the notice the resumed checkpoint was saved for; `gradient_carrier()`:
   None (an adapter of a DDP model returns the model); `held_snapshot`: the last snapshot's state.
 An adapter that can change its world size in place also implements `ResizableAdapter`.
@@ -52,12 +57,21 @@ if TYPE_CHECKING:
 
     from spotguard.hooks.elastic.reshard_state import Shards
 
+    class DataPosition(Protocol):
+        """What `data=` takes: a position that is the same on every rank, as JSON."""
+
+        def state_dict(self) -> dict[str, Any]: ...
+
+        def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
 # CheckpointFailed (checkpoint/types.py) and reraise_interrupts (checkpoint/commit.py) were defined
 # here: their old import path keeps working.
-__all__ = ["CheckpointAdapter", "CheckpointFailed", "ResizableAdapter", "StoreAdapter", "done_future",
+__all__ = ["DATA_KEY", "CheckpointAdapter", "CheckpointFailed", "ResizableAdapter", "StoreAdapter", "done_future",
            "reraise_interrupts", "resizable_adapter", "tag_for"]
 
 log = logging.getLogger("spotguard.hooks.adapters")
+
+DATA_KEY = "spotguard.data"  # the data position's key among the extras a checkpoint or a hand-over carries
 
 
 class CheckpointAdapter(Protocol):
@@ -75,6 +89,13 @@ class CheckpointAdapter(Protocol):
 
     def persist_snapshot(self, *, reason: str, notice: Notice | None = None) -> int:
         """Collective: make the last snapshot a durable checkpoint; returns its step."""
+
+    def save_behind(self, step: int, *, reason: str, notice: Notice | None = None) -> Future:
+        """Collective: `save`, returning once the state is copied; the Future is done when the
+        commit is (its exception: failed on every rank). The agreed-step machine saves with it."""
+
+    def persist_snapshot_behind(self, *, reason: str, notice: Notice | None = None) -> tuple[int, Future]:
+        """Collective: `persist_snapshot`, returning at once: (the snapshot's step, its commit's Future)."""
 
     def estimate_save_seconds(self) -> float | None:
         """Expected seconds for a fresh save, from measured saves (None: no measurement yet)."""
@@ -106,7 +127,8 @@ class ResizableAdapter(CheckpointAdapter, Protocol):
     extra: dict[str, Any]  # the extras a resume or a live peer handed over
 
     def extra_state_now(self) -> dict[str, Any]:
-        """Local: the user's extras as they are now (`extra_state()`, or {})."""
+        """Local: the user's extras as they are now (`extra_state()`, or {}), with the data
+        position of `data=` (StoreAdapter); assigning them to a joiner's `extra` loads that position."""
 
     def full_state(self) -> dict[str, Any]:
         """Collective over the old group: the state a new group is made from."""
@@ -155,14 +177,16 @@ class StoreAdapter:
     """Base of the framework adapters; see the module docstring."""
 
     def __init__(self, *, checkpoint_dir: str | os.PathLike | None = None, store: Store | None = None,
-                 keep_last: int = 3, extra_state: Callable[[], dict[str, Any]] | None = None):
+                 keep_last: int = 3, extra_state: Callable[[], dict[str, Any]] | None = None,
+                 data: DataPosition | None = None):
         if store is None:
             if checkpoint_dir is None:
                 raise ValueError("an adapter needs checkpoint_dir or a store")
             store = open_store(checkpoint_dir, keep_last=keep_last)
         self.store = store
         self.extra_state = extra_state
-        self.extra: dict[str, Any] = {}
+        self.data = data
+        self._extra: dict[str, Any] = {}
         self.resumed_metadata: dict[str, Any] | None = None
         self.snapshot_step: int | None = None
         self._snapshot: Snapshot | None = None
@@ -215,7 +239,7 @@ class StoreAdapter:
     def _copy(self, step: int) -> Snapshot:
         """The snapshot of `step` (the stall); it becomes the held snapshot."""
         engine = self.snapshot_engine
-        extra = self.extra_state() if self.extra_state else {}
+        extra = self.extra_state_now()
         self._snapshot, self.snapshot_step = None, None  # the buffers are about to change
         snap = engine.snapshot(lambda: self._state(step), step=step, extra=extra)
         self._snapshot, self.snapshot_step = snap, step
@@ -339,7 +363,27 @@ class StoreAdapter:
         return (self.resumed_metadata or {}).get("notice_id") or None
 
     def extra_state_now(self) -> dict[str, Any]:
-        return self.extra_state() if self.extra_state else {}
+        extra = dict(self.extra_state()) if self.extra_state else {}
+        if self.data is not None:
+            extra[DATA_KEY] = self.data.state_dict()
+        return extra
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The user's extras a resume or a live peer handed over (without the data position)."""
+        return self._extra
+
+    @extra.setter
+    def extra(self, handed_over: dict[str, Any]) -> None:
+        extra = dict(handed_over)
+        position = extra.pop(DATA_KEY, None)
+        if self.data is not None:
+            if position is None:
+                log.warning("the state handed over holds no data position (saved without data=?): the sampler "
+                            "keeps its own, and a loop that checks it will refuse to start")
+            else:
+                self.data.load_state_dict(position)
+        self._extra = extra
 
     def gradient_carrier(self) -> Any:
         return None

@@ -27,7 +27,7 @@ class PlainTorchAdapter(StoreAdapter):
     """Checkpoints one process's model and optimizer through the store."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler=None, **kwargs):
-        """`kwargs`: `checkpoint_dir` or `store`, `keep_last`, `extra_state` (see StoreAdapter)."""
+        """`kwargs`: `checkpoint_dir` or `store`, `keep_last`, `extra_state`, `data` (see StoreAdapter)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         super().__init__(**kwargs)
 

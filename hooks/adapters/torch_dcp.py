@@ -79,7 +79,7 @@ class TorchDCPAdapter(StoreAdapter, ResizableAdapter):
                  build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None, **kwargs):
         """`piggyback` (DDP models): the Guard's agreement rides on the gradient all_reduce.
         `build`: makes a fresh (model, optimizer) for the current group; enables in-place resizes.
-        `kwargs`: `checkpoint_dir` or `store`, `keep_last`, `extra_state` (see StoreAdapter)."""
+        `kwargs`: `checkpoint_dir` or `store`, `keep_last`, `extra_state`, `data` (see StoreAdapter)."""
         self.model, self.optimizer = model, optimizer
         self._capture: StateCapture | None = None
         self.piggyback = piggyback

@@ -3,19 +3,15 @@
 Contract: every rank calls the same methods in the same order. `max(values)` is the element-wise
 maximum over the ranks; `all_ok(ok)` is True on every rank when every rank passed True;
 `broadcast_bytes(payload, src)` returns `src`'s payload on every rank; `gather_strings(value)`
-is every rank's string by rank; `leave()` is a last agreement and then the destruction of the
-process groups, so no rank tears a connection down while a peer's gloo thread still uses it;
-`abandon()` destroys them without that agreement (a rank whose part failed, so that it never
-votes yes). The base class `Collectives` (a process alone) answers with its own input.
+is every rank's string by rank. The base class `Collectives` (a process alone) answers with its
+own input. Collectives never destroy their group: the process's `group_session.GroupSession`
+owns every group (`leave()`), and makes the Guard's collectives for each formation
+(`collectives()`).
 """
 from __future__ import annotations
 
-import logging
-import os
 from typing import Any
 from collections.abc import Sequence
-
-log = logging.getLogger("spotguard.hooks.collectives")
 
 INLINE_BYTES = 4096  # broadcast_bytes: payloads up to this size minus the 8-byte header take one broadcast
 
@@ -40,13 +36,6 @@ class Collectives:
         """Every rank's `value`, by rank."""
         return [value]
 
-    def leave(self) -> None:
-        pass
-
-    def abandon(self) -> None:
-        """Destroys the groups without the last agreement (this rank failed: it must not vote)."""
-
-
 
 class GroupCollectives(Collectives):
     """The collectives on a gloo process group (`group` None: a new one over every rank)."""
@@ -60,7 +49,6 @@ class GroupCollectives(Collectives):
         self.torch, self.dist = torch, dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = group if group is not None else dist.new_group(backend="gloo")
-        self._left = False
 
     def all_reduce_max_(self, tensor: Any, async_op: bool = False) -> Any:
         """In place on a preallocated tensor (the agreements' hot path); the work when async."""
@@ -102,44 +90,3 @@ class GroupCollectives(Collectives):
         gathered: list = [None] * self.world_size
         self.dist.all_gather_object(gathered, value, group=self.group)
         return [str(v) for v in gathered]
-
-    def abandon(self) -> None:
-        if self._left:
-            return
-        self._left = True
-        try:
-            self.dist.destroy_process_group()
-        except Exception as exc:  # peers may be gone already
-            log.warning("process groups not destroyed cleanly: %s", exc)
-
-    def leave(self) -> None:
-        if self._left:
-            return
-        self._left = True
-        try:
-            self.all_ok(True)
-            self.dist.destroy_process_group()
-        except Exception as exc:  # leaving anyway
-            log.warning("process groups not destroyed cleanly: %s", exc)
-
-
-def join_collectives(process_group: Any = None) -> Collectives:
-    """The Guard's collectives: on a group when torch.distributed runs more than one rank (the
-    formation's control group, `control_group.control_groups()`, unless `process_group` is given),
-    else local. Raises RuntimeError when WORLD_SIZE > 1 but no process group exists yet."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return Collectives()
-    if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
-            if process_group is None:
-                from spotguard.hooks.agreement.control_group import control_groups
-
-                groups = control_groups()
-                assert groups is not None
-                process_group = groups.control
-            return GroupCollectives(process_group)
-    elif int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        raise RuntimeError("create the Guard after torch.distributed.init_process_group (WORLD_SIZE > 1)")
-    return Collectives()

@@ -3,15 +3,15 @@ groups it makes: user code never creates them, and their order never depends on 
 adapter or the Guard is made first.
 
 Contract:
-- `control_groups()` -> `ControlGroups | None`: None when torch.distributed is not initialised
-  or the default group has one rank. Otherwise the groups of the current default group: the
-  first call after a formation makes them (collective over every rank of the default group, in
-  the same order on every rank: the first of the adapter and the Guard to be made, or the
-  formation itself), every later call returns the same ones until the default group is formed
-  again. A user who calls torch's `init_process_group` gets them on first use; spotguard's
-  formations (`hooks.elastic.init_process_group`, every in-place re-form) call it right after
-  the default group forms, so survivors and joiners make them at the
-  same point whatever their code does next.
+- `make_control_groups()` -> `ControlGroups`: the two groups of the current default group
+  (collective over every rank of it, in the same order on every rank). The process's
+  `group_session.GroupSession` makes them once per formation and keeps them: spotguard's
+  formations (`hooks.elastic.init_process_group`, every in-place re-form) right after the default
+  group forms, so survivors and joiners make them at the same point whatever their code does
+  next; a job that called torch's `init_process_group` on first use (the first of the adapter
+  and the Guard to be made).
+- `control_groups()` -> `ControlGroups | None`: the current formation's (the process session's
+  `groups()`): None when torch.distributed is not initialised or the default group has one rank.
 - `control`: the Guard's group (its agreement, and every collective of an in-place change).
 - `checkpoint`: the adapters' (the commit protocol, DCP's collectives). A checkpoint is
   persisted on the snapshot engine's writer thread while training goes on, so its collectives
@@ -33,31 +33,15 @@ class ControlGroups:
     checkpoint: Any
 
 
-_made: tuple[Any, ControlGroups] | None = None  # (the default group they were made for, the groups)
-
-
-def _default_group() -> Any:
+def make_control_groups() -> ControlGroups:
+    """See the module docstring."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return None
-    return dist.group.WORLD
+    return ControlGroups(dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
 
 
 def control_groups() -> ControlGroups | None:
     """See the module docstring."""
-    world = _default_group()
-    if world is None:
-        return None
-    if _made is not None and _made[0] is world:
-        return _made[1]
-    return _make(world)
+    from spotguard.hooks.group_session import process_session
 
-
-def _make(world: Any) -> ControlGroups:
-    global _made
-    import torch.distributed as dist
-
-    groups = ControlGroups(dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
-    _made = (world, groups)
-    return groups
+    return process_session().groups()

@@ -11,20 +11,24 @@ Contract:
 - Without `SPOTGUARD_IN_PLACE=1` it is `torch.distributed.init_process_group(backend)` (env://).
 - `backend`: "gloo" or "nccl". NCCL is checked first (`nccl.check`: torch >= 2.7, NCCL >= 2.26.2,
   the environment of `nccl.RECIPE`) and refused with a message naming what to change.
-- In place, a starting worker (RANK, WORLD_SIZE from the launcher) forms generation 0 at prefix
-  `m0/` on the store of rank 0, which rank 0 serves on its rendezvous port for as long as it lives
-  (`SPOTGUARD_RDZV_PORT`; the launcher makes it MASTER_PORT on node 0).
+- In place it makes this process's `group_session.GroupSession` (its rendezvous and
+  `Timeouts.from_env()`; `elastic_process()` returns it). A starting worker (RANK, WORLD_SIZE from
+  the launcher) forms generation 0 at prefix `m0/` on the store of rank 0, which rank 0 serves on
+  its rendezvous port for as long as it lives (`SPOTGUARD_RDZV_PORT`; the launcher makes it
+  MASTER_PORT on node 0); its groups get torch's default timeout back once formed.
 - A joiner (`SPOTGUARD_JOIN=1`) announces itself by creating `SPOTGUARD_READY_FILE` (the pod's
   readiness, or the dry-run's signal), then waits (at most `join_timeout` seconds) for a membership
   that lists its host (`SPOTGUARD_NODE`) with a `store`: from its sidecar's stream
   (`SPOTGUARD_SIDECAR_URL`), or from `memberships`, a callable polled for one (tests). It forms
   the group that membership names (prefix `m<generation>/`, rank by the host's place in the list)
-  and remembers it: the Guard made next receives the state from a live peer in `resume()`.
+  and remembers it: the Guard made next receives the state from a live peer in `resume()`; until
+  then every group waits at most the re-form timeout (the survivors wait for it meanwhile).
 - Without `SPOTGUARD_JOIN` (neither "1" nor "0") a worker that has a sidecar looks at the
-  membership its pod already has (the sidecar sends it on connect; waited for at most 1.5 s).
+  membership its pod already has (the sidecar sends it on connect; waited for at most
+  `Timeouts.on_connect`).
   It joins (a pod the Job controller re-created after a reclaim) only when all of these hold:
   the membership has a `store` and lists other hosts but not this one, AND a group is live at
-  that store: the store answers within `LIVE_PROBE_SECONDS` (at most a third of the re-form
+  that store: the store answers within `Timeouts.live_probe` (at most a third of the re-form
   timeout) and holds the liveness key its group's leader sets once the group is formed and keeps
   while it leads (rendezvous.py `live_group`; polled within the same bound). Otherwise the
   membership is stale (every worker of the job was relaunched after a fallback or a crash: its
@@ -50,7 +54,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable
@@ -58,30 +61,17 @@ from collections.abc import Callable
 from spotguard.config import positive_int
 from spotguard.hooks.elastic.membership_view import MembershipView
 from spotguard.hooks.elastic.rendezvous import Rendezvous, live_group
+from spotguard.hooks.group_session import GroupSession, Timeouts, process_session, use_session
 from spotguard.wire import names
 from spotguard.wire.membership import Membership, MembershipFormatError
 
 log = logging.getLogger("spotguard.hooks.elastic")
 
-LIVE_PROBE_SECONDS = 5.0  # how long a worker asks a membership's store whether its group lives
 
-
-@dataclass
-class ElasticProcess:
-    """What `init_process_group` left for the Guard of this process."""
-
-    rendezvous: Rendezvous
-    joined: Membership | None = None  # the membership this process joined (None: it started the job)
-    started: Membership | None = None  # start at min: the first membership this process started with
-    state_received: bool = False
-
-
-_process: ElasticProcess | None = None
-
-
-def elastic_process() -> ElasticProcess | None:
-    """This process's in-place state, once `init_process_group` formed its first group."""
-    return _process
+def elastic_process() -> GroupSession | None:
+    """This process's in-place session, once `init_process_group` formed its first group."""
+    session = process_session()
+    return session if session.in_place else None
 
 
 def in_place_enabled(env: dict[str, str] | None = None) -> bool:
@@ -91,7 +81,6 @@ def in_place_enabled(env: dict[str, str] | None = None) -> bool:
 def init_process_group(backend: str = "gloo", *, memberships: Callable[[], dict | None] | None = None,
                        join_timeout: float = 600.0) -> None:
     """See the module docstring."""
-    global _process
     import torch.distributed as dist
 
     if not in_place_enabled():
@@ -99,22 +88,23 @@ def init_process_group(backend: str = "gloo", *, memberships: Callable[[], dict 
         return
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend: in-place membership changes run on 'gloo' or 'nccl', not {backend!r}")
-    rendezvous = Rendezvous.from_env()
-    env = os.environ
+    session = GroupSession(Timeouts.from_env(), Rendezvous.from_env())
+    rendezvous, timeouts, env = session.rendezvous, session.timeouts, os.environ
+    assert rendezvous is not None
     if backend == "nccl":
         from spotguard.hooks.elastic import nccl
 
-        nccl.check(rendezvous.timeout)  # refuses unsafe versions and settings before anything is made
+        nccl.check(timeouts.reform)  # refuses unsafe versions and settings before anything is made
         rendezvous.backend = "nccl"
         rendezvous.local_rank = positive_int("LOCAL_RANK", env.get("LOCAL_RANK") or 0, allow_zero=True)
     if env.get(names.ENV_START_AT_MIN, "") == "1" and env.get(names.ENV_JOIN, "") != "1":
-        _process = start_at_min(rendezvous, memberships, join_timeout)
+        start_at_min(use_session(session), memberships, join_timeout)
         return
     if env.get(names.ENV_JOIN, "") not in ("0", "1") and env.get(names.ENV_SIDECAR_URL) and memberships is None:
-        found = first_membership(env[names.ENV_SIDECAR_URL], 1.5)
+        found = first_membership(env[names.ENV_SIDECAR_URL], timeouts.on_connect)
         node = MembershipView.from_env().node
         if found is not None and found.store and found.hosts and node not in found.hosts:
-            live = live_group(found.store, min(LIVE_PROBE_SECONDS, rendezvous.timeout / 3))
+            live = live_group(found.store, timeouts.live_probe)
             if live is None:
                 log.warning("membership %d runs without %s, but no group is live at its store %s: it is stale, "
                             "starting the job's group", found.generation, node, found.store)
@@ -122,12 +112,13 @@ def init_process_group(backend: str = "gloo", *, memberships: Callable[[], dict 
                 log.warning("membership %d runs without %s (group %s live at %s): joining it", found.generation,
                             node, live, found.store)
                 env[names.ENV_JOIN] = "1"
+    use_session(session)
     if env.get(names.ENV_JOIN, "") != "1":
         rank = positive_int("RANK", env.get("RANK") or 0, allow_zero=True)
         world = positive_int("WORLD_SIZE", env.get("WORLD_SIZE") or 1)
         master = f"{env.get('MASTER_ADDR') or '127.0.0.1'}:{env.get('MASTER_PORT') or rendezvous.port}"
-        rendezvous.form(master, "m0/", rank, world)
-        _process = ElasticProcess(rendezvous)
+        with session.bounded(timeouts.reform):
+            session.reform(master, "m0/", rank, world, timeouts.reform)
         announce(env.get(names.ENV_READY_FILE))
         return
     view = MembershipView.from_env()
@@ -138,12 +129,18 @@ def init_process_group(backend: str = "gloo", *, memberships: Callable[[], dict 
     world = len(membership.hosts) * view.procs_per_host
     log.warning("joining membership %d as rank %d of %d (store %s)", membership.generation, rank, world,
                 membership.store)
-    rendezvous.form(membership.store, f"m{membership.generation}/", rank, world)
-    _process = ElasticProcess(rendezvous, joined=membership)
+    join_membership(session, membership, rank, world)
 
 
-def start_at_min(rendezvous: Rendezvous, memberships: Callable[[], dict | None] | None,
-                 timeout: float) -> ElasticProcess:
+def join_membership(session: GroupSession, membership: Membership, rank: int, world: int) -> None:
+    """Forms the group `membership` names and keeps it bounded until the Guard's `resume()` has
+    received the state (the machine's join walk releases it)."""
+    session.bound(session.timeouts.reform)
+    session.reform(membership.store, f"m{membership.generation}/", rank, world, session.timeouts.reform)
+    session.joined = membership
+
+
+def start_at_min(session: GroupSession, memberships: Callable[[], dict | None] | None, timeout: float) -> None:
     """The start-at-min path of `init_process_group` (module docstring)."""
     env = os.environ
     view = MembershipView.from_env()
@@ -151,7 +148,7 @@ def start_at_min(rendezvous: Rendezvous, memberships: Callable[[], dict | None] 
     if memberships is not None:
         before = _membership(memberships())
     else:
-        before = first_membership(url, 1.5) if url else None
+        before = first_membership(url, session.timeouts.on_connect) if url else None
     warm_up()
     announce(env.get(names.ENV_READY_FILE))
     newer = -1 if before is None else before.generation
@@ -160,12 +157,14 @@ def start_at_min(rendezvous: Rendezvous, memberships: Callable[[], dict | None] 
     world = len(membership.hosts) * view.procs_per_host
     log.warning("%s membership %d as rank %d of %d (store %s)", "starting with" if membership.start else "joining",
                 membership.generation, rank, world, membership.store)
-    rendezvous.form(membership.store, f"m{membership.generation}/", rank, world)
+    if membership.start:
+        with session.bounded(session.timeouts.reform):
+            session.reform(membership.store, f"m{membership.generation}/", rank, world, session.timeouts.reform)
+        session.started = membership
+    else:
+        join_membership(session, membership, rank, world)
     env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "GROUP_RANK": str(rank // view.procs_per_host),
                 "GROUP_WORLD_SIZE": str(len(membership.hosts))})
-    if membership.start:
-        return ElasticProcess(rendezvous, started=membership)
-    return ElasticProcess(rendezvous, joined=membership)
 
 
 def warm_up() -> None:

@@ -1,33 +1,27 @@
-"""Where a group meets: this process's rendezvous store, and forming the default process group.
+"""Where a group meets: this process's rendezvous store, and the liveness of a group at a store.
 
 Every process that can lead a group (its host's local rank 0) serves a c10d `TCPStore` on its
 rendezvous port (`SPOTGUARD_RDZV_PORT`) from the moment it first leads one, and keeps it for its
-lifetime, so a group led by a survivor never depends on a host that left. A group is formed on
-its leader's store under a prefix unique to the formation (`m<generation>/` for a membership the
-supervisor pushed, `s<...>/` for a shrink the ranks agreed on themselves), so keys of earlier
-formations never collide.
+lifetime, so a group led by a survivor never depends on a host that left. A group is formed
+(`group_session.GroupSession.reform`) on its leader's store under a prefix unique to the
+formation (`m<generation>/` for a membership the supervisor pushed, `s<...>/` for a shrink the
+ranks agreed on themselves), so keys of earlier formations never collide.
 
 Contract:
 - `Rendezvous.from_env()` reads `SPOTGUARD_RDZV_HOST` / `SPOTGUARD_RDZV_PORT` (falling back to
-  MASTER_ADDR / MASTER_PORT) and `SPOTGUARD_REFORM_TIMEOUT` (default 30 s); a bad value raises
-  `ConfigError` naming the variable.
+  MASTER_ADDR / MASTER_PORT); a bad value raises `ConfigError` naming the variable. `backend`
+  ("gloo" or "nccl") and `local_rank` say what the formations make.
 - `address` is "host:port" of this process's store (whether or not it serves yet).
-- `form(store_address, prefix, rank, world_size)` destroys whatever default group exists (NCCL,
-  `backend="nccl"`: synchronises the stream and aborts them, `nccl.quiesce_and_abort`) and
-  initialises a new default group of `backend` (NCCL: communicators made eagerly, `device_id`)
-  of `world_size` at `prefix` on the store at
-  `store_address` (served by this process when `rank` is 0), then the formation's gloo control
-  groups (`agreement.control_group`: the Guard's and the adapters'). It raises `ReformError` when the
-  group is not complete within the timeout; the caller falls back. The group, and every group
-  made after it, keep the re-form timeout per operation until the change commits
-  (`bound.release_groups()`, done by the Guard), so a peer lost at any point of a change costs
-  at most that long.
+- `serve(timeout)`: this process's store, started on first use; `store_at(address, leader,
+  timeout)`: the store a formation meets at (this process's own when it leads), a client waiting
+  at most `timeout` for it; both raise `ReformError`.
 - Liveness: once a group is formed, its leader (rank 0, which serves the store) sets `LIVE_KEY`
   (unprefixed) in its store to the group's prefix, and keeps it as long as it leads a group
-  there (it is removed when this process forms a group it does not lead). `live_group(address,
-  timeout)` reads it from another process: the prefix of the group live at that store, or None
-  when the store does not answer within `timeout` or no group was formed there (a store that a
-  freshly started leader serves while its first group is still forming has no key yet).
+  there (`mark_live(None)` removes it when this process forms a group it does not lead).
+  `live_group(address, timeout)` reads it from another process: the prefix of the group live at
+  that store, or None when the store does not answer within `timeout` or no group was formed
+  there (a store that a freshly started leader serves while its first group is still forming
+  has no key yet).
 """
 from __future__ import annotations
 
@@ -37,10 +31,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from spotguard.config import ConfigError, positive_float, positive_int
-from spotguard.hooks.agreement.control_group import control_groups
-from spotguard.hooks.elastic.bound import bound_groups
-from spotguard.hooks.elastic.caches import forget_mesh_caches
+from spotguard.config import ConfigError, positive_int
 from spotguard.wire import names
 
 log = logging.getLogger("spotguard.hooks.elastic")
@@ -62,8 +53,8 @@ def split_address(address: str) -> tuple[str, int]:
 class Rendezvous:
     """This process's side of every formation; see the module docstring."""
 
-    def __init__(self, host: str, port: int, timeout: float = 30.0, backend: str = "gloo", local_rank: int = 0):
-        self.host, self.port, self.timeout = host, port, timeout
+    def __init__(self, host: str, port: int, backend: str = "gloo", local_rank: int = 0):
+        self.host, self.port = host, port
         self.backend, self.local_rank = backend, local_rank  # "nccl": see `nccl` (eager, abort)
         self._server: Any = None  # the TCPStore this process serves, once it led a group
         self._clients: list[Any] = []
@@ -76,65 +67,39 @@ class Rendezvous:
         port = positive_int(names.ENV_RDZV_PORT, port_text)
         if not 0 < port < 65536:
             raise ConfigError(names.ENV_RDZV_PORT, f"expected a port in 1..65535, got {port_text!r}")
-        timeout = positive_float(names.ENV_REFORM_TIMEOUT, env.get(names.ENV_REFORM_TIMEOUT) or 30)
-        return cls(host, port, timeout)
+        return cls(host, port)
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def serve(self) -> Any:
+    def serve(self, timeout: float) -> Any:
         """This process's store, started on first use (it then lives as long as the process)."""
         if self._server is None:
             from torch.distributed import TCPStore
 
             try:
                 self._server = TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=self.timeout))
+                                        timeout=timedelta(seconds=timeout))
             except Exception as exc:
                 raise ReformError(f"cannot serve the rendezvous store on {self.address}: {exc}") from exc
             log.info("serving the rendezvous store on %s", self.address)
         return self._server
 
-    def store_at(self, address: str, leader: bool) -> Any:
+    def store_at(self, address: str, leader: bool, timeout: float) -> Any:
         if leader:
-            return self.serve()
+            return self.serve(timeout)
         from torch.distributed import TCPStore
 
         host, port = split_address(address)
         try:
-            client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout))
+            client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
         except Exception as exc:
             raise ReformError(f"cannot reach the rendezvous store at {address}: {exc}") from exc
         self._clients = [client]  # the previous formation's client goes with its group
         return client
 
-    def form(self, store_address: str, prefix: str, rank: int, world_size: int) -> None:
-        """See the module docstring."""
-        import torch.distributed as dist
-
-        extra: dict[str, Any] = {}
-        if self.backend == "nccl":
-            from spotguard.hooks.elastic import nccl
-
-            nccl.quiesce_and_abort()  # never a blocking destroy while a peer may be gone
-            extra = nccl.eager_kwargs(self.local_rank)
-        else:
-            destroy_groups()
-        forget_mesh_caches()
-        store = dist.PrefixStore(prefix, self.store_at(store_address, leader=rank == 0))
-        try:
-            bound_groups(self.timeout)  # until the change commits (`bound.release_groups`)
-            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=self.timeout), **extra)
-            control_groups()  # the formation's gloo groups, before any code of the user's runs
-        except Exception as exc:
-            destroy_groups()
-            raise ReformError(f"forming {prefix} (rank {rank} of {world_size}) on {store_address} failed: {exc}") \
-                from exc
-        self._mark_live(prefix if rank == 0 else None)
-
-    def _mark_live(self, prefix: str | None) -> None:
+    def mark_live(self, prefix: str | None) -> None:
         """Sets (leader) or removes (not the leader) the liveness key in this process's own store."""
         if self._server is None:
             return
@@ -169,14 +134,3 @@ def live_group(address: str, timeout: float) -> str | None:
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
-
-
-def destroy_groups() -> None:
-    """Destroys every process group of this process (none: nothing happens)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as exc:  # a peer may already be gone
-            log.warning("process groups not destroyed cleanly: %s", exc)

@@ -16,8 +16,9 @@ Files written into --out (the tests read them):
 A reclaim notice of this host: once `<out>/notice-<node>` exists (its text: seconds to the
 deadline), the rank's Guard is offered one, and the time it was offered is written to
 `noticed-<node>`.
-Fault injection (tests only): FAIL_AT=<phase>, FAIL_NODE=<node>, FAIL_HOW=raise|exit|hang (hang: until
-its parent, the launcher, is gone, or 600 s).
+Fault injection (tests only): FAIL_AT=<phase>, FAIL_NODE=<node>, FAIL_HOW=raise|exit|hang|stop (hang:
+until its parent, the launcher, is gone, or 600 s; stop: the process stops itself with SIGSTOP
+after writing `stopped-<node>`, until the test sends SIGCONT).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 from spotguard.hooks.elastic import elastic_process, init_process_group
+from spotguard.hooks.group_session import Timeouts
 from spotguard.hooks.guard import Guard
 from spotguard.wire.notice import Kind, Notice, now_utc
 from spotguard.trainer.elastic_job import batch, build_for, membership_reader, watch_memberships
@@ -93,6 +95,10 @@ def main(argv=None) -> int:
         if phase == fail_at and NODE == fail_node:
             if fail_how == "exit":
                 os._exit(1)
+            if fail_how == "stop":  # frozen, threads and all, as a stopped VM or a SIGSTOP would leave it
+                (out / f"stopped-{NODE}").write_text(str(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return
             if fail_how == "hang":  # alive, its connections open, doing nothing: its peers wait on it
                 (out / f"hung-{NODE}").write_text(str(os.getpid()))
                 parent, deadline = os.getppid(), time.monotonic() + 600
@@ -108,7 +114,7 @@ def main(argv=None) -> int:
         os.environ["SPOTGUARD_REFORM_TIMEOUT"] = "240"
     init_process_group(memberships=read_membership, join_timeout=240)
     if change_timeout:
-        elastic_process().rendezvous.timeout = float(change_timeout)
+        elastic_process().timeouts = Timeouts.of(float(change_timeout))
     maybe_fail("formed-joiner")
     build = build_for(args.mode)
     model, optimizer = build()

@@ -4,6 +4,7 @@
 them ranks 0.. of a job on host "a"'s store (in place: `SPOTGUARD_IN_PLACE=1`, each host serving
 its own rendezvous port), `join("d")` starts a joiner, `push(generation, hosts)` writes the
 membership the workers read (what a sidecar would relay; its store is the first host's port).
+Each host's rank writes its termination message to `termination-<host>` (`termination(host)`).
 `launched=True` starts each host through `spotguard launch` (the procs are then the launchers; the
 workers' pids are in `pid-<host>`); `worker=` replaces the worker's argv (after the interpreter).
 Every process is killed by PID in `close()` (launched workers too); every wait has a timeout. `restart(...)` is the
@@ -53,7 +54,8 @@ class Hosts:
     def _env(self, host: str, extra: dict[str, str]) -> dict[str, str]:
         env = base_env()
         env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", SPOTGUARD_NODE=host, SPOTGUARD_RDZV_HOST="127.0.0.1",
-                   SPOTGUARD_RDZV_PORT=str(self.port(host)))
+                   SPOTGUARD_RDZV_PORT=str(self.port(host)),
+                   SPOTGUARD_TERMINATION_LOG=str(self.out / f"termination-{host}"))
         if self.in_place:
             env["SPOTGUARD_IN_PLACE"] = "1"
         env.update(self.env)
@@ -129,6 +131,11 @@ class Hosts:
 
     def pid(self, host: str) -> int:
         return int((self.out / f"pid-{host}").read_text())
+
+    def termination(self, host: str) -> dict | None:
+        """The termination message the host's rank wrote as it left (None: it wrote none)."""
+        path = self.out / f"termination-{host}"
+        return json.loads(path.read_text()) if path.exists() else None
 
     def changes(self, host: str) -> list[dict]:
         path = self.out / f"resize-{host}.jsonl"

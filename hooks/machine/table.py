@@ -1,0 +1,298 @@
+"""The agreed-step machine's table: every phase of an agreed step, what runs to reach it, and who
+runs it, for every walk (a drain, either side of an in-place change, a joiner), in one place.
+
+    agreed -> decided -> checkpointed -> [handover] -> durable -> [left -> formed -> rebuilt ->
+    transferred -> committed] -> departed
+
+`TABLE` rows: (phase, action, who, on_error). `who` is the set of roles that run the row (the
+role is taken in `decided`): a drain walks checkpointed -> durable -> departed; a leaving rank
+checkpointed -> handover -> durable -> left -> departed; a staying rank every row of the change
+and no departure; a joiner (in `resume()`) transferred -> committed; a settled membership stops
+after `decided`. `on_error`: `End.DEPART` (the rank's failed outcome, `Role.failed`: fallback,
+leave or drain, then the departure, the one row a failed walk still runs) or `End.RAISE` (the
+agreement's own broadcast: as any training collective; a joiner's rows raise too, it holds
+nothing to fall back to). The executor (`machine.executor`) walks the rows; each action takes the
+`Walk` (what one walk carries from phase to phase) and raises on failure.
+
+What each phase does:
+- `agreed`: the notice `verdict.source_rank` holds (or the pushed membership's holder) is
+  broadcast, with the agreed (earliest) deadline: every rank acts on the same notice.
+- `decided`: `decide.decide` (pure); for a pushed membership rank 0's word on whether it
+  settles holds on every rank (the stale rule reads this rank's clock): the settle vote. A
+  settled membership's generation is adopted; a membership change's generation too.
+- `checkpointed` (old group): `checkpoint.Checkpoint.start`: the state of the agreed step copied,
+  its durable write behind, on the old formation's checkpoint group. Nothing has moved yet.
+- `handover` (old group, a change): the state this rank holds for the new group
+  (`transfer.hand_over`: the reshard plan voted on, leaving ranks' rows sent to survivors), and,
+  when the new leader is a survivor, its store's address broadcast from it. It overlaps the write.
+- `durable` (old group): `Checkpoint.finish`: the write committed by every rank, the
+  @on_reclaim hooks, the vote. In a change the write is waited for at most one re-form timeout
+  beyond the adapter's estimate of a save: a write held by a stopped peer (its commit protocol
+  waits on it once per collective) counts as failed then. It is the last collective on the old
+  groups, so a leaving rank never leaves before its part is committed. A change in which someone
+  leaves does not go on without a durable checkpoint (`Resize.requires_durable`): every rank
+  departs, 84; a grow goes on, not durable. The write cannot run past `left`: its commit
+  protocol runs on the old formation's checkpoint group, the only one that holds every part of
+  the agreed step.
+- `left` (a change): the old groups are gone (`GroupSession.leave`, no last agreement).
+- `formed` (staying): the new default group at the change's prefix (`GroupSession.reform`) on the
+  first survivor's store, or on the store the membership names when its leader is a joiner.
+- `rebuilt` (staying): `adapter.rebuild()` (the user's `build`), the Guard's collectives and
+  agreement on the new group (`Effects.rejoin`), its hosts: the order a joiner makes them in.
+- `transferred` (new group): the state from a live peer when anybody joins (`transfer.receive`),
+  loaded by every rank (a joiner takes the extras too).
+- `committed` (new group): one `all_ok` vote over the new group.
+- `departed`: `departure.depart` (termination message, @on_drain hooks, exit or the loop).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+from spotguard.hooks.adapters.base import ResizableAdapter, resizable_adapter
+from spotguard.hooks.agreement.base import Verdict
+from spotguard.hooks.agreement.collectives import Collectives
+from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, MembershipView
+from spotguard.hooks.elastic.transfer import HeldState, hand_over, load, receive
+from spotguard.hooks.group_session import GroupSession
+from spotguard.hooks.machine.checkpoint import Checkpoint
+from spotguard.hooks.machine.decide import Decision, Drain, Resize, Settle, decide
+from spotguard.hooks.machine.departure import Departure, depart
+from spotguard.hooks.machine.effects import Effects
+from spotguard.hooks.machine.model import Phase, Role, StepRecord
+from spotguard.wire.notice import Notice
+
+if TYPE_CHECKING:
+    from spotguard.hooks.adapters.base import CheckpointAdapter
+
+log = logging.getLogger("spotguard.hooks.elastic")
+
+
+class End(enum.Enum):
+    DEPART = "the rank's failed outcome (fallback, leave, drain), then the departure"
+    RAISE = "the exception propagates (the groups abandoned first)"
+
+
+class NotDurable(RuntimeError):
+    """A change's checkpoint failed on some rank (every rank learns it in the vote) while someone
+    leaves: nobody leaves the old group for the new one, every rank departs with 84."""
+
+
+@dataclass
+class Walk:
+    """What one walk of the table carries from phase to phase (the executor makes it)."""
+
+    step: int
+    record: StepRecord
+    session: GroupSession
+    effects: Effects
+    view: MembershipView | None
+    departure: Departure
+    deadline: float  # time.monotonic() by which this walk ends on every rank
+    verdict: Verdict | None = None
+    role: Role = Role.UNDECIDED
+    notice: Notice | None = None
+    decision: Decision | None = None
+    checkpoint: Checkpoint | None = None
+    held: HeldState | None = None
+    store: str = ""  # "host:port" of the new group's leader's store
+    limit: float = 0.0  # the seconds this row may still take: to the deadline (the executor sets it)
+    peer_limit: float = 0.0  # the seconds any one wait of this row on a peer may take (likewise)
+
+    @property
+    def collectives(self) -> Collectives:
+        return self.effects.collectives()
+
+    @property
+    def adapter(self) -> CheckpointAdapter | None:
+        return self.effects.adapter()
+
+    def resizable(self) -> ResizableAdapter:
+        adapter = resizable_adapter(self.adapter)
+        if adapter is None:
+            raise RuntimeError("an in-place change needs an adapter made with build=")
+        return adapter
+
+    def resize(self) -> Resize:
+        assert isinstance(self.decision, Resize), "a change's row on a walk that is no change"
+        return self.decision
+
+
+# ---- the actions (each raises on failure) ---------------------------------------------------------
+def agree_on_notice(walk: Walk) -> None:
+    verdict = walk.verdict
+    assert verdict is not None
+    if not verdict.on_notice:  # a pushed membership, agreed in its own field: its holder sends it
+        verdict = Verdict(verdict.membership, verdict.deadline_ts, verdict.membership_source)
+    walk.notice = walk.record.notice = agreed_notice(walk.collectives, verdict)
+    walk.record.reason = walk.notice.kind.value
+
+
+def agreed_notice(collectives: Collectives, verdict: Verdict) -> Notice:
+    """The notice every rank acts on: the one `verdict.source_rank` contributed, with the agreed deadline."""
+    notice = verdict.pending
+    if collectives.distributed:
+        payload = b""
+        if collectives.rank == verdict.source_rank and verdict.pending is not None:
+            payload = verdict.pending.to_json().encode()
+        notice = Notice.from_json(collectives.broadcast_bytes(payload, verdict.source_rank))
+    if notice is None:
+        raise ValueError("a verdict without a pending notice (a single process acts only on its own notice)")
+    if math.isfinite(verdict.deadline_ts):
+        notice = notice.with_deadline(datetime.fromtimestamp(verdict.deadline_ts, UTC))
+    return notice
+
+
+def decide_and_vote(walk: Walk) -> None:
+    notice = walk.notice
+    assert notice is not None
+    resizable = resizable_adapter(walk.adapter) is not None
+    decision = decide(notice, walk.step, walk.view, resizable)
+    if walk.view is not None and resizable and notice.source == MEMBERSHIP_SOURCE:
+        decision = settle_vote(walk, decision)
+    take(walk, decision)
+
+
+def settle_vote(walk: Walk, mine: Decision) -> Decision:
+    """Whether an agreed membership settles is rank 0's word on every rank: the stale rule
+    compares times read on different ranks' clocks, which must not split the group."""
+    notice = walk.notice
+    assert notice is not None
+    word = walk.collectives.broadcast_bytes(mine.why.encode() if isinstance(mine, Settle) else b"", 0)
+    if bool(word) == isinstance(mine, Settle):
+        return mine
+    if word:
+        return Settle(int(notice.detail["generation"]), word.decode(errors="replace"))
+    return decide(notice, walk.step, walk.view, True, stale_rule=False)
+
+
+def take(walk: Walk, decision: Decision) -> None:
+    """The role `decision` gives this rank, and what the record and the view learn from it."""
+    walk.decision, record, notice = decision, walk.record, walk.notice
+    assert notice is not None
+    if isinstance(decision, Settle):
+        walk.role = Role.SETTLED
+        if walk.view is not None:
+            walk.view.adopt(decision.generation)
+        log.warning("membership %d needs no change (%s): training goes on", decision.generation, decision.why)
+    elif isinstance(decision, Drain):
+        walk.role = Role.DRAINING
+        if walk.view is not None:
+            log.warning("notice %s: every rank drains (%s)", notice.id, decision.why)
+    else:
+        change, plan = decision.change, decision.change.plan
+        record.reason, record.old_world_size, record.new_world_size = change.reason, plan.old_world_size, \
+            plan.new_world_size
+        record.new_rank = plan.new_rank(record.old_rank)
+        record.joiners = len(plan.joining_hosts) * plan.procs_per_host
+        walk.role = Role.STAYING if record.new_rank is not None else Role.LEAVING
+        if notice.source == MEMBERSHIP_SOURCE and walk.view is not None:
+            walk.view.adopt(change.generation)
+    record.outcome = walk.role.outcome
+
+
+def start_checkpoint(walk: Walk) -> None:
+    assert walk.notice is not None
+    for_notice = not isinstance(walk.decision, Resize) or walk.decision.for_notice
+    walk.checkpoint = Checkpoint(walk.effects, walk.step, walk.notice, for_notice)
+    walk.checkpoint.start()
+
+
+def finish_checkpoint(walk: Walk) -> None:
+    assert walk.checkpoint is not None
+    wait = walk.limit
+    if walk.role is not Role.DRAINING:  # a change: one wait on a peer beyond what a save takes here
+        adapter = walk.adapter
+        estimate = adapter.estimate_save_seconds() if adapter is not None else None
+        wait = min(wait, walk.peer_limit + (estimate or 0.0))
+    saved = walk.record.saved = walk.checkpoint.finish(wait)
+    if not saved.durable and isinstance(walk.decision, Resize) and walk.decision.requires_durable:
+        raise NotDurable(f"the checkpoint of step {walk.step} failed: every rank departs")
+
+
+def hand_over_state(walk: Walk) -> None:
+    change, adapter, rendezvous = walk.resize().change, walk.resizable(), walk.session.rendezvous
+    assert rendezvous is not None
+    plan, old_rank = change.plan, walk.record.old_rank
+    walk.held = hand_over(walk.collectives, adapter, walk.step, adapter.extra_state_now(), plan)
+    # The first survivor (in target order) serves the new group's store unless its leader
+    # is a joiner (whose store the membership names).
+    first = plan.first_survivor_old_rank
+    survivor_store = walk.collectives.broadcast_bytes(rendezvous.address.encode() if old_rank == first else b"",
+                                                      first).decode()
+    if old_rank == first:
+        rendezvous.serve(walk.session.timeouts.reform)
+    walk.store = survivor_store if plan.leader_old_rank is not None else change.store
+
+
+def leave_old_groups(walk: Walk) -> None:
+    walk.session.leave()
+
+
+def form_new_group(walk: Walk) -> None:
+    change, new_rank = walk.resize().change, walk.record.new_rank
+    assert new_rank is not None
+    walk.session.reform(walk.store, change.prefix, new_rank, change.plan.new_world_size, walk.peer_limit)
+
+
+def rebuild(walk: Walk) -> None:
+    walk.resizable().rebuild()
+    walk.effects.rejoin()
+    if walk.view is not None:
+        walk.view.learn_hosts(walk.collectives)
+
+
+def transfer_state(walk: Walk) -> None:
+    adapter, joiner = walk.resizable(), walk.held is None
+    held = receive(walk.collectives, adapter, walk.held, share_first=joiner or walk.record.joiners > 0)
+    load(adapter, held)
+    if joiner:
+        adapter.extra = dict(held.extra)
+    walk.held = held
+
+
+def commit(walk: Walk) -> None:
+    if not walk.collectives.all_ok(True):
+        raise RuntimeError("a rank of the new group failed the change")
+
+
+def depart_now(walk: Walk) -> None:
+    depart(walk.record, walk.checkpoint, walk.effects, walk.departure)
+
+
+# ---- the table ------------------------------------------------------------------------------------
+OLD = frozenset({Role.UNDECIDED})
+SAVING = frozenset({Role.DRAINING, Role.STAYING, Role.LEAVING})
+CHANGING = frozenset({Role.STAYING, Role.LEAVING})
+STAYING = frozenset({Role.STAYING})
+NEW = frozenset({Role.STAYING, Role.JOINING})
+DEPARTING = frozenset({Role.DRAINING, Role.LEAVING, Role.FAILED})
+
+
+@dataclass(frozen=True)
+class Row:
+    phase: Phase  # reached when `action` returns
+    action: Callable[[Walk], None]
+    who: frozenset[Role]  # the roles that run it
+    on_error: End  # where an exception in `action` ends
+
+
+TABLE: tuple[Row, ...] = (
+    #   phase               action              who        on error
+    Row(Phase.AGREED, agree_on_notice, OLD, End.RAISE),
+    Row(Phase.DECIDED, decide_and_vote, OLD, End.DEPART),
+    Row(Phase.CHECKPOINTED, start_checkpoint, SAVING, End.DEPART),
+    Row(Phase.HANDOVER, hand_over_state, CHANGING, End.DEPART),  # while the write runs behind
+    Row(Phase.DURABLE, finish_checkpoint, SAVING, End.DEPART),
+    Row(Phase.LEFT, leave_old_groups, CHANGING, End.DEPART),
+    Row(Phase.FORMED, form_new_group, STAYING, End.DEPART),
+    Row(Phase.REBUILT, rebuild, STAYING, End.DEPART),
+    Row(Phase.TRANSFERRED, transfer_state, NEW, End.DEPART),
+    Row(Phase.COMMITTED, commit, NEW, End.DEPART),
+    Row(Phase.DEPARTED, depart_now, DEPARTING, End.RAISE),
+)
