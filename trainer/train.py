@@ -277,6 +277,20 @@ def log_checkpoint(events: Any, record: Any, drain: bool = False, digest: str | 
                  **({"digest": digest} if drain else {}))
 
 
+def leave_drained(events: Any, guard: Guard, framework: str, model: Any, optimizer: Any) -> None:
+    """This rank drained: its `agreed` / `durable` (with the saved state's digest unless the save
+    was a snapshot or FSDP2's shards) and `drained` events, then the process ends with the drain's
+    exit code."""
+    record = guard.last_drain
+    digest = None if record.used_snapshot or framework == "fsdp2" else digest_of(model, optimizer)
+    log_checkpoint(events, record, drain=True, digest=digest)
+    events.write("drained", step=record.step + 1, exit_code=record.exit_code)
+    events.close()
+    guard.close()
+    _shutdown()
+    _leave(record.exit_code)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -344,14 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             batching = Batching(args, world_size, base_world)
             set_lr(optimizer, batching.lr)
         if drained:
-            record = guard.last_drain
-            log_checkpoint(events, record, drain=True, digest=None if record.used_snapshot or args.framework == "fsdp2"
-                           else digest_of(model, optimizer))
-            events.write("drained", step=record.step + 1, exit_code=record.exit_code)
-            events.close()
-            guard.close()
-            _shutdown()
-            _leave(record.exit_code)
+            leave_drained(events, guard, args.framework, model, optimizer)
     events.write("finished", step=args.steps if step + 1 >= args.steps else step + 1, max_step_gap=round(max_gap, 4),
                  pid=os.getpid())
     events.close()
