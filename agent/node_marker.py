@@ -72,12 +72,14 @@ PATCH_TYPE = STRATEGIC_MERGE_PATCH
 
 
 class NodeMarker:
-    """See the module docstring. `api_client`: a kubernetes ApiClient (spotguard.kube)."""
+    """See the module docstring. `api_client`: a kubernetes ApiClient (spotguard.kube), or `kube`:
+    a `Kube` to use instead (the dry-run's local API)."""
 
     def __init__(self, api_client, node: str, cordon: bool = False, event_pods: bool = True,
                  backoff: Backoff | None = None, *, startup_grace: float = 10.0,
-                 event_namespace: str = "default", request_timeout: float = 5.0, conflict_retries: int = 5):
-        self.kube = Kube(api_client, request_timeout=request_timeout)
+                 event_namespace: str = "default", request_timeout: float = 5.0, conflict_retries: int = 5,
+                 kube: Kube | None = None):
+        self.kube = kube if kube is not None else Kube(api_client, request_timeout=request_timeout)
         self.node = node
         self.cordon = cordon
         self.backoff = backoff or Backoff(base=0.5, cap=30.0)

@@ -145,9 +145,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="backfill: trace seconds spot must stay free before a swap-back (default 300)")
     p.add_argument("--on-demand-max", type=_positive(int), default=None,
                    help="backfill: at most this many on-demand replicas (default --workers)")
-    p.add_argument("--no-hold", dest="hold", action="store_false",
-                   help="backfill: the noticed rank leaves at once instead of training on while its warm "
-                        "standby starts (the replacement hold, hooks/replacement_hold.py: on by default)")
     p.add_argument("--horizon", type=_positive(float), default=None,
                    help="the Guard's notice horizon in every rank (SPOTGUARD_HORIZON_SECONDS): a rank with a "
                         "notice keeps training until its deadline is this close (default: the Guard's 120 s, "
@@ -209,8 +206,7 @@ def print_plan(args: argparse.Namespace, scenario, rows, path: Path) -> None:
 async def run_all(args: argparse.Namespace, scenario, run_dir: Path) -> list[Comparison]:
     """One Comparison per round (a round runs every mode once, in `args.modes` order)."""
     backfill = BackfillOptions(fallback_after=args.fallback_after / args.time_scale,
-                               return_after=args.return_after / args.time_scale, on_demand_max=args.on_demand_max,
-                               hold=args.hold)
+                               return_after=args.return_after / args.time_scale, on_demand_max=args.on_demand_max)
     rounds = []
     for index in range(args.rounds):
         round_dir = run_dir if args.rounds == 1 else run_dir / f"round-{index + 1}"
@@ -318,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       "fallback_after": args.fallback_after,
                                                       "return_after": args.return_after,
                                                       "on_demand_max": args.on_demand_max,
-                                                      "horizon": args.horizon, "hold": args.hold,
+                                                      "horizon": args.horizon,
                                                       "checkpoint_every": args.checkpoint_every,
                                                       "rounds": args.rounds},
                                          **figures}, indent=2))

@@ -27,7 +27,7 @@ from typing import Any
 from collections.abc import Collection, Mapping
 
 from spotguard.kube.api import PODS, NotFound
-from spotguard.supervisor import capacity, capacity_type, placement
+from spotguard.supervisor import capacity, capacity_type, membership, placement
 from spotguard.supervisor.disruption import being_taken, departed
 from spotguard.supervisor.backfill import BackfillClocks, BackfillSettings, BackfillStep
 from spotguard.supervisor.cluster_cache import ClusterCache, JobKey, meta
@@ -77,9 +77,10 @@ class Placing:
 class Placer:
     """See the module docstring."""
 
-    def __init__(self, cache: ClusterCache, effects: JobEffects):
+    def __init__(self, cache: ClusterCache, effects: JobEffects, hosts_mode: str = "node"):
         self.cache = cache
         self.effects = effects
+        self.hosts_mode = hosts_mode  # how the membership names a pod's host (membership.host_of)
 
     def wants(self, policy: Policy, obj: Mapping[str, Any], adapter: JobAdapter) -> bool:
         """Whether the job places its own pods: in place, the fallback on, its template gated."""
@@ -99,7 +100,8 @@ class Placer:
             return record, None
         every = self.cache.pods_of(key)
         pods = [p for p in every if adapter.is_replica_pod(p) and (capacity.pod_active(p) or being_taken(p))]
-        facts = [self._facts(p, label, departing) for p in pods]
+        facts = [pod_facts(p, label, known=((p.get("spec") or {}).get("nodeName") or "") in self.cache.nodes,
+                           departing=departing, members=record.members, hosts_mode=self.hosts_mode) for p in pods]
         spot_spec = {**spec, "nodeSelector": {**(spec.get("nodeSelector") or {}), label.key: label.spot[0]}}
         od_spec = {**spec, "nodeSelector": {**(spec.get("nodeSelector") or {}), label.key: label.on_demand}}
         settings = BackfillSettings(policy.max_replicas, policy.fallback.after, policy.fallback.return_after,
@@ -129,12 +131,20 @@ class Placer:
                 continue
             log.info("job %s/%s: pod %s placed on %s: %s", key[1], key[2], name, where, placing.chosen.step.reason)
 
-    def _facts(self, pod: Mapping[str, Any], label, departing: Collection[str]) -> placement.PodFacts:
-        name = meta(pod).get("name", "")
-        where = placement.placed_on(pod, label)
-        node_name = (pod.get("spec") or {}).get("nodeName") or ""
-        known = node_name in self.cache.nodes
-        running = (pod.get("status") or {}).get("phase") == "Running"
-        leaving = (running and known and node_name in departing) or being_taken(pod)
-        return placement.PodFacts(name, pod_index(pod), where, member=running and known and not leaving,
-                                  leaving=leaving)
+
+def pod_facts(pod: Mapping[str, Any], label: capacity_type.CapacityLabel, *, known: bool,
+              departing: Collection[str], members: Collection[str], hosts_mode: str) -> placement.PodFacts:
+    """One replica pod as placement sees it (`known`: its node is in the cache). Leaving when it
+    runs on a departing node (notice_policy's departures, the reconciler's `departing`) or
+    Kubernetes is taking it away (disruption.being_taken: a scheduler preemption, an eviction).
+    A member when it runs on a known node, is not leaving, and the last membership lists its host
+    (before any membership: when it runs). A pod that runs but was not admitted yet (a warm
+    standby starting, a joiner waiting to be Ready) is starting, not a member: counted as a
+    member, a standby still starting looked like an on-demand member, and a spot node that came
+    back meanwhile was placed to replace it (the swap-back) before it ever joined."""
+    node_name = (pod.get("spec") or {}).get("nodeName") or ""
+    running = (pod.get("status") or {}).get("phase") == "Running"
+    leaving = (running and known and node_name in departing) or being_taken(pod)
+    listed = not members or membership.host_of(pod, hosts_mode) in members
+    return placement.PodFacts(meta(pod).get("name", ""), pod_index(pod), placement.placed_on(pod, label),
+                              member=running and known and not leaving and listed, leaving=leaving)

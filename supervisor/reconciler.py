@@ -58,7 +58,7 @@ class Reconciler:
         self.metrics = metrics
         self.is_leader = is_leader
         self.requeue = requeue
-        self.placer = Placer(cache, effects)
+        self.placer = Placer(cache, effects, membership_hosts)
 
     async def reconcile(self, key: JobKey) -> Decision | None:
         """One pass over one job (see the module docstring). Returns the decision taken."""

@@ -18,11 +18,12 @@ pytestmark = pytest.mark.slow
 def dry_run(tmp_path: Path, scenario_text: str | None = None, *args: str,
             timeout: float = 300) -> tuple[int, dict | None, str]:
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "spotguard", "dry-run", "--no-live", "--out", str(out), "--time-limit", "240", *args]
+    cmd = [sys.executable, "-m", "spotguard", "dry-run", "--no-live", "--out", str(out), "--time-limit", "240"]
     if scenario_text is not None:
         path = tmp_path / "scenario.yaml"
         path.write_text(scenario_text)
         cmd += ["--scenario", str(path)]
+    cmd += args  # last: `-- TRAINER ARGS` takes the rest
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -87,7 +88,13 @@ def test_default_dry_run_changes_membership_in_place(tmp_path):
 
 
 def test_restart_path_dry_run_survives_a_reclaim_and_scales_back(tmp_path):
-    code, report, output = dry_run(tmp_path, SHORT_DEFAULT, "--membership", "restart")
+    """torchrun per pod (c10d): the reclaim drains every rank, the Job controller relaunches the
+    pods the supervisor scaled to (world 1); the node given back is scaled out to, and torchrun
+    restarts the survivor's worker to grow (it drains: one consistent save, world 2). Capacity
+    returns late enough that the world-1 group has formed even on a loaded machine."""
+    scenario = SHORT_DEFAULT.replace("steps: 300", "steps: 800").replace("at: 8, kind: capacity",
+                                                                        "at: 25, kind: capacity")
+    code, report, output = dry_run(tmp_path, scenario, "--membership", "restart")
     assert report is not None, output[-3000:]
     assert code == 0 and report["ok"], (report["problems"], output[-3000:])
     reclaim, capacity = report["timeline"]
@@ -98,9 +105,42 @@ def test_restart_path_dry_run_survives_a_reclaim_and_scales_back(tmp_path):
     assert capacity["kind"] == "capacity"
     assert_consistent_save(capacity, world_size=1)
     assert capacity["relaunch_world_size"] == 2
-    assert report["steps_completed"] == 300 and report["steps_lost"] == 0
+    assert report["steps_completed"] == 800 and report["steps_lost"] == 0
     assert (tmp_path / "run" / "timeline.png").stat().st_size > 10_000
     assert "resumed state == saved state" in output
+
+
+MISSED_DEADLINE = """\
+name: missed-deadline
+cloud: aws
+workers: 2
+policy: elastic
+min_workers: 1
+membership: restart
+steps: 300
+step_seconds: 0.05
+events:
+  - {at: 2, kind: reclaim, node: node-1, lead: 4}
+"""
+
+
+def test_a_rank_still_training_at_its_deadline_fails_the_run_and_no_worker_of_it_trains_on(tmp_path):
+    """No Guard (`-- --no-guard`): nothing drains node-1's rank before its node's deadline. The
+    node dies then: every process of its pod is killed (torchrun's worker too, in a session of its
+    own), so no step of node-1 is logged past the deadline, and the run fails (exit 1) naming the
+    missed deadline."""
+    code, report, output = dry_run(tmp_path, MISSED_DEADLINE, "--", "--no-guard", timeout=420)
+    assert report is not None, output[-3000:]
+    assert code == 1 and not report["ok"], (report["problems"], output[-3000:])
+    missed = [p for p in report["problems"] if p.startswith("node-1 reached its deadline with its rank still training")]
+    assert missed, report["problems"]
+    events = [json.loads(line) for path in (tmp_path / "run" / "events").glob("*.jsonl")
+              for line in path.read_text().splitlines() if line.strip()]
+    started = min(e["t"] for e in events if e["event"] == "start")
+    deadline = started + report["timeline"][0]["deadline"]
+    late = [e for e in events if e.get("node") == "node-1" and e["event"] == "step" and e["t"] > deadline + 1.0]
+    assert late == [], f"node-1 trained on past its deadline: {late[:3]}"
+    assert "reached its deadline" in output
 
 
 def test_malformed_scenario_names_the_line_and_starts_nothing(tmp_path):

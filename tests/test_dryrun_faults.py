@@ -1,8 +1,9 @@
-"""The dry-run under faults (issue 18): real agents, sidecars, Guards and `spotguard launch`.
+"""The dry-run under faults (issue 18): real agents, sidecars, Guards and `spotguard launch`, the
+supervisor's own code deciding every membership (issue 35).
 
 Each test runs a `DryRun` in this process and steers it from its `on_update` hook (called every
 tick of its loop) at a moment it waits for, never after a sleep: a joiner is frozen once it is
-ready and killed once the survivors are blocked in the change, a reclaim lands while a joiner
+Ready and killed once the survivors are blocked in the change, a reclaim lands while a joiner
 starts. After every run, no process it started is left.
 """
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from spotguard.kube.api import PODS
 from spotguard.trainer.dryrun import DryRun
-from spotguard.trainer.reaper import marked
+from spotguard.trainer.reaper import POD_ENV, marked
 from spotguard.trainer.scenario import ScenarioEvent, parse_scenario
 
 pytestmark = pytest.mark.slow
@@ -37,39 +39,60 @@ async def nothing_left(marker: str, bound: float = 15.0) -> list[int]:
         await asyncio.sleep(0.2)
 
 
-def tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
+def pod_processes(uid: str) -> list[psutil.Process]:
+    """Every process of a pod (the kubelet marks them with the pod's uid)."""
+    return marked(uid, POD_ENV)
 
 
 def last_step_at(dry: DryRun, node: str) -> float:
-    return max((e["t"] for e in dry._events() if e["event"] == "step" and e.get("node") == node), default=0.0)
+    return max((e["t"] for e in dry.events() if e["event"] == "step" and e.get("node") == node), default=0.0)
+
+
+def joiner_on(dry: DryRun, node: str):
+    """The running pod on `node` made after training started (a replacement: a joiner) that the
+    supervisor's last membership does not list, or None."""
+    if dry.started_at is None or node in dry.world:
+        return None
+    pods = [p for p in dry.pod_log.snapshot() if p.node == node and p.finished is None and p.created > dry.started_at]
+    return max(pods, key=lambda p: p.created) if pods else None
 
 
 class FreezeJoinerThenKill:
-    """Freezes the joiner on `node` (SIGSTOP) once it is ready, so that it is admitted but never
-    forms the new group; once the survivor has made no step for 1.5 s (it waits in the change)
-    kills it (SIGKILL). The survivor's re-form then times out and falls back."""
+    """Freezes the joiner on `node` (SIGSTOP to every process of its pod) the moment its kubelet
+    reports it Ready (a listener on the local API's writes: before the supervisor can admit it), so
+    that it is admitted but never forms the new group; once the survivor has made no step for
+    1.5 s (it waits in the change) kills them (SIGKILL). The survivor's re-form then times out and
+    falls back."""
 
     def __init__(self, node: str):
         self.node = node
         self.frozen: list[psutil.Process] = []
         self.killed_at: float | None = None
+        self.pod: str | None = None
+        self.dry: DryRun | None = None
+
+    def attach(self, dry: DryRun) -> FreezeJoinerThenKill:
+        self.dry = dry
+        dry.cluster.kube.subscribe(self.on_write)
+        return self
+
+    def on_write(self, kind: str, resource: str, pod: dict) -> None:
+        if self.frozen or resource != str(PODS) or (pod.get("spec") or {}).get("nodeName") != self.node:
+            return
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in (pod.get("status") or {}).get("conditions") or [])
+        assert self.dry is not None
+        if ready and self.dry.started_at is not None and pod["metadata"]["name"] in self._replacements():
+            self.pod, self.frozen = pod["metadata"]["name"], pod_processes(pod["metadata"]["uid"])
+            for proc in self.frozen:
+                proc.send_signal(signal.SIGSTOP)
+
+    def _replacements(self) -> set[str]:
+        assert self.dry is not None
+        return {p.name for p in self.dry.pod_log.snapshot() if p.created > (self.dry.started_at or 0.0)}
 
     def __call__(self, dry: DryRun) -> None:
-        gen = dry.generation
-        if gen is None or self.killed_at is not None:
-            return
-        joiner = gen.running.get(self.node)
-        if not self.frozen:
-            if self.node in dry._joins and dry.nodes[self.node].ready_file.exists() and joiner is not None \
-                    and joiner.process.returncode is None:
-                self.frozen = tree(joiner.process.pid)
-                for proc in self.frozen:
-                    proc.send_signal(signal.SIGSTOP)
+        if self.killed_at is not None or not self.frozen:
             return
         admitted = any(m.cause == "admitted" and self.node in m.hosts for m in dry.memberships)
         if admitted and time.time() - last_step_at(dry, "node-0") > 1.5:
@@ -101,6 +124,7 @@ async def test_a_relaunch_after_a_fallback_starts_every_node_and_loses_nothing(t
     node-1 starts with node-0 instead of joining the stale membership that left it out."""
     hold = FreezeJoinerThenKill("node-1")
     dry = DryRun(scenario(FALLBACK), tmp_path / "run", on_update=hold, time_limit=300)
+    hold.attach(dry)
     report = await dry.run()
     assert await nothing_left(dry.marker) == []
     assert hold.killed_at is not None, "the joiner was never admitted and frozen"
@@ -115,8 +139,9 @@ async def test_a_relaunch_after_a_fallback_starts_every_node_and_loses_nothing(t
     capacity = report["timeline"][1]
     assert capacity["kind"] == "capacity" and capacity["path"] == "fallback", capacity
     assert capacity["resumed_step"] == capacity["checkpoint_step"], capacity
-    logs = (tmp_path / "run" / "logs" / "gen1-node-1.log").read_text()
-    assert "joining it" not in logs
+    relaunched = max((p for p in dry.pod_log.snapshot() if p.node == "node-1"), key=lambda p: p.created)
+    assert relaunched.name != hold.pod
+    assert "joining it" not in (tmp_path / "run" / "logs" / f"{relaunched.name}.log").read_text()
 
 
 RECLAIM_DURING_START_UP = """\
@@ -139,7 +164,8 @@ async def test_a_joiner_whose_node_is_reclaimed_during_its_start_up_is_not_admit
     injected: list = []
 
     def reclaim_when_the_joiner_starts(dry: DryRun) -> None:
-        if not injected and "node-1" in dry._joins:
+        joiner = joiner_on(dry, "node-1")
+        if not injected and joiner is not None and joiner.started is not None and joiner.ready is None:
             injected.append(asyncio.get_running_loop().create_task(
                 dry.inject_now(ScenarioEvent(at=0.0, kind="reclaim", node="node-1", lead=3.0))))
 
@@ -184,7 +210,8 @@ async def test_three_returns_at_once_grow_in_one_change(tmp_path):
              if (c["to_world"] or 0) > (c["from_world"] or 0)]
     assert grows == [(1, 4, "in-place")], report["membership_changes"]
     admitted = [m["hosts"] for m in report["memberships"] if m["cause"] == "admitted"]
-    assert admitted == [["node-0", "node-1", "node-2", "node-3"]], report["memberships"]
+    assert len(admitted) == 1 and admitted[0][0] == "node-0", report["memberships"]  # the survivor stays rank 0
+    assert sorted(admitted[0]) == ["node-0", "node-1", "node-2", "node-3"], report["memberships"]
     rows = [e for e in report["timeline"] if e["kind"] == "capacity"]
     assert [e["world"] for e in rows] == ["1 -> 4"] * 3, rows
 
@@ -206,7 +233,7 @@ async def test_no_process_outlives_a_run_that_raised(tmp_path):
     """The run's loop raises (here its update hook) while ranks train: run() re-raises, and
     every launcher and worker it started is gone."""
     def fail_once_training(dry: DryRun) -> None:
-        if any(e["event"] == "step" for e in dry._events()):
+        if any(e["event"] == "step" for e in dry.events()):
             raise RuntimeError("the hook failed")
 
     dry = DryRun(scenario(SHORT), tmp_path / "run", on_update=fail_once_training, time_limit=240)
@@ -221,7 +248,7 @@ async def test_no_process_outlives_a_cancelled_run(tmp_path):
     started = asyncio.Event()
 
     def note_training(dry: DryRun) -> None:
-        if dry.in_place and any(e["event"] == "resized" for e in dry._events()):
+        if any(e["event"] == "resized" for e in dry.events()):
             started.set()
 
     dry = DryRun(scenario(SHORT), tmp_path / "run", on_update=note_training, time_limit=240)

@@ -1,18 +1,24 @@
-"""Start at min in the dry-run (issue 22 item 1): every node's `spotguard launch --nnodes 2:3`
-waits; once 2 are ready (whichever first) the first membership (`start`) lists them and they train at world 2;
-the third is admitted in place (2 -> 3, one change), and nothing is lost."""
+"""Start at min in the dry-run (issue 22 item 1), the supervisor's own start-at-min code
+(in_place.start_members) deciding: every node's `spotguard launch --nnodes 2:3` waits; once 2
+are Ready (whichever first) the supervisor's first membership (`start`) lists them and they
+train at world 2; the third is admitted in place (2 -> 3, one change), and nothing is lost. After
+every pod's processes are killed (a crash of the whole group), the relaunched pods start at min
+again: a new `start` membership, the group trains at 2, the third joins."""
 from __future__ import annotations
+
+import asyncio
+import signal
+import time
 
 import pytest
 
-import asyncio
-import time
-
+from spotguard.kube.api import PODS
 from spotguard.trainer.dryrun import DryRun
-from spotguard.trainer.report import GenerationRecord
+from spotguard.trainer.reaper import POD_ENV, marked
 from spotguard.trainer.scenario import parse_scenario
 
 pytestmark = pytest.mark.slow
+INDEX = "batch.kubernetes.io/job-completion-index"
 
 START_AT_MIN = """\
 name: start-at-min
@@ -27,7 +33,13 @@ step_seconds: 0.05
 
 
 async def test_the_job_trains_at_min_and_grows_in_place(tmp_path):
-    dry = DryRun(parse_scenario(START_AT_MIN, "<test>"), tmp_path / "run", time_limit=300)
+    """The third pod is held back by a scheduling gate of the test's own until the first group
+    started (the three would otherwise race to be Ready, and the supervisor lists every pod Ready
+    when it starts the group), then scheduled: it joins in place."""
+    hold = HoldIndex("2")
+    dry = DryRun(parse_scenario(START_AT_MIN, "<test>"), tmp_path / "run", on_update=hold.release_once_started,
+                 time_limit=300)
+    dry.cluster.kube.admit(PODS, hold)
     report = await dry.run()
     assert report["ok"] and report["status"] == "finished", report["problems"]
     (start, first), (admitted, grown) = [(m["cause"], m["hosts"]) for m in report["memberships"]][:2]
@@ -37,25 +49,66 @@ async def test_the_job_trains_at_min_and_grows_in_place(tmp_path):
     assert grows == [(2, 3, "in-place")], report["membership_changes"]
 
 
+class HoldIndex:
+    """Admission: the first pod of a completion index waits behind a scheduling gate of the test's
+    own (`__call__`), until the supervisor pushed its first membership (`release_once_started`)."""
+
+    GATE = "test/held"
+
+    def __init__(self, index: str):
+        self.index = index
+        self.held: str | None = None  # the name of the pod held
+
+    def __call__(self, pod: dict) -> None:
+        if self.held is None and pod["metadata"].get("annotations", {}).get(INDEX) == self.index:
+            self.held = pod["metadata"].get("name") or pod["metadata"].get("generateName", "")
+            pod["spec"].setdefault("schedulingGates", []).append({"name": self.GATE})
+
+    def release_once_started(self, dry: DryRun) -> None:
+        if not dry.memberships:
+            return
+        for pod in dry.cluster.pods():
+            if {"name": self.GATE} in (pod["spec"].get("schedulingGates") or []):
+                dry.cluster.kube.patch(PODS, "default", pod["metadata"]["name"], {"spec": {"schedulingGates": None}})
+
+
+@pytest.mark.timeout(420)
 async def test_a_relaunch_starts_at_min_too(tmp_path):
-    """A relaunch (after a fallback or a crash: generation 1 here) starts at min like the first
-    launch: its workers wait, the first membership is a `start` one listing the first 2 ready,
-    no `relaunch` membership names all 3, and the third is a joiner. Stopped once it trains."""
-    dry = DryRun(parse_scenario(START_AT_MIN, "<test>"), tmp_path / "run", time_limit=120)
-    dry.run_dir.mkdir(parents=True)
+    """Every process of every pod is killed once the group trains at 3 (a crash of the whole
+    group): the Job controller re-creates the pods, and the supervisor starts them again the
+    start-at-min way: a second `start` membership of the pods Ready by then (at least min), and
+    the relaunched group trains at its size. Stopped once it trains."""
+    scenario = parse_scenario(START_AT_MIN.replace("steps: 160", "steps: 100000"), "<test>")
+    killed: list[float] = []
+
+    def crash_once_grown(dry: DryRun) -> None:
+        if not killed and any(len(m.hosts) == 3 for m in dry.memberships):
+            killed.append(time.time())
+            for pod in dry.pod_log.snapshot():
+                for proc in marked(pod.uid, POD_ENV):
+                    proc.send_signal(signal.SIGKILL)
+
+    dry = DryRun(scenario, tmp_path / "run", on_update=crash_once_grown, time_limit=360)
+    run = asyncio.create_task(dry.run())
+
+    def relaunched_starts() -> list[dict]:
+        return [e for e in dry.events() if e["event"] == "start" and killed and e["t"] > killed[0]
+                and not e.get("joined")]
+
+    def relaunch_trains() -> bool:
+        starts = [m for m in dry.memberships if m.cause == "start"]
+        return len(starts) == 2 and len(relaunched_starts()) >= len(starts[1].hosts)
+
     try:
-        await dry._start_nodes()
-        dry.generations.append(GenerationRecord(0, 3, ["node-0", "node-1", "node-2"], time.time(),
-                                                ended_at=time.time(), reason="crashed"))
-        await dry._launch(["node-0", "node-1", "node-2"])
-        assert [(m.cause, len(m.hosts)) for m in dry.memberships] == [("start", 2)]
-        assert dry.memberships[0].launch == 1 and len(dry.world) == 2 and len(dry._joins) == 1
-        assert dry.generation is not None and dry.generation.start_at_min
-        deadline = time.monotonic() + 90
-        while not [e for e in dry._events() if e["event"] == "start" and e.get("generation") == 1]:
+        deadline = time.monotonic() + 300
+        while not relaunch_trains():
+            assert not run.done(), f"the dry-run ended ({dry.status}) before the relaunched group trained"
             assert time.monotonic() < deadline, "the relaunched group never trained"
-            await asyncio.sleep(0.1)
-        starts = [e for e in dry._events() if e["event"] == "start" and e.get("generation") == 1]
-        assert {e["world_size"] for e in starts} == {2}  # trained at min, not at 3
+            await asyncio.sleep(0.2)
     finally:
-        await dry._stop_everything(None)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    starts = [m for m in dry.memberships if m.cause == "start"]
+    assert len(starts) == 2 and len(starts[1].hosts) >= 2, dry.memberships
+    assert {e["world_size"] for e in relaunched_starts()} == {len(starts[1].hosts)}  # the start group's size

@@ -233,37 +233,6 @@ def test_workers_get_sessions_of_their_own_or_process_groups_in_the_launchers_wi
             assert launch.wait() == 0, launch.log()
 
 
-def test_the_dry_runs_nodes_and_their_workers_stay_in_its_session(tmp_path):
-    """A simulated node (`trainer.launcher.Generation`, in place) is a process group of its own in
-    the dry-run's session, and its launcher keeps the worker there too (`--same-session`)."""
-    import asyncio
-
-    from spotguard.processes import free_port
-    from spotguard.trainer.launcher import Generation, NodeLaunch
-
-    out = tmp_path / "out"
-    out.mkdir()
-
-    async def scenario() -> tuple[dict, int, tuple[int, int], dict[str, int]]:
-        gen = Generation(0, [NodeLaunch("n0")], [str(PROBE), str(out)], tmp_path / "run",
-                         rdzv_ports={"n0": free_port()})
-        await gen.start()
-        try:
-            launcher = gen.running["n0"].process.pid
-            await asyncio.to_thread(wait_for, lambda: (out / "rank0.ready").exists(), "the worker")
-            worker = json.loads((out / "rank0.session").read_text())
-            launcher_ids = (os.getsid(launcher), os.getpgid(launcher))
-            (out / "release").touch()
-            return worker, launcher, launcher_ids, await gen.wait()
-        finally:
-            gen.signal_all(signal.SIGKILL)
-
-    worker, launcher, (launcher_sid, launcher_pgid), exits = asyncio.run(scenario())
-    assert launcher_sid == os.getsid(0) and launcher_pgid == launcher
-    assert worker["sid"] == os.getsid(0) and worker["pgid"] == worker["pid"]
-    assert exits["n0"] == 0
-
-
 def test_same_session_is_a_flag_of_the_launcher_only():
     assert launch_config().same_session is False
     assert launch_config("--same-session").same_session is True

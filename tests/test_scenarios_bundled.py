@@ -1,7 +1,9 @@
-"""Every bundled scenario, with every framework it lists, passes as a real dry-run: finished,
-nothing lost beyond what it allows, every deadline met, and in place where in place applies
-(the survivors of every reclaim keep their processes: one generation, no relaunch); a job that
-relaunches resumes from the step its ranks agreed on and saved, with the state they saved.
+"""Every bundled scenario, with every framework it lists, passes as a real dry-run run by the
+supervisor's own code: finished, nothing lost beyond what it allows, every deadline met (no
+rank of a node trains at its deadline), its `expect` counts met, and in place where in place
+applies (the survivors of every reclaim keep their processes: one generation, no relaunch); a
+job that relaunches resumes from the step its ranks agreed on and saved, with the state they
+saved; a maintenance is acted on no sooner than its deadline less the horizon (120 s).
 
 The whole matrix is the CI's check of the scenarios users run first; it runs them as shipped.
 """
@@ -17,6 +19,7 @@ from spotguard.trainer.reaper import marked
 from spotguard.trainer.scenario import bundled_scenarios, load_scenario
 
 pytestmark = pytest.mark.slow
+HORIZON = 120.0  # seconds: a notice further ahead is held (README, the Guard)
 
 CASES = [(name, framework) for name in bundled_scenarios() for framework in load_scenario(name).allowed_frameworks]
 
@@ -37,6 +40,8 @@ async def test_bundled_scenario_passes(tmp_path, name, framework):
     for row in report["timeline"]:
         if "margin_s" in row:
             assert row["margin_s"] > 0, row
+        if row["kind"] == "maintenance" and "agreed" in row:
+            assert row["agreed"] >= row["deadline"] - HORIZON - 1.0, row
     paths = {row["path"] for row in report["timeline"] if "path" in row}
     if scenario.in_place:
         assert paths <= {"in-place"}, report["timeline"]

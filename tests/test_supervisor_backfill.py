@@ -196,6 +196,39 @@ def test_a_spare_needs_start_at_min():
     check_spare(parse_policy({**base, names.ANN_START_AT_MIN: "true"}, default_max=5), 5, places_pods=True)
 
 
+def test_a_running_pod_is_a_member_only_once_the_membership_lists_it():
+    """A warm standby that runs but was not admitted yet is starting, not an (on-demand) member:
+    otherwise a spot node coming back during its start-up gets a swap-back placed against it."""
+    from spotguard.supervisor.capacity_type import BY_KEY, ON_DEMAND
+    from spotguard.supervisor.placer import pod_facts
+
+    label = BY_KEY["karpenter.sh/capacity-type"]
+
+    def pod(node: str, phase: str = "Running") -> dict:
+        return {"metadata": {"name": f"p-{node}"}, "spec": {"nodeName": node, "nodeSelector": {label.key: "on-demand"}},
+                "status": {"phase": phase}}
+
+    def facts(node: str, members: tuple[str, ...], phase: str = "Running", departing: tuple[str, ...] = ()):
+        return pod_facts(pod(node, phase), label, known=True, departing=departing, members=members, hosts_mode="node")
+
+    standby = facts("od-0", ("n0", "n1"))
+    assert (standby.member, standby.leaving, standby.capacity) == (False, False, ON_DEMAND)
+    assert facts("od-0", ("n0", "od-0")).member is True
+    assert facts("od-0", ()).member is True  # no membership yet: the first group
+    leaver = facts("n1", ("n0", "n1"), departing=("n1",))
+    assert (leaver.member, leaver.leaving) == (False, True)
+    assert facts("od-0", ("od-0",), phase="Pending").member is False
+    unknown = pod_facts(pod("od-0"), label, known=False, departing=(), members=(), hosts_mode="node")
+    assert (unknown.member, unknown.leaving) == (False, False)
+    by_name = pod_facts(pod("od-0"), label, known=True, departing=(), members=("p-od-0",), hosts_mode="pod-name")
+    assert by_name.member is True
+    preempted = pod("od-0")  # the scheduler preempts it: Kubernetes takes it away (disruption.being_taken)
+    preempted["status"]["conditions"] = [{"type": "DisruptionTarget", "status": "True",
+                                          "reason": "PreemptionByScheduler"}]
+    taken = pod_facts(preempted, label, known=True, departing=(), members=("od-0",), hosts_mode="node")
+    assert (taken.member, taken.leaving) == (False, True)
+
+
 CAPACITY = "karpenter.sh/capacity-type"
 
 

@@ -16,9 +16,10 @@ from spotguard.daemon import run_daemon, until_stopped
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "dry-run", help="run a training job locally through simulated reclaims and show the timeline",
-        description="Start a metadata emulator, an agent and a sidecar per simulated node, a local supervisor "
-                    "and a real torchrun training job; inject the scenario's reclaims; print the timeline and "
-                    "write report.json and timeline.png. Exits 1 if a deadline was missed or a step lost.")
+        description="Start a small local Kubernetes (API, Job controller, scheduler, per simulated node a "
+                    "metadata emulator, a node agent and a kubelet) and the supervisor's own controller over it, "
+                    "submit the training Job users deploy, inject the scenario's reclaims; print the timeline "
+                    "and write report.json and timeline.png. Exits 1 if a deadline was missed or a step lost.")
     p.add_argument("--cloud", choices=("aws", "gcp", "azure", "alibaba"), default=None)
     p.add_argument("--scenario", default=None, help="scenario YAML or spot-trace CSV (default: the embedded one)")
     p.add_argument("--workers", default=None, help="simulated nodes, one rank each")
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _run(scenario, run_dir: Path, extra: list[str], time_limit: int, live: bool, stop: asyncio.Event) -> int:
     from spotguard.trainer.dryrun import DryRun, write_outputs
+    from spotguard.trainer.local_cluster import DEFAULT_TIMINGS
     from spotguard.trainer.progress import LiveView
     from spotguard.trainer.report import render_text
 
@@ -67,6 +69,7 @@ async def _run(scenario, run_dir: Path, extra: list[str], time_limit: int, live:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     print(f"spotguard dry-run: scenario {scenario.name!r} on {scenario.cloud}, {scenario.workers} workers, "
           f"{scenario.framework}, {scenario.policy} policy; run dir {run_dir}", flush=True)
+    print(f"local cluster, quicker than a real one: {DEFAULT_TIMINGS.describe()}", flush=True)
     view = LiveView(scenario) if live else None
     dry = DryRun(scenario, run_dir, extra, on_update=view.update if view else None, time_limit=time_limit)
     with view or contextlib.nullcontext():

@@ -1,7 +1,7 @@
 """The trainer's event log: one JSON object per line, per rank, read back by the dry-run report.
 
 Events the reference trainer writes (every one has `t` (wall-clock seconds), `rank`,
-`world_size`, `generation`):
+`world_size`, and `process_fields()`: `generation` (the launch epoch), `node`, `group`):
 - `start`      {"step": first step of this run, "resumed_from": tag or null, "digest": state digest}
 - `step`       {"step", "loss", "samples_per_s"} (every `log_every` steps)
 - `agreed`     {"step", "notice_id", "kind", "deadline"}: all ranks agreed to act at this step
@@ -16,7 +16,16 @@ import os
 import time
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+
+
+def process_fields(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What every event of this process carries: `generation` (its container's launch epoch,
+    `SPOTGUARD_GENERATION`), `node` (`SPOTGUARD_NODE`) and `group` (its launcher's rendezvous
+    address, `MASTER_ADDR:MASTER_PORT`: trainer/rounds.py tells groups apart by it)."""
+    env = os.environ if environ is None else environ
+    return {"generation": int(env.get("SPOTGUARD_GENERATION", "0") or 0), "node": env.get("SPOTGUARD_NODE"),
+            "group": f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"}
 
 
 class EventLog:
@@ -43,17 +52,22 @@ class EventLog:
 
 def read_events(directory: str | os.PathLike) -> Iterator[dict]:
     """Every event from every *.jsonl file in `directory`, in time order; torn last lines skipped."""
-    events = []
-    for path in sorted(Path(directory).glob("*.jsonl")):
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue  # a rank killed mid-write leaves a torn last line
-            if isinstance(obj, dict) and "t" in obj and "event" in obj:
-                events.append(obj)
+    events = [e for path in sorted(Path(directory).glob("*.jsonl")) for e in read_event_file(path)]
     events.sort(key=lambda e: e["t"])
     return iter(events)
+
+
+def read_event_file(path: str | os.PathLike) -> list[dict]:
+    """The events of one log, in the order written; torn lines skipped."""
+    events = []
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue  # a rank killed mid-write leaves a torn last line
+        if isinstance(obj, dict) and "t" in obj and "event" in obj:
+            events.append(obj)
+    return events
 
 
 class EventTail:

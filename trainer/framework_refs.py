@@ -99,13 +99,12 @@ class DryRunEvents:
     `drained` (an @on_drain hook: exit 83 follows), `finished`. Steps are global steps done."""
 
     def __init__(self, opts: argparse.Namespace, rank: int, size: int):
-        from spotguard.trainer.events import EventLog
+        from spotguard.trainer.events import EventLog, process_fields
 
         path = opts.event_log
         if path is not None and rank != 0:
             path = path.replace(".jsonl", f"-rank{rank}.jsonl")
-        self.log = EventLog(path, rank=rank, world_size=size, generation=int(os.environ.get("SPOTGUARD_GENERATION", 0)),
-                            node=os.environ.get("SPOTGUARD_NODE"))
+        self.log = EventLog(path, rank=rank, world_size=size, **process_fields())
         self.log_every, self.size = max(1, opts.log_every), size
         self._tick: tuple[float, int] | None = None
         self._last_step_at: float | None = None

@@ -5,9 +5,9 @@ Modes (each one a full local dry-run, `trainer.dryrun.DryRun`, in its own run di
   training speed every other mode is measured against.
 - `periodic`: today's practice. The trainer runs `--no-guard --checkpoint-every K`; when a
   node's reclaim notice appears, the node is drained the way aws-node-termination-handler
-  does it: SIGTERM to that node's pod at notice time (`PeriodicDryRun`). Without the Guard
+  does it: its pod evicted at notice time (`PeriodicDryRun`; the kubelet's SIGTERM). Without the Guard
   the rank dies, its peers fail in their next collective, and the job restarts from the last
-  periodic checkpoint at the smaller world size (the same local supervisor decides it).
+  periodic checkpoint at the smaller world size (the supervisor decides it, as in every mode).
 - `spotguard`: the normal dry-run: notice -> agreed step -> checkpoint -> drain -> resume.
   Spot only: a reclaimed node's place stays empty until the trace returns capacity.
 - `spotguard-backfill`: the same, with on-demand backfill (`trainer.backfill_run`): a warm
@@ -32,7 +32,6 @@ import collections
 import dataclasses
 import json
 import logging
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +41,9 @@ from collections.abc import Iterable
 from spotguard.trainer.backfill_run import BackfillDryRun
 from spotguard.trainer.backfill_timeline import summarize_joiners
 from spotguard.trainer.dryrun import DryRun
-from spotguard.trainer.events import read_events
-from spotguard.trainer.launcher import Generation
+from spotguard.kube.api import PODS, NotFound
+from spotguard.trainer.cluster.job_pods import epoch
+from spotguard.trainer.job_manifest import NAMESPACE
 from spotguard.trainer.report import GenerationRecord, InjectedEvent
 from spotguard.trainer.scenario import Scenario
 
@@ -62,20 +62,23 @@ STEP_EVENTS = ("start", "step", "agreed", "durable", "finished")
 class Eviction:
     """One drain the periodic baseline's termination handler carried out."""
 
-    generation: int
+    number: int
     node: str
     notice_id: str
     at: float  # wall clock
+    pods: list[str] = field(default_factory=list)
+    survivors_stopped: bool = False
 
 
 class PeriodicDryRun(DryRun):
-    """Today's practice: periodic checkpoints, and a SIGTERM to a node's pod at notice time.
+    """Today's practice: periodic checkpoints, and a node's pods evicted at notice time.
 
-    The termination handler sees the same notices the agent serves (it polls the same
-    metadata), sends SIGTERM to the noticed node's torchrun (its process group) once per notice, and, if
-    the survivors have not failed by themselves within `survivor_grace` seconds, stops them
-    too (torchrun elastic would restart them on the membership change). A generation ended
-    this way is recorded with the reason `evicted`.
+    The termination handler sees the same notices the agent serves (it polls the same metadata)
+    and drains the noticed node the way aws-node-termination-handler does: it evicts the job's
+    pod there (the eviction API: `DisruptionTarget`, then deletion; its kubelet sends SIGTERM),
+    once per notice, and, if the other pods have not failed by themselves within
+    `survivor_grace` seconds, evicts them too (torchrun would restart them on the membership
+    change).
     """
 
     def __init__(self, scenario: Scenario, run_dir: Path, checkpoint_every: int,
@@ -85,39 +88,63 @@ class PeriodicDryRun(DryRun):
         # Today's practice relaunches on every change: torchrun, no Guard, nothing in place.
         baseline = dataclasses.replace(scenario, checkpoint_every=checkpoint_every, membership="restart")
         super().__init__(baseline, run_dir, ["--no-guard", *(train_argv_extra or [])], **kwargs)
+        self.shape.inject = False  # no sidecar either: its preStop would hold the drain for a notice
         self.survivor_grace = survivor_grace
         self.evictions: list[Eviction] = []
         self._drained_ids: set[str] = set()
 
-    def _kill_dead_nodes(self) -> None:
-        self._drain_noticed_nodes()
-        super()._kill_dead_nodes()
-
-    def _drain_noticed_nodes(self) -> None:
-        gen = self.generation
-        if gen is None or gen.done:
-            return
+    async def on_tick(self) -> None:
         now = time.time()
-        for name in list(self.world):
-            node = self.nodes.get(name)
-            if node is None:
-                continue
+        for name, node in self.nodes.items():
             for notice in node.live_notices():
                 if notice.kind.value in DRAIN_KINDS and notice.id not in self._drained_ids:
                     self._drained_ids.add(notice.id)
-                    log.info("termination handler: %s notice on %s: SIGTERM to its pod", notice.kind.value, name)
-                    gen.signal_node(name, signal.SIGTERM)
-                    self.evictions.append(Eviction(gen.index, name, notice.id, now))
-        mine = [e for e in self.evictions if e.generation == gen.index]
-        if mine and now - mine[0].at > self.survivor_grace:
-            log.info("termination handler: survivors of generation %d still running: stopping them", gen.index)
-            gen.signal_all(signal.SIGTERM)
+                    log.info("termination handler: %s notice on %s: evicting its pods", notice.kind.value, name)
+                    evicted = self._evict(lambda pod, name=name: pod["spec"].get("nodeName") == name)
+                    self.evictions.append(Eviction(len(self.evictions), name, notice.id, now, evicted))
+        for eviction in self.evictions:
+            if not eviction.survivors_stopped and now - eviction.at > self.survivor_grace:
+                eviction.survivors_stopped = True
+                survivors = self._evict(lambda pod, at=eviction.at: _started_before(pod, at))
+                if survivors:
+                    log.info("termination handler: %d pods still running %.0fs after the eviction: evicting them",
+                             len(survivors), self.survivor_grace)
 
-    def _generation_outcome(self, gen: Generation) -> str:
-        outcome = super()._generation_outcome(gen)
-        if outcome == "crashed" and any(e.generation == gen.index for e in self.evictions):
-            return "evicted"
-        return outcome
+    def report(self, finished_at: float) -> dict:
+        """The report, each generation that crashed after a drain hit it (no Guard to save it) and
+        before the next one launched marked `evicted`."""
+        report = super().report(finished_at)
+        generations = report["generations"]
+        ends = [g["launched_at"] for g in generations[1:]] + [finished_at]
+        evicted = {g["index"] for g, end in zip(generations, ends) if g["reason"] == "crashed"
+                   and any(g["launched_at"] <= e.at <= end for e in self.evictions)}
+        for row in [*generations, *report["relaunches"]]:
+            if row.get("index", row.get("generation")) in evicted:
+                row["reason"] = "evicted"
+        return report
+
+    def _evict(self, chosen) -> list[str]:
+        """Evicts the job's running pods `chosen(pod)` picks; their names."""
+        kube, out = self.cluster.kube, []
+        for pod in self.cluster.pods():
+            if (pod.get("status") or {}).get("phase") != "Running" or pod["metadata"].get("deletionTimestamp") \
+                    or not chosen(pod):
+                continue
+            conditions = [*(pod["status"].get("conditions") or []), {
+                "type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]
+            try:
+                kube.patch(PODS, NAMESPACE, pod["metadata"]["name"], {"status": {"conditions": conditions}},
+                           status=True)
+                kube.delete(PODS, NAMESPACE, pod["metadata"]["name"])
+            except NotFound:
+                continue
+            out.append(pod["metadata"]["name"])
+        return out
+
+
+def _started_before(pod: dict, at: float) -> bool:
+    started = (pod.get("status") or {}).get("startTime")
+    return bool(started) and epoch(started) <= at
 
 
 @dataclass
@@ -267,7 +294,6 @@ class BackfillOptions:
     fallback_after: float = 4.0
     return_after: float = 10.0
     on_demand_max: int | None = None
-    hold: bool = True  # a noticed rank trains on while its warm standby starts (hooks/replacement_hold.py)
 
 
 async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_every: int = 100,
@@ -288,13 +314,13 @@ async def run_mode(mode: str, scenario: Scenario, run_dir: Path, checkpoint_ever
     elif mode == "spotguard-backfill":
         dry = BackfillDryRun(scenario, where, [*GUARD_FLAGS, *extra], time_limit=time_limit,
                              fallback_after=backfill.fallback_after, return_after=backfill.return_after,
-                             on_demand_max=backfill.on_demand_max, hold=backfill.hold)
+                             on_demand_max=backfill.on_demand_max)
     else:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
     report = await dry.run()
     (where / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    events = list(read_events(where / "events")) if (where / "events").exists() else []
-    result = summarize(mode, events, dry.generations, dry.injected, scenario.steps,
+    events, generations = dry.trainer_events()
+    result = summarize(mode, events, generations, dry.injected, scenario.steps,
                        status=report.get("status", ""), run_dir=str(where))
     if isinstance(dry, BackfillDryRun):
         until = max((e["t"] for e in events if e["event"] == "finished"), default=time.time())

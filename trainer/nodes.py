@@ -1,14 +1,20 @@
-"""A simulated node for the dry-run: its cloud metadata, its agent, its training pod's sidecar.
+"""A simulated node of the dry-run: one node slot, and on it the current instance (a VM), if any.
 
-Each node has its own metadata emulator (the cloud as this VM sees it), a node agent in local
-mode (`--no-kubernetes`) polling it, a GPU health source over the fake NVML backend, and one
-sidecar relaying the agent's stream to the node's training rank. All of them are the real
-components, served over real sockets on 127.0.0.1; only the GPU is fake.
+An instance is what a cloud VM brings: its own metadata emulator (the cloud as this VM sees
+it), the node agent (polling that metadata, with a GPU health source over the fake NVML
+backend, marking its Node through the product's `NodeMarker` over the local API), and the
+kubelet (trainer/cluster/kubelet.py), which registers the Node (`karpenter.sh/capacity-type`
+spot or on-demand) and runs the pods bound to it. All real components on 127.0.0.1 but the GPU.
+
+`start()` boots a new instance; `die()` ends it as a reclaim at its deadline does: every
+process of its pods is killed, the agent and the metadata go, the Node is deleted and its pods
+fail as disrupted (trainer/cluster/gc.py); `replace_instance()` is the cloud giving the slot
+back: a new VM (new boot id, a new agent and its notices' new instance; the old one dies first
+if it still lived). `stop(grace)` ends the run: the pods get SIGTERM and `grace` seconds.
 """
 from __future__ import annotations
 
-import json
-import os
+import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -17,15 +23,19 @@ from typing import Any
 
 from spotguard.agent.app import Agent
 from spotguard.agent.config import AgentConfig
-from spotguard.emulator.nvml import FakeGpuBackend
+from spotguard.agent.node_marker import NodeMarker
 from spotguard.agent.sources.gpu import GpuHealthSource
 from spotguard.emulator.control import EmulatorControl
+from spotguard.emulator.nvml import FakeGpuBackend
 from spotguard.emulator.server import Emulator
-from spotguard.hooks.sidecar.service import Sidecar, SidecarConfig
-from spotguard.wire import names
-from spotguard.wire.membership import Membership
+from spotguard.trainer.cluster.gc import node_gone
+from spotguard.trainer.cluster.kube import LocalKube
+from spotguard.trainer.cluster.kubelet import Kubelet, LaunchEpochs
 
 FATAL_XID = 79  # "GPU has fallen off the bus": checkpoint + drain + reboot
+CAPACITY_LABEL = "karpenter.sh/capacity-type"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+INSTANCE_TYPE = "dry-run.gpu1"
 
 
 @dataclass
@@ -38,64 +48,66 @@ class Injected:
 
 
 @dataclass
+class NodeServices:
+    """What every node of one run shares: the local API, the run's directory and environment,
+    the agents' report secret, the launch epochs."""
+
+    kube: LocalKube
+    run_dir: Path
+    report_secret: Path
+    env: dict[str, str] = field(default_factory=dict)
+    epochs: LaunchEpochs = field(default_factory=LaunchEpochs)
+
+
+@dataclass
 class SimulatedNode:
     name: str
     cloud: str
-    run_dir: Path
+    services: NodeServices
+    capacity: str = "spot"  # or "on-demand"
     emulator: Emulator | None = None
     control: EmulatorControl | None = None
     agent: Agent | None = None
-    sidecar: Sidecar | None = None
     gpu: FakeGpuBackend | None = None
+    kubelet: Kubelet | None = None
     maintenance_ids: list[str] = field(default_factory=list)
-    rdzv_port: int = 0  # the rendezvous port of this node's training pod (in-place jobs)
+    instances: int = 0  # instances started so far
+    lifecycle: asyncio.Lock = field(default_factory=asyncio.Lock)  # one start / death / stop at a time
 
     @property
-    def podinfo_dir(self) -> Path:
-        """The node's "downward-API volume": the supervisor's membership annotation."""
-        return self.run_dir / "nodes" / self.name / "podinfo"
+    def alive(self) -> bool:
+        return self.kubelet is not None
 
-    @property
-    def ready_file(self) -> Path:
-        """What a joiner on this node creates once ready (the readiness probe's file)."""
-        return self.run_dir / "nodes" / self.name / "ready"
+    def busy(self) -> bool:
+        """A container of a pod on this instance still runs."""
+        return self.kubelet is not None and any(r.process is not None and r.process.returncode is None
+                                                for r in self.kubelet.pods.values())
 
-    def push_membership(self, membership: Membership) -> None:
-        """Writes the membership annotation the way the kubelet would (atomic rename; blocking)."""
-        self.podinfo_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.podinfo_dir / ".annotations.tmp"
-        tmp.write_text(f"{names.ANN_MEMBERSHIP}={json.dumps(membership.to_json())}\n")
-        os.replace(tmp, self.podinfo_dir / "annotations")
+    async def start(self) -> None:
+        """Boots a new instance (see the module docstring)."""
+        async with self.lifecycle:
+            await self._boot()
 
-    @property
-    def sidecar_url(self) -> str:
-        return self.sidecar.url
-
-    @property
-    def token_file(self) -> Path:
-        return self.run_dir / "nodes" / self.name / "hooks-token"
-
-    async def start(self, report_secret_file: Path) -> None:
-        node_dir = self.run_dir / "nodes" / self.name
-        node_dir.mkdir(parents=True, exist_ok=True)
-        self.podinfo_dir.mkdir(parents=True, exist_ok=True)
+    async def _boot(self) -> None:
+        s = self.services
+        self.instances += 1
         self.emulator = await Emulator(self.cloud).start()
         self.control = EmulatorControl(self.emulator.url, self.emulator.control_token)
         self.gpu = FakeGpuBackend(gpus=1)
         config = AgentConfig(cloud=self.cloud, metadata_url=self.emulator.url, node=self.name, host="127.0.0.1",
-                             port=0, kubernetes=False, gpu="off", report_token_file=str(report_secret_file),
+                             port=0, kubernetes=False, gpu="off", report_token_file=str(s.report_secret),
                              ready_grace=5.0, log_level="warning")
-        gpu_source = GpuHealthSource(self.name, backend=self.gpu, interval=0.5)
-        self.agent = Agent(config, gpu_source=gpu_source)
+        self.agent = Agent(config, gpu_source=GpuHealthSource(self.name, backend=self.gpu, interval=0.5),
+                           marker=NodeMarker(None, self.name, kube=s.kube, startup_grace=1.0))
         address = await self.agent.start()
-        self.sidecar = Sidecar(SidecarConfig(agent_url=f"http://{address}", token_file=str(self.token_file),
-                                             listen_port=0, agent_token_file=str(report_secret_file),
-                                             local_world_size=1, pod=f"train-{self.name}",
-                                             podinfo_dir=str(self.podinfo_dir), podinfo_interval=0.1))
-        await self.sidecar.start()
+        self.kubelet = Kubelet(s.kube, self.name, run_dir=s.run_dir, agent_url=f"http://{address}",
+                               report_secret=s.report_secret, epochs=s.epochs, env=s.env,
+                               labels={CAPACITY_LABEL: self.capacity, INSTANCE_TYPE_LABEL: INSTANCE_TYPE})
+        await self.kubelet.start()
 
     async def inject(self, kind: str, lead: float | None) -> Injected:
         """Makes the node's cloud (or GPU) announce `kind`; returns when it is served."""
+        assert self.control is not None and self.gpu is not None, f"{self.name} has no instance"
         if kind == "gpu-fault":
             self.gpu.xid(0, FATAL_XID)
             now = time.time()
@@ -108,32 +120,52 @@ class SimulatedNode:
         return Injected(notice["id"], served, served + (lead if lead is not None else notice["deadline"] - served))
 
     async def cancel_maintenance(self) -> Injected:
-        if not self.maintenance_ids:
+        if not self.maintenance_ids or self.control is None:
             return Injected(None, None, None)
         notice = await self.control.cancel(self.maintenance_ids.pop())
         return Injected(notice["id"], notice.get("canceled_at"), None)
 
-    async def replace_instance(self, report_secret_file: Path) -> None:
-        """The node comes back as a new instance: fresh metadata, agent, GPU and sidecar."""
-        await self.stop()
-        self.emulator = self.control = self.agent = self.sidecar = self.gpu = None
-        self.maintenance_ids.clear()
-        await self.start(report_secret_file)
-
     def live_notices(self) -> list[Any]:
         return list(self.agent.table.live()) if self.agent is not None else []
 
-    async def stop(self) -> None:
-        for part in (self.sidecar, self.agent):
-            if part is not None:
-                try:
-                    await part.stop()
-                except Exception:  # stopping must reach every part
-                    pass
+    async def die(self) -> list[str]:
+        """The instance is gone (module docstring); returns the pods whose container still ran
+        ([] when it had no instance any more)."""
+        async with self.lifecycle:
+            return await self._die()
+
+    async def _die(self) -> list[str]:
+        if self.kubelet is None:
+            return []
+        running = await self.kubelet.die()
+        self.kubelet = None
+        await self._stop_instance()
+        node_gone(self.services.kube, self.name)
+        return running
+
+    async def replace_instance(self) -> None:
+        async with self.lifecycle:
+            await self._die()
+            await self._boot()
+
+    async def stop(self, grace: float = 10.0) -> None:
+        async with self.lifecycle:
+            if self.kubelet is not None:
+                await self.kubelet.stop(grace)
+            await self._stop_instance()
+
+    async def _stop_instance(self) -> None:
+        if self.agent is not None:
+            try:
+                await self.agent.stop()
+            except Exception:  # stopping must reach every part
+                pass
         if self.control is not None:
             await self.control.close()
         if self.emulator is not None:
             await self.emulator.stop()
+        self.emulator = self.control = self.agent = self.gpu = None
+        self.maintenance_ids.clear()
 
 
 def _emulated(cloud: str, kind: str) -> tuple[str, dict[str, Any]]:

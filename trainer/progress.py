@@ -1,8 +1,8 @@
 """The dry-run's live view: nodes, their notices, the job's world size, step and throughput.
 
 Rendered with rich at a few frames per second from the same sources the report uses (the
-agents' live notice tables, the generations, the trainers' event logs); it never writes
-anything the run depends on.
+agents' live notice tables, the supervisor's record and memberships, the trainers' event logs);
+it never writes anything the run depends on.
 """
 from __future__ import annotations
 
@@ -45,19 +45,20 @@ class LiveView:
         head = Text.assemble(
             ("spotguard dry-run ", "bold"), (f"{self.scenario.name} ", "cyan"),
             f"t={time.time() - started:5.1f}s  ", (dry.status, "yellow"), "  policy ",
-            (f"{self.scenario.policy}/{dry.supervisor.record.phase}", "magenta"))
+            (f"{self.scenario.policy}/{dry.supervisor_log.snapshot()[2].phase}", "magenta"))
         job = Table(show_header=True, header_style="bold", box=None)
         for col in ("generation", "world size", "step", "of", "samples/s", "loss"):
             job.add_column(col)
-        job.add_row(str(len(dry.generations) - 1), str(len(dry.world)),
+        job.add_row(str(last.get("generation", 0)) if last else "-", str(len(dry.world)),
                     str(last["step"]) if last else "-", str(self.scenario.steps),
                     f"{last['samples_per_s']:.0f}" if last and last.get("samples_per_s") else "-",
                     f"{last['loss']:.4f}" if last else "-")
         nodes = Table(show_header=True, header_style="bold", box=None)
         for col in ("node", "state", "live notices"):
             nodes.add_column(col)
+        world = dry.world
         for name, node in dry.nodes.items():
-            state = "training" if name in dry.world else ("available" if name in dry.available else "gone")
+            state = "training" if name in world else ("gone" if not node.alive else "available")
             notices = ", ".join(f"{n.kind.value}({n.source})" for n in node.live_notices()) or "-"
             nodes.add_row(name, state, notices)
         recent = Table(show_header=False, box=None)

@@ -4,7 +4,9 @@ The dry-run gives each process it starts (launchers, and through them every work
 helper they start) the variable `MARK_ENV=<this run's token>`. A worker that outlived its
 launcher (re-parented, in a process group of its own) still carries it, so `reap(token)` finds it where a
 process tree or a process group no longer does. Only processes of this user whose environment
-carries this run's token are signalled, each by its PID.
+carries this run's token are signalled, each by its PID. The local kubelet marks each pod's
+processes the same way (`POD_ENV=<pod uid>`) and `kill_marked` ends a pod's processes all at
+once, as a container runtime kills a container's cgroup: the workers of a launcher included.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import signal
 import psutil
 
 MARK_ENV = "SPOTGUARD_DRYRUN_RUN"
+POD_ENV = "SPOTGUARD_DRYRUN_POD"  # a pod's uid, in the environment of each of its processes
 
 
 def new_token() -> str:
@@ -53,3 +56,22 @@ def _send(proc: psutil.Process, sig: int) -> None:
         proc.send_signal(sig)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         pass
+
+
+def kill_marked(token: str, env_name: str, rounds: int = 5) -> list[int]:
+    """Kills every process whose environment has `env_name=token`, as a container's cgroup is
+    killed: each round stops (SIGSTOP) all it finds, so none can fork or outlive its parent
+    unseen, then kills them (SIGKILL); it repeats until a round finds none (at most `rounds`).
+    Returns the PIDs it killed (blocking: call it in a thread from async code)."""
+    killed: list[int] = []
+    for _ in range(rounds):
+        procs = marked(token, env_name)
+        if not procs:
+            break
+        for proc in procs:
+            _send(proc, signal.SIGSTOP)
+        for proc in procs:
+            _send(proc, signal.SIGKILL)
+        psutil.wait_procs(procs, timeout=2.0)
+        killed += [p.pid for p in procs]
+    return killed

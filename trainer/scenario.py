@@ -21,6 +21,10 @@ Event kinds: `reclaim` (spot reclaim notice with `lead` seconds of warning), `re
 expects up to N steps lost (a notice too short for a fresh save); any more fails the run.
 `frameworks: [ddp, fsdp2]` lists the frameworks the scenario is written to pass with (default:
 its `framework`); the bundled-scenario test runs every bundled scenario with each of them.
+`expect: {decisions: N, memberships: N, changes: N, agreed: N}` (each optional) states how many
+supervisor decisions, memberships the supervisor pushes, membership changes of the ranks, and
+injected notices the ranks agreed on the scenario must see (a notice that must change nothing:
+0); any other count fails the run.
 
 A scenario can also be a spot trace (`t_seconds,event,node` with `add`/`preempt` rows; the
 bundled ones and their format are in trainer/traces/): see `scenario_from_trace`.
@@ -90,6 +94,7 @@ class Scenario:
     membership: str = ""  # in-place | restart; "" picks: in place for elastic DDP/FSDP2 jobs
     start_at_min: bool = False  # in place: train once min_workers nodes are ready, the others join in place
     frameworks: tuple[str, ...] = ()  # the frameworks it is written to pass with; () means `framework`
+    expect: tuple[tuple[str, int], ...] = ()  # (what, count): decisions | memberships | changes | agreed
     events: tuple[ScenarioEvent, ...] = field(default_factory=tuple)
 
     @property
@@ -117,7 +122,9 @@ class Scenario:
 
 
 _TOP_FIELDS = {"name", "cloud", "workers", "framework", "frameworks", "policy", "min_workers", "steps",
-               "step_seconds", "checkpoint_every", "allow_steps_lost", "membership", "start_at_min", "events"}
+               "step_seconds", "checkpoint_every", "allow_steps_lost", "membership", "start_at_min", "expect",
+               "events"}
+EXPECTED = ("decisions", "memberships", "changes", "agreed")
 _EVENT_FIELDS = {"at", "kind", "node", "lead"}
 
 
@@ -180,13 +187,22 @@ def parse_scenario(text: str, origin: str = "<scenario>") -> Scenario:
             raise ScenarioError(f"{at('start_at_min')}: start_at_min: expected true or false, "
                                 f"got {data['start_at_min']!r}")
         fields["start_at_min"] = data["start_at_min"]
+    if "expect" in data:
+        fields["expect"] = _expectations(data["expect"], at("expect"))
     if "step_seconds" in data:
         fields["step_seconds"] = float(_number(data["step_seconds"], at("step_seconds"), "step_seconds"))
 
-    events_raw = data.get("events", [])
-    events_node = key_nodes.get("events", (None, None))[1]
+    fields["events"] = _events(data.get("events", []), key_nodes.get("events", (None, None))[1], at("events"), origin)
+    scenario = Scenario(**fields)
+    _check_semantics(scenario, origin)
+    return scenario
+
+
+def _events(events_raw: Any, events_node: yaml.Node | None, where_list: str, origin: str
+            ) -> tuple[ScenarioEvent, ...]:
+    """The scenario's `events`, sorted by time; ScenarioError names the event's line and field."""
     if not isinstance(events_raw, list):
-        raise ScenarioError(f"{at('events')}: events: expected a list")
+        raise ScenarioError(f"{where_list}: events: expected a list")
     events = []
     for index, raw in enumerate(events_raw):
         node = events_node.value[index] if isinstance(events_node, yaml.SequenceNode) else None
@@ -210,10 +226,18 @@ def parse_scenario(text: str, origin: str = "<scenario>") -> Scenario:
             lead = float(_number(lead, where, f"events[{index}].lead"))
         events.append(ScenarioEvent(at=float(_number(raw["at"], where, f"events[{index}].at")), kind=raw["kind"],
                                     node=raw["node"], lead=lead, line=line))
-    fields["events"] = tuple(sorted(events, key=lambda e: e.at))
-    scenario = Scenario(**fields)
-    _check_semantics(scenario, origin)
-    return scenario
+    return tuple(sorted(events, key=lambda e: e.at))
+
+
+def _expectations(raw: Any, where: str) -> tuple[tuple[str, int], ...]:
+    if not isinstance(raw, dict) or not raw:
+        raise ScenarioError(f"{where}: expect: expected a mapping of {', '.join(EXPECTED)} to counts")
+    out = []
+    for key, value in raw.items():
+        if key not in EXPECTED:
+            raise ScenarioError(f"{where}: expect.{key}: unknown (known: {', '.join(EXPECTED)})")
+        out.append((key, int(_number(value, where, f"expect.{key}", integer=True))))
+    return tuple(out)
 
 
 def _check_semantics(s: Scenario, origin: str) -> None:

@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from spotguard.data import ElasticSampler
 from spotguard.hooks.elastic import elastic_process
 from spotguard.hooks.guard import Guard
 from spotguard.hooks.step_result import CONTINUED
-from spotguard.trainer.events import EventLog
+from spotguard.trainer.events import EventLog, process_fields
 from spotguard.trainer.model import Samples, build_model, state_digest
 from spotguard.trainer.console import ConsoleEcho
 
@@ -249,15 +250,55 @@ def joined_running_group() -> bool:
     return os.environ.get("SPOTGUARD_JOIN") == "1" or (process is not None and process.joined is not None)
 
 
+def log_resize(events: Any, guard: Guard, resize: Any) -> None:
+    """An in-place change this rank made: the `resized` event (a shrink logs its agreement and
+    checkpoint first, as a drain does)."""
+    if resize.old_world_size > resize.new_world_size and guard.last_drain is not None:
+        log_checkpoint(events, guard.last_drain)  # a shrink: this rank agreed and checkpointed too
+    events.write("resized", step=resize.step + 1, path=resize.outcome.value, reason=resize.reason,
+                 from_world=resize.old_world_size, to_world=resize.new_world_size, new_rank=resize.new_rank,
+                 pause=round(resize.pause_seconds, 4), phases={k: round(v, 4) for k, v in resize.phases.items()},
+                 pid=os.getpid())
+    events.common.update(rank=guard.rank, world_size=guard.world_size)
+
+
+def log_checkpoint(events: Any, record: Any, drain: bool = False, digest: str | None = None) -> None:
+    """A Guard drain record as the `agreed` and `durable` events (trainer.events); a drain's
+    `agreed` carries the notice's deadline, its `durable` the state digest and only a save that
+    succeeded; a shrink's (the rank re-formed after its checkpoint) always has both."""
+    notice = record.notice
+    extra = {"deadline": notice.deadline.timestamp() if notice.deadline else None} if drain else {}
+    events.write("agreed", t=record.hooks_started_at, step=record.step + 1, notice_id=notice.id,
+                 kind=notice.kind.value, detected_at_unix=notice.detected_at.timestamp(), **extra)
+    if drain and not record.ok:
+        return
+    events.write("durable", t=record.hooks_started_at + record.checkpoint_seconds, step=record.saved_step + 1,
+                 seconds=round(record.checkpoint_seconds, 4), snapshot=record.used_snapshot,
+                 **({"digest": digest} if drain else {}))
+
+
+def leave_drained(events: Any, guard: Guard, framework: str, model: Any, optimizer: Any) -> None:
+    """This rank drained: its `agreed` / `durable` (with the saved state's digest unless the save
+    was a snapshot or FSDP2's shards) and `drained` events, then the process ends with the drain's
+    exit code."""
+    record = guard.last_drain
+    digest = None if record.used_snapshot or framework == "fsdp2" else digest_of(model, optimizer)
+    log_checkpoint(events, record, drain=True, digest=digest)
+    events.write("drained", step=record.step + 1, exit_code=record.exit_code)
+    events.close()
+    guard.close()
+    _shutdown()
+    _leave(record.exit_code)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     rank, world_size = setup_distributed()
-    generation = int(os.environ.get("SPOTGUARD_GENERATION", "0"))
     events = EventLog(args.event_log if rank == 0 or args.event_log is None else
                       args.event_log.replace(".jsonl", f"-rank{rank}.jsonl"),
-                      rank=rank, world_size=world_size, generation=generation, node=os.environ.get("SPOTGUARD_NODE"))
+                      rank=rank, world_size=world_size, **process_fields())
     base_world = args.base_world_size or int(os.environ.get("SPOTGUARD_BASE_WORLD_SIZE", world_size))
     args.base_world = base_world
     batching = Batching(args, world_size, base_world)
@@ -279,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         batching = Batching(args, world_size, base_world)
     if optimizer is not None:
         set_lr(optimizer, batching.lr)
-    joined = os.environ.get("SPOTGUARD_JOIN") == "1"
+    joined = joined_running_group()  # by --join or by the join rule (hooks/elastic/join.py)
     events.write("start", step=start, digest=digest_of(model, optimizer), resumed=start > 0,
                  global_batch=batching.global_size, accumulation=batching.accumulation, lr=batching.lr,
                  joined=joined, pid=os.getpid())
@@ -311,42 +352,13 @@ def main(argv: list[str] | None = None) -> int:
             adapter.save(step, reason="first")
         result = guard.step(step) if guard is not None else CONTINUED
         drained = result.drained
-        if result.resize is not None:
-            resize = result.resize
-            if not drained and resize.old_world_size > resize.new_world_size and guard.last_drain is not None:
-                record = guard.last_drain  # a shrink: this rank agreed and checkpointed too
-                events.write("agreed", t=record.hooks_started_at, step=record.step + 1, notice_id=record.notice.id,
-                             kind=record.notice.kind.value, detected_at_unix=record.notice.detected_at.timestamp())
-                events.write("durable", t=record.hooks_started_at + record.checkpoint_seconds,
-                             step=record.saved_step + 1, seconds=round(record.checkpoint_seconds, 4),
-                             snapshot=record.used_snapshot)
-            if not drained:
-                rank, world_size = guard.rank, guard.world_size
-                model, optimizer = adapter.model, adapter.optimizer
-                batching = Batching(args, world_size, base_world)
-                set_lr(optimizer, batching.lr)
-                events.write("resized", step=resize.step + 1, path=resize.outcome.value, reason=resize.reason,
-                             from_world=resize.old_world_size, to_world=resize.new_world_size,
-                             new_rank=resize.new_rank, pause=round(resize.pause_seconds, 4),
-                             phases={k: round(v, 4) for k, v in resize.phases.items()}, pid=os.getpid())
-                events.common.update(rank=rank, world_size=world_size)
+        if result.resize is not None and not drained:
+            log_resize(events, guard, result.resize)
+            rank, world_size, model, optimizer = guard.rank, guard.world_size, adapter.model, adapter.optimizer
+            batching = Batching(args, world_size, base_world)
+            set_lr(optimizer, batching.lr)
         if drained:
-            record = guard.last_drain
-            notice = record.notice
-            events.write("agreed", t=record.hooks_started_at, step=record.step + 1, notice_id=notice.id,
-                         kind=notice.kind.value, deadline=notice.deadline.timestamp() if notice.deadline else None,
-                         detected_at_unix=notice.detected_at.timestamp())
-            if record.ok:
-                events.write("durable", t=record.hooks_started_at + record.checkpoint_seconds,
-                             step=record.saved_step + 1, seconds=round(record.checkpoint_seconds, 4),
-                             snapshot=record.used_snapshot,
-                             digest=None if record.used_snapshot or args.framework == "fsdp2"
-                         else digest_of(model, optimizer))
-            events.write("drained", step=record.step + 1, exit_code=record.exit_code)
-            events.close()
-            guard.close()
-            _shutdown()
-            _leave(record.exit_code)
+            leave_drained(events, guard, args.framework, model, optimizer)
     events.write("finished", step=args.steps if step + 1 >= args.steps else step + 1, max_step_gap=round(max_gap, 4),
                  pid=os.getpid())
     events.close()
