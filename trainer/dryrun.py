@@ -33,6 +33,7 @@ from pathlib import Path
 
 from spotguard.kube.api import PODS
 from spotguard.trainer.cluster_log import PodLog, SupervisorLog
+from spotguard.trainer.crashes import Crash, give_up
 from spotguard.trainer.events import EventTail, read_event_file, read_events
 from spotguard.trainer.injection import Injector
 from spotguard.trainer.job_manifest import JOB, Backfill, JobShape, job_manifest
@@ -71,6 +72,7 @@ class DryRun:
         self.status = "starting"
         self._tail = EventTail(run_dir / "events")
         self._finished_seen: float | None = None
+        self.crash: Crash | None = None  # the crash the run gave up at (trainer/crashes.py)
 
     @property
     def nodes(self):
@@ -114,7 +116,7 @@ class DryRun:
                         decisions,
                         started_at=self.started_at or finished_at, finished_at=finished_at, status=self.status,
                         not_reached=self.injector.carried_out, problems=self.problems,
-                        timings=self.cluster.timings.describe())
+                        timings=self.cluster.timings.describe(), crash=self.crash)
 
     def _train_argv(self) -> list[str]:
         s = self.scenario
@@ -186,6 +188,9 @@ class DryRun:
             return "finished"
         if "Failed" in conditions:
             return f"the Job failed: {conditions['Failed'].get('message', '')}"
+        self.crash = give_up(self.pod_log.snapshot(), self.run_dir / "logs")
+        if self.crash is not None:
+            return self.crash.status
         if not any(e["event"] == "finished" for e in self._tail.milestones()):
             return None
         self._finished_seen = self._finished_seen or time.time()
