@@ -236,3 +236,35 @@ def test_one_node_that_left_and_joined_again_is_two_processes():
                resized(12.1, 0, "node-0", 0, 2, 150, 3, reason="membership")]
     changes = job_changes(events)
     assert [(c.step, c.from_world, c.to_world) for c in changes] == [(40, 2, 1), (90, 1, 2), (150, 2, 3)]
+
+
+def rank_killed_during_a_shrink():
+    """4 ranks; a reclaim on node-3; rank 2 was SIGKILLed by the user during the change, so ranks
+    0, 1, 3 agreed and saved step 80; the job relaunched at 3 and resumed from that step."""
+    nodes = ("node-0", "node-1", "node-2", "node-3")
+    events = [start(0.0, 0, n, r, 4) for r, n in enumerate(nodes)]
+    acting = [(r, n) for r, n in enumerate(nodes) if r != 2]
+    events += [agreed(3.0, 0, n, r, 4, 80, A) for r, n in acting]
+    events += [durable(3.2, 0, n, r, 4, 80, digest="s80") for r, n in acting]
+    events += [drained(3.3, 0, n, r, 4, 80) for r, n in acting]
+    events += [start(8.0, 1, n, r, 3, step=80, digest="s80") for r, n in enumerate(nodes[:3])]
+    return events, [gen(0, list(nodes), -5.0, 3.5, "drained"), gen(1, list(nodes[:3]), 6.0, 31.0, "finished")]
+
+
+def test_a_rank_that_died_is_a_fact_when_nothing_was_lost():
+    """Issue 37 item 9: the job recovered (durable at the agreed step, relaunched, resumed, 0
+    lost): the missing rank is reported, the run is not failed for it."""
+    events, generations = rank_killed_during_a_shrink()
+    events += [finished(30.0, 1, "node-0", 0, 3, 300)]
+    r = report([reclaim("node-3", 2.0, A)], generations, events, in_place=False)
+    assert r["ok"], r["problems"]
+    row = r["timeline"][0]
+    assert (row["ranks_agreed"], row["ranks_missing"], row["steps_lost"]) == ([0, 1, 3], [2], 0), row
+    assert "ranks [2] did not take part (their process had ended)" in render_text(r)
+
+
+def test_a_rank_that_died_is_a_failure_when_the_job_did_not_recover():
+    events, generations = rank_killed_during_a_shrink()
+    r = report([reclaim("node-3", 2.0, A)], generations, events, in_place=False)
+    assert not r["ok"]
+    assert "reclaim on node-3: only ranks [0, 1, 3] of 4 acted" in r["problems"], r["problems"]

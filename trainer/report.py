@@ -151,6 +151,10 @@ def build_report(scenario: dict, injected: list[InjectedEvent], generations: lis
             entry["not_reached"] = "training finished before the node was taken in" if finished and \
                 completed >= total_steps else "the run ended before the node was taken in"
     lost = sum(r["steps_lost"] for r in relaunches)
+    for entry in timeline:  # a rank that died (a user's kill) while the job lost nothing is a fact only
+        if entry.get("ranks_missing") and (lost > allowed_steps_lost or completed < total_steps):
+            problems.append(f"{entry['kind']} on {entry['node']}: only ranks {entry['ranks_agreed']} of "
+                            f"{len(entry['ranks_agreed']) + len(entry['ranks_missing'])} acted")
     for r in relaunches:
         if r["steps_lost"] and lost > allowed_steps_lost:
             problems.append(f"generation {r['generation']} ({r['reason']}): {r['steps_lost']} steps lost "
@@ -199,8 +203,8 @@ def _notice_facts(entry: dict, inj: InjectedEvent, change: Change, started_at: f
         if len(steps) > 1:
             problems.append(f"{label}: ranks agreed on different steps {sorted(steps)}")
         world = max((e.get("world_size") or 0 for e in agreed), default=0)
-        if len(entry["ranks_agreed"]) < world:
-            problems.append(f"{label}: only ranks {entry['ranks_agreed']} of {world} acted")
+        if len(entry["ranks_agreed"]) < world:  # a fact; a failure only if the job lost by it (build_report)
+            entry["ranks_missing"] = sorted(set(range(world)) - set(entry["ranks_agreed"]))
     if durable:
         saved = {guard_step(e["step"]) for e in durable}
         entry["checkpoint_step"] = max(saved)
@@ -405,6 +409,8 @@ def render_text(report: dict) -> str:
             facts.append("no drain: training went on")
         if e.get("not_reached"):
             facts.append(f"not reached: {e['not_reached']}")
+        if e.get("ranks_missing"):
+            facts.append(f"ranks {e['ranks_missing']} did not take part (their process had ended)")
         if "margin_s" in e:
             facts.append(f"deadline margin {e['margin_s']:.2f}s")
         if "steps_lost" in e:
