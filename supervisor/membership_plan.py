@@ -17,6 +17,9 @@ Rules (supervisor/README.md, in_place.py for the in-place ones):
   that Kubernetes is not taking away (disruption.py);
 - in place: the stable order, the store, joiners once Ready and settled, the replacement hold
   and the cap at max (in_place.py); a group that is gone gets the relaunched job's own group;
+- once a pod of the job has Succeeded the training is over (a rank exits 0 only at its end; a leaver
+  exits 83): no new membership, so the ranks still finishing are not told to re-form without the
+  one that finished first, and a replacement scheduled onto its freed node is not admitted;
 - a change of the hosts or the store raises the generation. The join-settle clock lives in the
   record (`ready_seen`: when each Ready joiner was first seen Ready), never in memory, so a
   restarted supervisor admits the joiners at the same moment.
@@ -69,6 +72,10 @@ class JobPods:
         node = (pod.get("spec") or {}).get("nodeName") or ""
         return node in self.departing and node in self.nodes and not disrupted(pod)
 
+    def finished(self) -> bool:
+        """A pod of the job has Succeeded: its training has ended."""
+        return any((p.get("status") or {}).get("phase") == "Succeeded" for p in self.every)
+
     def running_members(self) -> list[Pod]:
         """Replica pods Running on healthy nodes (the elastic, not in-place, members)."""
         return [p for p in self.replicas if (p.get("status") or {}).get("phase") == "Running"
@@ -113,7 +120,7 @@ def plan(record: Record, pods: JobPods, shape: JobShape, now: datetime, settle: 
     """The membership for the job after its decision (`record`): see the module docstring."""
     if record.drain and record.phase == CHECKPOINTING:
         return _drain(record, pods)
-    if not shape.elastic or record.phase != RUNNING or shape.suspended:
+    if not shape.elastic or record.phase != RUNNING or shape.suspended or pods.finished():
         return Planned(record)
     if shape.start_at_min and shape.in_place:
         if not record.members or group_gone(pods.replicas, record.member_pods):

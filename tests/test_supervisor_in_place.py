@@ -294,3 +294,24 @@ def test_steps_lost_are_counted_in_the_same_record():
                                departing=frozenset({"n0"})))
     decision = decide(st, T0)
     assert decision.record.steps_lost == 7 and decision.record.generation == 1 and decision.record.handled
+
+
+@pytest.mark.parametrize("policy", [IN_PLACE, Policy("elastic", 2, 4, None)], ids=["in-place", "elastic"])
+def test_a_finished_training_gets_no_new_membership(policy):
+    """A rank exits 0 only when the training is done: the ranks still finishing are not told to
+    re-form without it, and a replacement scheduled onto its freed node is not admitted."""
+    survivors = [uid_pod(0, "n0"), uid_pod(1, "n1")]
+    rec = Record(decided_at=T0, generation=1, members=("n0", "n1"), store="10.0.0.1:29411" if policy.in_place else "",
+                 member_pods=tuple(incarnation(p) for p in survivors))
+    done = uid_pod(0, "n0", phase="Succeeded")
+    joiner = uid_pod(2, "n0", ready=True)
+    running = (survivors[1], joiner)
+    pods = JobPods(replicas=running, every=(done, *running), nodes=frozenset({"n0", "n1"}))
+    decision = decide(JobState(policy, 3, False, rec, (), healthy_replicas=2, pods=pods), T0 + timedelta(seconds=60),
+                      SETTLE)
+    assert not decision.acts and decision.record == rec and decision.membership is None
+    # The same pods before any of them finished: the membership follows them (what the rule stops).
+    before = JobPods(replicas=running, every=running, nodes=frozenset({"n0", "n1"}))
+    moved = decide(JobState(policy, 3, False, rec, (), healthy_replicas=2, pods=before), T0 + timedelta(seconds=60),
+                   SETTLE)
+    assert moved.record.generation == 2 and moved.membership is not None
