@@ -134,3 +134,23 @@ def test_the_bundled_two_reclaims_scenario_returns_to_three_in_time():
     capacity = max(e.at for e in s.events if e.kind == "capacity")
     assert s.steps * s.step_seconds - capacity >= 10.0, (s.steps, s.step_seconds, capacity)
     assert json.dumps([e.kind for e in s.events]).count("capacity") == 2
+
+
+def test_only_crashes_before_training_count_toward_giving_up(tmp_path):
+    from spotguard.trainer.cluster_log import PodLife
+    from spotguard.trainer.crashes import CRASH_LIMIT, give_up
+
+    def pod(name, code, lost=False):
+        return PodLife(name=name, uid=name, index=0, created=0.0, finished=1.0, exit_code=code, node_lost=lost)
+
+    # peers of a killed rank crash after training: the job's recovery, not a reason to stop
+    peers = [pod(f"trained-{i}", 1) for i in range(CRASH_LIMIT + 2)]
+    assert give_up(peers, lambda name: name.startswith("trained"), tmp_path) is None
+    drained_or_lost = [pod("a", 83), pod("b", 0), pod("c", 137, lost=True)] * CRASH_LIMIT
+    assert give_up(drained_or_lost, lambda name: False, tmp_path) is None
+    never_started = [pod(f"new-{i}", 1) for i in range(CRASH_LIMIT)]
+    assert give_up(never_started[:-1], lambda name: False, tmp_path) is None
+    crash = give_up(never_started, lambda name: False, tmp_path)
+    assert crash is not None and crash.crashes == CRASH_LIMIT and crash.pod == f"new-{CRASH_LIMIT - 1}"
+    usage = give_up([pod("bad-args", 2)], lambda name: False, tmp_path)
+    assert usage is not None and "a usage error" in usage.status

@@ -188,7 +188,7 @@ class DryRun:
             return "finished"
         if "Failed" in conditions:
             return f"the Job failed: {conditions['Failed'].get('message', '')}"
-        self.crash = give_up(self.pod_log.snapshot(), self.run_dir / "logs")
+        self.crash = give_up(self.pod_log.snapshot(), self._trained, self.run_dir / "logs")
         if self.crash is not None:
             return self.crash.status
         if not any(e["event"] == "finished" for e in self._tail.milestones()):
@@ -200,10 +200,17 @@ class DryRun:
             return "finished"
         return None
 
+    def _pod_events(self, pod: str) -> list[dict]:
+        return [e for path in (self.run_dir / "events").glob(f"{pod}*.jsonl") for e in read_event_file(path)]
+
+    def _trained(self, pod: str) -> bool:
+        """Whether the trainer of `pod` started training (trainer/crashes.py)."""
+        return any(e["event"] == "start" for e in self._pod_events(pod))
+
     def _check_deadline(self, node: str, killed: list[str]) -> None:
         """A node died at its deadline: a pod of it whose rank was still training missed it."""
         for pod in killed:
-            mine = [e for path in (self.run_dir / "events").glob(f"{pod}*.jsonl") for e in read_event_file(path)]
+            mine = self._pod_events(pod)
             kinds = {e["event"] for e in mine}
             if "start" in kinds and not kinds & {"drained", "finished"}:
                 step = max((e.get("step", 0) for e in mine), default=0)
