@@ -63,7 +63,8 @@ def test_lines_for_each_event_with_progress_at_most_every_interval(tmp_path):
 
 
 @pytest.mark.parametrize("fields, line", [
-    ({"step": 88, "resumed": True, "joined": False}, "resumed from step 87's checkpoint in /ckpt: steps 88-359 to go, world size 2"),
+    ({"step": 88, "resumed": True, "joined": False},
+     "resumed from step 87's checkpoint in /ckpt: steps 88-359 to go, world size 2"),
     ({"step": 140, "resumed": True, "joined": True}, "joined the running job at step 140 of 360, world size 2"),
 ])
 def test_a_resume_and_a_join_say_where_they_start(tmp_path, fields, line):
@@ -125,6 +126,6 @@ def test_the_reference_trainer_under_launch_says_where_it_starts_and_resumes(tmp
     second = launch_trainer(ckpt, step + 10, second_out)
     assert second.wait(timeout=TIMEOUT) == 0
     lines = second_out.read_text().splitlines()
-    assert lines[0] == f"trainer: resumed from step {step}'s checkpoint in {ckpt}: steps {step + 1}-{step + 9} to go, " \
-                       "world size 2"
+    assert lines[0] == (f"trainer: resumed from step {step}'s checkpoint in {ckpt}: "
+                        f"steps {step + 1}-{step + 9} to go, world size 2")
     assert lines[-1] == f"trainer: finished: {step + 10} of {step + 10} steps"
