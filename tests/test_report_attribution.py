@@ -96,8 +96,9 @@ def test_two_changes_in_one_generation_each_take_their_own_agreement():
     r = report(injected, generations, events)
     assert r["ok"], r["problems"]
     first, second = r["timeline"]
-    assert (first["agreed_step"], second["agreed_step"]) == (63, 73)
-    assert (first["checkpoint_step"], second["checkpoint_step"]) == (63, 73)
+    # the Guard's step numbers (its loop index, the checkpoint folder's): events count 63 and 73 steps done
+    assert (first["agreed_step"], second["agreed_step"]) == (62, 72)
+    assert (first["checkpoint_step"], second["checkpoint_step"]) == (62, 72)
     assert first["ranks_agreed"] == [0, 1, 2] and second["ranks_agreed"] == [0, 1]
     assert (first["world"], second["world"]) == ("3 -> 2", "2 -> 1")
     assert (first["pause_s"], second["pause_s"]) == (0.08, 0.05)
@@ -154,8 +155,8 @@ def test_a_reclaim_handled_in_place_is_not_shown_relaunched_by_a_later_crash():
     reclaim_row = r["timeline"][1]
     assert reclaim_row["path"] == "in-place" and "relaunched" not in reclaim_row, reclaim_row
     assert r["steps_lost"] == 160, r["relaunches"]  # trained to 200, resumed at 40
-    assert r["relaunches"] == [{"generation": 0, "reason": "crashed", "trained_step": 200, "next_generation": 1,
-                                "resumed_step": 40, "resumed": T0 + 22.0, "resumed_digest": "d0",
+    assert r["relaunches"] == [{"generation": 0, "reason": "crashed", "trained_step": 199, "next_generation": 1,
+                                "resumed_step": 39, "resumed": T0 + 22.0, "resumed_digest": "d0",
                                 "steps_lost": 160}]
     assert not r["ok"] and any("160 steps lost" in p for p in r["problems"])
 
@@ -183,7 +184,7 @@ def test_a_fallback_is_a_membership_change_and_its_capacity_row_says_relaunched(
     assert [(c["from_world"], c["to_world"], c["path"]) for c in r["membership_changes"]] == [(1, 2, "fallback")]
     row = r["timeline"][0]
     assert (row["path"], row["world"], row["relaunch_world_size"], row["resumed_step"], row["steps_lost"]) == \
-        ("fallback", "1 -> 2", 2, 120, 0)
+        ("fallback", "1 -> 2", 2, 119, 0)
     assert "fallback: world 1 -> 2, relaunched" in render_text(r)
 
 
@@ -199,9 +200,9 @@ def test_steps_lost_are_counted_when_training_never_resumed():
     r = report([reclaim("node-1", 2.0, A)], generations, events)
     assert r["steps_lost"] == 130 and r["steps_completed"] == 180
     assert not r["ok"]
-    assert "training stopped at step 180 of 300" in r["problems"]
+    assert "training stopped after 180 of 300 steps" in r["problems"]
     text = render_text(r).splitlines()[0]
-    assert "stopped at step 180 of 300" in text and text.endswith(", 130 lost")
+    assert "stopped after 180 of 300 steps" in text and text.endswith(", 130 lost")
 
 
 def test_a_relaunching_job_counts_its_checkpoint_and_resume():
@@ -222,10 +223,10 @@ def test_a_relaunching_job_counts_its_checkpoint_and_resume():
     r = report(injected, generations, events, in_place=False)
     assert r["ok"], r["problems"]
     reclaim_row, capacity_row = r["timeline"]
-    assert (reclaim_row["path"], reclaim_row["relaunch_world_size"], reclaim_row["resumed_step"]) == ("relaunch", 1, 70)
-    assert (capacity_row["agreed_step"], capacity_row["checkpoint_step"]) == (150, 150)  # the scale-out's drain
+    assert (reclaim_row["path"], reclaim_row["relaunch_world_size"], reclaim_row["resumed_step"]) == ("relaunch", 1, 69)
+    assert (capacity_row["agreed_step"], capacity_row["checkpoint_step"]) == (149, 149)  # the scale-out's drain
     assert (capacity_row["path"], capacity_row["relaunch_world_size"], capacity_row["resumed_step"]) == \
-        ("relaunch", 2, 150)
+        ("relaunch", 2, 149)
     assert r["steps_lost"] == 0
 
 
@@ -235,3 +236,35 @@ def test_one_node_that_left_and_joined_again_is_two_processes():
                resized(12.1, 0, "node-0", 0, 2, 150, 3, reason="membership")]
     changes = job_changes(events)
     assert [(c.step, c.from_world, c.to_world) for c in changes] == [(40, 2, 1), (90, 1, 2), (150, 2, 3)]
+
+
+def rank_killed_during_a_shrink():
+    """4 ranks; a reclaim on node-3; rank 2 was SIGKILLed by the user during the change, so ranks
+    0, 1, 3 agreed and saved step 80; the job relaunched at 3 and resumed from that step."""
+    nodes = ("node-0", "node-1", "node-2", "node-3")
+    events = [start(0.0, 0, n, r, 4) for r, n in enumerate(nodes)]
+    acting = [(r, n) for r, n in enumerate(nodes) if r != 2]
+    events += [agreed(3.0, 0, n, r, 4, 80, A) for r, n in acting]
+    events += [durable(3.2, 0, n, r, 4, 80, digest="s80") for r, n in acting]
+    events += [drained(3.3, 0, n, r, 4, 80) for r, n in acting]
+    events += [start(8.0, 1, n, r, 3, step=80, digest="s80") for r, n in enumerate(nodes[:3])]
+    return events, [gen(0, list(nodes), -5.0, 3.5, "drained"), gen(1, list(nodes[:3]), 6.0, 31.0, "finished")]
+
+
+def test_a_rank_that_died_is_a_fact_when_nothing_was_lost():
+    """Issue 37 item 9: the job recovered (durable at the agreed step, relaunched, resumed, 0
+    lost): the missing rank is reported, the run is not failed for it."""
+    events, generations = rank_killed_during_a_shrink()
+    events += [finished(30.0, 1, "node-0", 0, 3, 300)]
+    r = report([reclaim("node-3", 2.0, A)], generations, events, in_place=False)
+    assert r["ok"], r["problems"]
+    row = r["timeline"][0]
+    assert (row["ranks_agreed"], row["ranks_missing"], row["steps_lost"]) == ([0, 1, 3], [2], 0), row
+    assert "ranks [2] did not take part (their process had ended)" in render_text(r)
+
+
+def test_a_rank_that_died_is_a_failure_when_the_job_did_not_recover():
+    events, generations = rank_killed_during_a_shrink()
+    r = report([reclaim("node-3", 2.0, A)], generations, events, in_place=False)
+    assert not r["ok"]
+    assert "reclaim on node-3: only ranks [0, 1, 3] of 4 acted" in r["problems"], r["problems"]

@@ -54,16 +54,17 @@ def test_lines_for_each_event_with_progress_at_most_every_interval(tmp_path):
         "trainer: step 5/360  loss 0.1235  512.5 samples/s  world size 2",
         "trainer: step 15/360  loss 0.1235  512.5 samples/s  world size 2",
         "trainer: step 25/360  loss 0.1235  512.5 samples/s  world size 2",
-        "trainer: world size 2 -> 1 at step 88 (in-place, paused 0.031 s)",
-        "trainer: drained at step 120 (exit 83)",
-        "trainer: finished at step 360",
+        "trainer: world size 2 -> 1 after step 87 (in-place, paused 0.031 s)",
+        "trainer: drained after step 119 (exit 83)",
+        "trainer: finished: 360 of 360 steps",
     ]
     assert [e["event"] for e in read_events(tmp_path)] == [
         "start", "step", "step", "step", "step", "step", "resized", "agreed", "drained", "finished"]
 
 
 @pytest.mark.parametrize("fields, line", [
-    ({"step": 88, "resumed": True, "joined": False}, "resumed at step 88 of 360 from /ckpt, world size 2"),
+    ({"step": 88, "resumed": True, "joined": False},
+     "resumed from step 87's checkpoint in /ckpt: steps 88-359 to go, world size 2"),
     ({"step": 140, "resumed": True, "joined": True}, "joined the running job at step 140 of 360, world size 2"),
 ])
 def test_a_resume_and_a_join_say_where_they_start(tmp_path, fields, line):
@@ -80,7 +81,7 @@ def test_other_ranks_print_nothing_until_renumbered_rank_0(tmp_path):
     assert out.getvalue() == ""
     echo.common.update(rank=0)  # the old rank 0 left in place
     echo.write("finished", step=20)
-    assert out.getvalue() == "trainer: finished at step 20\n"
+    assert out.getvalue() == "trainer: finished: 20 of 360 steps\n"
 
 
 def launch_trainer(checkpoint_dir: Path, steps: int, out: Path) -> subprocess.Popen:
@@ -117,12 +118,14 @@ def test_the_reference_trainer_under_launch_says_where_it_starts_and_resumes(tmp
             first.wait()
     lines = first_out.read_text().splitlines()
     assert lines[0] == f"trainer: starting at step 0 of 100000, world size 2 (no checkpoint in {ckpt})"
-    drained = re.fullmatch(r"trainer: drained at step (\d+) \(exit 83\)", lines[-1])
+    drained = re.fullmatch(r"trainer: drained after step (\d+) \(exit 83\)", lines[-1])
     assert drained, lines
-    step = int(drained.group(1))
+    step = int(drained.group(1))  # the Guard's number: the checkpoint folder's
+    assert (ckpt / f"step-{step:09d}-notice").is_dir(), sorted(p.name for p in ckpt.iterdir())
 
     second = launch_trainer(ckpt, step + 10, second_out)
     assert second.wait(timeout=TIMEOUT) == 0
     lines = second_out.read_text().splitlines()
-    assert lines[0] == f"trainer: resumed at step {step} of {step + 10} from {ckpt}, world size 2"
-    assert lines[-1] == f"trainer: finished at step {step + 10}"
+    assert lines[0] == (f"trainer: resumed from step {step}'s checkpoint in {ckpt}: "
+                        f"steps {step + 1}-{step + 9} to go, world size 2")
+    assert lines[-1] == f"trainer: finished: {step + 10} of {step + 10} steps"

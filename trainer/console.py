@@ -2,12 +2,17 @@
 or a pod's log): rank 0's lines, read from the events it writes anyway.
 
     trainer: starting at step 0 of 360, world size 2 (no checkpoint in /ckpt)
-    trainer: resumed at step 88 of 360 from /ckpt, world size 2
+    trainer: resumed from step 87's checkpoint in /ckpt: steps 88-359 to go, world size 2
     trainer: joined the running job at step 140 of 360, world size 2
     trainer: step 120/360  loss 0.0421  5120.0 samples/s  world size 2
-    trainer: world size 2 -> 1 at step 88 (in-place, paused 0.031 s)
-    trainer: drained at step 88 (exit 83)
-    trainer: finished at step 360
+    trainer: world size 2 -> 1 after step 87 (in-place, paused 0.031 s)
+    trainer: drained after step 87 (exit 83)
+    trainer: finished: 360 of 360 steps
+
+Steps are numbered as the loop passes them to the Guard (0 .. total-1), as the checkpoint folders
+and the dry-run's report name them: `step-000000087-notice` holds the state after step 87, and a
+job resumed from it runs step 88 next. The trainer's events count completed steps (one more);
+the progress line `step 120/360` is such a count.
 
 Progress comes at most every `every_seconds` (the first logged step always), so a long run
 prints a line every few seconds, not one per step. The other ranks print nothing: their
@@ -58,7 +63,8 @@ class ConsoleEcho:
             if fields.get("joined"):
                 return f"joined the running job at step {step} of {self._total}, world size {world}"
             if fields.get("resumed"):
-                return f"resumed at step {step} of {self._total} from {self._checkpoint_dir}, world size {world}"
+                return f"resumed from step {step - 1}'s checkpoint in {self._checkpoint_dir}: " \
+                       f"steps {step}-{self._total - 1} to go, world size {world}"
             return f"starting at step {step} of {self._total}, world size {world} " \
                    f"(no checkpoint in {self._checkpoint_dir})"
         if event == "step":
@@ -69,10 +75,10 @@ class ConsoleEcho:
             return f"step {fields['step']}/{self._total}  loss {fields['loss']:.4g}  " \
                    f"{fields['samples_per_s']} samples/s  world size {world}"
         if event == "resized":
-            return f"world size {fields['from_world']} -> {fields['to_world']} at step {fields['step']} " \
+            return f"world size {fields['from_world']} -> {fields['to_world']} after step {fields['step'] - 1} " \
                    f"({fields['path']}, paused {fields['pause']:.3f} s)"
         if event == "drained":
-            return f"drained at step {fields['step']} (exit {fields['exit_code']})"
+            return f"drained after step {fields['step'] - 1} (exit {fields['exit_code']})"
         if event == "finished":
-            return f"finished at step {fields['step']}"
+            return f"finished: {fields['step']} of {self._total} steps"
         return None

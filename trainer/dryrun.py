@@ -33,6 +33,7 @@ from pathlib import Path
 
 from spotguard.kube.api import PODS
 from spotguard.trainer.cluster_log import PodLog, SupervisorLog
+from spotguard.trainer.crashes import Crash, give_up
 from spotguard.trainer.events import EventTail, read_event_file, read_events
 from spotguard.trainer.injection import Injector
 from spotguard.trainer.job_manifest import JOB, Backfill, JobShape, job_manifest
@@ -71,6 +72,7 @@ class DryRun:
         self.status = "starting"
         self._tail = EventTail(run_dir / "events")
         self._finished_seen: float | None = None
+        self.crash: Crash | None = None  # the crash the run gave up at (trainer/crashes.py)
 
     @property
     def nodes(self):
@@ -114,7 +116,7 @@ class DryRun:
                         decisions,
                         started_at=self.started_at or finished_at, finished_at=finished_at, status=self.status,
                         not_reached=self.injector.carried_out, problems=self.problems,
-                        timings=self.cluster.timings.describe())
+                        timings=self.cluster.timings.describe(), crash=self.crash)
 
     def _train_argv(self) -> list[str]:
         s = self.scenario
@@ -186,6 +188,9 @@ class DryRun:
             return "finished"
         if "Failed" in conditions:
             return f"the Job failed: {conditions['Failed'].get('message', '')}"
+        self.crash = give_up(self.pod_log.snapshot(), self._trained, self.run_dir / "logs")
+        if self.crash is not None:
+            return self.crash.status
         if not any(e["event"] == "finished" for e in self._tail.milestones()):
             return None
         self._finished_seen = self._finished_seen or time.time()
@@ -195,10 +200,17 @@ class DryRun:
             return "finished"
         return None
 
+    def _pod_events(self, pod: str) -> list[dict]:
+        return [e for path in (self.run_dir / "events").glob(f"{pod}*.jsonl") for e in read_event_file(path)]
+
+    def _trained(self, pod: str) -> bool:
+        """Whether the trainer of `pod` started training (trainer/crashes.py)."""
+        return any(e["event"] == "start" for e in self._pod_events(pod))
+
     def _check_deadline(self, node: str, killed: list[str]) -> None:
         """A node died at its deadline: a pod of it whose rank was still training missed it."""
         for pod in killed:
-            mine = [e for path in (self.run_dir / "events").glob(f"{pod}*.jsonl") for e in read_event_file(path)]
+            mine = self._pod_events(pod)
             kinds = {e["event"] for e in mine}
             if "start" in kinds and not kinds & {"drained", "finished"}:
                 step = max((e.get("step", 0) for e in mine), default=0)

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,9 +53,23 @@ def run(args: argparse.Namespace) -> int:
     extra = list(args.train_command)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    run_dir = Path(args.out or f"runs/dryrun-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir = usable_run_dir(Path(args.out or f"runs/dryrun-{time.strftime('%Y%m%d-%H%M%S')}").resolve())
     live = not args.no_live and sys.stdout.isatty()
     return run_daemon(lambda stop: _run(scenario, run_dir, extra, time_limit, live, stop))
+
+
+def usable_run_dir(run_dir: Path) -> Path:
+    """`run_dir`, created, once it is a folder this user can write; else ConfigError("--out")
+    naming the path and why (before anything starts)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError("--out", f"{run_dir} exists and is not a folder")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("--out", f"cannot create {run_dir}: {exc.strerror or exc}") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError("--out", f"{run_dir} is not writable")
+    return run_dir
 
 
 async def _run(scenario, run_dir: Path, extra: list[str], time_limit: int, live: bool, stop: asyncio.Event) -> int:

@@ -10,11 +10,17 @@ Attribution is by ids, never by time windows (`trainer.changes`): a notice's row
 change whose ranks agreed on that notice id; a returning node's row takes the grow its joiner
 made (or the fallback of the membership that admitted it), or the drain that scaled the job out.
 
-Step convention: `step` counts completed optimizer steps. A checkpoint "at step S" holds the
-state after S steps; a run resumed from it logs `start` with step S. Steps lost, per relaunch:
-the highest step any rank of the ended generation completed minus the step the next generation
-resumed at; when training never resumed, minus the newest step it could resume at (its start or
-a durable checkpoint). A run that did not reach its last step says where it stopped.
+Step convention. The trainers' events count completed optimizer steps (`step` S: S steps done).
+The report numbers steps as the Guard does: the step the user's loop passed to `guard.step(step)`
+(0-based), the number a checkpoint folder carries (`step-000000073-notice` holds the state after
+step 73, when 74 steps were done). So `agreed_step`, `checkpoint_step`, `resumed_step` (the
+checkpoint step a relaunch resumed from; -1: from the beginning), `trained_step` (the last step
+done) and a membership change's `step` (the step after which the group changed) are Guard steps
+(`guard_step`); `total_steps`, `steps_completed`, `steps_trained` and `steps_lost` are counts.
+Steps lost, per relaunch: the steps any rank of the ended generation completed beyond the state
+the next generation resumed from; when training never resumed, beyond the newest state it could
+resume from (its start or a durable checkpoint). A run that did not reach its last step says
+where it stopped.
 """
 from __future__ import annotations
 
@@ -27,6 +33,11 @@ from spotguard.trainer.changes import Change, job_changes
 
 NOTICE_KINDS = ("reclaim", "gpu-fault", "maintenance", "rebalance")
 STEP_EVENTS = ("start", "step", "agreed", "durable", "resized", "drained", "finished")
+
+
+def guard_step(done: int) -> int:
+    """The Guard's number of the last step done after `done` completed steps (module docstring)."""
+    return done - 1
 
 
 @dataclass
@@ -45,6 +56,9 @@ class InjectedEvent:
     notice_id: str | None = None  # the id the node's agent gave the notice: what the ranks log when they agree
     membership: int | None = None  # capacity, in place: the membership generation that admitted the node
     rescaled: int | None = None  # capacity, relaunching: the generation drained to scale out to it
+    launched_with: int | None = None  # capacity, relaunching: the generation launched with it (scaled out
+    # while no group ran: nothing drained for it)
+    scaled_from: int | None = None  # the replicas before the scale-out that took it in
 
 
 @dataclass
@@ -116,6 +130,8 @@ def build_report(scenario: dict, injected: list[InjectedEvent], generations: lis
             change = next((c for c in changes if c.notice_id == inj.notice_id), None)
             if change is not None:
                 _notice_facts(entry, inj, change, started_at, problems)
+        elif inj.effective and inj.kind == "capacity" and inj.launched_with is not None:
+            _launched_with(entry, inj, generations, started_at)
         elif inj.effective and inj.kind == "capacity":
             change = _capacity_change(inj, changes, gens, memberships, started_at, entry)
             if change is not None and change.path != "in-place":  # the drain it took: its checkpoint
@@ -128,13 +144,21 @@ def build_report(scenario: dict, injected: list[InjectedEvent], generations: lis
     trained = max((e["step"] for e in events if e["event"] in STEP_EVENTS and "step" in e), default=0)
     completed = max(finished) if finished else trained
     if completed < total_steps:
-        problems.append(f"training stopped at step {completed} of {total_steps}")
+        problems.append(f"training stopped after {completed} of {total_steps} steps")
+    for entry in timeline:
+        if entry["kind"] == "capacity" and entry.get("note") != "already available" \
+                and not entry.keys() & {"admitted", "joined", "relaunched", "agreed"}:
+            entry["not_reached"] = "training finished before the node was taken in" if finished and \
+                completed >= total_steps else "the run ended before the node was taken in"
     lost = sum(r["steps_lost"] for r in relaunches)
+    for entry in timeline:  # a rank that died (a user's kill) while the job lost nothing is a fact only
+        if entry.get("ranks_missing") and (lost > allowed_steps_lost or completed < total_steps):
+            problems.append(f"{entry['kind']} on {entry['node']}: only ranks {entry['ranks_agreed']} of "
+                            f"{len(entry['ranks_agreed']) + len(entry['ranks_missing'])} acted")
     for r in relaunches:
         if r["steps_lost"] and lost > allowed_steps_lost:
-            resumed = "never resumed" if r["resumed_step"] is None else f"resumed at step {r['resumed_step']}"
             problems.append(f"generation {r['generation']} ({r['reason']}): {r['steps_lost']} steps lost "
-                            f"(trained to step {r['trained_step']}, {resumed})")
+                            f"(trained through step {r['trained_step']}, {resumed_text(r['resumed_step'])})")
         elif r["resumed_step"] is None and completed < total_steps:
             problems.append(f"generation {r['generation']} ({r['reason']}): the job never resumed")
     throughput = [{"t": _rel(e["t"], started_at), "step": e["step"], "world_size": e.get("world_size"),
@@ -169,7 +193,7 @@ def _notice_facts(entry: dict, inj: InjectedEvent, change: Change, started_at: f
     drained = [a.drained for a in change.actions if a.drained is not None]
     label = f"{inj.kind} on {inj.node}"
     if agreed:
-        steps = {e["step"] for e in agreed}
+        steps = {guard_step(e["step"]) for e in agreed}
         entry["agreed_step"] = min(steps)
         entry["agreed"] = _rel(min(e["t"] for e in agreed), started_at)
         entry["ranks_agreed"] = sorted({e["rank"] for e in agreed})
@@ -179,10 +203,10 @@ def _notice_facts(entry: dict, inj: InjectedEvent, change: Change, started_at: f
         if len(steps) > 1:
             problems.append(f"{label}: ranks agreed on different steps {sorted(steps)}")
         world = max((e.get("world_size") or 0 for e in agreed), default=0)
-        if len(entry["ranks_agreed"]) < world:
-            problems.append(f"{label}: only ranks {entry['ranks_agreed']} of {world} acted")
+        if len(entry["ranks_agreed"]) < world:  # a fact; a failure only if the job lost by it (build_report)
+            entry["ranks_missing"] = sorted(set(range(world)) - set(entry["ranks_agreed"]))
     if durable:
-        saved = {e["step"] for e in durable}
+        saved = {guard_step(e["step"]) for e in durable}
         entry["checkpoint_step"] = max(saved)
         entry["durable"] = _rel(max(e["t"] for e in durable), started_at)
         entry["snapshot_fallback"] = any(e.get("snapshot") for e in durable)
@@ -199,6 +223,17 @@ def _notice_facts(entry: dict, inj: InjectedEvent, change: Change, started_at: f
     if drained:
         entry["drained"] = _rel(max(e["t"] for e in drained), started_at)
         entry["exit_codes"] = sorted({e.get("exit_code") for e in drained})
+
+
+def _launched_with(entry: dict, inj: InjectedEvent, generations: list[GenerationRecord], started_at: float) -> None:
+    """A node taken in by a relaunch that was due anyway (no group ran when it was scaled out to)."""
+    nxt = next((g for g in generations if g.index == inj.launched_with), None)
+    if nxt is None:
+        return
+    entry["path"] = "relaunch"
+    entry["world"] = f"{inj.scaled_from if inj.scaled_from is not None else '?'} -> {nxt.world_size}"
+    entry["relaunched"] = _rel(nxt.launched_at, started_at)
+    entry["relaunch_world_size"] = nxt.world_size
 
 
 def _capacity_change(inj: InjectedEvent, changes: list[Change], gens: _Generations,
@@ -246,6 +281,7 @@ def _change_facts(entry: dict, change: Change, relaunches: list[dict], generatio
         return
     entry["relaunched"] = _rel(nxt.launched_at, started_at)
     entry["relaunch_world_size"] = nxt.world_size
+    entry["world"] = f"{change.from_world} -> {nxt.world_size}"  # the world it relaunched at, as it formed
     if relaunch["resumed_step"] is None:
         problems.append(f"{inj.kind} on {inj.node}: the job never resumed after its checkpoint")
         return
@@ -272,15 +308,16 @@ def _relaunches(generations: list[GenerationRecord], gens: _Generations, changes
         reached = gens.reached(g.index)
         ending = [c for c in changes if c.generation == g.index and c.path != "in-place"]
         reason = f"{ending[-1].path} ({ending[-1].reason})" if ending else (g.reason or "ended")
-        row: dict[str, Any] = {"generation": g.index, "reason": reason, "trained_step": reached,
+        row: dict[str, Any] = {"generation": g.index, "reason": reason, "trained_step": guard_step(reached),
                                "next_generation": later[0].index if later else None,
                                "resumed_step": None, "resumed": None, "resumed_digest": None}
         if nxt is not None:
             starts = gens.started(nxt.index)
             first = min(starts, key=lambda e: e["t"])
-            row.update(next_generation=nxt.index, resumed_step=min(e["step"] for e in starts), resumed=first["t"],
+            resumed = min(e["step"] for e in starts)
+            row.update(next_generation=nxt.index, resumed_step=guard_step(resumed), resumed=first["t"],
                        resumed_digest=next((e.get("digest") for e in starts if e.get("rank") == 0), None))
-            row["steps_lost"] = max(0, reached - row["resumed_step"])
+            row["steps_lost"] = max(0, reached - resumed)
         else:
             row["steps_lost"] = max(0, reached - gens.restore_point(g.index))
         out.append(row)
@@ -288,7 +325,8 @@ def _relaunches(generations: list[GenerationRecord], gens: _Generations, changes
 
 
 def _change_row(c: Change, started_at: float) -> dict:
-    row = {"t": _rel(c.t, started_at), "generation": c.generation, "step": c.step, "from_world": c.from_world,
+    row = {"t": _rel(c.t, started_at), "generation": c.generation, "step": guard_step(c.step),
+           "from_world": c.from_world,
            "to_world": c.to_world, "path": c.path, "reason": c.reason, "pause_s": c.pause_s,
            "nodes": c.survivors or sorted({a.node for a in c.actions})}
     if c.notice_id:
@@ -297,18 +335,37 @@ def _change_row(c: Change, started_at: float) -> dict:
 
 
 def survivors(events: list[dict]) -> dict[str, dict]:
-    """Per node that finished: whether its process id stayed the one that started training there,
-    and the longest gap between two of its completed steps (pauses included)."""
+    """Per node that finished: whether one process trained there from the first start to the
+    end (`pid_kept`), how many processes trained there (`processes`: a relaunch or a rejoin
+    starts a new one), whether the last one joined a running group, and the longest gap between
+    two of its completed steps (pauses included)."""
     out: dict[str, dict] = {}
     for e in events:
         if e["event"] != "finished" or not e.get("node"):
             continue
-        starts = [s for s in events if s["event"] == "start" and s.get("node") == e["node"]
-                  and s.get("generation") == e.get("generation")]
-        first = min(starts, key=lambda s: s["t"]) if starts else None
-        out[e["node"]] = {"pid_kept": first is not None and first.get("pid") == e.get("pid"),
-                          "max_step_gap_s": e.get("max_step_gap"), "joined": any(s.get("joined") for s in starts)}
+        starts = [s for s in events if s["event"] == "start" and s.get("node") == e["node"] and s["t"] <= e["t"]]
+        pids = {s.get("pid") for s in starts}
+        last = max(starts, key=lambda s: s["t"]) if starts else {}
+        out[e["node"]] = {"pid_kept": pids == {e.get("pid")}, "processes": len(pids),
+                          "max_step_gap_s": e.get("max_step_gap"), "joined": bool(last.get("joined"))}
     return out
+
+
+def _process_text(facts: dict) -> str:
+    """How a node's training process lived, in words (`survivors`)."""
+    if facts["pid_kept"]:
+        return "same process throughout"
+    if facts.get("joined"):
+        return "rejoined in place (a new process after its reclaim)"
+    count = facts.get("processes")
+    return f"relaunched ({count} processes in turn)" if count else "process replaced"
+
+
+def resumed_text(step: int | None) -> str:
+    """Where a relaunch resumed, in words (`resumed_step`: a Guard step, -1 the beginning)."""
+    if step is None:
+        return "never resumed"
+    return "restarted from the beginning" if step < 0 else f"resumed from step {step}"
 
 
 def _rel(t: float, origin: float) -> float:
@@ -322,7 +379,7 @@ def render_text(report: dict) -> str:
     if total is None or done >= total:
         progress = f"{done} steps"
     else:
-        progress = f"stopped at step {done} of {total} (trained to {report.get('steps_trained', done)})"
+        progress = f"stopped after {done} of {total} steps (trained {report.get('steps_trained', done)})"
     out = [f"scenario {report['scenario'].get('name')}: {'OK' if report['ok'] else 'FAILED'} in "
            f"{report['wall_s']:.1f}s, {progress}, {report['steps_lost']} lost"]
     for e in report["timeline"]:
@@ -343,13 +400,17 @@ def render_text(report: dict) -> str:
                 elif key == "relaunched":
                     extra = f" W={e['relaunch_world_size']}"
                 elif key == "resumed":
-                    extra = f" at step {e['resumed_step']}"
+                    extra = f" from step {e['resumed_step']}" if e["resumed_step"] >= 0 else " from the beginning"
                 chain.append(f"{label} {e[key]:.2f}s{extra}")
         if chain:
             out.append("    " + " -> ".join(chain))
         facts = []
         if e["kind"] in ("maintenance", "rebalance", "cancel") and "agreed" not in e:
             facts.append("no drain: training went on")
+        if e.get("not_reached"):
+            facts.append(f"not reached: {e['not_reached']}")
+        if e.get("ranks_missing"):
+            facts.append(f"ranks {e['ranks_missing']} did not take part (their process had ended)")
         if "margin_s" in e:
             facts.append(f"deadline margin {e['margin_s']:.2f}s")
         if "steps_lost" in e:
@@ -364,59 +425,29 @@ def render_text(report: dict) -> str:
         if facts:
             out.append("    " + ", ".join(facts))
     for node, facts in sorted(report.get("survivors", {}).items()):
-        kept = "same process throughout" if facts["pid_kept"] else "process replaced"
-        out.append(f"  {node}: {'rejoined in place (a new process after its reclaim)' if facts.get('joined') else kept}"
-                   f", longest gap between steps "
-                   f"{facts['max_step_gap_s']}s")
+        out.append(f"  {node}: {_process_text(facts)}, longest gap between steps {facts['max_step_gap_s']}s")
     for r in report.get("relaunches", []):
-        resumed = "never resumed" if r["resumed_step"] is None else f"resumed at step {r['resumed_step']}"
-        out.append(f"  generation {r['generation']} ended ({r['reason']}): trained to step {r['trained_step']}, "
-                   f"{resumed}, {r['steps_lost']} steps lost")
+        out.append(f"  generation {r['generation']} ended ({r['reason']}): trained through step "
+                   f"{r['trained_step']}, {resumed_text(r['resumed_step'])}, {r['steps_lost']} steps lost")
     for d in report.get("supervisor_decisions", []):
         out.append(f"  supervisor t={d['t']:5.1f}s {d['action']}: {d['message']}")
     if report.get("local_cluster"):
         out.append(f"  local cluster: {report['local_cluster']}")
+    first = "training finished first" if report.get("finished") else "the run ended first"
     for e in report.get("not_reached", []):
-        out.append(f"  (t={e['at']:.1f}s {e['kind']} on {e['node']}: not reached, training finished first)")
+        out.append(f"  (t={e['at']:.1f}s {e['kind']} on {e['node']}: not reached, {first})")
     for problem in report["problems"]:
         out.append(f"! {problem}")
+    crash = report.get("crash")
+    if crash:
+        out.append(f"! cause: pod {crash['pod']} exited {crash['exit_code']}; the end of its log {crash['log']}:")
+        out += [f"!   {line}" for line in crash["tail"]]
     return "\n".join(out)
 
 
 def plot(report: dict, path: str) -> None:
-    """Throughput and world size over time, with the injected events marked, as a PNG."""
-    import matplotlib
+    """Throughput and the real world size over time, the injected events marked, as a PNG
+    (trainer/timeline_plot.py)."""
+    from spotguard.trainer.timeline_plot import plot as draw
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax1 = plt.subplots(figsize=(10, 4.5), dpi=110)
-    by_generation: dict[int, list[dict]] = collections.defaultdict(list)
-    for p in report["throughput"]:
-        by_generation[p.get("generation", 0)].append(p)
-    for i, (_, points) in enumerate(sorted(by_generation.items())):
-        ax1.plot([p["t"] for p in points], [p["samples_per_s"] or 0 for p in points], color="tab:blue",
-                 label="throughput (samples/s)" if i == 0 else None)
-    ax1.set_xlabel("seconds since training started")
-    ax1.set_ylabel("samples/s", color="tab:blue")
-    ax2 = ax1.twinx()
-    gens = report["generations"]
-    xs, ys = [], []
-    for g in gens:
-        end = g["ended"] if g["ended"] is not None else report["wall_s"]
-        xs += [g["launched"], end]
-        ys += [g["world_size"], g["world_size"]]
-    ax2.step(xs, ys, where="post", color="tab:green", label="world size")
-    ax2.set_ylabel("world size", color="tab:green")
-    ax2.set_ylim(0, max([g["world_size"] for g in gens] + [1]) + 1)
-    colors = {"reclaim": "tab:red", "gpu-fault": "tab:purple", "capacity": "tab:olive",
-              "maintenance": "tab:orange", "rebalance": "tab:brown", "cancel": "tab:gray"}
-    for e in report["timeline"]:
-        ax1.axvline(e["served"], color=colors.get(e["kind"], "black"), linestyle="--", alpha=0.8)
-        ax1.annotate(f"{e['kind']} {e['node']}", (e["served"], ax1.get_ylim()[1] * 0.95), rotation=90,
-                     fontsize=7, va="top", ha="right")
-    ax1.set_title(f"spotguard dry-run: {report['scenario'].get('name')} "
-                  f"({'OK' if report['ok'] else 'FAILED'}, {report['steps_lost']} steps lost)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    draw(report, path)

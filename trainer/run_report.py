@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from spotguard.trainer.crashes import Crash
 from spotguard.trainer.report import GenerationRecord, InjectedEvent, MembershipRecord, build_report
 from spotguard.trainer.rounds import rounds
 from spotguard.trainer.scenario import Scenario
@@ -39,8 +40,21 @@ def tie_capacity(injected: list[InjectedEvent], memberships: list[MembershipReco
         if inj.membership is None:
             grow = next((d for d in decisions if d["t"] >= since and d["action"] == "scale"
                          and d.get("reason") == "CapacityReturned"), None)
-            if grow is not None:
-                inj.rescaled = generation_at(generations, grow["t"])
+            if grow is None:
+                continue
+            running = next((g for g in generations if g.index == generation_at(generations, grow["t"])), None)
+            if running is not None and running.ended_at is not None and running.ended_at < grow["t"]:
+                # no group ran: the relaunch already due takes the node in, nothing drains for it
+                inj.launched_with = next((g.index for g in generations if g.launched_at >= grow["t"]), None)
+                inj.scaled_from = _replicas_before(decisions, grow)
+            else:
+                inj.rescaled = running.index if running is not None else 0
+
+
+def _replicas_before(decisions: list[dict], decision: dict) -> int | None:
+    """The replicas the last scale before `decision` set."""
+    earlier = [d for d in decisions if d["t"] < decision["t"] and d["action"] == "scale" and d.get("replicas")]
+    return earlier[-1]["replicas"] if earlier else None
 
 
 def expectation_problems(scenario: Scenario, report: Mapping[str, Any]) -> list[str]:
@@ -61,7 +75,7 @@ def expectation_problems(scenario: Scenario, report: Mapping[str, Any]) -> list[
 def assemble(scenario: Scenario, injected: list[InjectedEvent], events: Iterable[dict],
              container_starts: list[tuple[str, float]], memberships: list[MembershipRecord], decisions: list[dict], *,
              started_at: float, finished_at: float, status: str, not_reached: int, problems: list[str],
-             timings: str) -> dict[str, Any]:
+             timings: str, crash: Crash | None = None) -> dict[str, Any]:
     """See the module docstring."""
     relabeled, generations = rounds(events, container_starts)
     memberships = [dataclasses.replace(m, launch=generation_at(generations, m.t)) for m in memberships]
@@ -72,6 +86,7 @@ def assemble(scenario: Scenario, injected: list[InjectedEvent], events: Iterable
     report["supervisor_decisions"] = [{**d, "t": round(d["t"] - started_at, 3)} for d in decisions]
     report["status"] = status
     report["local_cluster"] = timings
+    report["crash"] = crash.as_dict() if crash is not None else None
     report["not_reached"] = [{"at": e.at, "kind": e.kind, "node": e.node} for e in scenario.events[not_reached:]]
     report["problems"] += problems + expectation_problems(scenario, report)
     if status != "finished":

@@ -1,0 +1,156 @@
+"""What the dry-run says is true (issue 37, items 1-8): the plot's world-size series follows the
+world the ranks formed, step numbers are the Guard's (the checkpoint folders'), the restart
+path's rows name relaunched processes and real worlds, a trainer that cannot start stops the run
+at once with its cause, and a bad `--out` is one clean line.
+
+One dry-run per path (module-scoped: every assertion reads the same run).
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spotguard.trainer.timeline_plot import world_size_series
+from tests.test_dryrun import SHORT_DEFAULT, dry_run
+
+pytestmark = pytest.mark.slow
+
+IN_PLACE = SHORT_DEFAULT.replace("steps: 300", "steps: 700").replace("lead: 15", "lead: 6") \
+    .replace("at: 8, kind: capacity", "at: 5, kind: capacity")
+RESTART = SHORT_DEFAULT.replace("steps: 300", "steps: 500")
+
+
+@pytest.fixture(scope="module")
+def in_place(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("in-place")
+    code, report, output = dry_run(tmp, IN_PLACE)
+    assert report is not None, output[-3000:]
+    assert code == 0 and report["ok"], (report["problems"], output[-3000:])
+    return report, output, tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def restart(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("restart")
+    code, report, output = dry_run(tmp, RESTART, "--membership", "restart")
+    assert report is not None, output[-3000:]
+    assert code == 0 and report["ok"], (report["problems"], output[-3000:])
+    return report, output, tmp / "run"
+
+
+def notice_folders(run: Path) -> list[int]:
+    folder = run / "claims" / "train-checkpoints" / "train"
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := re.fullmatch(r"step-(\d+)-notice", p.name)))
+
+
+def test_in_place_world_size_series_follows_the_membership_changes(in_place):
+    """Item 1: 2 -> 1 -> 2 as the ranks changed in place (it used to draw a flat 2)."""
+    report, _, _ = in_place
+    series = world_size_series(report)
+    changes = report["membership_changes"]
+    assert [w for _, w in series] == [2, 1, 2, 0], series
+    assert [t for t, _ in series[1:3]] == [c["t"] for c in changes], (series, changes)
+    assert series[0][0] == report["generations"][0]["launched"]
+    # every step rank 0 logged ran in the world the series draws at that time (the closing 0 is
+    # drawn at the last step's time)
+    for point in report["throughput"]:
+        drawn = [w for t, w in series[:-1] if t <= point["t"]][-1]
+        assert point["world_size"] == drawn, (point, series)
+
+
+def test_the_report_numbers_steps_as_the_checkpoint_folder_does(in_place):
+    """Item 8: agreed/durable step == the notice checkpoint's folder step (the Guard's numbering)."""
+    report, output, run = in_place
+    reclaim = report["timeline"][0]
+    assert notice_folders(run) == [reclaim["checkpoint_step"]] == [reclaim["agreed_step"]], reclaim
+    assert f"agreed {reclaim['agreed']:.2f}s at step {reclaim['agreed_step']}" in output
+    assert f"durable {reclaim['durable']:.2f}s step {reclaim['checkpoint_step']}" in output
+    assert report["membership_changes"][0]["step"] == reclaim["agreed_step"]
+
+
+def test_restart_path_series_rows_and_processes(restart):
+    """Items 1 and 2: the relaunched ranks are not 'same process throughout'; every row's world
+    is a real one; the series follows the generations."""
+    report, output, run = restart
+    series = world_size_series(report)
+    generations = report["generations"]
+    assert len(generations) >= 2, generations
+    assert [t for t, w in series if w] == [g["launched"] for g in generations], (series, generations)
+    assert [w for _, w in series if w] == [g["world_size"] for g in generations], (series, generations)
+    assert series[-1][1] == 0
+    assert "same process throughout" not in output, output[-3000:]
+    assert re.search(r"node-0: relaunched \(\d processes in turn\)", output), output[-3000:]
+    assert all(report["survivors"][n]["processes"] >= 2 for n in report["survivors"]), report["survivors"]
+    for row in report["timeline"]:
+        assert "?" not in row.get("world", ""), row
+    reclaim = report["timeline"][0]
+    saved = sorted(row["checkpoint_step"] for row in report["timeline"] if "checkpoint_step" in row)
+    assert notice_folders(run) == saved and reclaim["checkpoint_step"] in saved, report["timeline"]
+    assert reclaim["resumed_step"] == reclaim["checkpoint_step"], reclaim
+
+
+def test_a_trainer_that_cannot_start_stops_the_run_with_its_cause(tmp_path):
+    """Item 3: a bad trainer argument is a usage error (exit 2): the run stops at the first crash,
+    prints the log's tail and path and the reason, and claims nothing about training."""
+    code, report, output = dry_run(tmp_path, SHORT_DEFAULT, "--", "--bogus-arg", "1", timeout=150)
+    assert code == 1, output[-3000:]
+    assert report is not None and report["crash"] is not None, output[-3000:]
+    crash = report["crash"]
+    assert crash["exit_code"] == 2 and crash["crashes"] <= 2, crash  # the first crash of each index at most
+    assert "unrecognized arguments: --bogus-arg 1" in output
+    assert crash["log"] in output and Path(crash["log"]).exists()
+    assert "gave up after repeated crashes" in output and "gave up after repeated crashes" in report["status"]
+    assert "training finished first" not in output
+    assert "not reached, the run ended first" in output
+    assert not report["finished"]
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda tmp: (tmp / "file").write_text("x") and tmp / "file", "exists and is not a folder"),
+    (lambda tmp: (tmp / "file").write_text("x") and tmp / "file" / "sub", "cannot create"),
+])
+def test_an_unusable_out_is_one_clean_line(tmp_path, make, why):
+    """Item 4: exit 2, one line naming the path, no traceback, nothing started."""
+    out = make(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "spotguard", "dry-run", "--no-live", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc
+    assert proc.stderr.strip() == f"spotguard dry-run: error: --out: {out} {why}" \
+        or proc.stderr.strip().startswith(f"spotguard dry-run: error: --out: {why} {out}"), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_the_bundled_two_reclaims_scenario_returns_to_three_in_time():
+    """Item 6: its promise ("then back to 3") fits its timing: the capacity comes back with at
+    least 10 s of training left at its step time."""
+    from spotguard.trainer.scenario import load_scenario
+
+    s = load_scenario("two-reclaims")
+    capacity = max(e.at for e in s.events if e.kind == "capacity")
+    assert s.steps * s.step_seconds - capacity >= 10.0, (s.steps, s.step_seconds, capacity)
+    assert json.dumps([e.kind for e in s.events]).count("capacity") == 2
+
+
+def test_only_crashes_before_training_count_toward_giving_up(tmp_path):
+    from spotguard.trainer.cluster_log import PodLife
+    from spotguard.trainer.crashes import CRASH_LIMIT, give_up
+
+    def pod(name, code, lost=False):
+        return PodLife(name=name, uid=name, index=0, created=0.0, finished=1.0, exit_code=code, node_lost=lost)
+
+    # peers of a killed rank crash after training: the job's recovery, not a reason to stop
+    peers = [pod(f"trained-{i}", 1) for i in range(CRASH_LIMIT + 2)]
+    assert give_up(peers, lambda name: name.startswith("trained"), tmp_path) is None
+    drained_or_lost = [pod("a", 83), pod("b", 0), pod("c", 137, lost=True)] * CRASH_LIMIT
+    assert give_up(drained_or_lost, lambda name: False, tmp_path) is None
+    never_started = [pod(f"new-{i}", 1) for i in range(CRASH_LIMIT)]
+    assert give_up(never_started[:-1], lambda name: False, tmp_path) is None
+    crash = give_up(never_started, lambda name: False, tmp_path)
+    assert crash is not None and crash.crashes == CRASH_LIMIT and crash.pod == f"new-{CRASH_LIMIT - 1}"
+    usage = give_up([pod("bad-args", 2)], lambda name: False, tmp_path)
+    assert usage is not None and "a usage error" in usage.status
