@@ -57,6 +57,7 @@ test: $(STAMP)
 # mapping: they run inside the symlink tree tools/package_tree.py builds, with that tree as the
 # current directory (import-linter puts the cwd first on sys.path, ahead of the editable install).
 TREE := .cache/package-tree
+SIZE_CHECKED := spotguard agent hooks supervisor injector integrations trainer emulator  # classes <= 300 lines, functions <= 80
 PRODUCT_PARTS := spotguard.wire spotguard.kube spotguard.data spotguard.agent spotguard.hooks spotguard.supervisor spotguard.injector
 SHARED_MODULES := spotguard.config spotguard.daemon spotguard.http_server spotguard.metrics spotguard.backoff \
                   spotguard.logs spotguard.processes spotguard.safe_json spotguard.stream_slots
@@ -70,6 +71,7 @@ lint: $(STAMP)
 		$(addprefix -p ,$(PRODUCT_PARTS)) $(addprefix -m ,$(SHARED_MODULES))) || rc=1; \
 	echo "== import contracts"; (cd $(TREE) && $(abspath $(VENV))/bin/lint-imports \
 		--config $(abspath pyproject.toml)) || rc=1; \
+	echo "== code size"; $(PY) tools/code_size.py $(SIZE_CHECKED) || rc=1; \
 	exit $$rc
 
 k8s-assets: $(K8S_ASSETS)/kube-apiserver

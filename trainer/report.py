@@ -30,8 +30,9 @@ from typing import Any
 from collections.abc import Iterable
 
 from spotguard.trainer.changes import Change, job_changes
+from spotguard.wire.notice import Kind
 
-NOTICE_KINDS = ("reclaim", "gpu-fault", "maintenance", "rebalance")
+NOTICE_KINDS = frozenset(kind.value for kind in Kind)  # a scenario event that is a notice (not capacity, cancel)
 STEP_EVENTS = ("start", "step", "agreed", "durable", "resized", "drained", "finished")
 
 
@@ -103,6 +104,15 @@ class _Generations:
         return max([e["step"] for e in mine if e["event"] in ("start", "durable")], default=0)
 
 
+def _mark_not_reached(timeline: list[dict], finished: bool) -> None:
+    """A capacity row whose node was never taken in says why (`finished`: training reached its end)."""
+    for entry in timeline:
+        if entry["kind"] == "capacity" and entry.get("note") != "already available" \
+                and not entry.keys() & {"admitted", "joined", "relaunched", "agreed"}:
+            entry["not_reached"] = "training finished before the node was taken in" if finished \
+                else "the run ended before the node was taken in"
+
+
 def build_report(scenario: dict, injected: list[InjectedEvent], generations: list[GenerationRecord],
                  trainer_events: Iterable[dict], started_at: float, finished_at: float,
                  total_steps: int, memberships: list[MembershipRecord] | None = None,
@@ -145,11 +155,7 @@ def build_report(scenario: dict, injected: list[InjectedEvent], generations: lis
     completed = max(finished) if finished else trained
     if completed < total_steps:
         problems.append(f"training stopped after {completed} of {total_steps} steps")
-    for entry in timeline:
-        if entry["kind"] == "capacity" and entry.get("note") != "already available" \
-                and not entry.keys() & {"admitted", "joined", "relaunched", "agreed"}:
-            entry["not_reached"] = "training finished before the node was taken in" if finished and \
-                completed >= total_steps else "the run ended before the node was taken in"
+    _mark_not_reached(timeline, bool(finished) and completed >= total_steps)
     lost = sum(r["steps_lost"] for r in relaunches)
     for entry in timeline:  # a rank that died (a user's kill) while the job lost nothing is a fact only
         if entry.get("ranks_missing") and (lost > allowed_steps_lost or completed < total_steps):
