@@ -95,20 +95,27 @@ async def test_a_relaunch_starts_at_min_too(tmp_path):
         return [e for e in dry.events() if e["event"] == "start" and killed and e["t"] > killed[0]
                 and not e.get("joined")]
 
+    def restart() -> object | None:
+        """The newest `start` membership pushed after the kill."""
+        return next((m for m in reversed(dry.memberships) if m.cause == "start" and killed and m.t > killed[0]), None)
+
     def relaunch_trains() -> bool:
-        starts = [m for m in dry.memberships if m.cause == "start"]
-        return len(starts) == 2 and len(relaunched_starts()) >= len(starts[1].hosts)
+        latest = restart()
+        return latest is not None and len([e for e in relaunched_starts() if e["t"] >= latest.t]) >= len(latest.hosts)
 
     try:
         deadline = time.monotonic() + 300
         while not relaunch_trains():
             assert not run.done(), f"the dry-run ended ({dry.status}) before the relaunched group trained"
-            assert time.monotonic() < deadline, "the relaunched group never trained"
+            assert time.monotonic() < deadline, \
+                f"the relaunched group never trained: memberships {dry.memberships}, pods {dry.pod_log.snapshot()}"
             await asyncio.sleep(0.2)
     finally:
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
             await run
     starts = [m for m in dry.memberships if m.cause == "start"]
-    assert len(starts) == 2 and len(starts[1].hosts) >= 2, dry.memberships
-    assert {e["world_size"] for e in relaunched_starts()} == {len(starts[1].hosts)}  # the start group's size
+    latest = restart()
+    assert len(starts) == 2 and starts[1] is latest and len(latest.hosts) >= 2, dry.memberships
+    # the relaunched ranks start at the start group's size
+    assert {e["world_size"] for e in relaunched_starts() if e["t"] >= latest.t} == {len(latest.hosts)}
