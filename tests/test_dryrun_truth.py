@@ -145,12 +145,14 @@ def test_only_crashes_before_training_count_toward_giving_up(tmp_path):
 
     # peers of a killed rank crash after training: the job's recovery, not a reason to stop
     peers = [pod(f"trained-{i}", 1) for i in range(CRASH_LIMIT + 2)]
-    assert give_up(peers, lambda name: name.startswith("trained"), tmp_path) is None
-    drained_or_lost = [pod("a", 83), pod("b", 0), pod("c", 137, lost=True)] * CRASH_LIMIT
-    assert give_up(drained_or_lost, lambda name: False, tmp_path) is None
+    assert give_up(peers, lambda name: name.startswith("trained"), tmp_path, job_trained=False) is None
+    drained_lost_or_killed = [pod("a", 83), pod("b", 0), pod("c", 1, lost=True), pod("d", 137), pod("e", 143)]
+    assert give_up(drained_lost_or_killed * CRASH_LIMIT, lambda name: False, tmp_path, job_trained=False) is None
     never_started = [pod(f"new-{i}", 1) for i in range(CRASH_LIMIT)]
-    assert give_up(never_started[:-1], lambda name: False, tmp_path) is None
-    crash = give_up(never_started, lambda name: False, tmp_path)
+    assert give_up(never_started[:-1], lambda name: False, tmp_path, job_trained=False) is None
+    crash = give_up(never_started, lambda name: False, tmp_path, job_trained=False)
     assert crash is not None and crash.crashes == CRASH_LIMIT and crash.pod == f"new-{CRASH_LIMIT - 1}"
-    usage = give_up([pod("bad-args", 2)], lambda name: False, tmp_path)
+    # once the job trained, crashes before a relaunched trainer started are part of the recovery
+    assert give_up(never_started, lambda name: False, tmp_path, job_trained=True) is None
+    usage = give_up([pod("bad-args", 2)], lambda name: False, tmp_path, job_trained=True)
     assert usage is not None and "a usage error" in usage.status

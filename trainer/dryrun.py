@@ -188,7 +188,8 @@ class DryRun:
             return "finished"
         if "Failed" in conditions:
             return f"the Job failed: {conditions['Failed'].get('message', '')}"
-        self.crash = give_up(self.pod_log.snapshot(), self._trained, self.run_dir / "logs")
+        self.crash = give_up(self.pod_log.snapshot(), self._trained, self.run_dir / "logs",
+                             job_trained=self.started_at is not None)
         if self.crash is not None:
             return self.crash.status
         if not any(e["event"] == "finished" for e in self._tail.milestones()):
