@@ -35,12 +35,10 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from spotguard.hooks.hostfile import ElasticRule, Host, select_hosts, write_hostfile
 from spotguard.wire.membership import Membership
-from spotguard.wire.notice import Kind, Notice
+from spotguard.wire.notice import Notice
+from spotguard.wire.notice_policy import DEPARTING_KINDS
 
 log = logging.getLogger(__name__)
-
-NON_DEPARTING = {Kind.REBALANCE}
-
 
 class Topology:
     """Keeps the effective membership and the hostfile in step with their inputs."""
@@ -106,7 +104,7 @@ class Topology:
 
     async def set_notices(self, notices: Iterable[Notice]) -> None:
         job = self._job_hosts()
-        departing = tuple(sorted({n.node for n in notices if not n.advisory and n.kind not in NON_DEPARTING
+        departing = tuple(sorted({n.node for n in notices if not n.advisory and n.kind in DEPARTING_KINDS
                                   and n.node in job}))
         if departing != self.departing:
             self.departing = departing
