@@ -101,6 +101,7 @@ from spotguard.config import ConfigError, http_url, positive_float, positive_int
 from spotguard.hooks.adapters.base import resizable_adapter
 from spotguard.hooks.agreement import Agreement, make_agreement
 from spotguard.hooks.agreement.collectives import Collectives, GroupCollectives
+from spotguard.hooks.deadline_watchdog import DeadlineWatchdog, watchdog_enabled
 from spotguard.hooks.elastic.join import in_place_enabled
 from spotguard.hooks.elastic.membership_view import MembershipView
 from spotguard.hooks.group_session import process_session
@@ -172,6 +173,8 @@ class Guard:
         if install_signals:
             self._trap = SignalTrap(self.grace_seconds, (signal_module.SIGTERM, *extra_signals))
             self._trap.install()
+        self.deadline = (DeadlineWatchdog(lambda: self.adapter, self.save_margin_seconds, self._trap, self.reporter)
+                         .start() if exit_on_drain and install_signals and watchdog_enabled() else None)
         self._orphan_watch = OrphanWatch.from_env(self.grace_seconds)
         if self._orphan_watch is not None:
             self._orphan_watch.start()
@@ -298,6 +301,8 @@ class Guard:
             value = hook()
             if value is not None:
                 start = int(value)
+        if self.deadline is not None:
+            self.deadline.resumed(start)
         return start
 
     # ---- notices in -----------------------------------------------------------------------
@@ -320,6 +325,8 @@ class Guard:
                             notice.id, notice.kind, decision.seconds_left, self.gate.horizon_seconds)
         else:
             self._log_acting(notice)
+        if decision.action is not Action.IGNORE and self.deadline is not None:
+            self.deadline.arm(notice)
 
     def _hold_for_replacement(self, notice: Notice, now: datetime) -> float | None:
         """When a notice on this rank's own host is released while its warm-standby replacement
@@ -339,6 +346,8 @@ class Guard:
 
     def withdraw(self, notice_id: str) -> None:
         """Drops a notice the ranks have not agreed on yet (thread-safe)."""
+        if self.deadline is not None:
+            self.deadline.disarm(notice_id)
         for where in self.gate.withdraw(notice_id):
             if where == "held":
                 log.warning("notice %s withdrawn while held: training continues", notice_id)
@@ -352,6 +361,8 @@ class Guard:
         if self._last_boundary is not None:
             self._step_seconds = max(boundary - self._last_boundary, 0.9 * self._step_seconds)
         self._last_boundary = boundary
+        if self.deadline is not None:
+            self.deadline.completed(step)
         trap = self._trap
         if trap is not None and trap.received is not None:
             notice = trap.take()
@@ -363,6 +374,8 @@ class Guard:
         membership = self.view.pending_notice() if self.view is not None else None
         verdict = self.agreement.at_boundary(step, self.gate.pending, membership)
         if verdict is not None:
+            if verdict.on_notice and self.deadline is not None:
+                self.deadline.claim_boundary()  # blocks for good when the deadline watchdog answers it
             return self.machine.run(step, verdict)
         if self.snapshot_every and self.adapter is not None and step % self.snapshot_every == 0:
             self.adapter.snapshot(step)
@@ -389,6 +402,8 @@ class Guard:
             self._trap.uninstall()
         if self._orphan_watch is not None:
             self._orphan_watch.stop()
+        if self.deadline is not None:
+            self.deadline.close(self.last_drain.exit_code if self.last_drain is not None else None)
         if self.adapter is not None:
             self.adapter.close()
         self.machine.departure.release()

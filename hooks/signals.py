@@ -7,7 +7,8 @@ Contract:
   allocation beyond a tuple. The first signal wins until `take()` consumes it.
 - `take()` (called from the training loop, never from the handler) turns the recorded signal
   into a `Notice(kind=drain, source="signal", deadline=received + grace_seconds)`; the id is
-  stable for one delivery, so the same signal never makes two notices.
+  stable for one delivery, so the same signal never makes two notices. `peek()` is the same
+  notice without consuming it.
 """
 from __future__ import annotations
 
@@ -69,10 +70,15 @@ class SignalTrap:
 
     def take(self) -> Notice | None:
         """The drain notice for the recorded signal (once), or None when none arrived."""
+        notice = self.peek()
+        self.received = None
+        return notice
+
+    def peek(self) -> Notice | None:
+        """The drain notice `take()` would return, left recorded (the deadline watchdog's look)."""
         received = self.received
         if received is None:
             return None
-        self.received = None
         signum, at = received
         detected = datetime.fromtimestamp(at, UTC)
         name = signal.Signals(signum).name

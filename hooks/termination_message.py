@@ -35,10 +35,11 @@ def termination_log_path(environ: dict | None = None) -> str | None:
 
 def write_termination_message(notice_id: str, step: int, saved_step: int, durable: bool,
                               path: str | None = None, *, steps_lost: int | None = None,
-                              durable_tier: str | None = None, object_step: int | None = None) -> bool:
+                              durable_tier: str | None = None, object_step: int | None = None,
+                              extra: dict | None = None) -> bool:
     """Writes the message (see the module docstring); True when written. `steps_lost` defaults to
     `step - saved_step`; `durable_tier` ("object", "local", "disk") and `object_step`, when known,
-    are added."""
+    are added, then `extra` (the deadline watchdog's `saved_by`, `margin_seconds`, ...)."""
     target = path if path is not None else termination_log_path()
     if target is None:
         return False
@@ -49,6 +50,7 @@ def write_termination_message(notice_id: str, step: int, saved_step: int, durabl
         message["durable_tier"] = durable_tier
     if object_step is not None:
         message["object_step"] = object_step
+    message.update(extra or {})
     body = json.dumps(message, separators=(",", ":"))
     data = body.encode()[:MAX_MESSAGE_BYTES]
     try:

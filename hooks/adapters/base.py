@@ -353,6 +353,11 @@ class StoreAdapter:
         self._persist(snap, snap.step, reason, notice, snapshot=True).result()
         return snap.step
 
+    def snapshot_durable(self) -> bool:
+        """Whether the held snapshot was persisted already (a `save_async` of its step committed)."""
+        snap = self._snapshot
+        return snap is not None and snap.valid and self.snapshot_engine.persisted_generation == snap.generation
+
     @property
     def held_snapshot(self) -> Any:
         """The last snapshot's state, a tree over the engine's buffers (None before the first)."""

@@ -19,6 +19,9 @@ Contract:
 - Each part's duration is kept (the last 5 of each, successful runs only); `estimate()` is the
   slowest recent one of each, so the deadline logic can price a fresh save (snapshot + persist)
   and the persist of a held snapshot (persist) apart.
+- `in_flight()`: the Future of the persist running or queued now (None when idle);
+  `persisted_generation`: the generation of the newest snapshot whose persist succeeded (a
+  snapshot with that generation is durable already).
 """
 from __future__ import annotations
 
@@ -79,6 +82,7 @@ class SnapshotEngine:
         self.persist_seconds: deque[float] = deque(maxlen=history)
         self._writer: ThreadPoolExecutor | None = None
         self._inflight: Future | None = None
+        self.persisted_generation = -1
         self._mutex = threading.Lock()
 
     def snapshot(self, state: Any, *, step: int, extra: dict[str, Any] | None = None,
@@ -108,6 +112,7 @@ class SnapshotEngine:
             self.buffers.ready()
             result = write(snap.state)
             self.persist_seconds.append(time.perf_counter() - started)
+            self.persisted_generation = snap.generation
             return result
 
         return self.submit(run)
@@ -120,6 +125,11 @@ class SnapshotEngine:
             future = self._writer.submit(job)
             self._inflight = future
         return future
+
+    def in_flight(self) -> Future | None:
+        """The persist running or queued now, or None."""
+        future = self._inflight
+        return future if future is not None and not future.done() else None
 
     def wait(self, timeout: float | None = None) -> None:
         """Returns once no persist is in flight (its outcome is its caller's to read)."""

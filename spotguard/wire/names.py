@@ -94,6 +94,7 @@ ENV_CHANGE_TIMEOUT = "SPOTGUARD_CHANGE_TIMEOUT"  # seconds a whole change may la
 ENV_DURABLE_TIMEOUT = "SPOTGUARD_DURABLE_TIMEOUT"  # seconds a rank waits for its checkpoint's durable write
 ENV_MIN_WORLD_SIZE = "SPOTGUARD_MIN_WORLD_SIZE"  # fewer survivors than this: everyone drains instead
 ENV_LAUNCHER_PID = "SPOTGUARD_LAUNCHER_PID"  # the launcher's pid: a worker it no longer parents leaves
+ENV_DEADLINE_WATCHDOG = "SPOTGUARD_DEADLINE_WATCHDOG"  # "0": no deadline watchdog in the Guard
 SIGNAL_SOURCE = "signal"  # source of the drain notice a rank makes of SIGTERM (hooks/signals.py)
 SUPERVISOR_DRAIN_SOURCE = "supervisor.drain"  # source of the drain notice a membership's `drain` becomes
 MEMBERSHIP_SOURCE = "spotguard.membership"  # source of the Guard's internal notice for a pushed membership

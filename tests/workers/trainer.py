@@ -45,6 +45,8 @@ def parse(argv=None):
     p.add_argument("--signal-rank", type=int, default=1)
     p.add_argument("--no-compare", action="store_true", help="skip the full-state dumps")
     p.add_argument("--fresh", action="store_true", help="start at step 0 without loading any checkpoint")
+    p.add_argument("--hold-at", type=int, default=-1,
+                   help="every rank holds step N (before training it: holding-<rank> written) until <out>/release")
     return p.parse_args(argv)
 
 
@@ -131,6 +133,13 @@ class Job:
         return flatten(model_state, optim_state)
 
 
+def hold(out: Path, rank: int, step: int) -> None:
+    """A long step (an evaluation pass, a data stall) that lasts until the test releases it."""
+    (out / f"holding-{rank}").write_text(str(step))
+    while not (out / "release").exists():
+        time.sleep(0.02)
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     out = Path(args.out)
@@ -169,6 +178,8 @@ def main(argv=None) -> int:
         dump("resume")
     try:
         for step in range(start, args.steps):
+            if step == args.hold_at:
+                hold(out, rank, step)
             job.train_step(step)
             if args.save_every and step % args.save_every == 0:
                 if hasattr(adapter, "save_async"):

@@ -1,0 +1,143 @@
+"""What the ranks' deadline watchdogs share without any collective: the notice, who answers it,
+and the snapshot step each rank holds.
+
+A watchdog must work while the main thread is blocked in a collective, so it never enters one on
+a group training uses. It talks through the key-value store of the default group (torch's
+`TCPStore`: each call is a request to the store's server, made with the GIL released):
+- `publish(notice)` / `shared_notice()`: the first rank that learns of a notice publishes it;
+  every other rank's watchdog picks it up on its next poll (a notice reaches one pod's ranks
+  only: the other pods' ranks learn the deadline here, before any agreement).
+- `claim(value)`: one atomic `compare_set` on one key: the first claim of the job wins and every
+  later one returns the winner, so a boundary's agreed save (`BOUNDARY`) and a watchdog's persist
+  (`persist_claim(step)`) or departure (`LEAVE`) never both run, whatever the order in which the
+  ranks get there.
+- `report_held(step)` / `held_by_all(step, timeout)`: each rank's held snapshot step, and whether
+  every rank holds `step` (the watchdog persists a step only then: its write is collective on the
+  checkpoint group, which no rank may enter alone).
+`LocalClaims` is the same for a process alone (no store). Keys live under `spotguard/deadline/`
+of the formation's store, so a re-formed group starts with none.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+from spotguard.wire.notice import Notice
+
+log = logging.getLogger("spotguard.hooks.deadline")
+
+PREFIX = "spotguard/deadline/"
+BOUNDARY = "boundary"
+LEAVE = "leave"
+PERSIST = "persist:"
+
+
+def persist_claim(step: int) -> str:
+    return f"{PERSIST}{step}"
+
+
+def claimed_step(value: str | None) -> int | None:
+    """The step of a persist claim (None for any other value)."""
+    if value and value.startswith(PERSIST):
+        return int(value[len(PERSIST):])
+    return None
+
+
+class Claims(Protocol):
+    def publish(self, notice: Notice) -> None: ...
+
+    def shared_notice(self) -> Notice | None: ...
+
+    def claim(self, value: str) -> str: ...
+
+    def winner(self) -> str | None: ...
+
+    def report_held(self, step: int | None) -> None: ...
+
+    def held_by_all(self, step: int, timeout: float) -> bool: ...
+
+
+class LocalClaims:
+    """Claims of a process alone: the same answers, kept in memory."""
+
+    def __init__(self) -> None:
+        self._winner: str | None = None
+        self._lock = threading.Lock()
+
+    def publish(self, notice: Notice) -> None:
+        pass
+
+    def shared_notice(self) -> Notice | None:
+        return None
+
+    def claim(self, value: str) -> str:
+        with self._lock:
+            if self._winner is None:
+                self._winner = value
+            return self._winner
+
+    def winner(self) -> str | None:
+        return self._winner
+
+    def report_held(self, step: int | None) -> None:
+        pass
+
+    def held_by_all(self, step: int, timeout: float) -> bool:
+        return True
+
+
+class StoreClaims:
+    """Claims through the default group's store (see the module docstring)."""
+
+    def __init__(self, store: Any, rank: int, world_size: int):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self._published = False
+
+    @classmethod
+    def for_default_group(cls) -> Claims:
+        """StoreClaims on the default group's store; LocalClaims alone or without one."""
+        try:
+            import torch.distributed as dist
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+                return LocalClaims()
+            return cls(_get_default_store(), dist.get_rank(), dist.get_world_size())
+        except Exception as exc:  # no store: each rank decides alone
+            log.warning("deadline watchdog: no shared store (%s): this rank decides alone", exc)
+            return LocalClaims()
+
+    def _get(self, key: str) -> str | None:
+        if not self.store.check([PREFIX + key]):
+            return None
+        return self.store.get(PREFIX + key).decode()
+
+    def publish(self, notice: Notice) -> None:
+        if not self._published:
+            self.store.compare_set(PREFIX + "notice", "", json.dumps(notice.to_wire()))
+            self._published = True
+
+    def shared_notice(self) -> Notice | None:
+        text = self._get("notice")
+        return Notice.from_wire(json.loads(text)) if text else None
+
+    def claim(self, value: str) -> str:
+        return self.store.compare_set(PREFIX + "claim", "", value).decode()
+
+    def winner(self) -> str | None:
+        return self._get("claim")
+
+    def report_held(self, step: int | None) -> None:
+        self.store.set(f"{PREFIX}held/{self.rank}", str(-1 if step is None else step))
+
+    def held_by_all(self, step: int, timeout: float) -> bool:
+        keys = [f"{PREFIX}held/{r}" for r in range(self.world_size)]
+        end = time.monotonic() + timeout
+        while not self.store.check(keys):
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.05)
+        return all(int(self.store.get(k).decode()) == step for k in keys)

@@ -1,0 +1,141 @@
+"""What the deadline watchdog does once it owns the answer to a notice: persist the held snapshot
+(or find it durable already), then leave with 83, or with 84 when nothing new could be made
+durable (the previous checkpoint stays the newest). Runs on the watchdog's thread; the main
+thread may be blocked anywhere meanwhile.
+
+Contract of `DeadlineExit.persist(...)`:
+1. every rank must hold the claimed snapshot step (`Claims.held_by_all`, through the store): the
+   persist is collective on the adapter's checkpoint group, which only the ranks' writer threads
+   use, never training or the Guard's agreement;
+2. an async save in flight (`save_async`) is waited for until the latest exit time: committed,
+   it is the newest durable checkpoint (and, being the held snapshot's copy, nothing is persisted
+   again); still running then, it is abandoned (the process leaves: its commit never happens, the
+   store's commit being all or nothing); its fate is reported as `async_save`;
+3. otherwise the held snapshot is persisted through the adapter's commit protocol, waited for
+   until the latest exit time.
+`leave(...)` writes the termination message (with `saved_by` "watchdog", `margin_seconds` to the
+deadline, `snapshot_steps`: the steps trained after the saved snapshot), reports to the sidecar
+when one is configured and time allows, and ends the process (`flush_and_exit`) under the
+last-resort timer, re-armed with the same code. `leave_nothing_new(...)` is the departure with
+nothing to save: 83, no step lost.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+from spotguard.hooks.deadline_claims import Claims
+from spotguard.hooks.deadline_policy import leave_by
+from spotguard.hooks.exit_timer import ExitTimer
+from spotguard.hooks.hook_reporter import HookReporter
+from spotguard.hooks.termination_message import write_termination_message
+from spotguard.processes import flush_and_exit
+from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
+from spotguard.wire.notice import Notice
+
+log = logging.getLogger("spotguard.hooks.deadline")
+
+REPORT_SECONDS = 1.0  # the longest a report to the sidecar may take before the rank leaves
+
+
+@dataclass
+class Progress:
+    """What this rank trained: the newest completed step and the newest durable checkpoint's step."""
+
+    completed: int | None = None
+    durable: int | None = None
+
+    def lost_since(self, saved: int | None) -> int:
+        """Steps trained after `saved` (the newest step that survives)."""
+        if self.completed is None:
+            return 0
+        return self.completed - (saved if saved is not None else -1)
+
+
+class DeadlineExit:
+    """See the module docstring."""
+
+    def __init__(self, adapter: Callable[[], Any], claims: Callable[[], Claims], timer: ExitTimer,
+                 reporter: HookReporter | None = None):
+        self.adapter, self.claims, self.timer, self.reporter = adapter, claims, timer, reporter
+
+    def persist(self, step: int, notice: Notice, deadline: float, progress: Progress) -> None:
+        """See the module docstring; never returns."""
+        started, end = time.time(), leave_by(deadline) - 0.2
+        adapter = self.adapter()
+        held = getattr(adapter, "snapshot_step", None)
+        claims = self.claims()
+        claims.report_held(held)
+        if adapter is None or not claims.held_by_all(step, max(end - time.time(), 0.0)):
+            log.error("deadline watchdog: not every rank holds the snapshot of step %d (here: %s): nothing "
+                      "persisted", step, held)
+            self.leave(notice, deadline, progress, None, started, why="no-common-snapshot")
+        engine = adapter.snapshot_engine
+        async_save = None
+        in_flight = engine.in_flight()
+        if in_flight is not None:
+            try:
+                in_flight.result(timeout=max(end - time.time(), 0.0))
+                async_save = "committed"
+            except FutureTimeout:
+                log.error("deadline watchdog: the async save of step %d is still running at the latest exit: "
+                          "abandoned (the previous checkpoint stays the newest)", held)
+                self.leave(notice, deadline, progress, None, started, why="async-abandoned",
+                           async_save="abandoned")
+            except BaseException:  # DCP's CheckpointException derives from BaseException
+                async_save = "failed"
+        if adapter.snapshot_durable():
+            self.leave(notice, deadline, progress, step, started, async_save=async_save)
+        try:
+            _, write = adapter.persist_snapshot_behind(reason="notice", notice=notice)
+            write.result(timeout=max(end - time.time(), 0.0))
+        except FutureTimeout:
+            log.error("deadline watchdog: the snapshot of step %d was not durable by the latest exit", step)
+            self.leave(notice, deadline, progress, None, started, why="persist-late", async_save=async_save)
+        except BaseException:
+            log.exception("deadline watchdog: persisting the snapshot of step %d failed", step)
+            self.leave(notice, deadline, progress, None, started, why="persist-failed", async_save=async_save)
+        self.leave(notice, deadline, progress, step, started, async_save=async_save)
+
+    def leave_nothing_new(self, notice: Notice, deadline: float, progress: Progress) -> None:
+        """Leaves with 83 at once: nothing was trained since the newest durable checkpoint."""
+        log.warning("notice %s: nothing trained since the newest checkpoint (step %s): leaving now", notice.id,
+                    progress.durable)
+        self.leave(notice, deadline, progress, progress.durable, time.time(), saved_by="nothing-new")
+
+    def leave(self, notice: Notice, deadline: float, progress: Progress, saved: int | None, started: float, *,
+              why: str | None = None, async_save: str | None = None, saved_by: str = "watchdog") -> None:
+        """Termination message, report, exit: 83 when `saved` (a step now durable) is not None or
+        nothing was trained since the durable checkpoint, else 84. Never returns."""
+        durable = saved is not None or saved_by == "nothing-new"
+        code = EXIT_PREEMPTED if durable else EXIT_CHECKPOINT_FAILED
+        self.timer.arm(time.monotonic() + REPORT_SECONDS + 0.5, code)
+        newest = saved if saved is not None else progress.durable
+        step = progress.completed if progress.completed is not None else (newest if newest is not None else -1)
+        extra: dict[str, Any] = {"saved_by": saved_by, "margin_seconds": round(deadline - time.time(), 3)}
+        if saved is not None and progress.completed is not None:
+            extra["snapshot_steps"] = progress.completed - saved
+        extra.update({k: v for k, v in (("why", why), ("async_save", async_save)) if v is not None})
+        lost = progress.lost_since(newest)
+        write_termination_message(notice.id, step, saved if saved is not None else step, durable,
+                                  steps_lost=lost, extra=extra)
+        self._report(notice, newest, durable, time.time() - started, lost, extra)
+        log.warning("deadline watchdog: leaving for notice %s (%s: step %s %s, %d steps lost, %.2fs before the "
+                    "deadline): exit %d", notice.id, saved_by, newest, "durable" if durable else "FAILED", lost,
+                    deadline - time.time(), code)
+        flush_and_exit(code)
+
+    def _report(self, notice: Notice, saved: int | None, durable: bool, seconds: float, lost: int,
+                extra: dict[str, Any]) -> None:
+        reporter = self.reporter
+        if reporter is None or saved is None:
+            return
+        reporter.timeout = min(reporter.timeout, REPORT_SECONDS / 2)
+        reporter.report(notice.id, saved, "checkpoint-durable" if durable else "failed", seconds, steps_lost=lost,
+                        saved_step=saved, **extra)
+        if durable:
+            reporter.report(notice.id, saved, "drained", 0.0, steps_lost=lost, saved_step=saved, **extra)

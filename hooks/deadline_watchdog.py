@@ -1,0 +1,233 @@
+"""The deadline watchdog: one thread per rank, beside the notice listener, that makes sure a rank
+leaves before its notice's deadline with the newest snapshot durable, whatever the main thread
+is doing (a 40 s evaluation pass, a first compile, a collective waiting on a peer).
+
+Contract (`DeadlineWatchdog`, made and driven by the Guard):
+- `arm(notice)` (any thread): a notice with a deadline the Guard acts on or holds; the earliest
+  deadline wins. `disarm(notice_id)`: withdrawn. A SIGTERM is seen the moment it arrives (the
+  signal's wakeup fd, read by this thread: the main thread need not run Python for it), and a
+  notice another rank published through the store (`deadline_claims`) within one poll.
+- Once armed: the notice is published for the other ranks, a "failed" termination message is
+  written in advance and the last-resort timer (`exit_timer`, outside Python) is set to end the
+  process with 84 at `deadline_policy.leave_by`.
+- `completed(step)` / `resumed(start)`: the Guard's boundary and resume (an int stored: no cost).
+- Each poll (`POLL` seconds, or sooner when the latest safe moment comes) follows
+  `deadline_policy.plan` and the job-wide claim: nothing new to save -> claim LEAVE and leave with
+  83 at once; the latest safe moment -> claim a persist of the held snapshot and, once every rank
+  holds that step, persist it and leave (`deadline_exit`); a peer's claim is followed the same
+  way; a BOUNDARY claim (the ranks agreed at a step boundary first) makes it stand down, its
+  timer left armed in case that path never ends.
+- `claim_boundary()` (main thread, at an agreed step on a notice): True when the agreed save may
+  run; when a watchdog claimed first, the main thread waits here while the watchdog leaves.
+- `close(exit_code)`: the Guard closes; the timer is re-armed with the rank's own exit code, so
+  a process that hangs on its way out still leaves with it, or cancelled (None).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from spotguard.hooks import deadline_claims as claims_mod
+from spotguard.hooks.deadline_claims import Claims, StoreClaims
+from spotguard.hooks.deadline_exit import DeadlineExit, Progress
+from spotguard.hooks.deadline_policy import Plan, leave_by, plan
+from spotguard.hooks.exit_timer import ExitTimer
+from spotguard.hooks.hook_reporter import HookReporter
+from spotguard.hooks.signals import SignalTrap
+from spotguard.hooks.termination_message import write_termination_message
+from spotguard.wire.names import ENV_DEADLINE_WATCHDOG, EXIT_CHECKPOINT_FAILED
+from spotguard.wire.notice import Notice
+
+log = logging.getLogger("spotguard.hooks.deadline")
+
+POLL = 0.25  # seconds between looks at the store and the signal trap
+
+
+class DeadlineWatchdog:
+    """See the module docstring."""
+
+    def __init__(self, adapter: Callable[[], Any], margin: float, trap: SignalTrap | None = None,
+                 reporter: HookReporter | None = None, claims: Callable[[], Claims] | None = None):
+        self.adapter, self.margin, self.trap = adapter, margin, trap
+        self.progress = Progress()
+        self.timer = ExitTimer()
+        self._claims_for = claims or StoreClaims.for_default_group
+        self._claims: Claims | None = None
+        self.exit = DeadlineExit(adapter, self.claims, self.timer, reporter)
+        self.notice: Notice | None = None
+        self._armed_for: str | None = None
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        self._signal_fd = self._take_wakeup_fd()
+        self._thread = threading.Thread(target=self._run, name="spotguard-deadline", daemon=True)
+
+    def start(self) -> DeadlineWatchdog:
+        self._thread.start()
+        return self
+
+    def claims(self) -> Claims:
+        if self._claims is None:
+            self._claims = self._claims_for()
+        return self._claims
+
+    # ---- what the Guard tells it ------------------------------------------------------------------
+    def arm(self, notice: Notice) -> None:
+        current = self.notice
+        if notice.deadline is None or (current is not None and current.deadline is not None
+                                       and current.deadline <= notice.deadline):
+            return
+        self.notice = notice
+        os.write(self._wake_w, b"a")
+
+    def disarm(self, notice_id: str) -> None:
+        if self.notice is not None and self.notice.id == notice_id and self._armed_for is None:
+            self.notice = None
+
+    def completed(self, step: int) -> None:
+        self.progress.completed = step
+
+    def resumed(self, start: int) -> None:
+        self.progress.durable = start - 1 if start > 0 else None
+
+    def claim_boundary(self) -> bool:
+        """See the module docstring (blocks for good when a watchdog owns the answer)."""
+        if self.claims().claim(claims_mod.BOUNDARY) == claims_mod.BOUNDARY:
+            return True
+        log.warning("deadline watchdog answers the notice: the agreed step does not save again")
+        while True:  # the watchdog's thread ends the process; its timer if it cannot
+            time.sleep(1.0)
+
+    def close(self, exit_code: int | None = None) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"c")
+        if exit_code is not None and self._armed_for is not None:
+            self.timer.arm(time.monotonic() + 5.0, exit_code)
+        else:
+            self.timer.cancel()
+        self._give_back_wakeup_fd()
+
+    # ---- the thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sleep(self._next_wake())
+            if self._stop.is_set():
+                return
+            try:
+                self._look()
+            except Exception:  # a broken store must not end training; the timer still stands
+                log.exception("deadline watchdog: poll failed")
+
+    def _look(self) -> None:
+        self._pick_up_signal()
+        if self.notice is None:
+            shared = self.claims().shared_notice()
+            if shared is not None:
+                self.arm(shared)
+        notice = self.notice
+        if notice is None or notice.deadline is None:
+            return
+        deadline = notice.deadline.timestamp()
+        if self._armed_for != notice.id:
+            self._arm_last_resort(notice, deadline)
+        claims = self.claims()
+        winner = claims.winner()
+        if winner == claims_mod.BOUNDARY:
+            return
+        if winner is None:
+            adapter = self.adapter()
+            decided = plan(time.time(), deadline, completed_step=self.progress.completed,
+                           durable_step=self.progress.durable,
+                           snapshot_step=getattr(adapter, "snapshot_step", None),
+                           persist_estimate=self._persist_estimate(adapter), margin=self.margin)
+            if decided is Plan.LEAVE_NOW:
+                winner = claims.claim(claims_mod.LEAVE)
+            elif decided is Plan.PERSIST:
+                winner = claims.claim(claims_mod.persist_claim(adapter.snapshot_step))
+            else:
+                return
+        if winner == claims_mod.LEAVE:
+            self.exit.leave_nothing_new(notice, deadline, self.progress)
+        step = claims_mod.claimed_step(winner)
+        if step is not None:
+            self.exit.persist(step, notice, deadline, self.progress)
+
+    def _arm_last_resort(self, notice: Notice, deadline: float) -> None:
+        self._armed_for = notice.id
+        with contextlib.suppress(Exception):
+            self.claims().publish(notice)
+        completed = self.progress.completed if self.progress.completed is not None else -1
+        write_termination_message(notice.id, completed, completed, False,
+                                  steps_lost=self.progress.lost_since(self.progress.durable),
+                                  extra={"saved_by": "none", "why": "deadline"})
+        self.timer.arm(time.monotonic() + leave_by(deadline) - time.time(), EXIT_CHECKPOINT_FAILED)
+        log.warning("deadline watchdog armed for notice %s: the rank leaves by %.1fs from now at the latest",
+                    notice.id, leave_by(deadline) - time.time())
+
+    @staticmethod
+    def _persist_estimate(adapter: Any) -> float | None:
+        if adapter is None or not hasattr(adapter, "save_parts"):
+            return None
+        return adapter.save_parts().persist
+
+    def _next_wake(self) -> float:
+        notice = self.notice
+        if notice is None or notice.deadline is None or self._armed_for != notice.id:
+            return POLL
+        return max(min(POLL, leave_by(notice.deadline.timestamp()) - time.time()), 0.01)
+
+    # ---- signals, seen while the main thread runs no Python --------------------------------------
+    def _take_wakeup_fd(self) -> int | None:
+        """This process's signal wakeup fd, when no one else holds it (main thread only)."""
+        if self.trap is None or threading.current_thread() is not threading.main_thread():
+            return None
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        if signal.set_wakeup_fd(w, warn_on_full_buffer=False) != -1:
+            signal.set_wakeup_fd(-1)  # someone's (an event loop's): theirs, and the trap's own handler
+            os.close(r)
+            os.close(w)
+            return None
+        self._signal_w = w
+        return r
+
+    def _give_back_wakeup_fd(self) -> None:
+        if self._signal_fd is not None and threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(ValueError):
+                signal.set_wakeup_fd(-1)
+
+    def _sleep(self, seconds: float) -> None:
+        fds = [self._wake_r] + ([self._signal_fd] if self._signal_fd is not None else [])
+        ready, _, _ = select.select(fds, [], [], seconds)
+        for fd in ready:
+            data = os.read(fd, 64)
+            if fd == self._signal_fd:
+                self._signalled(data)
+
+    def _signalled(self, data: bytes) -> None:
+        trap = self.trap
+        if trap is None:
+            return
+        for signum in data:
+            if signum in trap.signals and trap.received is None:
+                trap.received = (signum, time.time())
+
+    def _pick_up_signal(self) -> None:
+        trap = self.trap
+        if trap is not None and trap.received is not None:
+            notice = trap.peek()
+            if notice is not None:
+                self.arm(notice)
+
+
+def watchdog_enabled(env: dict[str, str] | None = None) -> bool:
+    """The watchdog runs unless `SPOTGUARD_DEADLINE_WATCHDOG` is "0" (a Guard that ends the process
+    on a drain and traps its signals; the Guard checks those)."""
+    return (os.environ if env is None else env).get(ENV_DEADLINE_WATCHDOG, "1").strip() != "0"
