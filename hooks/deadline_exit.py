@@ -49,6 +49,11 @@ class Progress:
     completed: int | None = None
     durable: int | None = None
 
+    def saw_durable(self, step: int | None) -> None:
+        """A checkpoint of `step` is durable (the newest wins)."""
+        if step is not None and (self.durable is None or step > self.durable):
+            self.durable = step
+
     def lost_since(self, saved: int | None) -> int:
         """Steps trained after `saved` (the newest step that survives)."""
         if self.completed is None:
@@ -111,6 +116,7 @@ class DeadlineExit:
               why: str | None = None, async_save: str | None = None, saved_by: str = "watchdog") -> None:
         """Termination message, report, exit: 83 when `saved` (a step now durable) is not None or
         nothing was trained since the durable checkpoint, else 84. Never returns."""
+        progress.saw_durable(getattr(getattr(self.adapter(), "snapshot_engine", None), "persisted_step", None))
         durable = saved is not None or saved_by == "nothing-new"
         code = EXIT_PREEMPTED if durable else EXIT_CHECKPOINT_FAILED
         self.timer.arm(time.monotonic() + REPORT_SECONDS + 0.5, code)

@@ -14,18 +14,14 @@ snapshot itself and the rank leaves before the deadline.
   the newest durable checkpoint: leave at once, nothing lost), WAIT (not yet the latest safe
   moment), PERSIST (persist the held snapshot now), NOTHING_TO_PERSIST (new work but no snapshot:
   the boundary is the only hope; the last-resort timer ends the rank with 84 if it never comes).
-- `snapshot_interval(...)`: how often to snapshot while a notice is known: as often as the copy
-  costs at most `COPY_SHARE` of a step, never less often than the configured interval.
 """
 from __future__ import annotations
 
 import enum
-import math
 
 EXIT_RESERVE = 0.5  # seconds kept between the last-resort exit and the deadline
 DEFAULT_PERSIST = 2.0  # a persist never measured: assumed to take this long
 ESTIMATE_FACTOR = 1.25  # as the adapters' own save estimate
-COPY_SHARE = 0.1  # the share of a step a notice's extra snapshots may take
 
 
 class Plan(enum.Enum):
@@ -64,13 +60,3 @@ def plan(now: float, deadline: float, *, completed_step: int | None, durable_ste
     if snapshot_step is None or (durable_step is not None and snapshot_step <= durable_step):
         return Plan.NOTHING_TO_PERSIST
     return Plan.PERSIST
-
-
-def snapshot_interval(configured: int, copy_seconds: float | None, step_seconds: float) -> int:
-    """Steps between snapshots while a notice is known (0: snapshots are off, and stay off)."""
-    if configured <= 0:
-        return 0
-    if copy_seconds is None or step_seconds <= 0:
-        return configured
-    every = math.ceil(copy_seconds / (COPY_SHARE * step_seconds))
-    return max(1, min(configured, every))

@@ -135,6 +135,7 @@ class DeadlineWatchdog:
         if notice is None or notice.deadline is None:
             return
         deadline = notice.deadline.timestamp()
+        self.progress.saw_durable(getattr(getattr(self.adapter(), "snapshot_engine", None), "persisted_step", None))
         if self._armed_for != notice.id:
             self._arm_last_resort(notice, deadline)
         claims = self.claims()

@@ -82,6 +82,12 @@ Contract:
   are the Guard's alone, in one order on both sides (the table's `transferred` and `committed`
   rows end the survivors' change and a joiner's `resume()`); training code makes none of its own
   between `init_process_group` and a joiner's first step (the survivors are already training).
+- The deadline watchdog (`hooks/deadline_watchdog.py`; a Guard that exits on a drain and traps
+  signals, unless `SPOTGUARD_DEADLINE_WATCHDOG=0`): a notice whose deadline comes before the
+  ranks agree at a boundary (a long step, an evaluation pass) is answered by persisting the
+  held snapshot on every rank, which then leaves with 83 before the deadline (84 when nothing
+  could be made durable); a notice with nothing new to save leaves at once (before the Guard
+  exists too: `early_exit`). The boundary's agreed save and the watchdog never both run.
 - Under `spotguard launch` (`SPOTGUARD_LAUNCHER_PID`), a rank whose launcher died leaves within
   `grace_seconds` even when blocked in a collective (`orphan_watch`).
 - Bad configuration raises `spotguard.config.ConfigError` naming the field.
@@ -101,6 +107,7 @@ from spotguard.config import ConfigError, http_url, positive_float, positive_int
 from spotguard.hooks.adapters.base import resizable_adapter
 from spotguard.hooks.agreement import Agreement, make_agreement
 from spotguard.hooks.agreement.collectives import Collectives, GroupCollectives
+from spotguard.hooks import early_exit
 from spotguard.hooks.deadline_watchdog import DeadlineWatchdog, watchdog_enabled
 from spotguard.hooks.elastic.join import in_place_enabled
 from spotguard.hooks.elastic.membership_view import MembershipView
@@ -125,6 +132,8 @@ if TYPE_CHECKING:
 __all__ = ["ACT_ON", "DrainRecord", "Guard", "StepResult"]
 
 log = logging.getLogger("spotguard.hooks.guard")
+
+early_exit.install_at_import()  # a notice while the model is built: exit 83 at once, nothing lost
 
 
 class Guard:

@@ -2,7 +2,8 @@
 
 Contract:
 - `SignalTrap.install()` replaces the handlers of its signals (main thread only; elsewhere it
-  logs and installs nothing); `uninstall()` puts the previous handlers back.
+  logs and installs nothing) and supersedes `early_exit`'s handler for good; `uninstall()` puts
+  the previous handlers back.
 - The handler only records (signal number, wall time) in one attribute: no I/O, no locks, no
   allocation beyond a tuple. The first signal wins until `take()` consumes it.
 - `take()` (called from the training loop, never from the handler) turns the recorded signal
@@ -22,6 +23,7 @@ from datetime import datetime, timedelta, UTC
 from types import FrameType
 from typing import Any
 
+from spotguard.hooks import early_exit
 from spotguard.wire import names
 from spotguard.wire.notice import Kind, Notice, notice_id
 
@@ -55,6 +57,7 @@ class SignalTrap:
             return False
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._handle)
+        early_exit.supersede()
         return True
 
     def uninstall(self) -> None:

@@ -240,6 +240,7 @@ class StoreAdapter:
         """The snapshot of `step` (the stall); it becomes the held snapshot."""
         engine = self.snapshot_engine
         extra = self.extra_state_now()
+        engine.wait()  # a persist in flight still reads the held snapshot: it stays held until then
         self._snapshot, self.snapshot_step = None, None  # the buffers are about to change
         snap = engine.snapshot(lambda: self._state(step), step=step, extra=extra)
         self._snapshot, self.snapshot_step = snap, step

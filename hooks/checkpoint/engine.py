@@ -20,8 +20,8 @@ Contract:
   slowest recent one of each, so the deadline logic can price a fresh save (snapshot + persist)
   and the persist of a held snapshot (persist) apart.
 - `in_flight()`: the Future of the persist running or queued now (None when idle);
-  `persisted_generation`: the generation of the newest snapshot whose persist succeeded (a
-  snapshot with that generation is durable already).
+  `persisted_generation` / `persisted_step`: the generation and step of the newest snapshot
+  whose persist succeeded (a snapshot with that generation is durable already).
 """
 from __future__ import annotations
 
@@ -83,6 +83,7 @@ class SnapshotEngine:
         self._writer: ThreadPoolExecutor | None = None
         self._inflight: Future | None = None
         self.persisted_generation = -1
+        self.persisted_step: int | None = None
         self._mutex = threading.Lock()
 
     def snapshot(self, state: Any, *, step: int, extra: dict[str, Any] | None = None,
@@ -112,7 +113,7 @@ class SnapshotEngine:
             self.buffers.ready()
             result = write(snap.state)
             self.persist_seconds.append(time.perf_counter() - started)
-            self.persisted_generation = snap.generation
+            self.persisted_generation, self.persisted_step = snap.generation, snap.step
             return result
 
         return self.submit(run)

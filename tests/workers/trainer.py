@@ -47,6 +47,12 @@ def parse(argv=None):
     p.add_argument("--fresh", action="store_true", help="start at step 0 without loading any checkpoint")
     p.add_argument("--hold-at", type=int, default=-1,
                    help="every rank holds step N (before training it: holding-<rank> written) until <out>/release")
+    p.add_argument("--hold-rank", type=int, default=-1, help="only this rank holds (-1: every rank)")
+    p.add_argument("--hold-build", action="store_true",
+                   help="hold before building the model (building-<rank> written) until <out>/release")
+    p.add_argument("--slow-async-from", type=int, default=-1,
+                   help="periodic saves of this step and later write only once <out>/release-async exists")
+    p.add_argument("--fail-notice-write", action="store_true", help="writing a notice's checkpoint raises")
     return p.parse_args(argv)
 
 
@@ -133,17 +139,34 @@ class Job:
         return flatten(model_state, optim_state)
 
 
-def hold(out: Path, rank: int, step: int) -> None:
+def hold(out: Path, rank: int, step: int, what: str = "holding", release: str = "release") -> None:
     """A long step (an evaluation pass, a data stall) that lasts until the test releases it."""
-    (out / f"holding-{rank}").write_text(str(step))
-    while not (out / "release").exists():
+    (out / f"{what}-{rank}").write_text(str(step))
+    while not (out / release).exists():
         time.sleep(0.02)
+
+
+def faulty_writes(adapter, args, out: Path, rank: int) -> None:
+    """--slow-async-from / --fail-notice-write: the adapter's writes held or failed by checkpoint tag."""
+    write = adapter._write_state
+
+    def gated(pending, state):
+        tag = pending.tag
+        if args.fail_notice_write and tag.endswith("-notice"):
+            raise OSError(f"rank {rank}: injected failure writing {tag}")
+        if tag.endswith("-periodic") and 0 <= args.slow_async_from <= int(tag.split("-")[1]):
+            hold(out, rank, int(tag.split("-")[1]), "slow-async", "release-async")
+        write(pending, state)
+
+    adapter._write_state = gated
 
 
 def main(argv=None) -> int:
     args = parse(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.hold_build:
+        hold(out, int(os.environ.get("RANK", 0)), -1, "building")
     job = Job(args)
     rank = job.rank
 
@@ -166,6 +189,7 @@ def main(argv=None) -> int:
         from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 
         adapter = TorchDCPAdapter(job.model, job.optimizer, checkpoint_dir=args.ckpt)
+    faulty_writes(adapter, args, out, rank)
     guard = Guard.from_env(adapter=adapter, agree_every=args.agree_every, grace_seconds=args.grace,
                            snapshot_every=args.snapshot_every)
 
@@ -178,7 +202,7 @@ def main(argv=None) -> int:
         dump("resume")
     try:
         for step in range(start, args.steps):
-            if step == args.hold_at:
+            if step == args.hold_at and args.hold_rank in (-1, rank):
                 hold(out, rank, step)
             job.train_step(step)
             if args.save_every and step % args.save_every == 0:

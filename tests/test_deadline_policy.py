@@ -1,0 +1,90 @@
+"""The deadline watchdog's pure policy (hooks/deadline_policy.py) as tables, and its last-resort
+exit timer (hooks/exit_timer.py) in a real process whose main thread holds the GIL in a C call."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from spotguard.hooks.deadline_claims import LocalClaims, claimed_step, persist_claim
+from spotguard.hooks.deadline_policy import (DEFAULT_PERSIST, EXIT_RESERVE, Plan, act_at, leave_by, new_work, plan)
+
+D = 1000.0  # a deadline
+
+
+@pytest.mark.parametrize("estimate, margin, expected", [
+    (None, 1.0, D - DEFAULT_PERSIST - 1.0 - EXIT_RESERVE),  # never measured: the default
+    (2.0, 1.0, D - 2.5 - 1.0 - EXIT_RESERVE),                # 1.25 x the measured persist
+    (0.0, 0.0, D - EXIT_RESERVE),
+    (4.0, -3.0, D - 5.0 - EXIT_RESERVE),                     # a negative margin counts as none
+])
+def test_act_at(estimate, margin, expected):
+    assert act_at(D, estimate, margin) == pytest.approx(expected)
+
+
+def test_leave_by_keeps_the_exit_reserve():
+    assert leave_by(D) == D - EXIT_RESERVE
+
+
+@pytest.mark.parametrize("completed, durable, expected", [
+    (None, None, False),  # nothing trained in this process
+    (None, 41, False),    # resumed, first step not done
+    (41, 41, False),      # the newest step is durable (a save_async of it committed)
+    (42, 41, True),
+    (0, None, True),      # a first run's first step
+])
+def test_new_work(completed, durable, expected):
+    assert new_work(completed, durable) is expected
+
+
+LATE = act_at(D, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("now, completed, durable, snapshot, expected", [
+    (0.0, None, 10, None, Plan.LEAVE_NOW),             # nothing new: at once, however early
+    (0.0, 10, 10, 10, Plan.LEAVE_NOW),
+    (LATE - 0.1, 12, 10, 12, Plan.WAIT),               # new work, the boundary may still come
+    (LATE, 12, 10, 12, Plan.PERSIST),                  # the latest safe moment
+    (D, 12, 10, 12, Plan.PERSIST),                     # past it: still the best there is
+    (LATE, 12, 10, None, Plan.NOTHING_TO_PERSIST),     # no snapshot taken
+    (LATE, 12, 10, 10, Plan.NOTHING_TO_PERSIST),       # the snapshot is the durable step already
+    (LATE, 12, None, 8, Plan.PERSIST),                 # nothing durable yet: any snapshot helps
+])
+def test_plan(now, completed, durable, snapshot, expected):
+    assert plan(now, D, completed_step=completed, durable_step=durable, snapshot_step=snapshot,
+                persist_estimate=1.0, margin=1.0) is expected
+
+
+def test_the_first_claim_wins_for_every_later_one():
+    claims = LocalClaims()
+    assert claims.winner() is None
+    assert claims.claim(persist_claim(6)) == "persist:6"
+    assert claims.claim("boundary") == "persist:6"
+    assert claimed_step(claims.winner()) == 6 and claimed_step("boundary") is None
+
+
+def exit_status(body: str) -> int:
+    script = "import ctypes, time\nfrom spotguard.hooks.exit_timer import ExitTimer\n" + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script], timeout=60).returncode
+
+
+def test_the_exit_timer_ends_a_process_whose_main_thread_holds_the_gil_in_a_c_call():
+    # PyDLL keeps the GIL across the call: no Python thread or signal handler runs until it returns
+    assert exit_status("""
+        timer = ExitTimer()
+        assert timer.native
+        timer.arm(time.monotonic() + 60, 83)
+        timer.arm(time.monotonic() + 0.2, 84)   # re-armed: the new time and code
+        ctypes.PyDLL(None).sleep(30)
+    """) == 84
+
+
+def test_a_cancelled_exit_timer_never_fires():
+    assert exit_status("""
+        timer = ExitTimer()
+        timer.arm(time.monotonic() + 0.2, 84)
+        timer.cancel()
+        time.sleep(0.5)
+    """) == 0

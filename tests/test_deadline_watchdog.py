@@ -1,0 +1,163 @@
+"""The deadline watchdog across real ranks (gloo, 2 DDP ranks, issue 36): a notice whose deadline
+comes before the next step boundary still ends with the newest snapshot durable and every rank
+gone with 83 before the deadline; a notice with nothing new to save leaves at once; an async
+save in flight that cannot finish, or a persist that fails, ends with 84 and the previous
+checkpoint the newest.
+
+The long step waits on a file the test never writes (an evaluation pass, a data stall): only
+rank 1 holds, so rank 0 sits in DDP's gradient all_reduce (a C call) meanwhile. Deadlines are
+the product's: the termination message's margin, and the exit seen by the test before the
+notice's deadline.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from spotguard.wire.notice import Notice, now_utc
+from tests.workers.launch import Run, assert_same_state, load_state, run_ranks
+from tests.workers.sidecar_stub import SidecarStub
+
+pytestmark = pytest.mark.slow
+
+TOTAL = 12
+SNAPSHOT = ("--snapshot-every", "2")
+
+
+def wait_for_files(paths: list[Path], run: Run, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if any(p.poll() is not None for p in run.procs):
+            raise AssertionError(f"a rank exited early:\n{run.tail()}")
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {[p.name for p in paths]}:\n{run.tail()}")
+        time.sleep(0.02)
+
+
+def checkpoints(ckpt: Path) -> list[str]:
+    return sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-"))
+
+
+def messages(tmp: Path, tag: str) -> list[dict]:
+    return [json.loads((tmp / f"term-{tag}-{r}").read_text()) for r in range(2)]
+
+
+def term_env(tmp: Path, tag: str, extra: dict | None = None) -> dict[int, dict[str, str]]:
+    return {r: {"SPOTGUARD_TERMINATION_LOG": str(tmp / f"term-{tag}-{r}"), **(extra or {})} for r in range(2)}
+
+
+def signalled_run(tmp: Path, tag: str, args: list[str], grace: float, ready: list[str],
+                  signal_ranks=(1,)) -> tuple[list[int], float, float, Run]:
+    """Runs 2 ranks; once every file in `ready` exists in their out dir, SIGTERM to `signal_ranks`.
+    Returns (exit codes, seconds from the signal to the last exit, the deadline's distance, the run)."""
+    out = tmp / tag
+    with Run(2, [*args, "--out", str(out), "--grace", str(grace)], out / "logs", rank_env=term_env(tmp, tag)) as run:
+        wait_for_files([out / name for name in ready], run)
+        signalled = time.monotonic()
+        for rank in signal_ranks:
+            run.procs[rank].send_signal(signal.SIGTERM)
+        codes = run.wait(grace + 60)
+        return codes, time.monotonic() - signalled, grace, run
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    codes, tail = run_ranks(2, ["--mode", "ddp", "--ckpt", str(out / "ckpt"), "--out", str(out), "--steps",
+                                str(TOTAL)], out / "logs")
+    assert codes == [0, 0], tail
+    return load_state(out / "state-final.pt")
+
+
+def test_a_long_step_past_the_deadline_persists_the_snapshot_and_every_rank_leaves_before_it(tmp_path, reference):
+    ckpt = tmp_path / "ckpt"
+    base = ["--mode", "ddp", "--ckpt", str(ckpt), "--steps", "1000", *SNAPSHOT, "--hold-rank", "1"]
+    # 1. rank 1 holds step 7 for good (the snapshot of step 6 is the newest); 10 s grace
+    codes, took, grace, run = signalled_run(tmp_path, "long", [*base, "--hold-at", "7"], 10, ["holding-1"])
+    assert codes == [83, 83], run.tail()
+    assert took < grace, f"the ranks left {took:.1f}s after the signal, past the {grace}s deadline"
+    assert checkpoints(ckpt) == ["step-000000006-notice"]
+    for m in messages(tmp_path, "long"):
+        assert (m["checkpoint"], m["saved_by"], m["saved_step"], m["steps_lost"]) == ("durable", "watchdog", 6, 0), m
+        assert 0 < m["margin_seconds"] < grace, m
+    # 2. resumed, and a notice during the long first step: nothing new to save -> 83 at once
+    codes, took, grace, run = signalled_run(tmp_path, "first", [*base, "--hold-at", "7"], 30, ["holding-1"])
+    assert codes == [83, 83], run.tail()
+    assert checkpoints(ckpt) == ["step-000000006-notice"]  # no second save
+    for m in messages(tmp_path, "first"):
+        assert (m["saved_by"], m["steps_lost"], m["checkpoint"]) == ("nothing-new", 0, "durable"), m
+        assert m["margin_seconds"] > grace / 2, m  # at once, not at the latest safe moment
+    # 3. the persisted snapshot resumes bit-exactly
+    out = tmp_path / "resumed"
+    codes, tail = run_ranks(2, ["--mode", "ddp", "--ckpt", str(ckpt), "--out", str(out), "--steps", str(TOTAL)],
+                            out / "logs")
+    assert codes == [0, 0], tail
+    assert_same_state(load_state(out / "state-final.pt"), reference)
+
+
+def test_a_sidecar_notice_during_a_long_step_is_answered_by_the_watchdog(tmp_path):
+    ckpt, out, token = tmp_path / "ckpt", tmp_path / "side", tmp_path / "token"
+    with SidecarStub() as stub:
+        token.write_text(stub.token)
+        env = term_env(tmp_path, "side")
+        env[1].update(SPOTGUARD_SIDECAR_URL=stub.url, SPOTGUARD_TOKEN_FILE=str(token))
+        args = ["--mode", "ddp", "--ckpt", str(ckpt), "--out", str(out), "--steps", "1000", *SNAPSHOT,
+                "--hold-at", "7", "--hold-rank", "1", "--no-compare"]
+        with Run(2, args, out / "logs", rank_env=env) as run:
+            wait_for_files([out / "holding-1"], run)
+            end = time.monotonic() + 30
+            while stub.connections < 1 and time.monotonic() < end:
+                time.sleep(0.02)
+            now, grace = now_utc(), 6.0
+            sent = time.monotonic()
+            stub.push("notice", Notice(id="aws.spot:long-step", kind="reclaim", source="aws.spot", node="n1",
+                                       detected_at=now, deadline=now + timedelta(seconds=grace)).to_wire())
+            codes = run.wait(60)
+            took = time.monotonic() - sent
+        assert codes == [83, 83], run.tail()
+        assert took < grace, took
+        assert checkpoints(ckpt) == ["step-000000006-notice"]
+        assert all(m["saved_by"] == "watchdog" and m["notice_id"] == "aws.spot:long-step"
+                   for m in messages(tmp_path, "side"))
+        phases = [(r["phase"], r.get("saved_by"), r["step"]) for r in stub.reports]
+        assert ("checkpoint-durable", "watchdog", 6) in phases and ("drained", "watchdog", 6) in phases, phases
+
+
+def test_a_notice_while_the_model_is_built_leaves_with_83_at_once(tmp_path):
+    args = ["--mode", "ddp", "--ckpt", str(tmp_path / "ckpt"), "--steps", "5", "--hold-build"]
+    codes, took, grace, run = signalled_run(tmp_path, "build", args, 30, ["building-0", "building-1"],
+                                            signal_ranks=(0, 1))  # torchrun forwards SIGTERM to every rank
+    assert codes == [83, 83], run.tail()
+    assert took < grace, took
+    assert [(m["saved_by"], m["steps_lost"]) for m in messages(tmp_path, "build")] == [("nothing-new", 0)] * 2
+
+
+def test_an_async_save_that_cannot_finish_is_abandoned_with_84(tmp_path):
+    """The periodic async save of step 5 never finishes writing; the main threads wait for it at the
+    snapshot of step 6. The watchdog abandons it: 84, the async checkpoint of step 0 stays the newest."""
+    ckpt = tmp_path / "ckpt"
+    args = ["--mode", "ddp", "--ckpt", str(ckpt), "--steps", "1000", *SNAPSHOT, "--save-every", "5",
+            "--slow-async-from", "5", "--no-compare"]
+    codes, took, grace, run = signalled_run(tmp_path, "async", args, 5, ["slow-async-0", "slow-async-1"])
+    assert codes == [84, 84], run.tail()
+    assert took < grace, took
+    assert checkpoints(ckpt) == ["step-000000000-periodic"]
+    for m in messages(tmp_path, "async"):
+        assert (m["checkpoint"], m["async_save"], m["why"]) == ("failed", "abandoned", "async-abandoned"), m
+
+
+def test_a_failing_persist_leaves_with_84_and_the_previous_checkpoint_newest(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = ["--mode", "ddp", "--ckpt", str(ckpt), "--steps", "1000", *SNAPSHOT, "--save-every", "100",
+            "--hold-at", "7", "--hold-rank", "1", "--fail-notice-write", "--no-compare"]
+    codes, took, grace, run = signalled_run(tmp_path, "fail", args, 5, ["holding-1"])
+    assert codes == [84, 84], run.tail()
+    assert took < grace, took
+    assert checkpoints(ckpt) == ["step-000000000-periodic"]
+    for m in messages(tmp_path, "fail"):
+        assert (m["checkpoint"], m["why"], m["steps_lost"]) == ("failed", "persist-failed", 6), m
