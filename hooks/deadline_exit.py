@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from spotguard.hooks.deadline_claims import Claims
-from spotguard.hooks.deadline_policy import leave_by
 from spotguard.hooks.exit_timer import ExitTimer
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.termination_message import write_termination_message
@@ -68,9 +67,9 @@ class DeadlineExit:
                  reporter: HookReporter | None = None):
         self.adapter, self.claims, self.timer, self.reporter = adapter, claims, timer, reporter
 
-    def persist(self, step: int, notice: Notice, deadline: float, progress: Progress) -> None:
-        """See the module docstring; never returns."""
-        started, end = time.time(), leave_by(deadline) - 0.2
+    def persist(self, step: int, notice: Notice, deadline: float, leave_at: float, progress: Progress) -> None:
+        """See the module docstring (`leave_at`: the last-resort exit's time); never returns."""
+        started, end = time.time(), leave_at - 0.2
         adapter = self.adapter()
         held = getattr(adapter, "snapshot_step", None)
         claims = self.claims()

@@ -8,18 +8,27 @@ snapshot itself and the rank leaves before the deadline.
 - `act_at(deadline, persist_estimate, margin)`: the latest safe moment to start persisting the
   held snapshot: deadline - persist estimate (the slowest recent persist, 1.25x; `DEFAULT_PERSIST`
   before any was measured) - margin - the exit reserve. Never before `now`.
-- `leave_by(deadline)`: when the last-resort timer ends the process (no Python needed):
-  deadline - `EXIT_RESERVE`, so the process is gone before the kubelet's kill.
+- `leave_by(deadline, armed_at)`: when the last-resort timer ends the process (no Python needed):
+  deadline - `EXIT_RESERVE`, so the process is gone before the kubelet's kill; never sooner than
+  `MIN_LEAD` after the notice arrived (a notice that came too late for its own deadline still
+  gets the time to save what it can).
+- `not_before(armed_at, step_seconds)`: the watchdog never acts sooner than `BOUNDARY_STEPS` steps
+  (and `BOUNDARY_SECONDS`) after the notice arrived: with short steps, the boundary's agreed save (a fresher step) comes
+  first even when the latest safe moment has passed already.
 - `plan(...)`: at the moment the watchdog wakes, one of `Plan`: LEAVE_NOW (nothing trained since
   the newest durable checkpoint: leave at once, nothing lost), WAIT (not yet the latest safe
-  moment), PERSIST (persist the held snapshot now), NOTHING_TO_PERSIST (new work but no snapshot:
-  the boundary is the only hope; the last-resort timer ends the rank with 84 if it never comes).
+  moment, or the boundary may still come first), PERSIST (persist the held snapshot now),
+  NOTHING_TO_PERSIST (new work but no snapshot: the boundary is the only hope; the last-resort
+  timer ends the rank with 84 if it never comes).
 """
 from __future__ import annotations
 
 import enum
 
 EXIT_RESERVE = 0.5  # seconds kept between the last-resort exit and the deadline
+MIN_LEAD = 5.0  # seconds a notice always gets before the last-resort exit
+BOUNDARY_STEPS = 3.0  # steps the watchdog leaves the boundary after a notice arrives
+BOUNDARY_SECONDS = 1.0  # ... and at least this long
 DEFAULT_PERSIST = 2.0  # a persist never measured: assumed to take this long
 ESTIMATE_FACTOR = 1.25  # as the adapters' own save estimate
 
@@ -37,9 +46,14 @@ def act_at(deadline: float, persist_estimate: float | None, margin: float) -> fl
     return deadline - persist - max(margin, 0.0) - EXIT_RESERVE
 
 
-def leave_by(deadline: float) -> float:
-    """When the last-resort timer ends the process."""
-    return deadline - EXIT_RESERVE
+def leave_by(deadline: float, armed_at: float) -> float:
+    """When the last-resort timer ends the process (module docstring)."""
+    return max(deadline - EXIT_RESERVE, armed_at + MIN_LEAD)
+
+
+def not_before(armed_at: float, step_seconds: float) -> float:
+    """The watchdog's earliest action for a notice that arrived at `armed_at` (module docstring)."""
+    return armed_at + max(BOUNDARY_STEPS * step_seconds, BOUNDARY_SECONDS)
 
 
 def new_work(completed_step: int | None, durable_step: int | None) -> bool:
@@ -51,11 +65,12 @@ def new_work(completed_step: int | None, durable_step: int | None) -> bool:
 
 
 def plan(now: float, deadline: float, *, completed_step: int | None, durable_step: int | None,
-         snapshot_step: int | None, persist_estimate: float | None, margin: float) -> Plan:
-    """What the watchdog does at `now` for a notice due at `deadline` (module docstring)."""
+         snapshot_step: int | None, persist_estimate: float | None, margin: float, earliest: float = 0.0) -> Plan:
+    """What the watchdog does at `now` for a notice due at `deadline`, never acting before
+    `earliest` (`not_before`) unless there is nothing new to save (module docstring)."""
     if not new_work(completed_step, durable_step):
         return Plan.LEAVE_NOW
-    if now < act_at(deadline, persist_estimate, margin):
+    if now < max(act_at(deadline, persist_estimate, margin), earliest):
         return Plan.WAIT
     if snapshot_step is None or (durable_step is not None and snapshot_step <= durable_step):
         return Plan.NOTHING_TO_PERSIST

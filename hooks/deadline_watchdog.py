@@ -37,7 +37,7 @@ from typing import Any
 from spotguard.hooks import deadline_claims as claims_mod
 from spotguard.hooks.deadline_claims import Claims, StoreClaims
 from spotguard.hooks.deadline_exit import DeadlineExit, Progress
-from spotguard.hooks.deadline_policy import Plan, leave_by, plan
+from spotguard.hooks.deadline_policy import Plan, leave_by, not_before, plan
 from spotguard.hooks.exit_timer import ExitTimer
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.signals import SignalTrap
@@ -54,8 +54,9 @@ class DeadlineWatchdog:
     """See the module docstring."""
 
     def __init__(self, adapter: Callable[[], Any], margin: float, trap: SignalTrap | None = None,
-                 reporter: HookReporter | None = None, claims: Callable[[], Claims] | None = None):
-        self.adapter, self.margin, self.trap = adapter, margin, trap
+                 reporter: HookReporter | None = None, claims: Callable[[], Claims] | None = None,
+                 step_seconds: Callable[[], float] = lambda: 0.0):
+        self.adapter, self.margin, self.trap, self.step_seconds = adapter, margin, trap, step_seconds
         self.progress = Progress()
         self.timer = ExitTimer()
         self._claims_for = claims or StoreClaims.for_default_group
@@ -63,6 +64,7 @@ class DeadlineWatchdog:
         self.exit = DeadlineExit(adapter, self.claims, self.timer, reporter)
         self.notice: Notice | None = None
         self._armed_for: str | None = None
+        self._armed_at = self._leave_at = 0.0
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._signal_fd = self._take_wakeup_fd()
@@ -147,7 +149,8 @@ class DeadlineWatchdog:
             decided = plan(time.time(), deadline, completed_step=self.progress.completed,
                            durable_step=self.progress.durable,
                            snapshot_step=getattr(adapter, "snapshot_step", None),
-                           persist_estimate=self._persist_estimate(adapter), margin=self.margin)
+                           persist_estimate=self._persist_estimate(adapter), margin=self.margin,
+                           earliest=not_before(self._armed_at, self.step_seconds()))
             if decided is Plan.LEAVE_NOW:
                 winner = claims.claim(claims_mod.LEAVE)
             elif decided is Plan.PERSIST:
@@ -158,19 +161,20 @@ class DeadlineWatchdog:
             self.exit.leave_nothing_new(notice, deadline, self.progress)
         step = claims_mod.claimed_step(winner)
         if step is not None:
-            self.exit.persist(step, notice, deadline, self.progress)
+            self.exit.persist(step, notice, deadline, self._leave_at, self.progress)
 
     def _arm_last_resort(self, notice: Notice, deadline: float) -> None:
-        self._armed_for = notice.id
+        self._armed_for, self._armed_at = notice.id, time.time()
+        self._leave_at = leave_by(deadline, self._armed_at)
         with contextlib.suppress(Exception):
             self.claims().publish(notice)
         completed = self.progress.completed if self.progress.completed is not None else -1
         write_termination_message(notice.id, completed, completed, False,
                                   steps_lost=self.progress.lost_since(self.progress.durable),
                                   extra={"saved_by": "none", "why": "deadline"})
-        self.timer.arm(time.monotonic() + leave_by(deadline) - time.time(), EXIT_CHECKPOINT_FAILED)
+        self.timer.arm(time.monotonic() + self._leave_at - time.time(), EXIT_CHECKPOINT_FAILED)
         log.warning("deadline watchdog armed for notice %s: the rank leaves by %.1fs from now at the latest",
-                    notice.id, leave_by(deadline) - time.time())
+                    notice.id, self._leave_at - time.time())
 
     @staticmethod
     def _persist_estimate(adapter: Any) -> float | None:
@@ -182,7 +186,7 @@ class DeadlineWatchdog:
         notice = self.notice
         if notice is None or notice.deadline is None or self._armed_for != notice.id:
             return POLL
-        return max(min(POLL, leave_by(notice.deadline.timestamp()) - time.time()), 0.01)
+        return max(min(POLL, self._leave_at - time.time()), 0.01)
 
     # ---- signals, seen while the main thread runs no Python --------------------------------------
     def _take_wakeup_fd(self) -> int | None:

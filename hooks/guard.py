@@ -182,8 +182,9 @@ class Guard:
         if install_signals:
             self._trap = SignalTrap(self.grace_seconds, (signal_module.SIGTERM, *extra_signals))
             self._trap.install()
-        self.deadline = (DeadlineWatchdog(lambda: self.adapter, self.save_margin_seconds, self._trap, self.reporter)
-                         .start() if exit_on_drain and install_signals and watchdog_enabled() else None)
+        self.deadline = (DeadlineWatchdog(lambda: self.adapter, self.save_margin_seconds, self._trap, self.reporter,
+                                          step_seconds=lambda: self._step_seconds).start()
+                         if exit_on_drain and install_signals and watchdog_enabled() else None)
         self._orphan_watch = OrphanWatch.from_env(self.grace_seconds)
         if self._orphan_watch is not None:
             self._orphan_watch.start()

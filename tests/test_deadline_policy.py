@@ -9,7 +9,8 @@ import textwrap
 import pytest
 
 from spotguard.hooks.deadline_claims import LocalClaims, claimed_step, persist_claim
-from spotguard.hooks.deadline_policy import (DEFAULT_PERSIST, EXIT_RESERVE, Plan, act_at, leave_by, new_work, plan)
+from spotguard.hooks.deadline_policy import (BOUNDARY_SECONDS, DEFAULT_PERSIST, EXIT_RESERVE, MIN_LEAD, Plan, act_at,
+                                             leave_by, new_work, not_before, plan)
 
 D = 1000.0  # a deadline
 
@@ -24,8 +25,18 @@ def test_act_at(estimate, margin, expected):
     assert act_at(D, estimate, margin) == pytest.approx(expected)
 
 
-def test_leave_by_keeps_the_exit_reserve():
-    assert leave_by(D) == D - EXIT_RESERVE
+@pytest.mark.parametrize("armed_at, expected", [
+    (D - 30, D - EXIT_RESERVE),    # the deadline's own
+    (D - 2, D - 2 + MIN_LEAD),     # a notice that came too late still gets MIN_LEAD
+    (D + 1, D + 1 + MIN_LEAD),
+])
+def test_leave_by(armed_at, expected):
+    assert leave_by(D, armed_at) == expected
+
+
+@pytest.mark.parametrize("step_seconds, expected", [(0.05, BOUNDARY_SECONDS), (0.0, BOUNDARY_SECONDS), (2.0, 6.0)])
+def test_not_before_leaves_the_boundary_a_few_steps(step_seconds, expected):
+    assert not_before(100.0, step_seconds) == 100.0 + expected
 
 
 @pytest.mark.parametrize("completed, durable, expected", [
@@ -42,19 +53,21 @@ def test_new_work(completed, durable, expected):
 LATE = act_at(D, 1.0, 1.0)
 
 
-@pytest.mark.parametrize("now, completed, durable, snapshot, expected", [
-    (0.0, None, 10, None, Plan.LEAVE_NOW),             # nothing new: at once, however early
-    (0.0, 10, 10, 10, Plan.LEAVE_NOW),
-    (LATE - 0.1, 12, 10, 12, Plan.WAIT),               # new work, the boundary may still come
-    (LATE, 12, 10, 12, Plan.PERSIST),                  # the latest safe moment
-    (D, 12, 10, 12, Plan.PERSIST),                     # past it: still the best there is
-    (LATE, 12, 10, None, Plan.NOTHING_TO_PERSIST),     # no snapshot taken
-    (LATE, 12, 10, 10, Plan.NOTHING_TO_PERSIST),       # the snapshot is the durable step already
-    (LATE, 12, None, 8, Plan.PERSIST),                 # nothing durable yet: any snapshot helps
+@pytest.mark.parametrize("now, completed, durable, snapshot, expected, earliest", [
+    (0.0, None, 10, None, Plan.LEAVE_NOW, 0.0),             # nothing new: at once, however early
+    (0.0, 10, 10, 10, Plan.LEAVE_NOW, 0.0),
+    (LATE - 0.1, 12, 10, 12, Plan.WAIT, 0.0),               # new work, the boundary may still come
+    (LATE, 12, 10, 12, Plan.PERSIST, 0.0),                  # the latest safe moment
+    (D, 12, 10, 12, Plan.PERSIST, 0.0),                     # past it: still the best there is
+    (LATE, 12, 10, None, Plan.NOTHING_TO_PERSIST, 0.0),     # no snapshot taken
+    (LATE, 12, 10, 10, Plan.NOTHING_TO_PERSIST, 0.0),       # the snapshot is the durable step already
+    (LATE, 12, None, 8, Plan.PERSIST, 0.0),                 # nothing durable yet: any snapshot helps
+    (LATE, 12, 10, 12, Plan.WAIT, LATE + 1),           # past the latest moment, the boundary may still come
+    (0.0, 10, 10, 10, Plan.LEAVE_NOW, 5.0),            # nothing new: at once all the same
 ])
-def test_plan(now, completed, durable, snapshot, expected):
+def test_plan(now, completed, durable, snapshot, expected, earliest):
     assert plan(now, D, completed_step=completed, durable_step=durable, snapshot_step=snapshot,
-                persist_estimate=1.0, margin=1.0) is expected
+                persist_estimate=1.0, margin=1.0, earliest=earliest) is expected
 
 
 def test_the_first_claim_wins_for_every_later_one():

@@ -161,3 +161,16 @@ def test_a_failing_persist_leaves_with_84_and_the_previous_checkpoint_newest(tmp
     assert checkpoints(ckpt) == ["step-000000000-periodic"]
     for m in messages(tmp_path, "fail"):
         assert (m["checkpoint"], m["why"], m["steps_lost"]) == ("failed", "persist-failed", 6), m
+
+
+def test_deepspeed_a_long_step_past_the_deadline_persists_the_held_snapshot(tmp_path):
+    """DeepSpeedAdapter's snapshot is DeepSpeed's own capture at the boundary (collective, on the
+    main thread); its persist writes each file locally: the watchdog persists it like any other."""
+    ckpt = tmp_path / "ckpt"
+    args = ["--mode", "deepspeed", "--ckpt", str(ckpt), "--steps", "1000", *SNAPSHOT, "--hold-at", "7",
+            "--hold-rank", "1", "--no-compare"]
+    codes, took, grace, run = signalled_run(tmp_path, "ds", args, 8, ["holding-1"])
+    assert codes == [83, 83], run.tail()
+    assert took < grace, took
+    assert checkpoints(ckpt) == ["step-000000006-notice"]
+    assert [m["saved_by"] for m in messages(tmp_path, "ds")] == ["watchdog"] * 2
