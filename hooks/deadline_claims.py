@@ -14,6 +14,9 @@ a group training uses. It talks through the key-value store of the default group
 - `report_held(step)` / `held_by_all(step, timeout)`: each rank's held snapshot step, and whether
   every rank holds `step` (the watchdog persists a step only then: its write is collective on the
   checkpoint group, which no rank may enter alone).
+- `leaving(timeout)`: this rank is about to leave; waits (at most `timeout`) until every rank is,
+  so no rank ends while a peer's main thread could still fail on its absence before that peer's
+  watchdog took over. True when all arrived.
 `LocalClaims` is the same for a process alone (no store). Keys live under `spotguard/deadline/`
 of the formation's store, so a re-formed group starts with none.
 """
@@ -59,6 +62,8 @@ class Claims(Protocol):
 
     def held_by_all(self, step: int, timeout: float) -> bool: ...
 
+    def leaving(self, timeout: float) -> bool: ...
+
 
 class LocalClaims:
     """Claims of a process alone: the same answers, kept in memory."""
@@ -86,6 +91,9 @@ class LocalClaims:
         pass
 
     def held_by_all(self, step: int, timeout: float) -> bool:
+        return True
+
+    def leaving(self, timeout: float) -> bool:
         return True
 
 
@@ -135,9 +143,16 @@ class StoreClaims:
 
     def held_by_all(self, step: int, timeout: float) -> bool:
         keys = [f"{PREFIX}held/{r}" for r in range(self.world_size)]
+        return self._all_there(keys, timeout) and all(int(self.store.get(k).decode()) == step for k in keys)
+
+    def leaving(self, timeout: float) -> bool:
+        self.store.set(f"{PREFIX}leaving/{self.rank}", "1")
+        return self._all_there([f"{PREFIX}leaving/{r}" for r in range(self.world_size)], timeout)
+
+    def _all_there(self, keys: list[str], timeout: float) -> bool:
         end = time.monotonic() + timeout
         while not self.store.check(keys):
             if time.monotonic() >= end:
                 return False
-            time.sleep(0.05)
-        return all(int(self.store.get(k).decode()) == step for k in keys)
+            time.sleep(0.02)
+        return True

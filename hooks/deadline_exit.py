@@ -15,12 +15,17 @@ Contract of `DeadlineExit.persist(...)`:
    until the latest exit time.
 `leave(...)` writes the termination message (with `saved_by` "watchdog", `margin_seconds` to the
 deadline, `snapshot_steps`: the steps trained after the saved snapshot), reports to the sidecar
-when one is configured and time allows, and ends the process (`flush_and_exit`) under the
+when one is configured and time allows, waits (`LEAVE_TOGETHER_SECONDS` at most, never past the
+deadline) until every rank is leaving (`Claims.leaving`), and ends the process (`flush_and_exit`) under the
 last-resort timer, re-armed with the same code. `leave_nothing_new(...)` is the departure with
-nothing to save: 83, no step lost.
+nothing to save: 83, no step lost. `hold_process()` (called once the watchdog owns the answer)
+keeps the interpreter from ending on its own meanwhile: a peer that leaves first fails the main
+thread's collective, and that exception must not end the process before the watchdog's exit
+(an atexit hook waits for it; the last-resort timer bounds the wait).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +44,8 @@ from spotguard.wire.notice import Notice
 log = logging.getLogger("spotguard.hooks.deadline")
 
 REPORT_SECONDS = 1.0  # the longest a report to the sidecar may take before the rank leaves
+LEAVE_TOGETHER_SECONDS = 3.0  # the longest a leaving rank waits for its peers to be leaving too
+HOLD_SECONDS = 600.0  # an interpreter ending while the watchdog leaves waits this long at most
 
 
 @dataclass
@@ -66,6 +73,10 @@ class DeadlineExit:
     def __init__(self, adapter: Callable[[], Any], claims: Callable[[], Claims], timer: ExitTimer,
                  reporter: HookReporter | None = None):
         self.adapter, self.claims, self.timer, self.reporter = adapter, claims, timer, reporter
+
+    def hold_process(self) -> None:
+        """See the module docstring."""
+        atexit.register(time.sleep, HOLD_SECONDS)
 
     def persist(self, step: int, notice: Notice, deadline: float, leave_at: float, progress: Progress) -> None:
         """See the module docstring (`leave_at`: the last-resort exit's time); never returns."""
@@ -118,7 +129,8 @@ class DeadlineExit:
         progress.saw_durable(getattr(getattr(self.adapter(), "snapshot_engine", None), "persisted_step", None))
         durable = saved is not None or saved_by == "nothing-new"
         code = EXIT_PREEMPTED if durable else EXIT_CHECKPOINT_FAILED
-        self.timer.arm(time.monotonic() + REPORT_SECONDS + 0.5, code)
+        self.timer.arm(time.monotonic() + max(min(REPORT_SECONDS + LEAVE_TOGETHER_SECONDS + 0.5,
+                                                  deadline - time.time() - 0.1), 0.5), code)
         newest = saved if saved is not None else progress.durable
         step = progress.completed if progress.completed is not None else (newest if newest is not None else -1)
         extra: dict[str, Any] = {"saved_by": saved_by, "margin_seconds": round(deadline - time.time(), 3)}
@@ -129,10 +141,18 @@ class DeadlineExit:
         write_termination_message(notice.id, step, saved if saved is not None else step, durable,
                                   steps_lost=lost, extra=extra)
         self._report(notice, newest, durable, time.time() - started, lost, extra)
+        self._wait_for_peers(deadline)
         log.warning("deadline watchdog: leaving for notice %s (%s: step %s %s, %d steps lost, %.2fs before the "
                     "deadline): exit %d", notice.id, saved_by, newest, "durable" if durable else "FAILED", lost,
                     deadline - time.time(), code)
         flush_and_exit(code)
+
+    def _wait_for_peers(self, deadline: float) -> None:
+        try:
+            if not self.claims().leaving(min(LEAVE_TOGETHER_SECONDS, deadline - time.time() - 0.2)):
+                log.warning("deadline watchdog: not every rank was leaving yet; leaving anyway")
+        except Exception as exc:  # the store's host (rank 0) may be gone already
+            log.warning("deadline watchdog: could not tell the other ranks (%s); leaving anyway", exc)
 
     def _report(self, notice: Notice, saved: int | None, durable: bool, seconds: float, lost: int,
                 extra: dict[str, Any]) -> None:

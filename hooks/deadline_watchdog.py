@@ -61,6 +61,7 @@ class DeadlineWatchdog:
         self.timer = ExitTimer()
         self._claims_for = claims or StoreClaims.for_default_group
         self._claims: Claims | None = None
+        self._formation: Any = None
         self.exit = DeadlineExit(adapter, self.claims, self.timer, reporter)
         self.notice: Notice | None = None
         self._armed_for: str | None = None
@@ -75,8 +76,10 @@ class DeadlineWatchdog:
         return self
 
     def claims(self) -> Claims:
-        if self._claims is None:
-            self._claims = self._claims_for()
+        """The claims of the current formation (a re-formed group has a store of its own)."""
+        formation = _default_group()
+        if self._claims is None or self._formation is not formation:
+            self._claims, self._formation = self._claims_for(), formation
         return self._claims
 
     # ---- what the Guard tells it ------------------------------------------------------------------
@@ -100,7 +103,11 @@ class DeadlineWatchdog:
 
     def claim_boundary(self) -> bool:
         """See the module docstring (blocks for good when a watchdog owns the answer)."""
-        if self.claims().claim(claims_mod.BOUNDARY) == claims_mod.BOUNDARY:
+        try:
+            if self.claims().claim(claims_mod.BOUNDARY) == claims_mod.BOUNDARY:
+                return True
+        except Exception as exc:  # no store to ask: the boundary goes ahead, as without a watchdog
+            log.warning("deadline watchdog: the claim could not be made (%s): the agreed step saves", exc)
             return True
         log.warning("deadline watchdog answers the notice: the agreed step does not save again")
         while True:  # the watchdog's thread ends the process; its timer if it cannot
@@ -158,9 +165,11 @@ class DeadlineWatchdog:
             else:
                 return
         if winner == claims_mod.LEAVE:
+            self.exit.hold_process()
             self.exit.leave_nothing_new(notice, deadline, self.progress)
         step = claims_mod.claimed_step(winner)
         if step is not None:
+            self.exit.hold_process()
             self.exit.persist(step, notice, deadline, self._leave_at, self.progress)
 
     def _arm_last_resort(self, notice: Notice, deadline: float) -> None:
@@ -236,3 +245,12 @@ def watchdog_enabled(env: dict[str, str] | None = None) -> bool:
     """The watchdog runs unless `SPOTGUARD_DEADLINE_WATCHDOG` is "0" (a Guard that ends the process
     on a drain and traps its signals; the Guard checks those)."""
     return (os.environ if env is None else env).get(ENV_DEADLINE_WATCHDOG, "1").strip() != "0"
+
+
+def _default_group() -> Any:
+    """The default process group now (None without torch.distributed)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
