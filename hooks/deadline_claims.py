@@ -4,8 +4,9 @@ and the snapshot step each rank holds.
 A watchdog must work while the main thread is blocked in a collective, so it never enters one on
 a group training uses. It talks through the key-value store of the default group (torch's
 `TCPStore`: each call is a request to the store's server, made with the GIL released):
-- `publish(notice)` / `shared_notice()`: the first rank that learns of a notice publishes it;
-  every other rank's watchdog picks it up on its next poll (a notice reaches one pod's ranks
+- `publish(notice)` / `shared_notice()` / `withdraw(notice_id)`: the first rank that learns of a
+  notice publishes it (a withdrawal empties it); every other rank's watchdog picks it up on its
+  next poll (a notice reaches one pod's ranks
   only: the other pods' ranks learn the deadline here, before any agreement).
 - `claim(value)`: one atomic `compare_set` on one key: the first claim of the job wins and every
   later one returns the winner, so a boundary's agreed save (`BOUNDARY`) and a watchdog's persist
@@ -54,6 +55,8 @@ class Claims(Protocol):
 
     def shared_notice(self) -> Notice | None: ...
 
+    def withdraw(self, notice_id: str) -> None: ...
+
     def claim(self, value: str) -> str: ...
 
     def winner(self) -> str | None: ...
@@ -77,6 +80,9 @@ class LocalClaims:
 
     def shared_notice(self) -> Notice | None:
         return None
+
+    def withdraw(self, notice_id: str) -> None:
+        pass
 
     def claim(self, value: str) -> str:
         with self._lock:
@@ -131,6 +137,11 @@ class StoreClaims:
     def shared_notice(self) -> Notice | None:
         text = self._get("notice")
         return Notice.from_wire(json.loads(text)) if text else None
+
+    def withdraw(self, notice_id: str) -> None:
+        text = self._get("notice")
+        if text and json.loads(text).get("id") == notice_id:
+            self.store.compare_set(PREFIX + "notice", text, "")
 
     def claim(self, value: str) -> str:
         return self.store.compare_set(PREFIX + "claim", "", value).decode()

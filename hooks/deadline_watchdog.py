@@ -4,9 +4,11 @@ is doing (a 40 s evaluation pass, a first compile, a collective waiting on a pee
 
 Contract (`DeadlineWatchdog`, made and driven by the Guard):
 - `arm(notice)` (any thread): a notice with a deadline the Guard acts on or holds; the earliest
-  deadline wins. `disarm(notice_id)`: withdrawn. A SIGTERM is seen the moment it arrives (the
-  signal's wakeup fd, read by this thread: the main thread need not run Python for it), and a
-  notice another rank published through the store (`deadline_claims`) within one poll.
+  deadline wins. `disarm(notice_id)`: withdrawn (never armed again; the timer cancelled and the
+  termination message written in advance emptied, unless the watchdog is acting already). A
+  SIGTERM is seen the moment it arrives (the signal's wakeup fd, read by this thread: the main
+  thread need not run Python for it), and a notice another rank published through the store
+  (`deadline_claims`) within one poll.
 - Once armed: the notice is published for the other ranks, a "failed" termination message is
   written in advance and the last-resort timer (`exit_timer`, outside Python) is set to end the
   process with 84 at `deadline_policy.leave_by`.
@@ -41,7 +43,7 @@ from spotguard.hooks.deadline_policy import Plan, leave_by, not_before, plan
 from spotguard.hooks.exit_timer import ExitTimer
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.signals import SignalTrap
-from spotguard.hooks.termination_message import write_termination_message
+from spotguard.hooks.termination_message import termination_log_path, write_termination_message
 from spotguard.wire.names import ENV_DEADLINE_WATCHDOG, EXIT_CHECKPOINT_FAILED
 from spotguard.wire.notice import Notice
 
@@ -66,6 +68,8 @@ class DeadlineWatchdog:
         self.notice: Notice | None = None
         self._armed_for: str | None = None
         self._armed_at = self._leave_at = 0.0
+        self._acting = False
+        self._withdrawn: set[str] = set()
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._signal_fd = self._take_wakeup_fd()
@@ -85,15 +89,26 @@ class DeadlineWatchdog:
     # ---- what the Guard tells it ------------------------------------------------------------------
     def arm(self, notice: Notice) -> None:
         current = self.notice
-        if notice.deadline is None or (current is not None and current.deadline is not None
-                                       and current.deadline <= notice.deadline):
+        if notice.deadline is None or notice.id in self._withdrawn:
+            return
+        if current is not None and current.deadline is not None and current.deadline <= notice.deadline:
             return
         self.notice = notice
         os.write(self._wake_w, b"a")
 
     def disarm(self, notice_id: str) -> None:
-        if self.notice is not None and self.notice.id == notice_id and self._armed_for is None:
-            self.notice = None
+        """A withdrawn notice: no last-resort exit, no termination message (unless the watchdog
+        acts on it already: the rank is leaving then)."""
+        self._withdrawn.add(notice_id)
+        if self.notice is None or self.notice.id != notice_id or self._acting:
+            return
+        self.notice = None
+        with contextlib.suppress(Exception):
+            self.claims().withdraw(notice_id)
+        if self._armed_for == notice_id:
+            self._armed_for = None
+            self.timer.cancel()
+            clear_termination_message()
 
     def completed(self, step: int) -> None:
         self.progress.completed = step
@@ -164,6 +179,7 @@ class DeadlineWatchdog:
                 winner = claims.claim(claims_mod.persist_claim(adapter.snapshot_step))
             else:
                 return
+        self._acting = winner == claims_mod.LEAVE or claims_mod.claimed_step(winner) is not None
         if winner == claims_mod.LEAVE:
             self.exit.hold_process()
             self.exit.leave_nothing_new(notice, deadline, self.progress)
@@ -254,3 +270,11 @@ def _default_group() -> Any:
     except ImportError:
         return None
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def clear_termination_message() -> None:
+    """Empties the termination message written in advance (its notice was withdrawn)."""
+    path = termination_log_path()
+    if path is not None:
+        with contextlib.suppress(OSError), open(path, "wb"):
+            pass

@@ -101,3 +101,33 @@ def test_a_cancelled_exit_timer_never_fires():
         timer.cancel()
         time.sleep(0.5)
     """) == 0
+
+
+def test_a_withdrawn_notice_disarms_the_last_resort_and_empties_the_message(tmp_path):
+    """Armed (the message written in advance, the timer set for 5 s on), then withdrawn: the
+    process outlives the timer's time with its own exit status and an empty message; a resent
+    copy of the withdrawn notice does not arm it again."""
+    message = tmp_path / "termination-log"
+    script = textwrap.dedent(f"""
+        import os, time
+        from datetime import timedelta
+        os.environ["SPOTGUARD_TERMINATION_LOG"] = {str(message)!r}
+        from spotguard.hooks.deadline_watchdog import DeadlineWatchdog
+        from spotguard.wire.notice import Notice, now_utc
+        watchdog = DeadlineWatchdog(lambda: None, 1.0).start()
+        watchdog.completed(5)  # new work, no snapshot: only the timer could end it
+        now = now_utc()
+        notice = Notice(id="aws.spot:w", kind="reclaim", source="aws.spot", node="n", detected_at=now,
+                        deadline=now + timedelta(seconds=1))
+        watchdog.arm(notice)
+        end = time.monotonic() + 30
+        while not os.path.getsize({str(message)!r}) if os.path.exists({str(message)!r}) else True:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        watchdog.disarm("aws.spot:w")
+        watchdog.arm(notice)
+        time.sleep(6.5)
+        raise SystemExit(7)
+    """)
+    assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 7
+    assert message.read_text() == ""
