@@ -17,7 +17,8 @@ a group training uses. It talks through the key-value store of the default group
   checkpoint group, which no rank may enter alone).
 - `leaving(timeout)`: this rank is about to leave; waits (at most `timeout`) until every rank is,
   so no rank ends while a peer's main thread could still fail on its absence before that peer's
-  watchdog took over. True when all arrived.
+  watchdog took over; rank 0, whose process serves the store, also waits until every other rank
+  is past its last question to it. True when all arrived.
 `LocalClaims` is the same for a process alone (no store). Keys live under `spotguard/deadline/`
 of the formation's store, so a re-formed group starts with none.
 """
@@ -157,8 +158,15 @@ class StoreClaims:
         return self._all_there(keys, timeout) and all(int(self.store.get(k).decode()) == step for k in keys)
 
     def leaving(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
         self.store.set(f"{PREFIX}leaving/{self.rank}", "1")
-        return self._all_there([f"{PREFIX}leaving/{r}" for r in range(self.world_size)], timeout)
+        if not self._all_there([f"{PREFIX}leaving/{r}" for r in range(self.world_size)], timeout):
+            return False
+        if self.rank != 0:
+            self.store.set(f"{PREFIX}gone/{self.rank}", "1")
+            return True
+        # rank 0 hosts the store: the last to go, so no peer loses it while it still asks
+        return self._all_there([f"{PREFIX}gone/{r}" for r in range(1, self.world_size)], end - time.monotonic())
 
     def _all_there(self, keys: list[str], timeout: float) -> bool:
         end = time.monotonic() + timeout

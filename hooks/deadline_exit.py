@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spotguard.hooks.deadline_claims import Claims
+from spotguard.hooks.deadline_policy import FINISH_SECONDS
 from spotguard.hooks.exit_timer import ExitTimer
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.termination_message import write_termination_message
@@ -80,7 +81,7 @@ class DeadlineExit:
 
     def persist(self, step: int, notice: Notice, deadline: float, leave_at: float, progress: Progress) -> None:
         """See the module docstring (`leave_at`: the last-resort exit's time); never returns."""
-        started, end = time.time(), leave_at - 0.2
+        started, end = time.time(), leave_at - FINISH_SECONDS
         adapter = self.adapter()
         held = getattr(adapter, "snapshot_step", None)
         claims = self.claims()

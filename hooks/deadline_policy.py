@@ -7,7 +7,8 @@ snapshot itself and the rank leaves before the deadline.
 
 - `act_at(deadline, persist_estimate, margin)`: the latest safe moment to start persisting the
   held snapshot: deadline - persist estimate (the slowest recent persist, 1.25x; `DEFAULT_PERSIST`
-  before any was measured) - margin - the exit reserve. Never before `now`.
+  before any was measured) - margin - the departure's own time (`FINISH_SECONDS`: the
+  termination message, the report, the peers) - the exit reserve.
 - `leave_by(deadline, armed_at)`: when the last-resort timer ends the process (no Python needed):
   deadline - `EXIT_RESERVE`, so the process is gone before the kubelet's kill; never sooner than
   `MIN_LEAD` after the notice arrived (a notice that came too late for its own deadline still
@@ -26,6 +27,7 @@ from __future__ import annotations
 import enum
 
 EXIT_RESERVE = 0.5  # seconds kept between the last-resort exit and the deadline
+FINISH_SECONDS = 1.5  # the departure after the persist: message, report, peers, exit
 MIN_LEAD = 5.0  # seconds a notice always gets before the last-resort exit
 BOUNDARY_STEPS = 3.0  # steps the watchdog leaves the boundary after a notice arrives
 BOUNDARY_SECONDS = 1.0  # ... and at least this long
@@ -43,7 +45,7 @@ class Plan(enum.Enum):
 def act_at(deadline: float, persist_estimate: float | None, margin: float) -> float:
     """The latest safe moment to start the watchdog's persist (same clock as `deadline`)."""
     persist = DEFAULT_PERSIST if persist_estimate is None else ESTIMATE_FACTOR * persist_estimate
-    return deadline - persist - max(margin, 0.0) - EXIT_RESERVE
+    return deadline - persist - max(margin, 0.0) - FINISH_SECONDS - EXIT_RESERVE
 
 
 def leave_by(deadline: float, armed_at: float) -> float:

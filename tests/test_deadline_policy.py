@@ -9,20 +9,20 @@ import textwrap
 import pytest
 
 from spotguard.hooks.deadline_claims import LocalClaims, claimed_step, persist_claim
-from spotguard.hooks.deadline_policy import (BOUNDARY_SECONDS, DEFAULT_PERSIST, EXIT_RESERVE, MIN_LEAD, Plan, act_at,
-                                             leave_by, new_work, not_before, plan)
+from spotguard.hooks.deadline_policy import (BOUNDARY_SECONDS, DEFAULT_PERSIST, EXIT_RESERVE, FINISH_SECONDS, MIN_LEAD,
+                                             Plan, act_at, leave_by, new_work, not_before, plan)
 
 D = 1000.0  # a deadline
 
 
-@pytest.mark.parametrize("estimate, margin, expected", [
-    (None, 1.0, D - DEFAULT_PERSIST - 1.0 - EXIT_RESERVE),  # never measured: the default
-    (2.0, 1.0, D - 2.5 - 1.0 - EXIT_RESERVE),                # 1.25 x the measured persist
-    (0.0, 0.0, D - EXIT_RESERVE),
-    (4.0, -3.0, D - 5.0 - EXIT_RESERVE),                     # a negative margin counts as none
+@pytest.mark.parametrize("estimate, margin, before_the_reserves", [
+    (None, 1.0, D - DEFAULT_PERSIST - 1.0),  # never measured: the default
+    (2.0, 1.0, D - 2.5 - 1.0),                # 1.25 x the measured persist
+    (0.0, 0.0, D),
+    (4.0, -3.0, D - 5.0),                     # a negative margin counts as none
 ])
-def test_act_at(estimate, margin, expected):
-    assert act_at(D, estimate, margin) == pytest.approx(expected)
+def test_act_at(estimate, margin, before_the_reserves):
+    assert act_at(D, estimate, margin) == pytest.approx(before_the_reserves - FINISH_SECONDS - EXIT_RESERVE)
 
 
 @pytest.mark.parametrize("armed_at, expected", [
