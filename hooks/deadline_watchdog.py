@@ -3,8 +3,9 @@ leaves before its notice's deadline with the newest snapshot durable, whatever t
 is doing (a 40 s evaluation pass, a first compile, a collective waiting on a peer).
 
 Contract (`DeadlineWatchdog`, made and driven by the Guard):
-- `arm(notice)` (any thread): a notice with a deadline the Guard acts on or holds; the earliest
-  deadline wins. `disarm(notice_id)`: withdrawn (never armed again; the timer cancelled and the
+- `arm(notice)` (any thread): a notice with a deadline the Guard acts on or holds and that makes
+  this rank leave (`concerns`: in place, a notice naming another host changes the group
+  instead); the earliest deadline wins. `disarm(notice_id)`: withdrawn (never armed again; the timer cancelled and the
   termination message written in advance emptied, unless the watchdog is acting already). A
   SIGTERM is seen the moment it arrives (the signal's wakeup fd, read by this thread: the main
   thread need not run Python for it), and a notice another rank published through the store
@@ -21,6 +22,8 @@ Contract (`DeadlineWatchdog`, made and driven by the Guard):
   timer left armed in case that path never ends.
 - `claim_boundary()` (main thread, at an agreed step on a notice): True when the agreed save may
   run; when a watchdog claimed first, the main thread waits here while the watchdog leaves.
+  `answered()`: that agreed step answered the notice and this rank stays (an in-place change's
+  survivor): the notice is disarmed for good.
 - `close(exit_code)`: the Guard closes; the timer is re-armed with the rank's own exit code, so
   a process that hangs on its way out still leaves with it, or cancelled (None).
 """
@@ -57,8 +60,9 @@ class DeadlineWatchdog:
 
     def __init__(self, adapter: Callable[[], Any], margin: float, trap: SignalTrap | None = None,
                  reporter: HookReporter | None = None, claims: Callable[[], Claims] | None = None,
-                 step_seconds: Callable[[], float] = lambda: 0.0):
+                 step_seconds: Callable[[], float] = lambda: 0.0, concerns: Callable[[Notice], bool] = lambda n: True):
         self.adapter, self.margin, self.trap, self.step_seconds = adapter, margin, trap, step_seconds
+        self.concerns = concerns
         self.progress = Progress()
         self.timer = ExitTimer()
         self._claims_for = claims or StoreClaims.for_default_group
@@ -68,7 +72,7 @@ class DeadlineWatchdog:
         self.notice: Notice | None = None
         self._armed_for: str | None = None
         self._armed_at = self._leave_at = 0.0
-        self._acting = False
+        self._acting = self._boundary_owns = False
         self._withdrawn: set[str] = set()
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -89,22 +93,30 @@ class DeadlineWatchdog:
     # ---- what the Guard tells it ------------------------------------------------------------------
     def arm(self, notice: Notice) -> None:
         current = self.notice
-        if notice.deadline is None or notice.id in self._withdrawn:
+        if notice.deadline is None or notice.id in self._withdrawn or not self.concerns(notice):
             return
         if current is not None and current.deadline is not None and current.deadline <= notice.deadline:
             return
         self.notice = notice
         os.write(self._wake_w, b"a")
 
-    def disarm(self, notice_id: str) -> None:
+    def answered(self) -> None:
+        """The agreed step answered the armed notice and this rank stays (an in-place change): as
+        `disarm`, for the notice armed now."""
+        self._boundary_owns = False
+        if self.notice is not None:
+            self.disarm(self.notice.id, share=False)
+
+    def disarm(self, notice_id: str, share: bool = True) -> None:
         """A withdrawn notice: no last-resort exit, no termination message (unless the watchdog
-        acts on it already: the rank is leaving then)."""
+        acts on it already: the rank is leaving then); `share`: withdrawn from the store too."""
         self._withdrawn.add(notice_id)
         if self.notice is None or self.notice.id != notice_id or self._acting:
             return
         self.notice = None
-        with contextlib.suppress(Exception):
-            self.claims().withdraw(notice_id)
+        if share:
+            with contextlib.suppress(Exception):
+                self.claims().withdraw(notice_id)
         if self._armed_for == notice_id:
             self._armed_for = None
             self.timer.cancel()
@@ -120,6 +132,7 @@ class DeadlineWatchdog:
         """See the module docstring (blocks for good when a watchdog owns the answer)."""
         try:
             if self.claims().claim(claims_mod.BOUNDARY) == claims_mod.BOUNDARY:
+                self._boundary_owns = True  # until `answered()`, even in a re-formed group
                 return True
         except Exception as exc:  # no store to ask: the boundary goes ahead, as without a watchdog
             log.warning("deadline watchdog: the claim could not be made (%s): the agreed step saves", exc)
@@ -162,6 +175,8 @@ class DeadlineWatchdog:
         self.progress.saw_durable(getattr(getattr(self.adapter(), "snapshot_engine", None), "persisted_step", None))
         if self._armed_for != notice.id:
             self._arm_last_resort(notice, deadline)
+        if self._boundary_owns:
+            return
         claims = self.claims()
         winner = claims.winner()
         if winner == claims_mod.BOUNDARY:

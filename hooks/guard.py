@@ -183,7 +183,8 @@ class Guard:
             self._trap = SignalTrap(self.grace_seconds, (signal_module.SIGTERM, *extra_signals))
             self._trap.install()
         self.deadline = (DeadlineWatchdog(lambda: self.adapter, self.save_margin_seconds, self._trap, self.reporter,
-                                          step_seconds=lambda: self._step_seconds).start()
+                                          step_seconds=lambda: self._step_seconds, concerns=self._makes_this_rank_leave)
+                         .start()
                          if exit_on_drain and install_signals and watchdog_enabled() else None)
         self._orphan_watch = OrphanWatch.from_env(self.grace_seconds)
         if self._orphan_watch is not None:
@@ -338,6 +339,10 @@ class Guard:
         if decision.action is not Action.IGNORE and self.deadline is not None:
             self.deadline.arm(notice)
 
+    def _makes_this_rank_leave(self, notice: Notice) -> bool:
+        """In place, a notice naming another host changes the group and this rank stays."""
+        return self.view is None or not notice.node or notice.node == self.view.node
+
     def _hold_for_replacement(self, notice: Notice, now: datetime) -> float | None:
         """When a notice on this rank's own host is released while its warm-standby replacement
         is on its way (`replacement_hold.release_at`); None: act on it now, as without a hold."""
@@ -386,7 +391,10 @@ class Guard:
         if verdict is not None:
             if verdict.on_notice and self.deadline is not None:
                 self.deadline.claim_boundary()  # blocks for good when the deadline watchdog answers it
-            return self.machine.run(step, verdict)
+            result = self.machine.run(step, verdict)  # a rank that leaves does not return
+            if verdict.on_notice and self.deadline is not None:
+                self.deadline.answered()  # this rank stays: an in-place change answered the notice
+            return result
         if self.snapshot_every and self.adapter is not None and step % self.snapshot_every == 0:
             self.adapter.snapshot(step)
         return CONTINUED
