@@ -60,6 +60,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from spotguard.config import ConfigError
 from spotguard.data import ElasticSampler
 from spotguard.hooks import Guard
+from spotguard.hooks.checkpoint.objectstore.url import is_object_store_url
 from spotguard.hooks.adapters.store import CheckpointInfo
 from spotguard.hooks.checkpoint import fsutil
 from spotguard.hooks.checkpoint.manifest import TRASH_PREFIX, aside_name
@@ -87,6 +88,9 @@ class LightningSave(FrameworkAdapter):
     """Lightning's checkpoint through the snapshot engine, published as `<dirpath>/last.ckpt` (module docstring)."""
 
     def __init__(self, trainer: Any, dirpath: str | os.PathLike):
+        if is_object_store_url(dirpath):
+            raise ConfigError("dirpath", f"{dirpath}: the Lightning integration needs a local dirpath (Lightning's "
+                              "fit(ckpt_path=\"last\") reads <dirpath>/last.ckpt); an s3:// one is not supported yet")
         self.trainer = trainer
         super().__init__(dirpath)
         self.final = self.store.root / LAST
