@@ -8,7 +8,6 @@ from boto3.exceptions import S3UploadFailedError
 
 from spotguard.hooks.checkpoint.objectstore.remote import RemoteCommitError
 from spotguard.hooks.checkpoint.objectstore.upload_policy import QueuedPart, RetryBudget, parts_to_drop, retriable
-from spotguard.hooks.checkpoint.objectstore.uploader import UploadDropped
 
 
 def client_error(status: int, code: str) -> ClientError:
@@ -36,7 +35,6 @@ def wrapped(cause: BaseException) -> S3UploadFailedError:
     (wrapped(client_error(403, "InvalidAccessKeyId")), False),
     (NoCredentialsError(), False),
     (RemoteCommitError("a part is missing"), False),
-    (UploadDropped("dropped"), False),
     (FileNotFoundError("staged file gone"), False),
     (KeyboardInterrupt(), False),
 ])

@@ -18,7 +18,7 @@ buffers, into a `PendingCheckpoint`) and `_load(info)`. The base class then give
   learns the outcome. Durable when it returns; raises `CheckpointFailed` on every rank when any
   rank failed (so no rank waits forever for a commit).
 - `save_async(step)`: the same copy now, the persist and commit in the background (`wait()`,
-  `async_error`: also set when an upload to the object store failed for good or was dropped);
+  `async_error`: also set when an upload to the object store failed for good);
   `snapshot(step)` / `persist_snapshot(...)`: the copy alone, and later its commit.
 - `save_behind(step, ...)` / `persist_snapshot_behind(...)`: a save (a persist of the held
   snapshot) that returns after the copy with the Future of its commit (an in-place change writes
@@ -201,8 +201,8 @@ class StoreAdapter:
         self._setup_group()
 
     def _upload_failed(self, tag: str, error: BaseException) -> None:
-        """An upload of checkpoint `tag` to the object store failed for good (or was dropped): the
-        checkpoint stays on local disk only; kept in `async_error` like a failed background save."""
+        """An upload of checkpoint `tag` to the object store failed for good: the checkpoint stays on
+        local disk only; kept in `async_error` like a failed background save."""
         self.async_error = error
 
     def _setup_group(self) -> None:

@@ -6,8 +6,11 @@ Layout (keys under the prefix):
   the transfer threshold); `<tag>/.spotguard-part-<rank>.json`: each rank's part manifest, put
   after its files, naming their folder (`prefix`) and the commit `attempt` it belongs to (an id
   every rank of one save agreed on; None when the writer did not agree one);
+- `<tag>/.spotguard-dropped-<rank>.json`: that rank dropped its queued part of this attempt (its
+  local tier was full, uploader.py): the commit gives up at once instead of waiting for it;
 - `<tag>/spotguard-manifest.json`: written last, by rank 0, once every rank's part of this attempt
-  is there and every listed object has its recorded size; each file's entry names its `object`
+  is there and every listed object has its recorded size; it records the `attempt` (how the other
+  ranks know the commit took their part: durability.py); each file's entry names its `object`
   (checkpoints written before per-upload folders have none: the file is `<tag>/<file>`). A tag
   with this object is a complete checkpoint; without it the tag is invisible: listing, loading and
   retention read manifests only. A part of another attempt (a slow rank's previous one, a crashed

@@ -226,7 +226,7 @@ class ObjectCheckpointStore(TieredStore):
 
     def add_failure_listener(self, listener: Callable[[str, BaseException], None]) -> None:
         """`listener(tag, error)` runs (on the upload thread) when an upload or commit failed for good
-        or a queued part was dropped (the adapters keep it in `async_error`)."""
+        (the adapters keep it in `async_error`)."""
         self.uploader.on_failure.append(listener)
 
     def wait_uploaded(self, timeout: float | None = None) -> bool:

@@ -35,7 +35,7 @@ def retriable(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if getattr(current, "retriable", None) is False:  # RemoteCommitError, a dropped part
+        if getattr(current, "retriable", None) is False:  # RemoteCommitError: waiting again changes nothing
             return False
         name = type(current).__name__
         if name in ("NoCredentialsError", "PartialCredentialsError", "NoSuchBucket"):

@@ -13,7 +13,8 @@ seconds) until `retry_seconds` after its first failure; the jobs behind it wait 
 commit needs its parts). So an upload interrupted by an outage goes on when the server answers
 again, within the notice's grace when the outage is shorter. Every failed try counts in
 `metrics` (`spotguard_checkpoint_upload_failures_total`) and is logged; a job that fails for good
-is passed to every `on_failure` listener (the adapters' `async_error`).
+is passed to every `on_failure` listener (the adapters' `async_error`; a part dropped by the bound
+below is no failure: it is by design, logged and counted).
 
 The bound of the local tier: at most `max_queued_parts` of this rank's parts wait or upload at a
 time (their staged hard links are what the local tier holds beyond the `keep_last` checkpoints).
@@ -50,12 +51,6 @@ log = logging.getLogger(__name__)
 
 LOCAL, OBJECT, FAILED = "local", "object", "failed"
 PART, COMMIT = "part", "commit"
-
-
-class UploadDropped(Exception):
-    """A queued part upload was dropped to keep the local tier within its bound."""
-
-    retriable = False
 
 
 @dataclass(frozen=True)
@@ -175,7 +170,6 @@ class Uploader:
                 job.on_drop()
             except Exception as exc:
                 log.warning("cleaning up the dropped upload of %s: %s", job.tag, describe_failure(exc))
-        self._notify_failure(job.tag, UploadDropped(f"upload of checkpoint {job.tag} dropped: local tier full"))
 
     def _measure(self) -> None:
         parts = self._parts()
