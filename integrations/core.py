@@ -23,10 +23,14 @@ serializers), so the framework's own resume call reads the checkpoint, as do its
 `find_in_loader(loader, kind)` finds a sampler inside the wrappers a framework puts around a
 loader (the integrations check that the loader draws from the `ElasticSampler` they were given).
 
-`guard_for(adapter, ...)` makes the Guard every integration uses: configured from SPOTGUARD_*
-(sidecar, grace, agree_every), restart path only (`in_place=False`: in-place membership
-changes through these frameworks are for later), no periodic in-memory snapshots (a notice saves
-fresh: snapshot, then persist). SIGTERM is a notice, as with the plain Guard.
+`guard_for(adapter, ..., in_place=False)` makes the Guard every integration uses: configured from
+SPOTGUARD_* (sidecar, grace, agree_every), the restart path unless the integration opts in to
+in-place membership changes (`in_place=True`: Accelerate's, whose adapter is then resizable), no
+periodic in-memory snapshots (a notice saves fresh: snapshot, then persist). SIGTERM is a notice,
+as with the plain Guard.
+
+`FrameworkAdapter.moved_to_new_group()`: after an in-place change (its `rebuild`), the adapter's
+commit collectives, scratch directory (named by rank) and buffers follow the new formation.
 """
 from __future__ import annotations
 
@@ -64,12 +68,12 @@ def find_in_loader(loader: Any, kind: type[T], depth: int = 5) -> T | None:
     return None
 
 
-def guard_for(adapter: FrameworkAdapter, **guard_options: Any) -> Guard:
+def guard_for(adapter: FrameworkAdapter, *, in_place: bool = False, **guard_options: Any) -> Guard:
     """The Guard of an integration (every rank, same order): see the module docstring."""
     for fixed in ("adapter", "in_place", "snapshot_every"):
         if fixed in guard_options:
             raise TypeError(f"{fixed} is set by the integration")
-    return Guard.from_env(adapter=adapter, in_place=False, snapshot_every=0, **guard_options)
+    return Guard.from_env(adapter=adapter, in_place=in_place, snapshot_every=0, **guard_options)
 
 
 class FrameworkAdapter(StoreAdapter):
@@ -79,8 +83,8 @@ class FrameworkAdapter(StoreAdapter):
 
     takes_snapshots = False  # no periodic snapshots: the drain saves fresh without the vote (hooks/drain.py)
 
-    def __init__(self, checkpoint_dir: str | os.PathLike, *, keep_last: int = 3):
-        super().__init__(checkpoint_dir=checkpoint_dir, keep_last=keep_last)
+    def __init__(self, checkpoint_dir: str | os.PathLike, *, keep_last: int = 3, data: Any = None):
+        super().__init__(checkpoint_dir=checkpoint_dir, keep_last=keep_last, data=data)
         self.scratch = self.store.root / f"{SCRATCH_PREFIX}{self.rank}"
         capture.clear(self.scratch)  # a killed save's leftovers: never part of a checkpoint
         self.prepared = False
@@ -94,6 +98,17 @@ class FrameworkAdapter(StoreAdapter):
     def _capture_root(self, step: int) -> Path:
         """The directory the framework's save writes the checkpoint into (inside `self.scratch`)."""
         return self.scratch
+
+    def moved_to_new_group(self) -> None:
+        """See the module docstring: the new formation's checkpoint group, this rank's scratch under
+        its new rank, and the engine's buffers allocated again at the next step boundary (the
+        framework's save may now write other files: Accelerate's main process writes the model)."""
+        self.wait()
+        self._snapshot, self.snapshot_step = None, None
+        self._setup_group()
+        self.scratch = self.store.root / f"{SCRATCH_PREFIX}{self.rank}"
+        capture.clear(self.scratch)
+        self.prepared = False
 
     # ---- the engine's two parts -------------------------------------------------------------
     def _state(self, step: int) -> dict[str, Any]:
