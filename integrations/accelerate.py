@@ -82,7 +82,7 @@ from spotguard.hooks.adapters.store import CheckpointInfo
 from spotguard.hooks.elastic.reshard_state import Shards, collect, install
 from spotguard.integrations import accelerate_in_place as in_place_objects
 from spotguard.integrations import versions
-from spotguard.integrations.core import FrameworkAdapter, find_in_loader, guard_for
+from spotguard.integrations.core import FrameworkAdapter, find_in_loader, guard_for, warn_stateless_stream
 
 log = logging.getLogger("spotguard.integrations")
 
@@ -191,6 +191,7 @@ class AccelerateGuard:
                               "the loader not prepared")
         if self.sampler is not None:
             return self._sampled(self.sampler, loader, start, total)
+        warn_stateless_stream(loader, "AccelerateGuard")
         if start > 0:
             log.warning("resuming at step %d by skipping batches of this loader at this world size: exact only when "
                         "the global batch and the loader's order are the same at every world size; give "

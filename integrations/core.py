@@ -23,6 +23,10 @@ serializers), so the framework's own resume call reads the checkpoint, as do its
 `find_in_loader(loader, kind)` finds a sampler inside the wrappers a framework puts around a
 loader (the integrations check that the loader draws from the `ElasticSampler` they were given).
 
+`warn_stateless_stream(loader, integration)`: a warning at start when a loader streams an
+`IterableDataset` that neither it nor the dataset can save a position of (no `state_dict`): a
+resume then starts the stream again or skips batches of it, never exact at another world size.
+
 `guard_for(adapter, ..., in_place=False)` makes the Guard every integration uses: configured from
 SPOTGUARD_* (sidecar, grace, agree_every), the restart path unless the integration opts in to
 in-place membership changes (`in_place=True`: Accelerate's, whose adapter is then resizable), no
@@ -66,6 +70,24 @@ def find_in_loader(loader: Any, kind: type[T], depth: int = 5) -> T | None:
         if found is not None:
             return found
     return None
+
+
+def warn_stateless_stream(loader: Any, integration: str) -> bool:
+    """See the module docstring; True when it warned."""
+    from torch.utils.data import IterableDataset
+
+    loaders = getattr(loader, "flattened", None) or [loader]  # Lightning's CombinedLoader holds several
+    for one in loaders:
+        dataset = getattr(one, "dataset", None)
+        if isinstance(dataset, IterableDataset) and not hasattr(one, "state_dict") \
+                and not hasattr(dataset, "state_dict"):
+            log.warning("%s: the train loader streams an IterableDataset (%s) without a state_dict, so no checkpoint "
+                        "holds its position: a resume starts the stream again or skips batches of it, at another "
+                        "world size in another order. Give it a state_dict kept in the checkpoint (torchdata's "
+                        "StatefulDataLoader), or index it and deal it with spotguard.data.ElasticSampler "
+                        "(docs/in-place.md, 'The data')", integration, type(dataset).__name__)
+            return True
+    return False
 
 
 def guard_for(adapter: FrameworkAdapter, *, in_place: bool = False, **guard_options: Any) -> Guard:

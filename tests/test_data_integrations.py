@@ -189,3 +189,29 @@ def test_lightning_refuses_a_loader_that_does_not_draw_from_the_sampler_and_anot
     with pytest.raises(ConfigError) as caught:
         lightning_run(tmp_path / "b", 3, sampler(), accumulate=2)
     assert caught.value.field == "accumulate_grad_batches"
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """A stream of the samples with no state_dict: nothing can save its position."""
+
+    def __iter__(self):
+        return iter(Samples()[i] for i in range(SAMPLES))
+
+
+def test_accelerate_warns_at_start_of_a_stream_without_state_and_in_place_needs_spotguard_s_group(tmp_path, caplog):
+    from accelerate import Accelerator
+
+    from spotguard.integrations.accelerate import AccelerateGuard
+
+    guard = AccelerateGuard(Accelerator(cpu=True), tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING, logger="spotguard.integrations"):
+            guard.batches(torch.utils.data.DataLoader(Samples(), batch_size=BATCH), 0, 2)
+            assert not caplog.records  # map-style: nothing to say at a first start
+            guard.batches(torch.utils.data.DataLoader(Stream(), batch_size=BATCH), 0, 2)
+        assert "streams an IterableDataset (Stream) without a state_dict" in caplog.text
+        assert "ElasticSampler" in caplog.text
+    finally:
+        guard.close()
+    with pytest.raises(ConfigError, match=r"init_process_group\(\) before Accelerator\(\)"):
+        AccelerateGuard(Accelerator(cpu=True), tmp_path / "in-place", sampler=sampler(), in_place=True)
