@@ -82,7 +82,8 @@ from spotguard.hooks.adapters.store import CheckpointInfo
 from spotguard.hooks.elastic.reshard_state import Shards, collect, install
 from spotguard.integrations import accelerate_in_place as in_place_objects
 from spotguard.integrations import versions
-from spotguard.integrations.core import FrameworkAdapter, find_in_loader, guard_for, warn_stateless_stream
+from spotguard.integrations.core import (FrameworkAdapter, find_in_loader, guard_for, in_place_guard_for,
+                                        warn_stateless_stream)
 
 log = logging.getLogger("spotguard.integrations")
 
@@ -165,7 +166,7 @@ class AccelerateGuard:
             _check_in_place(accelerator, sampler)
         self.adapter = AcceleratorSave(accelerator, checkpoint_dir, model=model, keep_last=keep_last,
                                        in_place=in_place)
-        self.guard: Guard = guard_for(self.adapter, in_place=in_place, **guard_options)
+        self.guard: Guard = (in_place_guard_for if in_place else guard_for)(self.adapter, **guard_options)
 
     @property
     def model(self) -> Any:

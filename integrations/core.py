@@ -27,9 +27,9 @@ loader (the integrations check that the loader draws from the `ElasticSampler` t
 `IterableDataset` that neither it nor the dataset can save a position of (no `state_dict`): a
 resume then starts the stream again or skips batches of it, never exact at another world size.
 
-`guard_for(adapter, ..., in_place=False)` makes the Guard every integration uses: configured from
-SPOTGUARD_* (sidecar, grace, agree_every), the restart path unless the integration opts in to
-in-place membership changes (`in_place=True`: Accelerate's, whose adapter is then resizable), no
+`guard_for(adapter, ...)` makes the Guard every integration uses: configured from SPOTGUARD_*
+(sidecar, grace, agree_every), the restart path (`in_place_guard_for`: the same Guard changing
+membership in place, for an integration whose adapter is resizable: Accelerate's, opted in), no
 periodic in-memory snapshots (a notice saves fresh: snapshot, then persist). SIGTERM is a notice,
 as with the plain Guard.
 
@@ -90,8 +90,17 @@ def warn_stateless_stream(loader: Any, integration: str) -> bool:
     return False
 
 
-def guard_for(adapter: FrameworkAdapter, *, in_place: bool = False, **guard_options: Any) -> Guard:
+def guard_for(adapter: FrameworkAdapter, **guard_options: Any) -> Guard:
     """The Guard of an integration (every rank, same order): see the module docstring."""
+    return _guard(adapter, False, guard_options)
+
+
+def in_place_guard_for(adapter: FrameworkAdapter, **guard_options: Any) -> Guard:
+    """`guard_for` for an integration that changes membership in place (its adapter resizable)."""
+    return _guard(adapter, True, guard_options)
+
+
+def _guard(adapter: FrameworkAdapter, in_place: bool, guard_options: dict[str, Any]) -> Guard:
     for fixed in ("adapter", "in_place", "snapshot_every"):
         if fixed in guard_options:
             raise TypeError(f"{fixed} is set by the integration")
