@@ -14,7 +14,10 @@ One run checks together:
   three), c's only after the grow: nobody relaunched;
 - the resume: after the grow b and c hold the same model and optimizer state after every step (a
   digest of both, in each ledger line): the joiner received the parameters, the optimizer state,
-  the scheduler's and the sampler's state; a and b agree likewise before the shrink.
+  the scheduler's and the sampler's state; a and b agree likewise before the shrink. The newest
+  checkpoint, the grow's (b alone wrote it, rank 0 of a group of one after the shrink: it holds the
+  model only if Accelerate learnt b's new rank), is an ordinary `save_state` directory holding
+  exactly the state b trained with at that step and the sampler's position after it.
 """
 from __future__ import annotations
 
@@ -23,8 +26,12 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from spotguard.hooks.adapters.store import CheckpointStore
 from spotguard.trainer.framework_refs import GLOBAL_BATCH, ORDER_SEED, SAMPLES
+from spotguard.trainer.model import state_digest
 from tests.ledger import assert_run, read_ledgers_with_worlds, uninterrupted, worlds_so_far
 from tests.workers.hosts import Hosts
 from tests.workers.sidecar_stub import SidecarStub
@@ -78,3 +85,9 @@ def test_accelerate_in_place_every_sample_once_through_a_shrink_and_a_grow(tmp_p
     for entry in [*ledger_of(ledger, pids["a"]), *survivor, *joiner]:
         digests.setdefault(entry["step"], set()).add(entry["digest"])
     assert all(len(d) == 1 for d in digests.values()), {s: d for s, d in digests.items() if len(d) > 1}
+    info = CheckpointStore(tmp_path / "ckpt").resolve(verify=True)
+    assert info is not None and info.metadata["reason"] == "membership" and info.metadata["world_size"] == 1, info
+    saved = state_digest(load_file(info.dir / "model.safetensors"),
+                         torch.load(info.dir / "optimizer.bin", weights_only=True)["state"])
+    assert digests[info.step] == {saved}
+    assert torch.load(info.dir / "custom_checkpoint_0.pkl", weights_only=True)["steps"] == info.step + 1
