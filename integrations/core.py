@@ -23,7 +23,7 @@ serializers), so the framework's own resume call reads the checkpoint, as do its
 `find_in_loader(loader, kind)` finds a sampler inside the wrappers a framework puts around a
 loader (the integrations check that the loader draws from the `ElasticSampler` they were given).
 
-`warn_stateless_stream(loader, integration)`: a warning at start when a loader streams an
+`warn_stateless_stream(loader, integration)`: a warning at start when a loader (or a dataset) streams an
 `IterableDataset` that neither it nor the dataset can save a position of (no `state_dict`): a
 resume then starts the stream again or skips batches of it, never exact at another world size.
 
@@ -78,7 +78,8 @@ def warn_stateless_stream(loader: Any, integration: str) -> bool:
 
     loaders = getattr(loader, "flattened", None) or [loader]  # Lightning's CombinedLoader holds several
     for one in loaders:
-        dataset = getattr(one, "dataset", None)
+        one = getattr(one, "base_dataloader", one)  # Accelerate's prepared loader: a state_dict of its own, always
+        dataset = one if isinstance(one, IterableDataset) else getattr(one, "dataset", None)
         if isinstance(dataset, IterableDataset) and not hasattr(one, "state_dict") \
                 and not hasattr(dataset, "state_dict"):
             log.warning("%s: the train loader streams an IterableDataset (%s) without a state_dict, so no checkpoint "

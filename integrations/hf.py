@@ -167,7 +167,7 @@ class SpotguardCallback(TrainerCallback):
         if self.sampler is not None:
             self._check_data(args, state)
         else:
-            warn_stateless_stream(kwargs.get("train_dataloader"), "the Trainer SpotguardCallback")
+            warn_stateless_stream(self.trainer.train_dataset, "the Trainer SpotguardCallback")
 
     def _check_data(self, args, state) -> None:
         sampler = self.sampler

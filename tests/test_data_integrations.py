@@ -210,8 +210,27 @@ def test_accelerate_warns_at_start_of_a_stream_without_state_and_in_place_needs_
             assert not caplog.records  # map-style: nothing to say at a first start
             guard.batches(torch.utils.data.DataLoader(Stream(), batch_size=BATCH), 0, 2)
         assert "streams an IterableDataset (Stream) without a state_dict" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="spotguard.integrations"):  # prepared: the same
+            guard.batches(guard.accelerator.prepare(torch.utils.data.DataLoader(Stream(), batch_size=BATCH)), 0, 2)
+        assert "streams an IterableDataset (Stream) without a state_dict" in caplog.text
         assert "ElasticSampler" in caplog.text
     finally:
         guard.close()
     with pytest.raises(ConfigError, match=r"init_process_group\(\) before Accelerator\(\)"):
         AccelerateGuard(Accelerator(cpu=True), tmp_path / "in-place", sampler=sampler(), in_place=True)
+
+
+def test_trainer_warns_at_start_of_a_stream_without_state(tmp_path, caplog):
+    from transformers import Trainer, TrainingArguments
+
+    from spotguard.integrations.hf import SpotguardCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=1,
+                             save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
+                             remove_unused_columns=False, disable_tqdm=True)
+    trainer = Trainer(model=TinyRegression(), args=args, train_dataset=Stream())
+    SpotguardCallback.attach(trainer)
+    with caplog.at_level(logging.WARNING, logger="spotguard.integrations"):
+        trainer.train()
+    assert "the Trainer SpotguardCallback: the train loader streams an IterableDataset (Stream)" in caplog.text
