@@ -144,7 +144,8 @@ def test_accelerate_without_a_sampler_warns_at_a_resume(tmp_path, caplog):
 
 
 # ---- Lightning --------------------------------------------------------------------------------
-def lightning_run(ckpt, steps: int, data: ElasticSampler, *, loader=None, accumulate: int = 1) -> dict[int, list[int]]:
+def lightning_run(ckpt, steps: int, data: ElasticSampler | None, *, loader=None,
+                  accumulate: int = 1) -> dict[int, list[int]]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -234,3 +235,9 @@ def test_trainer_warns_at_start_of_a_stream_without_state(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="spotguard.integrations"):
         trainer.train()
     assert "the Trainer SpotguardCallback: the train loader streams an IterableDataset (Stream)" in caplog.text
+
+
+def test_lightning_warns_at_start_of_a_stream_without_state(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="spotguard.integrations"):
+        lightning_run(tmp_path, 1, None, loader=torch.utils.data.DataLoader(Stream(), batch_size=BATCH))
+    assert "the Lightning SpotguardCallback: the train loader streams an IterableDataset (Stream)" in caplog.text
