@@ -192,6 +192,13 @@ class AccelerateGuard:
                               "the loader not prepared")
         if self.sampler is not None:
             return self._sampled(self.sampler, loader, start, total)
+        try:
+            len(loader)
+        except TypeError:
+            raise ConfigError("loader", "has no length (an IterableDataset without __len__?): batches() resumes by "
+                              "skipping what the epoch consumed, which needs the epoch's length; give the dataset a "
+                              "__len__, or index it and deal it with AccelerateGuard(sampler=ElasticSampler(...))") \
+                from None
         warn_stateless_stream(loader, "AccelerateGuard")
         if start > 0:
             log.warning("resuming at step %d by skipping batches of this loader at this world size: exact only when "

@@ -192,14 +192,21 @@ def test_lightning_refuses_a_loader_that_does_not_draw_from_the_sampler_and_anot
     assert caught.value.field == "accumulate_grad_batches"
 
 
-class Stream(torch.utils.data.IterableDataset):
-    """A stream of the samples with no state_dict: nothing can save its position."""
+class Unsized(torch.utils.data.IterableDataset):
+    """A stream of the samples with no state_dict (nothing can save its position) and no length."""
 
     def __iter__(self):
         return iter(Samples()[i] for i in range(SAMPLES))
 
 
-def test_accelerate_warns_at_start_of_a_stream_without_state_and_in_place_needs_spotguard_s_group(tmp_path, caplog):
+class Stream(Unsized):
+    """`Unsized` with a length."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+
+def test_accelerate_refuses_or_warns_at_start_of_a_stream_and_in_place_needs_spotguard_s_group(tmp_path, caplog):
     from accelerate import Accelerator
 
     from spotguard.integrations.accelerate import AccelerateGuard
@@ -216,6 +223,8 @@ def test_accelerate_warns_at_start_of_a_stream_without_state_and_in_place_needs_
             guard.batches(guard.accelerator.prepare(torch.utils.data.DataLoader(Stream(), batch_size=BATCH)), 0, 2)
         assert "streams an IterableDataset (Stream) without a state_dict" in caplog.text
         assert "ElasticSampler" in caplog.text
+        with pytest.raises(ConfigError, match="has no length"):
+            guard.batches(torch.utils.data.DataLoader(Unsized(), batch_size=BATCH), 0, 2)
     finally:
         guard.close()
     with pytest.raises(ConfigError, match=r"init_process_group\(\) before Accelerator\(\)"):
