@@ -122,11 +122,10 @@ class Carried:
 
     def parts(self) -> list[tuple[str, Any]]:
         """(what, its state) of every object carried, by name (the JSON check names them)."""
-        acc = self.accelerator
-        scaler = getattr(acc, "scaler", None)
-        return [*((f"scheduler {type(s).__name__}", _scheduler(s).state_dict()) for s in acc._schedulers),
-                *((f"registered object {type(o).__name__}", o.state_dict()) for o in acc._custom_objects),
-                *((("grad scaler", scaler.state_dict()),) if scaler is not None else ())]
+        acc, state = self.accelerator, self.state_dict()
+        return [*zip((f"scheduler {type(s).__name__}" for s in acc._schedulers), state["schedulers"]),
+                *zip((f"registered object {type(o).__name__}" for o in acc._custom_objects), state["custom"]),
+                ("grad scaler", state["scaler"])]
 
     def state_dict(self) -> dict[str, Any]:
         acc = self.accelerator
