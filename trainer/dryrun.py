@@ -49,7 +49,8 @@ from spotguard.trainer.scenario import Scenario, ScenarioEvent
 log = logging.getLogger("spotguard.dryrun")
 
 # The reference script of each framework the dry-run trains with (the others: spotguard.trainer.train).
-FRAMEWORK_SCRIPTS = {"hf": "spotguard.trainer.train_hf", "lightning": "spotguard.trainer.train_lightning"}
+FRAMEWORK_SCRIPTS = {"hf": "spotguard.trainer.train_hf", "accelerate": "spotguard.trainer.train_accelerate",
+                     "lightning": "spotguard.trainer.train_lightning"}
 FINISHED_GRACE = 15.0  # seconds a container may outlast the ranks that finished training
 
 
