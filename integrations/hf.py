@@ -62,7 +62,7 @@ from spotguard.hooks import Guard
 from spotguard.hooks.checkpoint import open_store
 from spotguard.hooks.checkpoint.objectstore.url import is_object_store_url
 from spotguard.integrations import versions
-from spotguard.integrations.core import FrameworkAdapter, guard_for
+from spotguard.integrations.core import FrameworkAdapter, guard_for, warn_stateless_stream
 
 
 DATA_FILE = "spotguard-data.json"  # the ElasticSampler's position, beside the Trainer's files in checkpoint-N
@@ -180,6 +180,8 @@ class SpotguardCallback(TrainerCallback):
             self.guard.resume()  # the notice the resumed checkpoint answered is not acted on again
         if self.sampler is not None:
             self._check_data(args, state)
+        else:
+            warn_stateless_stream(self.trainer.train_dataset, "the Trainer SpotguardCallback")
 
     def _check_data(self, args, state) -> None:
         sampler = self.sampler

@@ -65,7 +65,7 @@ from spotguard.hooks.adapters.store import CheckpointInfo
 from spotguard.hooks.checkpoint import fsutil
 from spotguard.hooks.checkpoint.manifest import TRASH_PREFIX, aside_name
 from spotguard.integrations import versions
-from spotguard.integrations.core import FrameworkAdapter, find_in_loader, guard_for
+from spotguard.integrations.core import FrameworkAdapter, find_in_loader, guard_for, warn_stateless_stream
 
 LAST = "last.ckpt"
 STAGED_LINK = ".last.ckpt.spotguard-tmp"
@@ -176,6 +176,8 @@ class SpotguardCallback(pl.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if self.sampler is not None:
             self._check_data(trainer, self.sampler)
+        else:
+            warn_stateless_stream(trainer.train_dataloader, "the Lightning SpotguardCallback")
         if self.guard is None:
             self.adapter = LightningSave(trainer, self._checkpoint_dir(trainer))
             self.guard = guard_for(self.adapter, **self.guard_options)
