@@ -121,3 +121,21 @@ def test_framework_integration_dry_run_takes_the_restart_path(tmp_path, framewor
     (reclaim,) = report["timeline"]
     assert_consistent_save(reclaim, world_size=2)
     assert reclaim["relaunch_world_size"] == 1
+
+
+def test_the_accelerate_dry_run_changes_membership_in_place(tmp_path):
+    """`--framework accelerate` (the reference script with `AccelerateGuard(in_place=True)`): a
+    reclaim -> both ranks agree on one step and save it, the reclaimed rank leaves, the survivor
+    trains on at world 1 in the same process, nothing lost. (The grow in place, the sampler and
+    the joiner's state: tests/test_data_ledger_integrations_in_place.py.)"""
+    scenario = SHORT_DEFAULT.replace("name: short-default", "name: short-accelerate") \
+        .replace("steps: 300", "steps: 200").replace("  - {at: 8, kind: capacity, node: node-1}\n", "")
+    code, report, output = dry_run(tmp_path, scenario, "--framework", "accelerate", timeout=420)
+    assert report is not None, output[-3000:]
+    assert code == 0 and report["ok"], (report["problems"], output[-3000:])
+    (reclaim,) = report["timeline"]
+    assert reclaim["ranks_agreed"] == [0, 1] and reclaim["checkpoint_step"] == reclaim["agreed_step"], reclaim
+    assert (reclaim["path"], reclaim["world"]) == ("in-place", "2 -> 1"), reclaim
+    assert len(report["generations"]) == 1, report["generations"]  # nobody was relaunched
+    assert report["survivors"]["node-0"]["pid_kept"] is True, report["survivors"]
+    assert report["steps_completed"] == 200 and report["steps_lost"] == 0
