@@ -42,11 +42,10 @@ run: $(STAMP)
 	$(VENV)/bin/spotguard dry-run
 
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist; 0 runs it in this process): most of a
-# multi-process or dry-run test's time is spent waiting (start-up, rendezvous, simulated steps),
-# so even on two cores a third worker pays: the k8s, in-place and ledger modules took 222 s on 2
-# workers and 171 s on 3 (2 cores; CPU busy 43% and 57%), each test's own time barely longer.
-# Every test already tolerates a neighbour.
-PYTEST_WORKERS ?= 3
+# multi-process or dry-run test's time is spent waiting (start-up, rendezvous, simulated steps).
+# On 2 cores, 3 workers left the CPU idle 22-30% of the suite (1700 s of CPU in 1088 s; per-test
+# CPU in docs/developing.md, "The suite's time"); a fourth fills it. Every test tolerates a neighbour.
+PYTEST_WORKERS ?= 4
 
 test: $(STAMP)
 	@$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS); rc=$$?; \

@@ -1,12 +1,15 @@
 """One host's training process for bench/membership_change.py (one rank per host).
 
-    python bench/_membership_worker.py --framework ddp|fsdp2|deepspeed --ckpt DIR --out DIR
+    python bench/_membership_worker.py --framework ddp|fsdp2|deepspeed|accelerate --ckpt DIR --out DIR
 
 The job of `spotguard.trainer.elastic_job` (DeepSpeed: the same model under ZeRO-1), with a
 synthetic compute time per step (`--step-sleep`). With `--dim D --layers L` (FSDP2 only) the
 model is the memory bench's instead (`_memory_worker.builder`: L x Linear(D, D), made on the meta
 device, only the shards materialised; ~1.1 GiB of parameters + AdamW moments at 4096 x 6), with
 `adapter.prepare()` after the first step and after each resize, as docs/in-place.md tells users.
+`accelerate`: the same model and batches through `AccelerateGuard` (spotguard.integrations), in
+its in-place form (`in_place=True`) under SPOTGUARD_IN_PLACE, else its restart path; its
+`ElasticSampler` only keeps the position here (the batches are the job's synthetic ones).
 The environment is the launcher's: torchrun's variables, plus spotguard launch's in-place ones
 for the in-place path (then memberships are pushed by writing `<out>/membership.json`).
 Without SPOTGUARD_IN_PLACE the Guard drains on a notice as today: every rank checkpoints the agreed step and exits 83.
@@ -36,7 +39,7 @@ from spotguard.hooks.elastic import init_process_group
 from spotguard.hooks.guard import Guard
 from spotguard.trainer.elastic_job import base_model, batch, build_for, membership_reader, watch_memberships
 
-FRAMEWORKS = ("ddp", "fsdp2", "deepspeed")
+FRAMEWORKS = ("ddp", "fsdp2", "deepspeed", "accelerate")
 
 
 def parse(argv=None):
@@ -112,6 +115,30 @@ def deepspeed_job(ckpt: str):
     return DeepSpeedAdapter(engine, checkpoint_dir=ckpt), one_step
 
 
+def accelerate_job(ckpt: str):
+    """(AccelerateGuard, one_step(x, y)) through Accelerate: in place under SPOTGUARD_IN_PLACE."""
+    from accelerate import Accelerator
+
+    from spotguard.data import ElasticSampler
+    from spotguard.hooks.elastic.join import in_place_enabled
+    from spotguard.integrations.accelerate import AccelerateGuard
+    from spotguard.trainer.elastic_job import GLOBAL_BATCH
+
+    os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()))  # a joiner's are unset
+    accelerator = Accelerator(cpu=True)
+    model = base_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sampler = ElasticSampler(1024, global_batch=GLOBAL_BATCH)
+    guard = AccelerateGuard(accelerator, ckpt, model=model, sampler=sampler, in_place=in_place_enabled())
+
+    def one_step(x, y) -> float:
+        optimizer.zero_grad()
+        accelerator.backward(torch.nn.functional.mse_loss(guard.model(x), y))
+        sampler.advance()
+        return timed(optimizer.step)
+    return guard, one_step
+
+
 def stop_step(path: Path) -> int | None:
     try:
         return int(path.read_text())
@@ -134,13 +161,19 @@ def main(argv=None) -> int:
     node = os.environ["SPOTGUARD_NODE"]
     read_membership = membership_reader(out / "membership.json")
     init_process_group(memberships=read_membership, join_timeout=120)
+    boundary = None
     if args.dim:
         adapter, one_step = sized_job(args.ckpt, args.dim, args.layers)
     elif args.framework == "deepspeed":
         adapter, one_step = deepspeed_job(args.ckpt)
+    elif args.framework == "accelerate":
+        accelerate, one_step = accelerate_job(args.ckpt)
+        adapter, guard, boundary = accelerate.adapter, accelerate.guard, accelerate.step
     else:
         adapter, one_step = torch_job(args.framework, args.ckpt)
-    guard = Guard.from_env(adapter=adapter)
+    if boundary is None:
+        guard = Guard.from_env(adapter=adapter)
+        boundary = guard.step
     if guard.view is not None:
         watch_memberships(read_membership, guard.view)
     start = guard.resume()
@@ -154,7 +187,7 @@ def main(argv=None) -> int:
             stop_at = stop_step(out / "stop-at") if stop_at is None else stop_at
             if stop_at is not None and step >= stop_at:
                 break
-            result = guard.step(step)  # a drain exits 83 here; an in-place change returns in the new group
+            result = boundary(step)  # a drain exits 83 here; an in-place change returns in the new group
             if args.dim and not prepared:  # the snapshot buffers, before any notice (a resize re-shards)
                 adapter.prepare()
             prepared = not result.resized

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/membership_change.py                          # DDP and FSDP2, both paths
     .venv/bin/python bench/membership_change.py --frameworks ddp,fsdp2,deepspeed --json out.json
+    .venv/bin/python bench/membership_change.py --frameworks accelerate     # the Accelerate integration
 
 One rank per host, hosts a-d (gloo on 127.0.0.1, `bench/_membership_worker.py`, a synthetic
 `--step-sleep` per step), started directly with the environment `spotguard launch` gives a worker
@@ -13,7 +14,9 @@ Per framework, in one run:
 - restart (today's path): the same notice makes every rank checkpoint the agreed step and exit
   83; then new processes (interpreter, torch import, group init, load from the checkpoint) start
   at 3; a second notice -> every rank exits 83 -> new processes at 4 with e.
-DeepSpeed ZeRO-1 runs the restart path only (it is not resized in place).
+DeepSpeed ZeRO-1 runs the restart path only (it is not resized in place). `accelerate` is the same
+job through the Accelerate integration (`AccelerateGuard(in_place=True)` in place, its restart path
+otherwise); the Trainer and Lightning integrations keep the restart path (docs/integrations.md).
 At size (`--dim 4096 --layers 6`: FSDP2 only, the model of bench/membership_memory.py, ~1.1 GiB of
 parameters + AdamW moments, made on the meta device; `--step-sleep 0 --steps-between 3` suit it)
 the same run also prints each change's pause split into the state machine's phases on the
@@ -29,7 +32,8 @@ beside it (agreement -> committed; "save" is the change's durable checkpoint, co
 whose write overlaps the hand-over). The restart figure is a
 lower bound of a real restart: no torchrun agent or elastic rendezvous, no CUDA/NCCL start, a
 checkpoint on local disk.
-Goals: the small model's in-place gap <= 0.5 s and <= 1/5 of the restart path's (issue 11); at
+Goals: the small model's in-place gap <= 0.5 s and <= 1/5 of the restart path's (issue 11; for an
+integration <= 1 s and <= 1/5, issue 38: the restart's start there includes the framework's import); at
 size the gap less a step and the Guard's own pause each <= 1/5 of the restart's gap less a step
 (issue 19). On 2 cores the ranks, the leaver's exit and the joiner's start share two CPUs; the
 README also lists the same commands on a host with a core per rank (16 cores).
@@ -56,12 +60,14 @@ from spotguard.processes import die_with_parent, free_port
 from spotguard.wire import names
 
 WORKER = Path(__file__).resolve().with_name("_membership_worker.py")
-FRAMEWORKS = ("ddp", "fsdp2", "deepspeed")
-IN_PLACE_FRAMEWORKS = ("ddp", "fsdp2")
+FRAMEWORKS = ("ddp", "fsdp2", "deepspeed", "accelerate")
+IN_PLACE_FRAMEWORKS = ("ddp", "fsdp2", "accelerate")
 START_HOSTS = ("a", "b", "c", "d")
 LEAVER, JOINER = "a", "e"
 SURVIVORS = ("b", "c", "d")
 PAUSE_GOAL_S = 0.5
+INTEGRATION_PAUSE_GOAL_S = 1.0  # a framework integration's goal (issue 38)
+INTEGRATIONS = ("accelerate",)
 RATIO_GOAL = 5.0
 EXIT_PREEMPTED = names.EXIT_PREEMPTED
 
@@ -340,10 +346,10 @@ class Row:
 
     @property
     def pause_met(self) -> bool | None:
-        """The small model's goal: the gap, one step included, <= 0.5 s (none at size)."""
+        """The small model's goal: the gap, one step included, <= 0.5 s (an integration's <= 1 s; none at size)."""
         if self.at_size or self.in_place_gap_s is None:
             return None
-        return self.in_place_gap_s <= PAUSE_GOAL_S
+        return self.in_place_gap_s <= (INTEGRATION_PAUSE_GOAL_S if self.framework in INTEGRATIONS else PAUSE_GOAL_S)
 
     @property
     def ratio_met(self) -> bool | None:
@@ -402,7 +408,7 @@ def render(rows: list[Row]) -> str:
 
     head = (f"{'framework':<10} {'change':<7} {'step':>6} {'in-place gap':>12} {'Guard pause':>11} {'save':>6} "
             f"{'restart gap':>11} {'(exit + start)':>15} {'restart/in-place':>16} {'less a step':>11} "
-            f"{'/ Guard':>7}  {'<= 0.5 s':<8} {'<= 1/5':<6}")
+            f"{'/ Guard':>7}  {'pause':<8} {'<= 1/5':<6}")
     out = [head, "-" * len(head)]
     for r in rows:
         ratio = "-" if r.ratio is None else f"{r.ratio:.1f}x"
@@ -446,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
           "(copy -> committed, beside the hand-over), inside the gap; "
           "restart exit: last step -> every rank exited 83, start: -> first step of the new processes; "
           "less a step: both gaps less that step; / Guard: the restart's gap less a step over the Guard "
-          "pause. Goals: the small model's gap <= 0.5 s and restart/in-place >= 5x; at size 'less a step' "
+          "pause. Goals ('pause'): the small model's gap <= 0.5 s (an integration's <= 1 s) and "
+          "restart/in-place >= 5x; at size 'less a step' "
           "and '/ Guard' both >= 5x")
     if args.json:
         args.json.write_text(json.dumps({"config": {"frameworks": args.frameworks, "step_sleep": args.step_sleep,

@@ -12,6 +12,22 @@
 Launch with `spotguard launch` (torchrun's flags), which exits 83 when every rank drained; torchrun
 reports any worker's non-zero exit as its own exit 1.
 
+In place (opt-in, `in_place=True`, for a job launched in place: survivors keep their processes
+through a membership change, a joiner receives the state from a live peer):
+
+    init_process_group()                          # spotguard.hooks.elastic, before the Accelerator
+    accelerator = Accelerator()
+    sampler = ElasticSampler(dataset, global_batch=32, micro_batch=8, seed=0)
+    loader = DataLoader(dataset, batch_sampler=sampler)                  # NOT prepared
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    guard = AccelerateGuard(accelerator, "/ckpt", model=model, sampler=sampler, in_place=True)
+    start = guard.resume()                        # a joiner receives the state of a live peer here
+    for step, micro_batches in guard.steps(loader, start, total):
+        for batch in micro_batches:               # the accumulation follows the world size
+            accelerator.backward(guard.model(**batch).loss / len(micro_batches))
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
+        guard.step(step)
+
 Contract:
 - Made on every rank after `prepare` (same order), it checks the accelerate version
   (UnsupportedFramework naming the versions needed) and makes the Guard; with `model=` (the
@@ -38,6 +54,18 @@ Contract:
   resume skips `step mod len(loader)` batches of the loader at the new size
   (`skip_first_batches`): exact only when the global batch and the loader's order are the same at
   every world size, and it warns so at a resume.
+- In place (`in_place=True`; refused at construction, naming what to change, without spotguard's
+  `init_process_group`, under DeepSpeed/FSDP/Megatron/XLA, with other than one optimizer, or
+  without `sampler=`; `batches()` is refused then: its prepared loader cannot be re-shared). At
+  a membership change the agreed step is checkpointed first (as on the restart path), then the
+  Guard's in-place machine runs (hooks/machine/table.py) with `AcceleratorSave` as its resizable
+  adapter: the model's parameters and the optimizer's state move peer to peer, the survivors'
+  module goes into a new DDP on the new group (`guard.model`), the Accelerator's world is the
+  new group's, the optimizer, scheduler and sampler objects are kept; a joiner receives the
+  parameters, optimizer state, schedulers', registered objects' (the sampler's position) and
+  grad scaler's states in `resume()` (accelerate_in_place.py). `steps()` re-shares the rest of
+  the epoch among the new ranks at the next step. Any failure falls back to the checkpoint (exit
+  83), as the Guard's path does.
 """
 from __future__ import annotations
 
@@ -51,23 +79,31 @@ from spotguard.config import ConfigError
 from spotguard.data import ElasticSampler, GlobalOrder
 from spotguard.hooks import Guard
 from spotguard.hooks.adapters.store import CheckpointInfo
+from spotguard.hooks.elastic.reshard_state import Shards, collect, install
+from spotguard.integrations import accelerate_in_place as in_place_objects
 from spotguard.integrations import versions
-from spotguard.integrations.core import FrameworkAdapter, find_in_loader, guard_for
+from spotguard.integrations.core import (FrameworkAdapter, find_in_loader, guard_for, in_place_guard_for,
+                                        warn_stateless_stream)
 
 log = logging.getLogger("spotguard.integrations")
 
 
+
 class AcceleratorSave(FrameworkAdapter):
-    """`save_state` through the snapshot engine and the store, `load_state` to resume (module docstring)."""
+    """`save_state` through the snapshot engine and the store, `load_state` to resume (module
+    docstring); with `in_place`, the `ResizableAdapter` an in-place change drives (accelerate_in_place.py)."""
 
     def __init__(self, accelerator: Any, checkpoint_dir: str | os.PathLike, *, model: Any = None,
-                 keep_last: int = 3):
+                 keep_last: int = 3, in_place: bool = False):
         if accelerator.project_configuration.automatic_checkpoint_naming:
             raise ConfigError("automatic_checkpoint_naming", "must be off: spotguard names and commits the "
                               "checkpoint directories itself")
         self.accelerator = accelerator
         self.model = model
-        super().__init__(checkpoint_dir, keep_last=keep_last)
+        self.in_place = in_place
+        # In place, what the shard transfer does not carry goes to a joiner as the adapter's data position.
+        super().__init__(checkpoint_dir, keep_last=keep_last,
+                         data=in_place_objects.Carried(accelerator) if in_place else None)
 
     def _framework_save(self, root: Path, step: int) -> None:
         self.accelerator.save_state(str(root))
@@ -81,19 +117,62 @@ class AcceleratorSave(FrameworkAdapter):
         model = self.model
         return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
 
+    # ---- in place (ResizableAdapter) --------------------------------------------------------
+    @property
+    def resizable(self) -> bool:
+        return self.in_place
+
+    def _parts(self) -> tuple[Any, Any]:
+        return in_place_objects.module_of(self.model), in_place_objects.optimizer(self.accelerator)
+
+    def full_state(self) -> dict[str, Any]:
+        module, optimizer = self._parts()
+        return {"model": module.state_dict(), "optim": optimizer.state_dict()}
+
+    def load_full_state(self, state: dict[str, Any]) -> None:
+        module, optimizer = self._parts()
+        module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+
+    def shard_state(self) -> Shards:
+        module, optimizer = self._parts()
+        return collect(module, optimizer, self.world_size)
+
+    def shard_device(self) -> Any:
+        return next(self._parts()[0].parameters()).device
+
+    def load_shards(self, manifest: dict[str, Any], pieces: dict[int, Any]) -> None:
+        install(*self._parts(), manifest, pieces)
+
+    def rebuild(self) -> None:
+        """The same module in a new DDP on the new group (collective), the Accelerator's world the
+        group's; the optimizer, scheduler and sampler objects are kept."""
+        self.wait()
+        self.model = in_place_objects.rewrap(self.accelerator, self.model)
+        self.moved_to_new_group()
+
 
 class AccelerateGuard:
     """See the module docstring."""
 
     def __init__(self, accelerator: Any, checkpoint_dir: str | os.PathLike, *, model: Any = None, keep_last: int = 3,
-                 sampler: ElasticSampler | None = None, **guard_options: Any):
+                 sampler: ElasticSampler | None = None, in_place: bool = False, **guard_options: Any):
         versions.require("accelerate", "spotguard.integrations.accelerate")
         self.accelerator = accelerator
         self.sampler = sampler
         if sampler is not None:
             accelerator.register_for_checkpointing(sampler)  # before any load_state: its position resumes too
-        self.adapter = AcceleratorSave(accelerator, checkpoint_dir, model=model, keep_last=keep_last)
-        self.guard: Guard = guard_for(self.adapter, **guard_options)
+        if in_place:
+            _check_in_place(accelerator, sampler)
+        self.adapter = AcceleratorSave(accelerator, checkpoint_dir, model=model, keep_last=keep_last,
+                                       in_place=in_place)
+        self.guard: Guard = (in_place_guard_for if in_place else guard_for)(self.adapter, **guard_options)
+
+    @property
+    def model(self) -> Any:
+        """The prepared model to train with: after an in-place change, the same module in a new
+        DDP on the new group (read it again after `step()` returned a resized result)."""
+        return self.adapter.model
 
     def resume(self) -> int:
         """Loads the newest complete checkpoint (every rank); the number of steps already done."""
@@ -107,14 +186,43 @@ class AccelerateGuard:
     def batches(self, loader: Any, start: int, total: int) -> Iterator[tuple[int, Any]]:
         """(step, batch) for steps `start`..`total - 1`, epoch after epoch, resuming mid-epoch
         (module docstring: the data position)."""
+        if self.adapter.in_place:
+            raise ConfigError("loader", "batches() deals each step through a loader prepared for one world size; "
+                              "in place, train with guard.steps(DataLoader(dataset, batch_sampler=sampler), ...), "
+                              "the loader not prepared")
         if self.sampler is not None:
             return self._sampled(self.sampler, loader, start, total)
+        try:
+            len(loader)
+        except TypeError:
+            raise ConfigError("loader", "has no length (an IterableDataset without __len__?): batches() resumes by "
+                              "skipping what the epoch consumed, which needs the epoch's length; give the dataset a "
+                              "__len__, or index it and deal it with AccelerateGuard(sampler=ElasticSampler(...))") \
+                from None
+        warn_stateless_stream(loader, "AccelerateGuard")
         if start > 0:
             log.warning("resuming at step %d by skipping batches of this loader at this world size: exact only when "
                         "the global batch and the loader's order are the same at every world size; give "
                         "AccelerateGuard(sampler=ElasticSampler(...)) and DataLoader(sampler=sampler.global_order()) "
                         "for every sample once per epoch at any world size", start)
         return self._skipping(loader, start, total)
+
+    def steps(self, loader: Any, start: int, total: int) -> Iterator[tuple[int, list[Any]]]:
+        """(step, micro_batches) for steps `start`..`total - 1` from `loader`, made
+        `DataLoader(dataset, batch_sampler=sampler)` and NOT prepared (the sampler deals each rank its
+        share of every step, at whatever world size the group has; module docstring: in place);
+        each batch is on the Accelerator's device. A step is `sampler.micro_batches_per_step()`
+        micro-batches at the current world size: the gradient accumulation follows the world."""
+        from accelerate.utils import send_to_device
+
+        if self.sampler is None:
+            raise ConfigError("sampler", "steps() needs AccelerateGuard(sampler=ElasticSampler(...))")
+        if hasattr(loader, "base_dataloader") or type(loader).__module__.startswith("accelerate"):
+            raise ConfigError("loader", "was prepared by Accelerate, which deals its batches for one world size: give "
+                              "steps() the DataLoader(dataset, batch_sampler=sampler) itself, not prepared")
+        device = self.accelerator.device
+        steps = self.sampler.steps(loader, start, total)  # checks the loader and the start now
+        return ((step, [send_to_device(batch, device) for batch in micro]) for step, micro in steps)
 
     def _sampled(self, sampler: ElasticSampler, loader: Any, start: int, total: int) -> Iterator[tuple[int, Any]]:
         found = find_in_loader(loader, GlobalOrder)
@@ -166,3 +274,11 @@ class AccelerateGuard:
 
     def close(self) -> None:
         self.guard.close()
+
+
+def _check_in_place(accelerator: Any, sampler: ElasticSampler | None) -> None:
+    """ConfigError naming what to change unless this job can change membership in place."""
+    in_place_objects.check(accelerator)
+    if sampler is None:
+        raise ConfigError("sampler", "in place needs AccelerateGuard(sampler=ElasticSampler(...)): the data is "
+                          "re-shared among the new ranks at a change, and only the sampler can do that")

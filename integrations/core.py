@@ -23,10 +23,18 @@ serializers), so the framework's own resume call reads the checkpoint, as do its
 `find_in_loader(loader, kind)` finds a sampler inside the wrappers a framework puts around a
 loader (the integrations check that the loader draws from the `ElasticSampler` they were given).
 
+`warn_stateless_stream(loader, integration)`: a warning at start when a loader (or a dataset) streams an
+`IterableDataset` that neither it nor the dataset can save a position of (no `state_dict`): a
+resume then starts the stream again or skips batches of it, never exact at another world size.
+
 `guard_for(adapter, ...)` makes the Guard every integration uses: configured from SPOTGUARD_*
-(sidecar, grace, agree_every), restart path only (`in_place=False`: in-place membership
-changes through these frameworks are for later), no periodic in-memory snapshots (a notice saves
-fresh: snapshot, then persist). SIGTERM is a notice, as with the plain Guard.
+(sidecar, grace, agree_every), the restart path (`in_place_guard_for`: the same Guard changing
+membership in place, for an integration whose adapter is resizable: Accelerate's, opted in), no
+periodic in-memory snapshots (a notice saves fresh: snapshot, then persist). SIGTERM is a notice,
+as with the plain Guard.
+
+`FrameworkAdapter.moved_to_new_group()`: after an in-place change (its `rebuild`), the adapter's
+commit collectives, scratch directory (named by rank) and buffers follow the new formation.
 """
 from __future__ import annotations
 
@@ -64,12 +72,40 @@ def find_in_loader(loader: Any, kind: type[T], depth: int = 5) -> T | None:
     return None
 
 
+def warn_stateless_stream(loader: Any, integration: str) -> bool:
+    """See the module docstring; True when it warned."""
+    from torch.utils.data import IterableDataset
+
+    loaders = getattr(loader, "flattened", None) or [loader]  # Lightning's CombinedLoader holds several
+    for one in loaders:
+        one = getattr(one, "base_dataloader", one)  # Accelerate's prepared loader: a state_dict of its own, always
+        dataset = one if isinstance(one, IterableDataset) else getattr(one, "dataset", None)
+        if isinstance(dataset, IterableDataset) and not hasattr(one, "state_dict") \
+                and not hasattr(dataset, "state_dict"):
+            log.warning("%s: the train loader streams an IterableDataset (%s) without a state_dict, so no checkpoint "
+                        "holds its position: a resume starts the stream again or skips batches of it, at another "
+                        "world size in another order. Give it a state_dict kept in the checkpoint (torchdata's "
+                        "StatefulDataLoader), or index it and deal it with spotguard.data.ElasticSampler "
+                        "(docs/in-place.md, 'The data')", integration, type(dataset).__name__)
+            return True
+    return False
+
+
 def guard_for(adapter: FrameworkAdapter, **guard_options: Any) -> Guard:
     """The Guard of an integration (every rank, same order): see the module docstring."""
+    return _guard(adapter, False, guard_options)
+
+
+def in_place_guard_for(adapter: FrameworkAdapter, **guard_options: Any) -> Guard:
+    """`guard_for` for an integration that changes membership in place (its adapter resizable)."""
+    return _guard(adapter, True, guard_options)
+
+
+def _guard(adapter: FrameworkAdapter, in_place: bool, guard_options: dict[str, Any]) -> Guard:
     for fixed in ("adapter", "in_place", "snapshot_every"):
         if fixed in guard_options:
             raise TypeError(f"{fixed} is set by the integration")
-    return Guard.from_env(adapter=adapter, in_place=False, snapshot_every=0, **guard_options)
+    return Guard.from_env(adapter=adapter, in_place=in_place, snapshot_every=0, **guard_options)
 
 
 class FrameworkAdapter(StoreAdapter):
@@ -79,8 +115,8 @@ class FrameworkAdapter(StoreAdapter):
 
     takes_snapshots = False  # no periodic snapshots: the drain saves fresh without the vote (hooks/drain.py)
 
-    def __init__(self, checkpoint_dir: str | os.PathLike, *, keep_last: int = 3):
-        super().__init__(checkpoint_dir=checkpoint_dir, keep_last=keep_last)
+    def __init__(self, checkpoint_dir: str | os.PathLike, *, keep_last: int = 3, data: Any = None):
+        super().__init__(checkpoint_dir=checkpoint_dir, keep_last=keep_last, data=data)
         self.scratch = self.store.root / f"{SCRATCH_PREFIX}{self.rank}"
         capture.clear(self.scratch)  # a killed save's leftovers: never part of a checkpoint
         self.prepared = False
@@ -94,6 +130,17 @@ class FrameworkAdapter(StoreAdapter):
     def _capture_root(self, step: int) -> Path:
         """The directory the framework's save writes the checkpoint into (inside `self.scratch`)."""
         return self.scratch
+
+    def moved_to_new_group(self) -> None:
+        """See the module docstring: the new formation's checkpoint group, this rank's scratch under
+        its new rank, and the engine's buffers allocated again at the next step boundary (the
+        framework's save may now write other files: Accelerate's main process writes the model)."""
+        self.wait()
+        self._snapshot, self.snapshot_step = None, None
+        self._setup_group()
+        self.scratch = self.store.root / f"{SCRATCH_PREFIX}{self.rank}"
+        capture.clear(self.scratch)
+        self.prepared = False
 
     # ---- the engine's two parts -------------------------------------------------------------
     def _state(self, step: int) -> dict[str, Any]:

@@ -22,6 +22,9 @@ Contract:
   background, and the run drains (exit 83, 84 when the save failed) from inside the callback.
   The save runs inside the Guard's drain rather than later through `control.should_save`, so a
   rank whose save fails is known to every rank (exit 84) instead of leaving the others waiting.
+- `output_dir="s3://bucket/prefix"`: spotguard's checkpoints go to the object store
+  (docs/checkpoints.md) and `last_checkpoint` downloads the newest; the Trainer's own periodic
+  saves, if any, go where the Trainer writes them.
 - Complete or invisible: the checkpoint store's root is `output_dir` and the checkpoint's tag is
   the Trainer's own name `checkpoint-N`: it is written into `<output_dir>/.pending-checkpoint-N`
   (invisible to `get_last_checkpoint`) and renamed to `<output_dir>/checkpoint-N` once every rank
@@ -56,8 +59,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from spotguard.config import ConfigError
 from spotguard.data import DataPositionError, ElasticSampler
 from spotguard.hooks import Guard
+from spotguard.hooks.checkpoint import open_store
+from spotguard.hooks.checkpoint.objectstore.url import is_object_store_url
 from spotguard.integrations import versions
-from spotguard.integrations.core import FrameworkAdapter, guard_for
+from spotguard.integrations.core import FrameworkAdapter, guard_for, warn_stateless_stream
 
 
 DATA_FILE = "spotguard-data.json"  # the ElasticSampler's position, beside the Trainer's files in checkpoint-N
@@ -68,12 +73,15 @@ def write_position(sampler: ElasticSampler, folder: Path) -> None:
     (folder / DATA_FILE).write_text(json.dumps(sampler.state_dict()))
 
 
-def read_position(sampler: ElasticSampler, trainer: Any) -> None:
-    """At a resume (global step > 0): the position saved with `checkpoint-<global step>`, into `sampler`."""
+def read_position(sampler: ElasticSampler, trainer: Any, store: Any = None) -> None:
+    """At a resume (global step > 0): the position saved with `checkpoint-<global step>`, into
+    `sampler` (with an `s3://` output_dir, from the copy `store` downloaded)."""
     step = trainer.state.global_step
     if step == 0:
         return
-    path = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}" / DATA_FILE
+    tag = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    info = store.read(tag) if store is not None and is_object_store_url(trainer.args.output_dir) else None
+    path = (info.dir if info is not None else Path(trainer.args.output_dir) / tag) / DATA_FILE
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -87,7 +95,12 @@ def last_checkpoint(trainer: Any) -> str | None:
     """What `trainer.train(resume_from_checkpoint=...)` resumes from: the newest complete
     `checkpoint-N` in the Trainer's `output_dir` (transformers' `get_last_checkpoint`; a save in
     progress, `.pending-checkpoint-N`, is not one), or None when there is none yet (no folder, or
-    an empty one), so a first run starts from scratch."""
+    an empty one), so a first run starts from scratch. With an `s3://` output_dir: the newest
+    complete checkpoint in the object store, downloaded and verified (falling back to an older one
+    when damaged), as a local folder."""
+    if is_object_store_url(trainer.args.output_dir):
+        info = open_store(trainer.args.output_dir).resolve(verify=True)
+        return str(info.dir) if info is not None else None
     output_dir = Path(trainer.args.output_dir)
     return get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
 
@@ -99,7 +112,8 @@ class TrainerSave(FrameworkAdapter):
     def __init__(self, trainer: Any, sampler: ElasticSampler | None = None):
         self.trainer = trainer
         self.sampler = sampler
-        self.output_dir = Path(trainer.args.output_dir)
+        location = trainer.args.output_dir  # an s3:// URL stays a string: Path would make it a folder name
+        self.output_dir = location if is_object_store_url(location) else Path(location)
         super().__init__(self.output_dir)
 
     def _tag(self, step: int, reason: str) -> str:
@@ -166,6 +180,8 @@ class SpotguardCallback(TrainerCallback):
             self.guard.resume()  # the notice the resumed checkpoint answered is not acted on again
         if self.sampler is not None:
             self._check_data(args, state)
+        else:
+            warn_stateless_stream(self.trainer.train_dataset, "the Trainer SpotguardCallback")
 
     def _check_data(self, args, state) -> None:
         sampler = self.sampler
@@ -176,7 +192,7 @@ class SpotguardCallback(TrainerCallback):
             raise ConfigError("per_device_train_batch_size", f"{args.per_device_train_batch_size} x {args.world_size} "
                               f"ranks x {args.gradient_accumulation_steps} accumulation = {per_step} samples per step, "
                               f"but the sampler's step takes {shape.global_size}")
-        read_position(sampler, self.trainer)
+        read_position(sampler, self.trainer, self.adapter.store if self.adapter is not None else None)
         sampler.check_position(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):

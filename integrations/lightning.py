@@ -60,11 +60,12 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from spotguard.config import ConfigError
 from spotguard.data import ElasticSampler
 from spotguard.hooks import Guard
+from spotguard.hooks.checkpoint.objectstore.url import is_object_store_url
 from spotguard.hooks.adapters.store import CheckpointInfo
 from spotguard.hooks.checkpoint import fsutil
 from spotguard.hooks.checkpoint.manifest import TRASH_PREFIX, aside_name
 from spotguard.integrations import versions
-from spotguard.integrations.core import FrameworkAdapter, find_in_loader, guard_for
+from spotguard.integrations.core import FrameworkAdapter, find_in_loader, guard_for, warn_stateless_stream
 
 LAST = "last.ckpt"
 STAGED_LINK = ".last.ckpt.spotguard-tmp"
@@ -87,6 +88,9 @@ class LightningSave(FrameworkAdapter):
     """Lightning's checkpoint through the snapshot engine, published as `<dirpath>/last.ckpt` (module docstring)."""
 
     def __init__(self, trainer: Any, dirpath: str | os.PathLike):
+        if is_object_store_url(dirpath):
+            raise ConfigError("dirpath", f"{dirpath}: the Lightning integration needs a local dirpath (Lightning's "
+                              "fit(ckpt_path=\"last\") reads <dirpath>/last.ckpt); an s3:// one is not supported yet")
         self.trainer = trainer
         super().__init__(dirpath)
         self.final = self.store.root / LAST
@@ -172,6 +176,8 @@ class SpotguardCallback(pl.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if self.sampler is not None:
             self._check_data(trainer, self.sampler)
+        else:
+            warn_stateless_stream(trainer.train_dataloader, "the Lightning SpotguardCallback")
         if self.guard is None:
             self.adapter = LightningSave(trainer, self._checkpoint_dir(trainer))
             self.guard = guard_for(self.adapter, **self.guard_options)

@@ -11,6 +11,7 @@
   boundary: each epoch is each sample exactly once.
 - `assert_run(...)`: all of that, for a run through given world sizes, and the global batches
   of an uninterrupted run (the global batch kept) or of each rank's batch (kept instead).
+- `worlds_so_far(folder)`: {step: world} of the ledger lines written so far (a test waits on it).
 - `uninterrupted(samples, seed, global_batch, steps)`: the global batches an uninterrupted run
   takes, from the definition alone (torch.randperm seeded with seed + epoch, as DistributedSampler
   seeds it, epochs end to end, cut into global batches), not from spotguard's code.
@@ -33,6 +34,19 @@ def read_ledgers_with_worlds(folder: Path) -> tuple[dict[int, list[int]], dict[i
     """`read_ledgers`, and the world size each step was trained at."""
     return merge(json.loads(line) for path in sorted(folder.glob("ledger-*.jsonl"))
                  for line in path.read_text().splitlines())
+
+
+def worlds_so_far(folder: Path) -> dict[int, int]:
+    """{step: world} of the steps recorded so far (a line being written is skipped)."""
+    seen = {}
+    for path in folder.glob("ledger-*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            seen[int(entry["step"])] = int(entry["world"])
+    return seen
 
 
 def merge(entries: Iterable[dict]) -> tuple[dict[int, list[int]], dict[int, int]]:

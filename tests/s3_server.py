@@ -6,13 +6,15 @@
 creates BUCKET. `stop()` ends that process by its PID; `restart()` starts it again on the same
 ports and data. `SlowProxy(target_port, bytes_per_second)` forwards 127.0.0.1:<port> to the
 server, each direction throttled; `pause()` holds every byte until `resume()` (a server that stops
-answering, for as long as the test says).
+answering, for as long as the test says); `refuse()` resets every connection, open or new, until
+`accept()` (an outage: the server's port closed).
 """
 from __future__ import annotations
 
 import json
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -163,6 +165,7 @@ class SlowProxy:
         self._closed = threading.Event()
         self._flowing = threading.Event()
         self._flowing.set()
+        self._refusing = threading.Event()
         self._socks: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -176,6 +179,9 @@ class SlowProxy:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
+            if self._refusing.is_set():
+                self._reset(conn)
+                continue
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
             except OSError:
@@ -206,6 +212,24 @@ class SlowProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    @staticmethod
+    def _reset(sock: socket.socket) -> None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
+            sock.close()
+        except OSError:
+            pass
+
+    def refuse(self) -> None:
+        """Resets every open connection and every new one until `accept()`."""
+        self._refusing.set()
+        socks, self._socks = self._socks, []
+        for s in socks:
+            self._reset(s)
+
+    def accept(self) -> None:
+        self._refusing.clear()
 
     def pause(self) -> None:
         """Holds every byte read from now on (either direction) until `resume()`."""

@@ -52,7 +52,7 @@ def test_commit_is_local_first_then_in_the_object_store_and_loads_on_another_nod
 
 
 def test_retention_keeps_the_newest_and_notice_checkpoints(s3_env, tmp_path):
-    store = open_store(s3_env, keep_last=2, local_dir=tmp_path / "local")
+    store = open_store(s3_env, keep_last=2, local_dir=tmp_path / "local", max_queued_uploads=5)  # none dropped
     for step in range(1, 6):
         save(store, f"step-{step}", {"w": os.urandom(100)}, step, reason="notice" if step == 2 else "periodic")
     assert store.wait_uploaded(60)

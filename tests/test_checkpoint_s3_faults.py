@@ -9,6 +9,7 @@ import time
 import pytest
 
 from spotguard.hooks.checkpoint import open_store
+from spotguard.hooks.checkpoint.objectstore.uploader import RetryPolicy
 from tests.s3_server import BUCKET, S3Server, SlowProxy
 
 
@@ -41,9 +42,11 @@ def wait_for(condition, timeout: float, what: str) -> None:
 @pytest.mark.parametrize("fault", ["restart", "outage"])
 def test_server_restarted_mid_upload_leaves_the_checkpoint_complete_or_invisible(fault, server, tmp_path):
     """`restart`: killed and started again at once (boto3's retries may carry the upload over);
-    `outage`: down until the upload gave up, then started again."""
+    `outage`: down until the upload failed a try, then started again: the interrupted upload is
+    retried (no new save needed) and the checkpoint reaches the bucket."""
     url = f"s3://{BUCKET}/restart"
-    store = open_store(url, local_dir=tmp_path / "node", multipart_threshold=5 << 20, lease_seconds=2)
+    store = open_store(url, local_dir=tmp_path / "node", multipart_threshold=5 << 20, lease_seconds=2,
+                       retry=RetryPolicy(seconds=120, base=0.1, cap=1.0))
     save(store, "step-1", {"w": os.urandom(1000)}, 1)
     assert store.wait_uploaded(60) and store.durable_tier("step-1") == "object"
     big = {"w": os.urandom(60 << 20), "v": os.urandom(1000)}
@@ -57,9 +60,13 @@ def test_server_restarted_mid_upload_leaves_the_checkpoint_complete_or_invisible
         assert store.wait_uploaded(180)
     else:
         server.stop(kill=True)
-        assert store.wait_uploaded(180)
-        assert store.durable_tier("step-2") == "local"  # the local tier still holds it
+        failures = store.uploader.metrics.failures
+        wait_for(lambda: failures.value(kind="part") + failures.value(kind="commit") > 0, 120, "a failed try")
+        assert store.durable_tier("step-2") == "local" and not store.wait_uploaded(0)  # retrying, on local disk
         server.start()
+        assert store.wait_uploaded(120)
+        assert store.durable_tier("step-2") == "object", "the interrupted upload is retried once the server is back"
+        assert "spotguard_checkpoint_upload_failures_total" in store.metrics.render()
     tier = store.durable_tier("step-2")
     reader = open_store(url, local_dir=tmp_path / "reader")
     tags = [i.tag for i in reader.list()]

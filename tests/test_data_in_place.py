@@ -12,12 +12,10 @@ sample exactly once; with the global batch kept the global batches are an uninte
 from __future__ import annotations
 
 import signal
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.ledger import assert_run, read_ledgers_with_worlds, uninterrupted
+from tests.ledger import assert_run, read_ledgers_with_worlds, uninterrupted, worlds_so_far
 from tests.workers.hosts import Hosts
 from tests.workers.sidecar_stub import SidecarStub
 
@@ -27,25 +25,6 @@ pytestmark = pytest.mark.slow
 # them); the ~190 steps after (10 s and more at 0.05 s a step) are the margin before training
 # could end first. (It was 400: 200 more steps, 15-20 s a case, proved nothing more.)
 SAMPLES, GLOBAL, MICRO, STEPS, SEED = 100, 12, 4, 200, 7
-
-
-def worlds_so_far(ledger: Path) -> dict[int, int]:
-    """{step: world} of the steps recorded so far (lines being written are skipped)."""
-    seen = {}
-    for path in ledger.glob("ledger-*.jsonl"):
-        for line in path.read_text().splitlines():
-            if line.endswith("}"):
-                entry = line.split('"world": ', 1)[1].split(",", 1)[0]
-                seen[int(line.split('"step": ', 1)[1].split(",", 1)[0])] = int(entry)
-    return seen
-
-
-def wait_until(check, what: str, hosts: Hosts, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{hosts.tail()}")
-        time.sleep(0.05)
 
 
 @pytest.mark.timeout(900)
@@ -64,10 +43,10 @@ def test_every_sample_once_per_epoch_through_an_in_place_shrink_and_grow(mode, w
         hosts.join("d")
         pids = {host: proc.pid for host, proc in hosts.procs.items()}
         hosts.wait_for("ready-d", timeout=240)
-        wait_until(lambda: len(worlds_so_far(ledger)) >= 5, "a, b, c training", hosts)
+        hosts.wait_until(lambda: len(worlds_so_far(ledger)) >= 5, "a, b, c training")
         hosts.procs["a"].send_signal(signal.SIGTERM)
         assert hosts.wait(["a"], timeout=240) == {"a": 83}, hosts.tail()
-        wait_until(lambda: sum(w == 2 for w in worlds_so_far(ledger).values()) >= 3, "b and c training as two", hosts)
+        hosts.wait_until(lambda: sum(w == 2 for w in worlds_so_far(ledger).values()) >= 3, "b and c training as two")
         sidecar.push_membership({"v": 1, "generation": 1, "hosts": ["b", "c", "d"], "world_size": 3,
                                  "store": f"127.0.0.1:{hosts.port('b')}"})
         codes = hosts.wait(["b", "c", "d"], timeout=600)

@@ -144,7 +144,8 @@ def test_accelerate_without_a_sampler_warns_at_a_resume(tmp_path, caplog):
 
 
 # ---- Lightning --------------------------------------------------------------------------------
-def lightning_run(ckpt, steps: int, data: ElasticSampler, *, loader=None, accumulate: int = 1) -> dict[int, list[int]]:
+def lightning_run(ckpt, steps: int, data: ElasticSampler | None, *, loader=None,
+                  accumulate: int = 1) -> dict[int, list[int]]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -189,3 +190,63 @@ def test_lightning_refuses_a_loader_that_does_not_draw_from_the_sampler_and_anot
     with pytest.raises(ConfigError) as caught:
         lightning_run(tmp_path / "b", 3, sampler(), accumulate=2)
     assert caught.value.field == "accumulate_grad_batches"
+
+
+class Unsized(torch.utils.data.IterableDataset):
+    """A stream of the samples with no state_dict (nothing can save its position) and no length."""
+
+    def __iter__(self):
+        return iter(Samples()[i] for i in range(SAMPLES))
+
+
+class Stream(Unsized):
+    """`Unsized` with a length."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+
+def test_accelerate_refuses_or_warns_at_start_of_a_stream_and_in_place_needs_spotguard_s_group(tmp_path, caplog):
+    from accelerate import Accelerator
+
+    from spotguard.integrations.accelerate import AccelerateGuard
+
+    guard = AccelerateGuard(Accelerator(cpu=True), tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING, logger="spotguard.integrations"):
+            guard.batches(torch.utils.data.DataLoader(Samples(), batch_size=BATCH), 0, 2)
+            assert not caplog.records  # map-style: nothing to say at a first start
+            guard.batches(torch.utils.data.DataLoader(Stream(), batch_size=BATCH), 0, 2)
+        assert "streams an IterableDataset (Stream) without a state_dict" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="spotguard.integrations"):  # prepared: the same
+            guard.batches(guard.accelerator.prepare(torch.utils.data.DataLoader(Stream(), batch_size=BATCH)), 0, 2)
+        assert "streams an IterableDataset (Stream) without a state_dict" in caplog.text
+        assert "ElasticSampler" in caplog.text
+        with pytest.raises(ConfigError, match="has no length"):
+            guard.batches(torch.utils.data.DataLoader(Unsized(), batch_size=BATCH), 0, 2)
+    finally:
+        guard.close()
+    with pytest.raises(ConfigError, match=r"init_process_group\(\) before Accelerator\(\)"):
+        AccelerateGuard(Accelerator(cpu=True), tmp_path / "in-place", sampler=sampler(), in_place=True)
+
+
+def test_trainer_warns_at_start_of_a_stream_without_state(tmp_path, caplog):
+    from transformers import Trainer, TrainingArguments
+
+    from spotguard.integrations.hf import SpotguardCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=1,
+                             save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
+                             remove_unused_columns=False, disable_tqdm=True)
+    trainer = Trainer(model=TinyRegression(), args=args, train_dataset=Stream())
+    SpotguardCallback.attach(trainer)
+    with caplog.at_level(logging.WARNING, logger="spotguard.integrations"):
+        trainer.train()
+    assert "the Trainer SpotguardCallback: the train loader streams an IterableDataset (Stream)" in caplog.text
+
+
+def test_lightning_warns_at_start_of_a_stream_without_state(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="spotguard.integrations"):
+        lightning_run(tmp_path, 1, None, loader=torch.utils.data.DataLoader(Stream(), batch_size=BATCH))
+    assert "the Lightning SpotguardCallback: the train loader streams an IterableDataset (Stream)" in caplog.text

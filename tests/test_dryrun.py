@@ -62,54 +62,6 @@ def assert_consistent_save(entry: dict, world_size: int) -> None:
     assert entry["saved_digest"] and entry["saved_digest"] == entry["resumed_digest"], entry
 
 
-def test_default_dry_run_changes_membership_in_place(tmp_path):
-    """The default path: the survivor never restarts, the returning node joins from a live peer.
-    The notice is short (6 s) and training long enough (21 s of steps) that the returning node's
-    process, started once the reclaimed rank left, joins before training ends even at load 15."""
-    scenario = SHORT_DEFAULT.replace("steps: 300", "steps: 700").replace("lead: 15", "lead: 6") \
-        .replace("at: 8, kind: capacity", "at: 5, kind: capacity")
-    code, report, output = dry_run(tmp_path, scenario)
-    assert report is not None, output[-3000:]
-    assert code == 0 and report["ok"], (report["problems"], output[-3000:])
-    reclaim, capacity = report["timeline"]
-    assert reclaim["ranks_agreed"] == [0, 1], reclaim
-    assert reclaim["checkpoint_step"] == reclaim["agreed_step"], reclaim
-    assert reclaim["margin_s"] > 0
-    assert (reclaim["path"], reclaim["world"]) == ("in-place", "2 -> 1"), reclaim
-    assert (capacity["path"], capacity["world"]) == ("in-place", "1 -> 2"), capacity
-    assert "relaunched" not in reclaim and "relaunched" not in capacity
-    assert [(c["from_world"], c["to_world"], c["path"]) for c in report["membership_changes"]] == \
-        [(2, 1, "in-place"), (1, 2, "in-place")]
-    assert len(report["generations"]) == 1  # nobody was relaunched
-    assert report["survivors"]["node-0"]["pid_kept"] is True, report["survivors"]
-    assert report["survivors"]["node-1"]["joined"] is True, report["survivors"]
-    assert report["steps_completed"] == 700 and report["steps_lost"] == 0
-    assert "in-place: world 2 -> 1" in output and "node-0: same process throughout" in output
-
-
-def test_restart_path_dry_run_survives_a_reclaim_and_scales_back(tmp_path):
-    """torchrun per pod (c10d): the reclaim drains every rank, the Job controller relaunches the
-    pods the supervisor scaled to (world 1); the node given back is scaled out to, and torchrun
-    restarts the survivor's worker to grow (it drains: one consistent save, world 2). Capacity
-    returns late enough that the world-1 group has formed even on a loaded machine."""
-    scenario = SHORT_DEFAULT.replace("steps: 300", "steps: 800").replace("at: 8, kind: capacity",
-                                                                        "at: 25, kind: capacity")
-    code, report, output = dry_run(tmp_path, scenario, "--membership", "restart")
-    assert report is not None, output[-3000:]
-    assert code == 0 and report["ok"], (report["problems"], output[-3000:])
-    reclaim, capacity = report["timeline"]
-    assert reclaim["kind"] == "reclaim"
-    assert_consistent_save(reclaim, world_size=2)
-    assert reclaim["relaunch_world_size"] == 1
-    assert reclaim["margin_s"] > 0
-    assert capacity["kind"] == "capacity"
-    assert_consistent_save(capacity, world_size=1)
-    assert capacity["relaunch_world_size"] == 2
-    assert report["steps_completed"] == 800 and report["steps_lost"] == 0
-    assert (tmp_path / "run" / "timeline.png").stat().st_size > 10_000
-    assert "resumed state == saved state" in output
-
-
 MISSED_DEADLINE = """\
 name: missed-deadline
 cloud: aws
@@ -169,3 +121,21 @@ def test_framework_integration_dry_run_takes_the_restart_path(tmp_path, framewor
     (reclaim,) = report["timeline"]
     assert_consistent_save(reclaim, world_size=2)
     assert reclaim["relaunch_world_size"] == 1
+
+
+def test_the_accelerate_dry_run_changes_membership_in_place(tmp_path):
+    """`--framework accelerate` (the reference script with `AccelerateGuard(in_place=True)`): a
+    reclaim -> both ranks agree on one step and save it, the reclaimed rank leaves, the survivor
+    trains on at world 1 in the same process, nothing lost. (The grow in place, the sampler and
+    the joiner's state: tests/test_data_ledger_integrations_in_place.py.)"""
+    scenario = SHORT_DEFAULT.replace("name: short-default", "name: short-accelerate") \
+        .replace("steps: 300", "steps: 200").replace("  - {at: 8, kind: capacity, node: node-1}\n", "")
+    code, report, output = dry_run(tmp_path, scenario, "--framework", "accelerate", timeout=420)
+    assert report is not None, output[-3000:]
+    assert code == 0 and report["ok"], (report["problems"], output[-3000:])
+    (reclaim,) = report["timeline"]
+    assert reclaim["ranks_agreed"] == [0, 1] and reclaim["checkpoint_step"] == reclaim["agreed_step"], reclaim
+    assert (reclaim["path"], reclaim["world"]) == ("in-place", "2 -> 1"), reclaim
+    assert len(report["generations"]) == 1, report["generations"]  # nobody was relaunched
+    assert report["survivors"]["node-0"]["pid_kept"] is True, report["survivors"]
+    assert report["steps_completed"] == 200 and report["steps_lost"] == 0

@@ -1,9 +1,16 @@
-"""What the dry-run says is true (issue 37, items 1-8): the plot's world-size series follows the
-world the ranks formed, step numbers are the Guard's (the checkpoint folders'), the restart
-path's rows name relaunched processes and real worlds, a trainer that cannot start stops the run
-at once with its cause, and a bad `--out` is one clean line.
+"""The default and restart paths end to end, and what the dry-run says about them is true.
 
-One dry-run per path (module-scoped: every assertion reads the same run).
+One real dry-run per path (real agents, sidecars, Guards, the supervisor over the local cluster),
+checked for what the job did (in place: the survivor never restarts and the returning node
+joins from a live peer; restart: every relaunch resumes the step the ranks agreed and saved)
+and for what the output says (issue 37, items 1-8: the plot's world-size series follows the
+world the ranks formed, step numbers are the Guard's, the checkpoint folders', the restart
+path's rows name relaunched processes and real worlds). Each run is one test: a run costs a
+CI worker ~35-85 s, so every check of a path reads the same run; the checks are functions
+named for what they prove, so a failure names the one that broke.
+
+Also: a trainer that cannot start stops the run at once with its cause; a bad `--out` is one
+clean line.
 """
 from __future__ import annotations
 
@@ -16,31 +23,16 @@ from pathlib import Path
 import pytest
 
 from spotguard.trainer.timeline_plot import world_size_series
-from tests.test_dryrun import SHORT_DEFAULT, dry_run
+from tests.test_dryrun import SHORT_DEFAULT, assert_consistent_save, dry_run
 
 pytestmark = pytest.mark.slow
 
+# The notice is short (6 s) and training long enough (21 s of steps) that the returning node's
+# process, started once the reclaimed rank left, joins before training ends even at load 15.
 IN_PLACE = SHORT_DEFAULT.replace("steps: 300", "steps: 700").replace("lead: 15", "lead: 6") \
     .replace("at: 8, kind: capacity", "at: 5, kind: capacity")
-RESTART = SHORT_DEFAULT.replace("steps: 300", "steps: 500")
-
-
-@pytest.fixture(scope="module")
-def in_place(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("in-place")
-    code, report, output = dry_run(tmp, IN_PLACE)
-    assert report is not None, output[-3000:]
-    assert code == 0 and report["ok"], (report["problems"], output[-3000:])
-    return report, output, tmp / "run"
-
-
-@pytest.fixture(scope="module")
-def restart(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("restart")
-    code, report, output = dry_run(tmp, RESTART, "--membership", "restart")
-    assert report is not None, output[-3000:]
-    assert code == 0 and report["ok"], (report["problems"], output[-3000:])
-    return report, output, tmp / "run"
+# Capacity returns late enough that the world-1 group has formed even on a loaded machine.
+RESTART = SHORT_DEFAULT.replace("steps: 300", "steps: 800").replace("at: 8, kind: capacity", "at: 25, kind: capacity")
 
 
 def notice_folders(run: Path) -> list[int]:
@@ -48,9 +40,39 @@ def notice_folders(run: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := re.fullmatch(r"step-(\d+)-notice", p.name)))
 
 
-def test_in_place_world_size_series_follows_the_membership_changes(in_place):
+def finished_run(tmp_path: Path, scenario: str, *args: str) -> tuple[dict, str, Path]:
+    code, report, output = dry_run(tmp_path, scenario, *args)
+    assert report is not None, output[-3000:]
+    assert code == 0 and report["ok"], (report["problems"], output[-3000:])
+    return report, output, tmp_path / "run"
+
+
+def test_the_default_path_changes_membership_in_place_and_says_so_truly(tmp_path):
+    report, output, run = finished_run(tmp_path, IN_PLACE)
+    survivor_kept_its_process_and_the_node_rejoined(report, output)
+    world_size_series_follows_the_membership_changes(report)
+    steps_are_numbered_as_the_checkpoint_folder_is(report, output, run)
+
+
+def survivor_kept_its_process_and_the_node_rejoined(report: dict, output: str) -> None:
+    reclaim, capacity = report["timeline"]
+    assert reclaim["ranks_agreed"] == [0, 1], reclaim
+    assert reclaim["checkpoint_step"] == reclaim["agreed_step"], reclaim
+    assert reclaim["margin_s"] > 0
+    assert (reclaim["path"], reclaim["world"]) == ("in-place", "2 -> 1"), reclaim
+    assert (capacity["path"], capacity["world"]) == ("in-place", "1 -> 2"), capacity
+    assert "relaunched" not in reclaim and "relaunched" not in capacity
+    assert [(c["from_world"], c["to_world"], c["path"]) for c in report["membership_changes"]] == \
+        [(2, 1, "in-place"), (1, 2, "in-place")]
+    assert len(report["generations"]) == 1  # nobody was relaunched
+    assert report["survivors"]["node-0"]["pid_kept"] is True, report["survivors"]
+    assert report["survivors"]["node-1"]["joined"] is True, report["survivors"]
+    assert report["steps_completed"] == 700 and report["steps_lost"] == 0
+    assert "in-place: world 2 -> 1" in output and "node-0: same process throughout" in output
+
+
+def world_size_series_follows_the_membership_changes(report: dict) -> None:
     """Item 1: 2 -> 1 -> 2 as the ranks changed in place (it used to draw a flat 2)."""
-    report, _, _ = in_place
     series = world_size_series(report)
     changes = report["membership_changes"]
     assert [w for _, w in series] == [2, 1, 2, 0], series
@@ -63,9 +85,8 @@ def test_in_place_world_size_series_follows_the_membership_changes(in_place):
         assert point["world_size"] == drawn, (point, series)
 
 
-def test_the_report_numbers_steps_as_the_checkpoint_folder_does(in_place):
+def steps_are_numbered_as_the_checkpoint_folder_is(report: dict, output: str, run: Path) -> None:
     """Item 8: agreed/durable step == the notice checkpoint's folder step (the Guard's numbering)."""
-    report, output, run = in_place
     reclaim = report["timeline"][0]
     assert notice_folders(run) == [reclaim["checkpoint_step"]] == [reclaim["agreed_step"]], reclaim
     assert f"agreed {reclaim['agreed']:.2f}s at step {reclaim['agreed_step']}" in output
@@ -73,10 +94,32 @@ def test_the_report_numbers_steps_as_the_checkpoint_folder_does(in_place):
     assert report["membership_changes"][0]["step"] == reclaim["agreed_step"]
 
 
-def test_restart_path_series_rows_and_processes(restart):
+def test_the_restart_path_survives_a_reclaim_scales_back_and_says_so_truly(tmp_path):
+    """torchrun per pod (c10d): the reclaim drains every rank, the Job controller relaunches the
+    pods the supervisor scaled to (world 1); the node given back is scaled out to, and torchrun
+    restarts the survivor's worker to grow (it drains: one consistent save, world 2)."""
+    report, output, run = finished_run(tmp_path, RESTART, "--membership", "restart")
+    every_relaunch_resumes_the_agreed_save(report, output, run)
+    rows_series_and_processes_are_the_relaunched_ones(report, output, run)
+
+
+def every_relaunch_resumes_the_agreed_save(report: dict, output: str, run: Path) -> None:
+    reclaim, capacity = report["timeline"]
+    assert reclaim["kind"] == "reclaim"
+    assert_consistent_save(reclaim, world_size=2)
+    assert reclaim["relaunch_world_size"] == 1
+    assert reclaim["margin_s"] > 0
+    assert capacity["kind"] == "capacity"
+    assert_consistent_save(capacity, world_size=1)
+    assert capacity["relaunch_world_size"] == 2
+    assert report["steps_completed"] == 800 and report["steps_lost"] == 0
+    assert (run / "timeline.png").stat().st_size > 10_000
+    assert "resumed state == saved state" in output
+
+
+def rows_series_and_processes_are_the_relaunched_ones(report: dict, output: str, run: Path) -> None:
     """Items 1 and 2: the relaunched ranks are not 'same process throughout'; every row's world
     is a real one; the series follows the generations."""
-    report, output, run = restart
     series = world_size_series(report)
     generations = report["generations"]
     assert len(generations) >= 2, generations

@@ -12,6 +12,8 @@ from spotguard.trainer.cluster.job_pods import INDEX_KEY, index_of
 from spotguard.trainer.cluster.jobs import JobController
 from spotguard.trainer.cluster.kube import LocalKube, rfc3339
 from spotguard.trainer.cluster.scheduler import Scheduler
+from spotguard.trainer.job_manifest import JobShape, job_manifest
+from spotguard.trainer.scenario import parse_scenario
 
 NS = "default"
 SPOT = {"karpenter.sh/capacity-type": "spot"}
@@ -185,3 +187,40 @@ def test_a_scale_down_deletes_the_newest_pod_and_completion_ends_the_job():
     controller.sync()
     status = kube.get(JOBS, NS, "train")["status"]
     assert {c["type"] for c in status["conditions"]} >= {"Complete", "SuccessCriteriaMet"}
+
+
+RESTART_PATH = parse_scenario("name: restart-path\nworkers: 2\npolicy: elastic\nmin_workers: 1\nmembership: restart\n"
+                              "steps: 10\nevents: []\n")
+
+
+@pytest.mark.parametrize("policy", [True, False], ids=["success-policy", "without-it"])
+def test_a_restart_path_job_scaled_down_completes_when_its_training_finishes(policy):
+    """The dry-run's restart-path Job (trainer/job_manifest.py) after a drain and the supervisor's
+    scale to 1: its pod finishes the training (exit 0) while index 1 never ran. Its
+    `successPolicy` completes the Job then; without it Kubernetes needs every index to succeed and
+    makes index 1's pod, which would train again (checked on kube-apiserver v1.36.2 too:
+    tests/test_k8s_restart_path.py)."""
+    manifest = job_manifest(RESTART_PATH, JobShape(["-m", "train"]))
+    assert manifest["spec"]["successPolicy"] == {"rules": [{"succeededCount": 1}]}
+    if not policy:
+        del manifest["spec"]["successPolicy"]
+    kube = LocalKube()
+    controller = JobController(kube, failure_backoff=0.0)
+    kube.create(JOBS, NS, manifest)
+    controller.sync()
+    for pod in live(kube):
+        finish(kube, pod, 83)  # both ranks drained at the agreed step
+    kube.patch(JOBS, NS, "train", {"spec": {"parallelism": 1}})  # the supervisor's scale-down
+    controller.sync()
+    (relaunched,) = live(kube)
+    finish(kube, relaunched, 0)  # torchrun: the training finished
+    controller.sync()
+    conditions = {c["type"]: c["reason"] for c in kube.get(JOBS, NS, "train")["status"].get("conditions", [])}
+    index_1 = [p for p in pods_of(kube) if index_of(p) == 1]
+    if policy:
+        assert index_of(relaunched) == 0
+        assert conditions == {"SuccessCriteriaMet": "SuccessPolicy", "Complete": "SuccessPolicy"}
+        assert live(kube) == [] and len(index_1) == 1  # the drained one only
+    else:
+        assert "Complete" not in conditions
+        assert [index_of(p) for p in live(kube)] == [1] and len(index_1) == 2

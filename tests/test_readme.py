@@ -40,8 +40,8 @@ ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
 # command (how it starts, after any VAR=value prefixes) -> what runs it: "tests/FILE.py::FUNCTION",
 # or a CI step ".ci/run: <the step>" (.ci/run runs `make lint` and `make test`).
 RUN_BY = {
-    "make run": "tests/test_dryrun.py::test_default_dry_run_changes_membership_in_place",  # the default
-    # scenario, shortened; `make run` itself is `spotguard dry-run` (test_make_run_is_the_dry_run)
+    # the default scenario, shortened; `make run` itself is `spotguard dry-run` (test_make_run_is_the_dry_run)
+    "make run": "tests/test_dryrun_truth.py::test_the_default_path_changes_membership_in_place_and_says_so_truly",
     "make test": ".ci/run: make test",
     "mkdir -p my-spotguard && cat > my-spotguard/kustomization.yaml":
         "tests/test_k8s_install.py::test_the_readme_install_on_a_cluster_it_was_never_installed_on",

@@ -133,13 +133,14 @@ def test_frameworks_default_to_the_scenarios_framework():
         parse_scenario("name: x\nmembership: in-place\nframeworks: [ddp, deepspeed]\n", "s.yaml")
 
 
-def test_framework_integrations_take_the_restart_path():
+def test_framework_integrations_take_the_restart_path_but_accelerate_changes_in_place():
     from spotguard.trainer.scenario import load_scenario
 
     default = load_scenario(None)
     for framework in ("hf", "lightning"):
         assert not default.with_overrides(framework=framework, policy="elastic").in_place
-    with pytest.raises(ScenarioError, match="in-place needs policy elastic and framework ddp or fsdp2"):
+    assert default.with_overrides(framework="accelerate", policy="elastic").in_place
+    with pytest.raises(ScenarioError, match="in-place needs policy elastic and framework ddp or fsdp2 or accelerate"):
         default.with_overrides(framework="hf", policy="elastic", membership="in-place")
 
 

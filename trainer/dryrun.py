@@ -14,9 +14,11 @@ membership change, scale, suspend and resume is the supervisor's; every pod the 
 controller's; every process the kubelets'.
 
 The scenario clock starts when the first rank logs `start`. The run ends when the Job is
-complete, or when training finished and no container that started before that still runs (a
-joiner with nothing left to join is given FINISHED_GRACE seconds; a pod the Job controller
-starts afterwards has nothing to train), or failed, or at the time limit. A node whose deadline
+complete, or when training finished (the first `finished` event's time) and no container that
+started before that still runs (a joiner with nothing left to join is given FINISHED_GRACE
+seconds; a pod the Job controller starts afterwards has nothing to train: the restart path's
+Job completes when one index succeeded, trainer/job_manifest.py), or failed, or at the time
+limit. A node whose deadline
 came while its rank was still training is a problem in the report (its processes are killed,
 every one: a worker of a reclaimed node never trains on). Whatever way `run()` ends, every
 process it started is gone when it returns (the kubelets stop their pods; anything left is
@@ -47,7 +49,8 @@ from spotguard.trainer.scenario import Scenario, ScenarioEvent
 log = logging.getLogger("spotguard.dryrun")
 
 # The reference script of each framework the dry-run trains with (the others: spotguard.trainer.train).
-FRAMEWORK_SCRIPTS = {"hf": "spotguard.trainer.train_hf", "lightning": "spotguard.trainer.train_lightning"}
+FRAMEWORK_SCRIPTS = {"hf": "spotguard.trainer.train_hf", "accelerate": "spotguard.trainer.train_accelerate",
+                     "lightning": "spotguard.trainer.train_lightning"}
 FINISHED_GRACE = 15.0  # seconds a container may outlast the ranks that finished training
 
 
@@ -192,10 +195,13 @@ class DryRun:
                              job_trained=self.started_at is not None)
         if self.crash is not None:
             return self.crash.status
-        if not any(e["event"] == "finished" for e in self._tail.milestones()):
+        finished = [e["t"] for e in self._tail.milestones() if e["event"] == "finished"]
+        if not finished:
             return None
         self._finished_seen = self._finished_seen or time.time()
-        busy = [p for p in self.pod_log.snapshot() if p.started is not None and p.started < self._finished_seen
+        # When the training finished, not when this loop saw it: a pod that started in between
+        # (the loop is late under load) is no more busy than one that starts later.
+        busy = [p for p in self.pod_log.snapshot() if p.started is not None and p.started < min(finished)
                 and p.finished is None]  # pods started since have nothing left to train
         if not busy or time.time() - self._finished_seen > FINISHED_GRACE:
             return "finished"

@@ -24,10 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cloud", choices=("aws", "gcp", "azure", "alibaba"), default=None)
     p.add_argument("--scenario", default=None, help="scenario YAML or spot-trace CSV (default: the embedded one)")
     p.add_argument("--workers", default=None, help="simulated nodes, one rank each")
-    p.add_argument("--framework", choices=("ddp", "fsdp2", "deepspeed", "hf", "lightning"), default=None,
-                   help="hf / lightning: the Trainer / Lightning reference script with its integration (restart path)")
+    p.add_argument("--framework", choices=("ddp", "fsdp2", "deepspeed", "hf", "accelerate", "lightning"), default=None,
+                   help="hf / accelerate / lightning: that framework's reference script with its integration "
+                        "(accelerate in place; hf, lightning: the restart path)")
     p.add_argument("--membership", choices=("in-place", "restart"), default=None,
-                   help="how membership changes happen (default: in place for elastic DDP/FSDP2 jobs)")
+                   help="how membership changes happen (default: in place for elastic DDP/FSDP2/Accelerate jobs)")
     p.add_argument("--policy", choices=("elastic", "fixed"), default=None)
     p.add_argument("--out", default=None, help="run directory (default: runs/dryrun-<time>)")
     p.add_argument("--time-limit", default="600", help="give up after this many seconds (default 600)")

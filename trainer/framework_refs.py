@@ -85,6 +85,10 @@ def parse_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--event-log", default=os.environ.get("SPOTGUARD_EVENT_LOG"))
     p.add_argument("--keep-batch", choices=("global", "rank"), default="global",
                    help=f"global: {GLOBAL_BATCH} samples per step at every world size; rank: {PER_RANK_BATCH} per rank")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="samples per forward/backward (a step is then several: gradient accumulation)")
+    p.add_argument("--ledger", default=None, help="directory: each process appends {step, rank, world, ids} of every "
+                                                  "step it trains to ledger-<pid>.jsonl")
     for unused in ("--framework", "--snapshot-every", "--checkpoint-every", "--batch-policy", "--base-world-size"):
         p.add_argument(unused, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -120,10 +124,11 @@ class DryRunEvents:
 
         return state_digest(self.model.state_dict(), self.optimizer.state_dict()["state"])
 
-    def start(self, step: int, model: torch.nn.Module | None = None, optimizer=None) -> None:
+    def start(self, step: int, model: torch.nn.Module | None = None, optimizer=None, joined: bool = False) -> None:
+        """`joined`: this process joined a group already training (in place)."""
         self.model, self.optimizer = model, optimizer
         self.log.write("start", step=step, resumed=step > 0, global_batch=GLOBAL_BATCH, pid=os.getpid(),
-                       digest=self._digest())
+                       digest=self._digest(), joined=joined)
         self._tick = (time.monotonic(), step)
 
     def step(self, done: int, loss: float | None = None) -> None:
@@ -156,6 +161,16 @@ class DryRunEvents:
         guard.on_reclaim(reclaimed)
         guard.on_drain(drained)
 
+    def resized(self, record, offset: int = 0) -> None:
+        """An in-place change this process came through (an @on_resize hook): the `resized` event as
+        `spotguard.trainer.train` writes it; later events carry the new rank and world size."""
+        self.log.write("resized", step=record.step + offset, path=record.outcome.value, reason=record.reason,
+                       from_world=record.old_world_size, to_world=record.new_world_size, new_rank=record.new_rank,
+                       pause=round(record.pause_seconds, 4), phases={k: round(v, 4) for k, v in record.phases.items()},
+                       pid=os.getpid())
+        self.log.common.update(rank=record.new_rank, world_size=record.new_world_size)
+        self.size = record.new_world_size
+
     def finished(self, step: int) -> None:
         self.log.write("finished", step=step, pid=os.getpid(), max_step_gap=round(self.max_step_gap, 4))
         self.log.close()
@@ -178,7 +193,7 @@ def sampler_for(data: Samples, opts: argparse.Namespace):
     from spotguard.data import ElasticSampler
 
     per_step = {"global_batch": GLOBAL_BATCH} if opts.keep_batch == "global" else {"batch_size": PER_RANK_BATCH}
-    return ElasticSampler(data, seed=ORDER_SEED, **per_step)
+    return ElasticSampler(data, seed=ORDER_SEED, micro_batch=opts.micro_batch, **per_step)
 
 
 def expected_ids(step: int) -> list[int]:
@@ -194,8 +209,9 @@ class Records:
     """The files one rank writes under `--out` (see the module docstring). `optimizer`: set by the
     script once it exists."""
 
-    def __init__(self, out: str, rank: int):
+    def __init__(self, out: str, rank: int, tag: str | None = None):
         self.out, self.rank = Path(out), rank
+        self.tag = str(rank) if tag is None else tag  # the files' suffix (in place: the host, as ranks change)
         self.out.mkdir(parents=True, exist_ok=True)
         self.optimizer: torch.optim.Optimizer | None = None
         self.adapter = None  # the integration's adapter: when its save started (the reaction bench)
@@ -210,19 +226,19 @@ class Records:
         os.replace(tmp, self.out / name)
 
     def progress(self, step: int, ids: list[int]) -> None:
-        with open(self.out / f"ids-{self.rank}.jsonl", "a") as f:
+        with open(self.out / f"ids-{self.tag}.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "ids": ids, "t": time.time()}) + "\n")
-        self._write(f"progress-{self.rank}", str(step))
+        self._write(f"progress-{self.tag}", str(step))
 
     def saved(self, step: int, notice) -> None:
-        self._write(f"saved-{self.rank}.json", json.dumps({"step": step, "notice": notice.id, "at": time.time(),
+        self._write(f"saved-{self.tag}.json", json.dumps({"step": step, "notice": notice.id, "at": time.time(),
                                                           "started": getattr(self.adapter, "save_started_at", None),
                                                           "detected": notice.detected_at.timestamp()}))
         self._optimizer_state("optimizer-saved.pt", self.optimizer)
 
     def resumed(self, start: int, optimizer: torch.optim.Optimizer) -> None:
         steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
-        self._write(f"resumed-{self.rank}.json", json.dumps({"start": start, "optimizer_steps": sorted(set(steps))}))
+        self._write(f"resumed-{self.tag}.json", json.dumps({"start": start, "optimizer_steps": sorted(set(steps))}))
         self._optimizer_state("optimizer-resumed.pt", optimizer)
 
     def final(self, model: torch.nn.Module) -> None:

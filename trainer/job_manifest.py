@@ -13,7 +13,12 @@ deploy, so that a passing scenario proves what those manifests do.
 - the restart path (DeepSpeed, the Trainer / Lightning integrations, `--membership restart`, the
   fixed policy): torchrun-indexed-job.yaml: torchrun with c10d rendezvous `--nnodes=MIN:MAX`
   (fixed: W:W), `--max-restarts=0` (a worker that drains ends its pod; the Job controller makes
-  a new one, and a scale-out is torchrun's own restart of its workers).
+  a new one, and a scale-out is torchrun's own restart of its workers), and `successPolicy`
+  `succeededCount: 1`: torchrun exits 0 only once its workers finished the training, so one
+  index that succeeded completes the Job. Without it an Indexed Job needs every index in
+  [0, completions) to succeed: after the supervisor scaled it down (parallelism, not
+  completions), an index that never ran would get its pod once the training finished, and
+  torchrun (`--nnodes=MIN:MAX`) would train again from the last checkpoint.
 Every pod mounts the claim `train-checkpoints` at /ckpt (the checkpoints outlive the pods) and
 asks for one `nvidia.com/gpu`. What differs from the examples, because the pods share this host:
 `--master-addr` is 127.0.0.1 (no cluster DNS), each completion index gets a rendezvous port of its
@@ -148,6 +153,7 @@ def _pod_template(scenario: Scenario, shape: JobShape) -> dict:
 def job_manifest(scenario: Scenario, shape: JobShape) -> dict:
     """The Job (see the module docstring)."""
     count = replicas(scenario, shape.backfill)
+    done_when = {} if scenario.in_place else {"successPolicy": {"rules": [{"succeededCount": 1}]}}
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": JOB, "namespace": NAMESPACE, "labels": {names.LABEL_MANAGED: "true"},
                          "annotations": _annotations(scenario, shape.backfill)},
@@ -157,4 +163,4 @@ def job_manifest(scenario: Scenario, shape: JobShape) -> dict:
                          {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In",
                                                               "values": [DRAIN_CODE]}},
                          {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
-                     "template": _pod_template(scenario, shape)}}
+                     **done_when, "template": _pod_template(scenario, shape)}}

@@ -5,7 +5,7 @@ A scenario is a YAML file (or the embedded default) like:
     name: default
     cloud: aws                 # aws | gcp | azure | alibaba
     workers: 2                 # simulated nodes, one training rank each
-    framework: ddp             # ddp | fsdp2 | deepspeed | hf | lightning
+    framework: ddp             # ddp | fsdp2 | deepspeed | hf | accelerate | lightning
     policy: elastic            # elastic | fixed
     min_workers: 1
     steps: 300                 # total training steps
@@ -44,8 +44,9 @@ from typing import Any
 import yaml
 
 CLOUDS = ("aws", "gcp", "azure", "alibaba")
-FRAMEWORKS = ("ddp", "fsdp2", "deepspeed", "hf", "lightning")
-IN_PLACE_FRAMEWORKS = ("ddp", "fsdp2")  # the others relaunch (DeepSpeed; the Trainer and Lightning integrations)
+FRAMEWORKS = ("ddp", "fsdp2", "deepspeed", "hf", "accelerate", "lightning")
+# The others relaunch (DeepSpeed; the Trainer and Lightning integrations: README, 'Membership changes in place').
+IN_PLACE_FRAMEWORKS = ("ddp", "fsdp2", "accelerate")
 MEMBERSHIP_PATHS = ("in-place", "restart")
 POLICIES = ("elastic", "fixed")
 EVENT_KINDS = ("reclaim", "rebalance", "maintenance", "cancel", "gpu-fault", "capacity")
@@ -242,16 +243,16 @@ def _expectations(raw: Any, where: str) -> tuple[tuple[str, int], ...]:
 
 def _check_semantics(s: Scenario, origin: str) -> None:
     if s.membership == "in-place" and (s.policy != "elastic" or s.framework not in IN_PLACE_FRAMEWORKS):
-        raise ScenarioError(f"{origin}: membership: in-place needs policy elastic and framework ddp or fsdp2 "
-                            "(DeepSpeed and the Trainer / Lightning integrations relaunch: README, "
-                            "'Membership changes in place')")
+        raise ScenarioError(f"{origin}: membership: in-place needs policy elastic and framework "
+                            f"{' or '.join(IN_PLACE_FRAMEWORKS)} (DeepSpeed and the Trainer / Lightning integrations "
+                            "relaunch: README, 'Membership changes in place')")
     relaunching = [f for f in s.frameworks if f not in IN_PLACE_FRAMEWORKS]
     if s.membership == "in-place" and relaunching:
         raise ScenarioError(f"{origin}: frameworks: {', '.join(relaunching)} relaunch; membership in-place allows "
                             f"{', '.join(IN_PLACE_FRAMEWORKS)}")
     if s.start_at_min and not s.in_place:
         raise ScenarioError(f"{origin}: start_at_min: needs membership changes in place (policy elastic, "
-                            "framework ddp or fsdp2)")
+                            f"framework {' or '.join(IN_PLACE_FRAMEWORKS)})")
     if s.min_workers > s.workers:
         raise ScenarioError(f"{origin}: min_workers: {s.min_workers} is more than workers ({s.workers})")
     nodes = set(s.nodes)

@@ -18,7 +18,8 @@ buffers, into a `PendingCheckpoint`) and `_load(info)`. The base class then give
   learns the outcome. Durable when it returns; raises `CheckpointFailed` on every rank when any
   rank failed (so no rank waits forever for a commit).
 - `save_async(step)`: the same copy now, the persist and commit in the background (`wait()`,
-  `async_error`); `snapshot(step)` / `persist_snapshot(...)`: the copy alone, and later its commit.
+  `async_error`: also set when an upload to the object store failed for good);
+  `snapshot(step)` / `persist_snapshot(...)`: the copy alone, and later its commit.
 - `save_behind(step, ...)` / `persist_snapshot_behind(...)`: a save (a persist of the held
   snapshot) that returns after the copy with the Future of its commit (an in-place change writes
   its checkpoint while the state moves); the next save, snapshot or `rebuild` waits for it.
@@ -194,7 +195,15 @@ class StoreAdapter:
         self.save_seconds: deque[float] = deque(maxlen=5)
         self.last_info: CheckpointInfo | None = None
         self.async_error: BaseException | None = None
+        listen = getattr(store, "add_failure_listener", None)  # a store with an object tier (uploads)
+        if listen is not None:
+            listen(self._upload_failed)
         self._setup_group()
+
+    def _upload_failed(self, tag: str, error: BaseException) -> None:
+        """An upload of checkpoint `tag` to the object store failed for good: the checkpoint stays on
+        local disk only; kept in `async_error` like a failed background save."""
+        self.async_error = error
 
     def _setup_group(self) -> None:
         """The collectives of the commit protocol: on the formation's checkpoint group, which

@@ -201,10 +201,22 @@ class TieredStore(Store, Protocol):
     uploaded (the object store): what the drain reports as `durable_tier`
     (`isinstance(store, TieredStore)` tells the two kinds apart)."""
 
-    object_step: int | None  # the newest step this process knows committed in the tier that survives
+    @property
+    def object_step(self) -> int | None:
+        """The newest step this process knows committed in the tier that survives the node."""
+        ...
 
     def durable_tier(self, tag: str) -> str | None:
-        """Where checkpoint `tag` is durable as this process knows it: "object", "local", or None."""
+        """The job's tier of checkpoint `tag` as this process knows it: "object" (the job's commit of
+        it is in the object store, never on this rank's part alone), "local", or None."""
+        ...
+
+    def wait_durable(self, tag: str, timeout: float | None = None) -> str | None:
+        """Waits up to `timeout` for this process's uploads and the job's commit of `tag`; its tier then."""
+        ...
+
+    def is_durable(self, step: int) -> bool:
+        """Whether a checkpoint of `step` is committed in the tier that survives the node (asks it)."""
         ...
 
     def wait_uploaded(self, timeout: float | None = None) -> bool:

@@ -3,8 +3,10 @@
 
 `depart(record, checkpoint, effects, departure)`, on this rank alone (no collective):
 1. a checkpoint durable only on local disk (a store with an object tier, `durable_tier` "local"):
-   the upload is waited for until the notice's deadline less the save margin; then its tier, and
-   the steps lost counting only what reached the object store (the newest step known there);
+   the upload, and the job's commit of it in the object store, are waited for until the notice's
+   deadline less the save margin (`TieredStore.wait_durable`: a rank's own uploaded part is not
+   the job's checkpoint); then the job's tier, and the steps lost counting only what reached the
+   object store (the newest step known there);
 2. when the checkpoint is durable: the `@on_drain` hooks `hook(step, notice)` (a failure is
    logged, the rank leaves anyway) and, for a notice's checkpoint, the `drained` report;
 3. the termination message for the supervisor (`termination_message`), for every outcome, with
@@ -83,8 +85,8 @@ def settle_upload(record: StepRecord, effects: Effects) -> tuple[str | None, int
     if not isinstance(store, TieredStore) or record.notice is None:
         return "local", record.steps_lost, None
     left = record.notice.seconds_left()
-    store.wait_uploaded(None if left is None else max(left - effects.save_margin_seconds, 0.0))
-    tier = store.durable_tier(tag_for(record.saved_step, "notice"))
+    tier = store.wait_durable(tag_for(record.saved_step, "notice"),
+                              None if left is None else max(left - effects.save_margin_seconds, 0.0))
     if tier == "object":
         return tier, record.steps_lost, None
     survived = store.object_step

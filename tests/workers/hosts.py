@@ -105,6 +105,14 @@ class Hosts:
             time.sleep(0.05)
         return path
 
+    def wait_until(self, check, what: str, timeout: float = 240) -> None:
+        """Returns once `check()` holds (AssertionError with the logs after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.tail()}")
+            time.sleep(0.05)
+
     def wait_step(self, host: str, step: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while self.progress(host) < step:

@@ -7,6 +7,9 @@
 - `failure_action(job, pod)`: the `podFailurePolicy` rule a Failed pod matches first (`Ignore`,
   `FailIndex`, `FailJob`, `Count`), else `Count` (onExitCodes looks at containers that exited
   non-zero, optionally one named container; onPodConditions at the pod's conditions);
+- `success_policy_met(job, succeeded)`: which `successPolicy` rule the succeeded indices meet
+  first (None: none, or no policy): a rule with `succeededIndexes` ("0,2-4") needs those indices
+  (with `succeededCount`, that many of them), one with only `succeededCount` that many of any;
 - `removal_order(pods)`: which active pods a scale-down deletes first, the Job controller's
   ranking (`controller.ActivePods`): unscheduled, then Pending, then not Ready, then Ready for
   the shortest time, then more restarts, then the newest; ties: the highest index first.
@@ -91,6 +94,26 @@ def failure_action(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
         if rule.get("onPodConditions") and _condition_rule_matches(rule["onPodConditions"], pod):
             return str(rule.get("action"))
     return "Count"
+
+
+def _indexes(text: str) -> set[int]:
+    """The indices of an interval list ("0,2-4")."""
+    out: set[int] = set()
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def success_policy_met(job: Mapping[str, Any], succeeded: set[int]) -> str | None:
+    """See the module docstring: the message of the rule met, else None."""
+    for number, rule in enumerate(((job.get("spec") or {}).get("successPolicy") or {}).get("rules") or []):
+        named = _indexes(str(rule["succeededIndexes"])) if rule.get("succeededIndexes") else None
+        done = succeeded if named is None else succeeded & named
+        wanted = rule.get("succeededCount")
+        if done and len(done) >= (int(wanted) if wanted is not None else len(named or ())):
+            return f"Matched rules at index {number}"
+    return None
 
 
 def _ready_since(pod: Mapping[str, Any]) -> float | None:

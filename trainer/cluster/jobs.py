@@ -17,6 +17,10 @@ real controller doing the same).
   indices fail the Job), `FailIndex` fails the index, `FailJob` the Job; either way the index is
   re-created no sooner than `failure_backoff` seconds later (Kubernetes: 10 s, doubling; Ignore
   does not skip it);
+- a rule of the Job's `successPolicy` met (job_pods.success_policy_met; what a torchrun job on
+  the restart path uses: after a scale-down the Job still has indices that never ran, and the
+  training already finished): conditions `SuccessCriteriaMet` and `Complete` with reason
+  `SuccessPolicy`, every pod still active deleted, no pod made for the indices left;
 - every index succeeded: conditions `SuccessCriteriaMet` and `Complete`, `completionTime`;
   failed: condition `Failed`. A finished Job is left alone.
 `sync()` returns the seconds until a backoff ends (when to look again), or None.
@@ -80,6 +84,10 @@ class JobController:
             return None
         completions = int(job["spec"].get("completions") or 1)
         succeeded = {index_of(p) for p in pods if (p.get("status") or {}).get("phase") == "Succeeded"}
+        met = job_pods.success_policy_met(job, succeeded)
+        if met is not None:
+            self._finish(job, pods, "Complete", met, reason="SuccessPolicy")
+            return None
         if len(succeeded & set(range(completions))) == completions:
             self._finish(job, pods, "Complete", "every index succeeded")
             return None
@@ -167,15 +175,15 @@ class JobController:
             self.kube.patch(JOBS, job["metadata"]["namespace"], job["metadata"]["name"], {"status": wanted},
                             status=True)
 
-    def _finish(self, job: dict, pods: list[dict], kind: str, message: str) -> None:
+    def _finish(self, job: dict, pods: list[dict], kind: str, message: str, reason: str | None = None) -> None:
         for pod in pods:
             if not terminal(pod) and not terminating(pod):
                 self._delete(pod)
         conditions = list((job.get("status") or {}).get("conditions") or [])
+        reason = reason or ("CompletionsReached" if kind == "Complete" else "PodFailurePolicy")
         if kind == "Complete":
-            conditions.append(_condition("SuccessCriteriaMet", "CompletionsReached", message))
-        conditions.append(_condition(kind, "CompletionsReached" if kind == "Complete" else "PodFailurePolicy",
-                                     message))
+            conditions.append(_condition("SuccessCriteriaMet", reason, message))
+        conditions.append(_condition(kind, reason, message))
         log.info("job %s: %s (%s)", job["metadata"]["name"], kind, message)
         self.kube.patch(JOBS, job["metadata"]["namespace"], job["metadata"]["name"], {"status": {
             "conditions": conditions, "completionTime": rfc3339(), "active": 0}}, status=True)

@@ -5,7 +5,8 @@ Each check raises `Invalid` (the API server's 422) naming the field, and changes
   `affinity`, `tolerations`, `schedulingGates`), and only while the Job is suspended and has no
   `status.startTime` before the update (one patch may move it and resume it; the Job controller
   clears startTime once a suspended Job's pods are gone: tests/test_k8s_fallback.py); the
-  template's labels and annotations, `completionMode`, `podFailurePolicy` and the selector never;
+  template's labels and annotations, `completionMode`, `podFailurePolicy`, `successPolicy` and
+  the selector never;
   `completions` only together with an equal `parallelism` (an elastic Indexed Job);
 - a Pod's spec is immutable but for: its scheduling gates may be removed (never added), its
   `nodeSelector` may gain keys while it is still gated, tolerations may be added (placement.py
@@ -30,7 +31,7 @@ def _spec(obj: Mapping[str, Any] | None) -> Mapping[str, Any]:
 def check_job_update(old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
     """See the module docstring (Jobs)."""
     before, after = _spec(old), _spec(new)
-    for name in ("completionMode", "podFailurePolicy", "selector"):
+    for name in ("completionMode", "podFailurePolicy", "successPolicy", "selector"):
         if before.get(name) != after.get(name):
             raise Invalid(f"spec.{name}: field is immutable")
     if before.get("completions") != after.get("completions") and after.get("completions") != after.get("parallelism"):

@@ -6,8 +6,11 @@ Layout (keys under the prefix):
   the transfer threshold); `<tag>/.spotguard-part-<rank>.json`: each rank's part manifest, put
   after its files, naming their folder (`prefix`) and the commit `attempt` it belongs to (an id
   every rank of one save agreed on; None when the writer did not agree one);
+- `<tag>/.spotguard-dropped-<rank>.json`: that rank dropped its queued part of this attempt (its
+  local tier was full, uploader.py): the commit gives up at once instead of waiting for it;
 - `<tag>/spotguard-manifest.json`: written last, by rank 0, once every rank's part of this attempt
-  is there and every listed object has its recorded size; each file's entry names its `object`
+  is there and every listed object has its recorded size; it records the `attempt` (how the other
+  ranks know the commit took their part: durability.py); each file's entry names its `object`
   (checkpoints written before per-upload folders have none: the file is `<tag>/<file>`). A tag
   with this object is a complete checkpoint; without it the tag is invisible: listing, loading and
   retention read manifests only. A part of another attempt (a slow rank's previous one, a crashed
@@ -38,12 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from .. import fsutil
+from ..types import CheckpointCorrupt
 from ..manifest import LATEST, MANIFEST, MANIFEST_VERSION, PART_PREFIX, TAG_RE, fingerprint, merge_parts
 from .url import ObjectStoreURL
 
 log = logging.getLogger(__name__)
 
 WRITERS = ".writers"
+DROPPED_PREFIX = ".spotguard-dropped-"  # <tag>/.spotguard-dropped-<rank>.json: that rank dropped its queued part
 UPLOAD_PREFIX = ".u-"  # <tag>/.u-<upload id>/: one rank's files of one attempt
 MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNK = 32 << 20
@@ -51,6 +56,8 @@ MULTIPART_CHUNK = 32 << 20
 
 class RemoteCommitError(Exception):
     """A remote commit was refused or timed out (a rank's part missing or inconsistent); nothing became visible."""
+
+    retriable = False  # trying the same commit again would wait for the same parts
 
 
 @dataclass(frozen=True)
@@ -164,8 +171,28 @@ class RemoteCheckpoints:
         return f"{UPLOAD_PREFIX}{uuid.uuid4().hex[:12]}/"
 
     def begin_part(self, tag: str, rank: int) -> None:
-        """Before a rank uploads into `tag`: the old manifest (a re-commit) and this rank's old part go first."""
-        self._delete([self.key(tag, MANIFEST), self.key(tag, f"{PART_PREFIX}{rank}.json")])
+        """Before a rank uploads into `tag`: the old manifest (a re-commit), this rank's old part and
+        its note of a dropped part go first."""
+        self._delete([self.key(tag, MANIFEST), self.key(tag, f"{PART_PREFIX}{rank}.json"),
+                      self.key(tag, f"{DROPPED_PREFIX}{rank}.json")])
+
+    def put_dropped(self, tag: str, rank: int, attempt: str | None) -> None:
+        """Rank `rank` dropped its queued part of `tag` (attempt `attempt`): the commit stops waiting for it."""
+        self._put(self.key(tag, f"{DROPPED_PREFIX}{rank}.json"), json.dumps({"attempt": attempt}).encode())
+
+    def _dropped_ranks(self, tag: str, world_size: int, sizes: Mapping[str, int], attempt: str | None) -> list[int]:
+        """The ranks whose part of `tag` (of `attempt`, when given) was dropped before its upload."""
+        dropped = []
+        for rank in range(world_size):
+            key = self.key(tag, f"{DROPPED_PREFIX}{rank}.json")
+            if key in sizes and self.key(tag, f"{PART_PREFIX}{rank}.json") not in sizes:
+                try:
+                    noted = json.loads(self._get(key) or b"{}").get("attempt")
+                except (ValueError, AttributeError):
+                    noted = None
+                if attempt is None or noted == attempt:
+                    dropped.append(rank)
+        return dropped
 
     def upload_files(self, tag: str, files: Mapping[str, Path], prefix: str = "") -> int:
         """Uploads {name: local path} into `tag/<prefix>` (multipart for large files, several at
@@ -222,6 +249,10 @@ class RemoteCheckpoints:
             files, problems = self._collect(tag, world_size, sizes, attempt)
             if not problems:
                 break
+            dropped = self._dropped_ranks(tag, world_size, sizes, attempt)
+            if dropped:
+                raise RemoteCommitError(f"{tag}: not committing to {self.url}: rank(s) {dropped} dropped their "
+                                        "queued part (their local tier was full)")
             if time.monotonic() >= deadline:
                 raise RemoteCommitError(f"{tag}: refusing to commit to {self.url}: " + "; ".join(problems))
             time.sleep(pause)
@@ -230,6 +261,8 @@ class RemoteCheckpoints:
         manifest = {"v": MANIFEST_VERSION, "tag": tag, "sequence": sequence, "world_size": world_size,
                     "committed_at": time.time(), "checksum": fsutil.CHECKSUM_ALGO, "metadata": dict(metadata),
                     "files": files}
+        if attempt is not None:
+            manifest["attempt"] = attempt  # how the other ranks know this commit took their part
         raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
         self._put(self.key(tag, MANIFEST), raw)
         self._put(self.url.key(LATEST), tag.encode())
@@ -286,7 +319,14 @@ class RemoteCheckpoints:
             target = dest / name
             target.parent.mkdir(parents=True, exist_ok=True)
             key = self._object_key(remote.tag, name, remote.manifest["files"][name])
-            self.client.download_file(self.url.bucket, key, str(target), Config=self._transfer)
+            try:
+                self.client.download_file(self.url.bucket, key, str(target), Config=self._transfer)
+            except Exception as exc:
+                status = getattr(exc, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status in (403, 404):  # this object is gone or unreadable: the checkpoint is damaged
+                    what = "missing" if status == 404 else "unreadable (403)"
+                    raise CheckpointCorrupt(remote.tag, [f"{name} is {what} in the object store ({key})"]) from exc
+                raise
 
         names = sorted(remote.manifest["files"])
         if names:

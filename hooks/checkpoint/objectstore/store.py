@@ -29,16 +29,17 @@ import os
 import shutil
 import tempfile
 import threading
-import uuid
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
 from spotguard.config import ConfigError, positive_float, positive_int
+from spotguard.metrics import Registry
 
 from ..derived import DerivedCopies, derived_areas
-from ..locks import WriterLock, live_tags_reaping_dead
+from ..locks import live_tags_reaping_dead
 from ..manifest import PENDING_PREFIX, collect_parts, validate_tag
 from ..pending import PendingDirectory
 from ..store import CheckpointStore
@@ -46,7 +47,9 @@ from ..types import CheckpointCorrupt, CheckpointInfo, PendingCheckpoint, Tiered
 from ..verify import newest_that_checks, verify_files
 from .client import check_access, make_client
 from .remote import MULTIPART_CHUNK, MULTIPART_THRESHOLD, RemoteCheckpoints, RemoteCommitError, RemoteManifest
-from .uploader import FAILED, OBJECT, Uploader
+from .durability import Durability
+from .staging import stage_part
+from .uploader import FAILED, OBJECT, RetryPolicy, Uploader
 from .url import ObjectStoreURL
 
 log = logging.getLogger(__name__)
@@ -72,11 +75,15 @@ class ObjectCheckpointStore(TieredStore):
     long a silent writer's uploads are protected from another process's cleanup.
     `commit_timeout`: how long rank 0's remote commit waits for the other ranks' parts.
     `multipart_threshold`: files above this size (bytes) are uploaded in parts.
+    `retry`: how a failing upload is retried (uploader.py `RetryPolicy`: for 300 s, backoff 0.2-5 s).
+    `max_queued_uploads` (>= 2; default `keep_last`, at least 2): the bound of the local tier: this
+    rank's parts waiting or uploading at most (the oldest waiting one is dropped past it; uploader.py).
     """
 
     def __init__(self, location: str, keep_last: int = 3, *, local_dir: str | os.PathLike | None = None,
                  endpoint_url: str | None = None, lease_seconds: float = 60.0, commit_timeout: float = 600.0,
-                 clean: bool = True, client: Any = None, multipart_threshold: int = MULTIPART_THRESHOLD):
+                 clean: bool = True, client: Any = None, multipart_threshold: int = MULTIPART_THRESHOLD,
+                 retry: RetryPolicy | None = None, max_queued_uploads: int | None = None):
         self.keep_last = positive_int("keep_last", keep_last)
         self.url = ObjectStoreURL.parse(location)
         self.commit_timeout = positive_float("commit_timeout", commit_timeout)
@@ -93,10 +100,13 @@ class ObjectCheckpointStore(TieredStore):
             raise ConfigError("local_dir", f"{self.base}: {exc.message}") from exc
         self.staging = self.base / "staging"
         self.staging.mkdir(exist_ok=True)
-        self.uploader = Uploader(self.remote)
+        queued = max(self.keep_last, 2) if max_queued_uploads is None else max_queued_uploads
+        if positive_int("max_queued_uploads", queued) < 2:
+            raise ConfigError("max_queued_uploads", "must be at least 2 (the part uploading and the newest)")
+        self.uploader = Uploader(self.remote, retry=retry, max_queued_parts=queued)
+        self.durability = Durability(self.remote)
         self._downloads = DerivedCopies(self.base, DOWNLOADS)
         self._download_mutex = threading.Lock()
-        self.object_step: int | None = None  # the newest step known committed in the object store here
         self._attempts: dict[str, str | None] = {}  # tag -> this rank's attempt at it (begin -> commit)
         self._attempts_mutex = threading.Lock()
         if clean:
@@ -109,6 +119,16 @@ class ObjectCheckpointStore(TieredStore):
     def root(self) -> Path:
         """The local tier's directory (where ranks write their files)."""
         return self.local.root
+
+    @property
+    def object_step(self) -> int | None:
+        """The newest step this process knows committed in the object store (durability.py)."""
+        return self.durability.object_step
+
+    @property
+    def metrics(self) -> Registry:
+        """The uploads' metrics (failures, drops, what is queued): `metrics.render()` is Prometheus text."""
+        return self.uploader.metrics.registry
 
     # ---- writing ---------------------------------------------------------------------------
     agrees_attempts = True  # adapters pass `begin(tag, attempt=...)` an id every rank of the save agreed on
@@ -126,32 +146,8 @@ class ObjectCheckpointStore(TieredStore):
         return pending
 
     def _upload_part(self, pending: PendingDirectory, rank: int, part: Path) -> None:
-        """The local tier's `on_part`: stages this rank's files by hard link (so local commits and
-        retention do not disturb the upload) and queues their upload, the part manifest last."""
-        tag, attempt = pending.tag, pending.attempt
-        lock = WriterLock(self.staging, tag)
-        stage = self.staging / f"{tag}.{rank}.{uuid.uuid4().hex[:8]}"
-        stage.mkdir()
-        files: dict[str, Path] = {}
-        for name in pending.files:
-            target = stage / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.link(pending.dir / name, target)
-            files[name] = target
-        part_raw = part.read_bytes()
-
-        def upload() -> int:
-            try:
-                prefix = self.remote.upload_prefix()
-                self.remote.begin_part(tag, rank)
-                sent = self.remote.upload_files(tag, files, prefix)
-                self.remote.put_part(tag, rank, part_raw, prefix=prefix, attempt=attempt)
-                return sent
-            finally:
-                shutil.rmtree(stage, ignore_errors=True)
-                lock.release()
-
-        self.uploader.submit(tag, upload)
+        """The local tier's `on_part`: stages this rank's part and queues its upload (staging.py)."""
+        stage_part(self.staging, self.remote, self.uploader, self.durability, pending, rank, part)
 
     def commit(self, tag: str, world_size: int, metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
         """Rank 0, after every rank finished: commits locally when every part is on this disk, and
@@ -174,9 +170,7 @@ class ObjectCheckpointStore(TieredStore):
             if self.uploader.tier(tag) == FAILED:  # this process's part of it did not get there
                 raise RemoteCommitError(f"{tag}: not committing to {self.url}: a part upload failed")
             remote = self.remote.commit(tag, world_size, metadata, timeout=self.commit_timeout, attempt=attempt)
-            step = metadata.get("step")
-            if isinstance(step, int):
-                self.object_step = max(step, self.object_step if self.object_step is not None else step)
+            self.durability.committed(tag, metadata.get("step"))
             log.info("checkpoint %s committed to %s (sequence %d)", tag, self.url, remote.sequence,
                      extra={"tag": tag, "step": metadata.get("step")})
             self._remote_housekeeping(protect={tag})
@@ -196,17 +190,44 @@ class ObjectCheckpointStore(TieredStore):
             log.warning("housekeeping in %s failed: %s", self.url, exc)
 
     def durable_tier(self, tag: str) -> str | None:
-        """Where checkpoint `tag` is durable as this process knows it: "object" (in the object
-        store; on rank 0: committed there), "local" (local disk only: lost with the node), None."""
-        tier = self.uploader.tier(tag)
-        if tier == OBJECT:
+        """The job's tier of checkpoint `tag` as this process knows it, without asking the bucket:
+        "object" once the job's commit of it is known in the object store (this process committed
+        it, or read its manifest: durability.py; never on this rank's uploaded part alone),
+        "local" (on local disk, upload queued, running or failed: lost with the node), None."""
+        if self.durability.is_committed(tag):
             return "object"
-        if tier is not None or (self.local.root / tag).is_dir():
+        if self.uploader.tier(tag) is not None or (self.local.root / tag).is_dir():
             return "local"
         return None
 
+    def wait_durable(self, tag: str, timeout: float | None = None) -> str | None:
+        """Waits up to `timeout` for this process's uploads, then (a rank that did not commit `tag`
+        itself) for the job's commit of `tag` to appear in the bucket; returns `durable_tier(tag)`.
+        Never holds the caller past `timeout` (a departing rank's deadline), even on a hung request."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.uploader.wait(timeout)
+        if self.uploader.tier(tag) == OBJECT and not self.durability.is_committed(tag):
+            left = self.commit_timeout if deadline is None else max(deadline - time.monotonic(), 0.0)
+            self.durability.wait_committed(tag, left)
+        return self.durable_tier(tag)
+
+    def is_durable(self, step: int) -> bool:
+        """Whether a checkpoint of `step` is committed in the object store now (reads the bucket): what
+        survives the node. `durable_step()`: the newest such step."""
+        return any(info.step == step for info in self.list())
+
+    def durable_step(self) -> int | None:
+        """The newest step committed in the object store now (reads the bucket), or None."""
+        steps = [info.step for info in self.list() if info.step is not None]
+        return max(steps) if steps else None
+
     def upload_failed(self, tag: str) -> bool:
         return self.uploader.tier(tag) == FAILED
+
+    def add_failure_listener(self, listener: Callable[[str, BaseException], None]) -> None:
+        """`listener(tag, error)` runs (on the upload thread) when an upload or commit failed for good
+        (the adapters keep it in `async_error`)."""
+        self.uploader.on_failure.append(listener)
 
     def wait_uploaded(self, timeout: float | None = None) -> bool:
         """Waits for the uploads queued so far; True when they all ended within `timeout`."""
@@ -276,8 +297,7 @@ class ObjectCheckpointStore(TieredStore):
         info = newest_that_checks(candidates, check)
         if info is not None:
             self._prune_downloads(candidates)
-            if info.step is not None and (self.object_step is None or info.step > self.object_step):
-                self.object_step = info.step
+            self.durability.saw_step(info.step)
         return info
 
     # ---- housekeeping ------------------------------------------------------------------------
