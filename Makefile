@@ -42,10 +42,10 @@ run: $(STAMP)
 	$(VENV)/bin/spotguard dry-run
 
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist; 0 runs it in this process): most of a
-# multi-process or dry-run test's time is spent waiting (start-up, rendezvous, simulated steps).
-# On 2 cores, 3 workers left the CPU idle 22-30% of the suite (1700 s of CPU in 1088 s; per-test
-# CPU in docs/developing.md, "The suite's time"); a fourth fills it. Every test tolerates a neighbour.
-PYTEST_WORKERS ?= 4
+# multi-process or dry-run test's time is spent waiting (start-up, rendezvous, simulated steps), so
+# even on two cores a third worker pays. A fourth did not: the CPU bounds the suite (~1700 s of
+# CPU; docs/developing.md, "The suite's time"), and it only added load. Every test tolerates a neighbour.
+PYTEST_WORKERS ?= 3
 
 test: $(STAMP)
 	@$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS); rc=$$?; \

@@ -52,6 +52,7 @@ async def read_once(cloud: Cloud, url: str) -> Notice:
         notice = await run.wait_for(is_notice)
         await run.wait_until(lambda: source.stats.polls >= 3, what="two more polls")
     assert run.updates == [notice], "the same instance's notice changed or left across polls"
-    assert not source.stats.errors, source.stats.errors
+    # a poll that times out on a loaded machine is retried and changes no id; any other error is a fault here
+    assert set(source.stats.errors) <= {"timeout"}, source.stats.errors
     assert notice.kind is Kind.RECLAIM
     return notice

@@ -38,8 +38,10 @@ async def make_emulator() -> AsyncIterator[Callable]:
 _k8s_skipped: list[str] = []
 
 
-# Modules not marked `slow` or `k8s` whose tests still take tens of seconds (the dry-run's).
-LONG_UNMARKED = ("test_goodput.py", "test_local_", "test_supervisor_backfill.py", "test_backfill_")
+# Modules not marked `slow` or `k8s` whose tests still take tens of seconds
+# (the dry-run's, real S3 servers with real ranks).
+LONG_UNMARKED = ("test_goodput.py", "test_local_", "test_supervisor_backfill.py", "test_backfill_",
+                 "test_checkpoint_s3_", "test_integrations_s3.py", "test_checkpoint_crash.py")
 
 
 def _runs_long(module: str, marked: bool) -> bool:

@@ -27,7 +27,7 @@ workers: 3
 policy: elastic
 min_workers: 2
 start_at_min: true
-steps: 160
+steps: 600
 step_seconds: 0.05
 """
 
@@ -35,7 +35,9 @@ step_seconds: 0.05
 async def test_the_job_trains_at_min_and_grows_in_place(tmp_path):
     """The third pod is held back by a scheduling gate of the test's own until the first group
     started (the three would otherwise race to be Ready, and the supervisor lists every pod Ready
-    when it starts the group), then scheduled: it joins in place."""
+    when it starts the group), then scheduled: it joins in place. Training is long enough (30 s of
+    steps) for that pod's processes to start and be admitted on a loaded machine (160 steps were
+    not, at load 17: training finished first)."""
     hold = HoldIndex("2")
     dry = DryRun(parse_scenario(START_AT_MIN, "<test>"), tmp_path / "run", on_update=hold.release_once_started,
                  time_limit=300)
@@ -78,7 +80,7 @@ async def test_a_relaunch_starts_at_min_too(tmp_path):
     group): the Job controller re-creates the pods, and the supervisor starts them again the
     start-at-min way: a new `start` membership of the pods Ready by then (at least min), and
     the relaunched group trains at its size. Stopped once it trains."""
-    scenario = parse_scenario(START_AT_MIN.replace("steps: 160", "steps: 100000"), "<test>")
+    scenario = parse_scenario(START_AT_MIN.replace("steps: 600", "steps: 100000"), "<test>")
     killed: list[float] = []
 
     def crash_once_grown(dry: DryRun) -> None:

@@ -248,7 +248,9 @@ async def test_elastic_policy_scales_pytorchjob_workers(control_plane, world, ca
         noticed = next(p.spec.node_name for p in pods if p.metadata.name == f"{JOB}-worker-3")
         await agents.notice(noticed)
         await asyncio.to_thread(wait_until, lambda: world.workers() == 3, 30, "Worker.replicas 4 -> 3")
-        assert world.record().phase == "Running" and names.EVENT_SCALED in world.event_reasons()
+        # the Event follows the pass's one patch: wait for it rather than read it with the patch
+        await asyncio.to_thread(wait_until, lambda: names.EVENT_SCALED in world.event_reasons(), 30, "the Scaled Event")
+        assert world.record().phase == "Running"
         assert world.job()["spec"]["elasticPolicy"] == {"minReplicas": 2, "maxReplicas": 4}
 
         def membership_pushed():
