@@ -14,8 +14,9 @@ snapshot itself and the rank leaves before the deadline.
   `MIN_LEAD` after the notice arrived (a notice that came too late for its own deadline still
   gets the time to save what it can).
 - `not_before(armed_at, step_seconds)`: the watchdog never acts sooner than `BOUNDARY_STEPS` steps
-  (and `BOUNDARY_SECONDS`) after the notice arrived: with short steps, the boundary's agreed save (a fresher step) comes
-  first even when the latest safe moment has passed already.
+  (and `BOUNDARY_SECONDS`) after the notice arrived: with short steps, the boundary's agreed save (a
+  fresher step) comes first even when the latest safe moment has passed already; with nothing new
+  here, a peer that completed the step this rank is finishing answers it at its boundary.
 - `plan(...)`: at the moment the watchdog wakes, one of `Plan`: LEAVE_NOW (nothing trained since
   the newest durable checkpoint: leave at once, nothing lost), WAIT (not yet the latest safe
   moment, or the boundary may still come first), PERSIST (persist the held snapshot now),
@@ -69,10 +70,13 @@ def new_work(completed_step: int | None, durable_step: int | None) -> bool:
 def plan(now: float, deadline: float, *, completed_step: int | None, durable_step: int | None,
          snapshot_step: int | None, persist_estimate: float | None, margin: float, earliest: float = 0.0) -> Plan:
     """What the watchdog does at `now` for a notice due at `deadline`, never acting before
-    `earliest` (`not_before`) unless there is nothing new to save (module docstring)."""
+    `earliest` (`not_before`), even with nothing new to save here: a peer may have completed the
+    step this rank is finishing, and its boundary answers the notice then (module docstring)."""
+    if now < earliest:
+        return Plan.WAIT
     if not new_work(completed_step, durable_step):
         return Plan.LEAVE_NOW
-    if now < max(act_at(deadline, persist_estimate, margin), earliest):
+    if now < act_at(deadline, persist_estimate, margin):
         return Plan.WAIT
     if snapshot_step is None or (durable_step is not None and snapshot_step <= durable_step):
         return Plan.NOTHING_TO_PERSIST

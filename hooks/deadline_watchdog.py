@@ -15,17 +15,20 @@ Contract (`DeadlineWatchdog`, made and driven by the Guard):
   process with 84 at `deadline_policy.leave_by`.
 - `completed(step)` / `resumed(start)`: the Guard's boundary and resume (an int stored: no cost).
 - Each poll (`POLL` seconds, or sooner when the latest safe moment comes) follows
-  `deadline_policy.plan` and the job-wide claim: nothing new to save -> claim LEAVE and leave with
-  83 at once; the latest safe moment -> claim a persist of the held snapshot and, once every rank
-  holds that step, persist it and leave (`deadline_exit`); a peer's claim is followed the same
-  way; a BOUNDARY claim (the ranks agreed at a step boundary first) makes it stand down, its
-  timer left armed in case that path never ends.
+  `deadline_policy.plan` and the job-wide claim: nothing new to save (still, once a peer's
+  boundary could have answered: `not_before`) -> claim LEAVE and leave with 83; the latest safe
+  moment -> claim a persist of the held snapshot and, once every rank holds that step, persist
+  it and leave (`deadline_exit`); a peer's claim is followed the same way; a BOUNDARY claim (the
+  ranks agreed at a step boundary first) makes it stand down, its timer left armed in case that
+  path never ends.
 - `claim_boundary()` (main thread, at an agreed step on a notice): True when the agreed save may
   run; when a watchdog claimed first, the main thread waits here while the watchdog leaves.
   `answered()`: that agreed step answered the notice and this rank stays (an in-place change's
   survivor): the notice is disarmed for good.
 - `close(exit_code)`: the Guard closes; the timer is re-armed with the rank's own exit code, so
-  a process that hangs on its way out still leaves with it, or cancelled (None).
+  a process that hangs on its way out still leaves with it, or cancelled (None); the thread is
+  joined (`CLOSE_JOIN` at most) and its descriptors closed. Only a Guard that ends its process
+  (`hard_exit`) makes a watchdog: its timer ends the process.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ from spotguard.wire.notice import Notice
 log = logging.getLogger("spotguard.hooks.deadline")
 
 POLL = 0.25  # seconds between looks at the store and the signal trap
+CLOSE_JOIN = 1.0  # the longest `close()` waits for the thread to end
 
 
 class DeadlineWatchdog:
@@ -76,6 +80,7 @@ class DeadlineWatchdog:
         self._withdrawn: set[str] = set()
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
+        self._fds = [self._wake_r, self._wake_w]
         self._signal_fd = self._take_wakeup_fd()
         self._thread = threading.Thread(target=self._run, name="spotguard-deadline", daemon=True)
 
@@ -150,6 +155,16 @@ class DeadlineWatchdog:
         else:
             self.timer.cancel()
         self._give_back_wakeup_fd()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(CLOSE_JOIN)
+        if not self._thread.is_alive():  # a thread still acting keeps its descriptors
+            self._close_descriptors()
+
+    def _close_descriptors(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     # ---- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -240,7 +255,7 @@ class DeadlineWatchdog:
             os.close(r)
             os.close(w)
             return None
-        self._signal_w = w
+        self._fds += [r, w]
         return r
 
     def _give_back_wakeup_fd(self) -> None:

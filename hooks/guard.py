@@ -82,12 +82,14 @@ Contract:
   are the Guard's alone, in one order on both sides (the table's `transferred` and `committed`
   rows end the survivors' change and a joiner's `resume()`); training code makes none of its own
   between `init_process_group` and a joiner's first step (the survivors are already training).
-- The deadline watchdog (`hooks/deadline_watchdog.py`; a Guard that exits on a drain and traps
-  signals, unless `SPOTGUARD_DEADLINE_WATCHDOG=0`): a notice whose deadline comes before the
-  ranks agree at a boundary (a long step, an evaluation pass) is answered by persisting the
-  held snapshot on every rank, which then leaves with 83 before the deadline (84 when nothing
-  could be made durable); a notice with nothing new to save leaves at once (before the Guard
-  exists too: `early_exit`). The boundary's agreed save and the watchdog never both run.
+- The deadline watchdog (`hooks/deadline_watchdog.py`; a Guard that ends its process on a drain
+  (`exit_on_drain`, `hard_exit`) and traps signals, unless `SPOTGUARD_DEADLINE_WATCHDOG=0`; a Guard
+  embedded with `hard_exit=False` leaves its process's exit to its caller and has none): a notice
+  whose deadline comes before the ranks agree at a boundary (a long step, an evaluation pass) is
+  answered by persisting the held snapshot on every rank, which then leaves with 83 before the
+  deadline (84 when nothing could be made durable); a notice with nothing new to save leaves
+  within a second (at once before the Guard exists: `early_exit`). The boundary's agreed save
+  and the watchdog never both run.
 - Under `spotguard launch` (`SPOTGUARD_LAUNCHER_PID`), a rank whose launcher died leaves within
   `grace_seconds` even when blocked in a collective (`orphan_watch`).
 - Bad configuration raises `spotguard.config.ConfigError` naming the field.
@@ -185,7 +187,7 @@ class Guard:
         self.deadline = (DeadlineWatchdog(lambda: self.adapter, self.save_margin_seconds, self._trap, self.reporter,
                                           step_seconds=lambda: self._step_seconds, concerns=self._makes_this_rank_leave)
                          .start()
-                         if exit_on_drain and install_signals and watchdog_enabled() else None)
+                         if exit_on_drain and hard_exit and install_signals and watchdog_enabled() else None)
         self._orphan_watch = OrphanWatch.from_env(self.grace_seconds)
         if self._orphan_watch is not None:
             self._orphan_watch.start()
@@ -313,7 +315,8 @@ class Guard:
             if value is not None:
                 start = int(value)
         if self.deadline is not None:
-            self.deadline.resumed(start)
+            picked = getattr(self.adapter, "resumed_step", None)  # a framework that resumes itself (the Trainer)
+            self.deadline.resumed(start if start or picked is None else picked + 1)
         return start
 
     # ---- notices in -----------------------------------------------------------------------

@@ -112,6 +112,7 @@ class TrainerSave(FrameworkAdapter):
     def __init__(self, trainer: Any, sampler: ElasticSampler | None = None):
         self.trainer = trainer
         self.sampler = sampler
+        self.resumed_step: int | None = None
         location = trainer.args.output_dir  # an s3:// URL stays a string: Path would make it a folder name
         self.output_dir = location if is_object_store_url(location) else Path(location)
         super().__init__(self.output_dir)
@@ -135,10 +136,12 @@ class TrainerSave(FrameworkAdapter):
 
     def resume(self) -> int | None:
         """The Trainer resumes itself (`resume_from_checkpoint`); this only reads the store's record of
-        the checkpoint it picks (the notice it answered). Returns None: nothing loaded here."""
+        the checkpoint it picks (the notice it answered, its step: `resumed_step`). Returns None:
+        nothing loaded here."""
         last = last_checkpoint(self.trainer)
         info = self.store.read(Path(last).name) if last else None
         self.resumed_metadata = dict(info.metadata) if info is not None else None
+        self.resumed_step = info.step if info is not None else None
         return None
 
     def gradient_carrier(self) -> Any:

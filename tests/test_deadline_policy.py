@@ -63,7 +63,8 @@ LATE = act_at(D, 1.0, 1.0)
     (LATE, 12, 10, 10, Plan.NOTHING_TO_PERSIST, 0.0),       # the snapshot is the durable step already
     (LATE, 12, None, 8, Plan.PERSIST, 0.0),                 # nothing durable yet: any snapshot helps
     (LATE, 12, 10, 12, Plan.WAIT, LATE + 1),           # past the latest moment, the boundary may still come
-    (0.0, 10, 10, 10, Plan.LEAVE_NOW, 5.0),            # nothing new: at once all the same
+    (0.0, 10, 10, 10, Plan.WAIT, 5.0),                 # nothing new here: a peer's boundary may answer it
+    (5.0, None, None, None, Plan.LEAVE_NOW, 5.0),      # still nothing new here by `earliest`: leave
 ])
 def test_plan(now, completed, durable, snapshot, expected, earliest):
     assert plan(now, D, completed_step=completed, durable_step=durable, snapshot_step=snapshot,
