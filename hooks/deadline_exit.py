@@ -51,10 +51,17 @@ HOLD_SECONDS = 600.0  # an interpreter ending while the watchdog leaves waits th
 
 @dataclass
 class Progress:
-    """What this rank trained: the newest completed step and the newest durable checkpoint's step."""
+    """What this rank trained: the newest completed step, how many steps it completed in this
+    process, and the newest durable checkpoint's step."""
 
     completed: int | None = None
     durable: int | None = None
+    trained: int = 0
+
+    def complete(self, step: int) -> None:
+        """Step `step` completed (the Guard's boundary)."""
+        self.completed = step
+        self.trained += 1
 
     def saw_durable(self, step: int | None) -> None:
         """A checkpoint of `step` is durable (the newest wins)."""
@@ -62,10 +69,12 @@ class Progress:
             self.durable = step
 
     def lost_since(self, saved: int | None) -> int:
-        """Steps trained after `saved` (the newest step that survives)."""
+        """Steps trained after `saved` (the newest step that survives); with none known, the steps
+        this process completed (step numbers may start at 0 or 1: the Trainer's and Lightning's
+        global step counts from 1)."""
         if self.completed is None:
             return 0
-        return self.completed - (saved if saved is not None else -1)
+        return self.completed - saved if saved is not None else self.trained
 
 
 class DeadlineExit:

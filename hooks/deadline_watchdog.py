@@ -128,7 +128,7 @@ class DeadlineWatchdog:
             clear_termination_message()
 
     def completed(self, step: int) -> None:
-        self.progress.completed = step
+        self.progress.complete(step)
 
     def resumed(self, start: int) -> None:
         self.progress.durable = start - 1 if start > 0 else None

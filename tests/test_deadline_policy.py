@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from spotguard.hooks.deadline_claims import LocalClaims, claimed_step, persist_claim
+from spotguard.hooks.deadline_exit import Progress
 from spotguard.hooks.deadline_policy import (BOUNDARY_SECONDS, DEFAULT_PERSIST, EXIT_RESERVE, FINISH_SECONDS, MIN_LEAD,
                                              Plan, act_at, leave_by, new_work, not_before, plan)
 
@@ -132,3 +133,11 @@ def test_a_withdrawn_notice_disarms_the_last_resort_and_empties_the_message(tmp_
     """)
     assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 7
     assert message.read_text() == ""
+
+
+def test_steps_lost_with_no_checkpoint_known_are_the_steps_this_process_trained():
+    progress = Progress()
+    assert progress.lost_since(None) == 0
+    for step in (1, 2, 3):  # the Trainer's global steps count from 1
+        progress.complete(step)
+    assert progress.lost_since(None) == 3 and progress.lost_since(2) == 1 and progress.lost_since(3) == 0

@@ -3,6 +3,8 @@ a SIGTERM drains into the object store as `checkpoint-N`, and a new Trainer resu
 through `last_checkpoint` (downloaded, verified). One small run, the README's usage."""
 from __future__ import annotations
 
+import json
+
 from tests.test_integrations_usage import Clock, hf_trainer
 
 
@@ -24,6 +26,7 @@ def test_the_trainer_saves_to_and_resumes_from_an_s3_output_dir(s3_env, tmp_path
 
     monkeypatch.chdir(tmp_path)  # whatever the Trainer itself writes stays in the test's folder
     monkeypatch.setenv("SPOTGUARD_LOCAL_CHECKPOINT_DIR", str(tmp_path / "node-a"))
+    monkeypatch.setenv("SPOTGUARD_TERMINATION_LOG", str(tmp_path / "termination-log"))
     first, clock = hf_trainer(s3_env), Clock()
     assert last_checkpoint(first) is None  # an empty prefix: a first run
     callback = SpotguardCallback.attach(first, exit_on_drain=False)
@@ -35,6 +38,8 @@ def test_the_trainer_saves_to_and_resumes_from_an_s3_output_dir(s3_env, tmp_path
     newest = open_store(s3_env, local_dir=tmp_path / "reader").latest()
     assert newest is not None and newest.tag == f"checkpoint-{drained_at}", newest
     assert newest.metadata["reason"] == "notice"
+    message = json.loads((tmp_path / "termination-log").read_text())  # the job's tier of `checkpoint-N`
+    assert message["durable_tier"] == "object" and message["saved_step"] == drained_at, message
     made_by_the_trainer = tmp_path / "s3:"  # the Trainer makes its output_dir (empty: save_strategy "no")
     assert not [p for p in made_by_the_trainer.rglob("*") if p.is_file()], "nothing in a folder named after the URL"
 

@@ -67,8 +67,18 @@ if TYPE_CHECKING:
 
 # CheckpointFailed (checkpoint/types.py) and reraise_interrupts (checkpoint/commit.py) were defined
 # here: their old import path keeps working.
-__all__ = ["DATA_KEY", "CheckpointAdapter", "CheckpointFailed", "ResizableAdapter", "StoreAdapter", "done_future",
-           "reraise_interrupts", "resizable_adapter", "tag_for"]
+__all__ = [
+    "DATA_KEY",
+    "CheckpointAdapter",
+    "CheckpointFailed",
+    "ResizableAdapter",
+    "StoreAdapter",
+    "checkpoint_tag",
+    "done_future",
+    "reraise_interrupts",
+    "resizable_adapter",
+    "tag_for",
+]
 
 log = logging.getLogger("spotguard.hooks.adapters")
 
@@ -172,6 +182,13 @@ def done_future(call: Callable[[], Any]) -> Future:
 def tag_for(step: int, reason: str) -> str:
     """The store's name of an adapter's checkpoint of `step` saved for `reason`."""
     return f"step-{step:09d}-{reason}"
+
+
+def checkpoint_tag(adapter: Any, step: int, reason: str) -> str:
+    """The store's name `adapter` gives its checkpoint of `step` saved for `reason` (a framework
+    integration's own, such as the Trainer's `checkpoint-N`; `tag_for` for the others)."""
+    name = getattr(adapter, "_tag", None)
+    return name(step, reason) if callable(name) else tag_for(step, reason)
 
 
 class StoreAdapter:

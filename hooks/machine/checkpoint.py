@@ -28,7 +28,7 @@ import time
 from concurrent.futures import Future
 
 from spotguard.hooks import save_decision
-from spotguard.hooks.adapters.base import CheckpointAdapter, done_future, reraise_interrupts, tag_for
+from spotguard.hooks.adapters.base import CheckpointAdapter, checkpoint_tag, done_future, reraise_interrupts
 from spotguard.hooks.checkpoint.types import TieredStore
 from spotguard.hooks.machine.effects import Effects
 from spotguard.hooks.machine.model import Saved
@@ -151,7 +151,9 @@ class Checkpoint:
 
     def tier(self) -> str | None:
         """Where this checkpoint is durable now, for a store with tiers (None: not told)."""
-        store = getattr(self.effects.adapter(), "store", None)
+        adapter = self.effects.adapter()
+        store = getattr(adapter, "store", None)
         if not isinstance(store, TieredStore):
             return None
-        return store.durable_tier(tag_for(self.saved_step, "notice" if self.for_notice else "membership"))
+        reason = "notice" if self.for_notice else "membership"
+        return store.durable_tier(checkpoint_tag(adapter, self.saved_step, reason))

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from spotguard.hooks.adapters.base import tag_for
+from spotguard.hooks.adapters.base import checkpoint_tag
 from spotguard.hooks.checkpoint.types import TieredStore
 from spotguard.hooks.machine.checkpoint import Checkpoint
 from spotguard.hooks.machine.effects import Effects
@@ -81,11 +81,12 @@ def settle_upload(record: StepRecord, effects: Effects) -> tuple[str | None, int
     """Waits for the upload until the notice's deadline (less the margin): (the tier then, the
     steps lost counting only what reached the object store, the newest step known there when
     the tier is still local)."""
-    store = getattr(effects.adapter(), "store", None)
+    adapter = effects.adapter()
+    store = getattr(adapter, "store", None)
     if not isinstance(store, TieredStore) or record.notice is None:
         return "local", record.steps_lost, None
     left = record.notice.seconds_left()
-    tier = store.wait_durable(tag_for(record.saved_step, "notice"),
+    tier = store.wait_durable(checkpoint_tag(adapter, record.saved_step, "notice"),
                               None if left is None else max(left - effects.save_margin_seconds, 0.0))
     if tier == "object":
         return tier, record.steps_lost, None
