@@ -121,6 +121,19 @@ def test_snapshots_are_opt_in_and_a_bad_interval_is_refused(tmp_path):
         guard_for(TorchFiles(tmp_path / "bad", model, optimizer), snapshot_every=-1)
 
 
+def test_accelerate_guard_takes_snapshot_every_on_its_one_line(tmp_path):
+    """The keyword reaches the Guard through AccelerateGuard's guard options (the Trainer's and
+    Lightning's callbacks pass theirs to the same `guard_for` when the fit starts: the multi-rank test)."""
+    from spotguard.integrations.accelerate import AccelerateGuard
+
+    accelerator = SimpleNamespace(project_configuration=SimpleNamespace(automatic_checkpoint_naming=False))
+    guard = AccelerateGuard(accelerator, tmp_path, snapshot_every=5, install_signals=False, exit_on_drain=False)
+    try:
+        assert (guard.guard.snapshot_every, guard.adapter.takes_snapshots) == (5, True)
+    finally:
+        guard.close()
+
+
 class TorchFiles(FrameworkAdapter):
     """A framework that saves as the real ones do: `torch.save` and safetensors to paths under the
     directory it is given, a JSON file written directly, a sub-directory it makes itself."""
