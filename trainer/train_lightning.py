@@ -30,9 +30,6 @@ class Module(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         return self.model(**batch)["loss"]
 
-    def validation_step(self, batch, batch_idx):
-        return self.model(**batch)["loss"]
-
     def on_train_start(self):
         self.records.optimizer = self.trainer.optimizers[0]
         self.records.resumed(self.trainer.global_step, self.trainer.optimizers[0])
@@ -42,6 +39,13 @@ class Module(pl.LightningModule):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / self.steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Validated(Module):
+    """`Module` with a validation step (`--eval-every`; Lightning warns about one without a loader)."""
+
+    def validation_step(self, batch, batch_idx):
+        return self.model(**batch)["loss"]
 
 
 class RecordSteps(pl.Callback):
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler = sampler_for(data, opts)
     every = opts.integration_snapshot_every
     spotguard = SpotguardCallback(sampler=sampler, **({"snapshot_every": every} if every else {}))
-    module = Module(records, events, opts.steps, opts.step_sleep)
+    module = (Validated if opts.eval_every else Module)(records, events, opts.steps, opts.step_sleep)
     validation = {"val_check_interval": opts.eval_every, "check_val_every_n_epoch": None} if opts.eval_every else {}
     trainer = pl.Trainer(accelerator="cpu", devices=size, num_nodes=1, strategy="ddp" if size > 1 else "auto",
                          max_steps=opts.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
