@@ -31,7 +31,9 @@ through a membership change, a joiner receives the state from a live peer):
 Contract:
 - Made on every rank after `prepare` (same order), it checks the accelerate version
   (UnsupportedFramework naming the versions needed) and makes the Guard; with `model=` (the
-  prepared DDP model) the agreement rides on DDP's gradient all_reduce.
+  prepared DDP model) the agreement rides on DDP's gradient all_reduce; the other keywords go to
+  the Guard (`snapshot_every=N`: an in-memory snapshot every N steps, for a notice during your
+  evaluation loop: core.py).
 - Saves run through the one engine (core.py), as every adapter's do: at the step boundary
   `accelerator.save_state(dir)` (model, optimizer, scheduler, RNG, and every object given to
   `register_for_checkpointing`) runs with its `torch.save` / safetensors writes captured and the

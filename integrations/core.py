@@ -29,9 +29,20 @@ resume then starts the stream again or skips batches of it, never exact at anoth
 
 `guard_for(adapter, ...)` makes the Guard every integration uses: configured from SPOTGUARD_*
 (sidecar, grace, agree_every), the restart path (`in_place_guard_for`: the same Guard changing
-membership in place, for an integration whose adapter is resizable: Accelerate's, opted in), no
-periodic in-memory snapshots (a notice saves fresh: snapshot, then persist). SIGTERM is a notice,
-as with the plain Guard.
+membership in place, for an integration whose adapter is resizable: Accelerate's, opted in).
+SIGTERM is a notice, as with the plain Guard. In-memory snapshots are opt-in (`snapshot_every=N`,
+the same on every rank, among the integration's guard options; default 0: none, a notice saves
+fresh, snapshot then persist): the Guard then captures the framework's own save into the engine's
+buffers (`_state`) every N steps at the step boundary, every rank at the same steps, and the
+adapter's `takes_snapshots` is True, so that
+- a notice whose deadline falls inside an evaluation pass or a long step is answered by the deadline
+  watchdog, which persists that held snapshot (the framework's own files, committed under the
+  framework's name: its resume reads it) and leaves with 83 before the deadline, instead of 84;
+- at an agreed step the save decision may persist the held snapshot when a fresh save does not fit
+  before the deadline (`hooks/machine/checkpoint.py`; without snapshots it always saves fresh).
+Each snapshot is a full framework save into memory on the main thread (its cost: docs/integrations.md);
+the collectives that save makes (the Trainer's flos all_gather, Lightning's barrier, DeepSpeed's and
+FSDP's own) run on every rank at the same boundary, as the notice's save does.
 
 `FrameworkAdapter.moved_to_new_group()`: after an in-place change (its `rebuild`), the adapter's
 commit collectives, scratch directory (named by rank) and buffers follow the new formation.
@@ -44,6 +55,7 @@ import time
 from pathlib import Path
 from typing import Any, TypeVar
 
+from spotguard.config import positive_int
 from spotguard.hooks import Guard
 from spotguard.hooks.adapters.base import StoreAdapter
 from spotguard.hooks.adapters.store import CheckpointInfo
@@ -102,10 +114,13 @@ def in_place_guard_for(adapter: FrameworkAdapter, **guard_options: Any) -> Guard
 
 
 def _guard(adapter: FrameworkAdapter, in_place: bool, guard_options: dict[str, Any]) -> Guard:
-    for fixed in ("adapter", "in_place", "snapshot_every"):
-        if fixed in guard_options:
+    options = dict(guard_options)  # the caller's own (a callback makes a Guard again for a second fit)
+    for fixed in ("adapter", "in_place"):
+        if fixed in options:
             raise TypeError(f"{fixed} is set by the integration")
-    return Guard.from_env(adapter=adapter, in_place=in_place, snapshot_every=0, **guard_options)
+    snapshot_every = positive_int("snapshot_every", options.pop("snapshot_every", 0), allow_zero=True)
+    adapter.takes_snapshots = snapshot_every > 0
+    return Guard.from_env(adapter=adapter, in_place=in_place, snapshot_every=snapshot_every, **options)
 
 
 class FrameworkAdapter(StoreAdapter):
@@ -113,7 +128,9 @@ class FrameworkAdapter(StoreAdapter):
     `_framework_save(root, step)` and `_load` (or `resume`), and may override `_capture_root`,
     `_tag`, `_after_commit` and `gradient_carrier`."""
 
-    takes_snapshots = False  # no periodic snapshots: the drain saves fresh without the vote (hooks/drain.py)
+    # Whether the Guard snapshots this adapter periodically (`guard_for`'s `snapshot_every`, the same on every
+    # rank); False: a notice's agreed step saves fresh without the save decision's vote (hooks/machine/checkpoint.py).
+    takes_snapshots = False
 
     def __init__(self, checkpoint_dir: str | os.PathLike, *, keep_last: int = 3, data: Any = None):
         super().__init__(checkpoint_dir=checkpoint_dir, keep_last=keep_last, data=data)

@@ -9,7 +9,8 @@ reports any worker's non-zero exit as its own exit 1.
 
 Contract:
 - `attach(trainer, **guard_options)` checks the transformers version (UnsupportedFramework
-  naming the versions needed) and adds the callback; `guard_options` go to the Guard.
+  naming the versions needed) and adds the callback; `guard_options` go to the Guard
+  (`snapshot_every=N`: an in-memory snapshot every N steps, for a notice during evaluation: core.py).
 - `on_train_begin` (every rank, the model already wrapped in DDP): makes the Guard, which
   piggybacks its agreement on DDP's gradient all_reduce; the store removes what a killed save
   left (its pending directory, the step-boundary scratch).

@@ -12,7 +12,8 @@ reports any worker's non-zero exit as its own exit 1.
 
 Contract:
 - Made anywhere (it checks the lightning version at once: UnsupportedFramework naming the
-  versions needed); `guard_options` go to the Guard.
+  versions needed); `guard_options` go to the Guard (`snapshot_every=N`: an in-memory snapshot
+  every N steps, for a notice during validation: core.py).
 - `on_train_start` (every rank, the model already wrapped in DDP): makes the Guard, which
   piggybacks its agreement on DDP's gradient all_reduce. Its SIGTERM handler replaces
   Lightning's for the fit (Lightning's stops the loop and saves nothing, and broadcasts from inside

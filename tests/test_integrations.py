@@ -102,6 +102,38 @@ def test_guard_options_the_integration_sets_are_refused():
         guard_for(None, in_place=True)  # type: ignore[arg-type]
 
 
+def test_snapshots_are_opt_in_and_a_bad_interval_is_refused(tmp_path):
+    """`snapshot_every` among an integration's guard options: the Guard snapshots every N steps and
+    the adapter takes part in the save decision; without it, neither (the calls of today unchanged)."""
+    model, optimizer = trained()
+    for options, every in (({}, 0), ({"snapshot_every": 3}, 3)):
+        adapter = TorchFiles(tmp_path / str(every), model, optimizer)
+        guard = guard_for(adapter, install_signals=False, exit_on_drain=False, **options)
+        try:
+            assert (guard.snapshot_every, adapter.takes_snapshots) == (every, every > 0)
+            adapter.prepare()
+            for step in range(1, 5):
+                guard.step(step)
+            assert adapter.snapshot_step == (3 if every else None)
+        finally:
+            guard.close()
+    with pytest.raises(ConfigError, match="snapshot_every"):
+        guard_for(TorchFiles(tmp_path / "bad", model, optimizer), snapshot_every=-1)
+
+
+def test_accelerate_guard_takes_snapshot_every_on_its_one_line(tmp_path):
+    """The keyword reaches the Guard through AccelerateGuard's guard options (the Trainer's and
+    Lightning's callbacks pass theirs to the same `guard_for` when the fit starts: the multi-rank test)."""
+    from spotguard.integrations.accelerate import AccelerateGuard
+
+    accelerator = SimpleNamespace(project_configuration=SimpleNamespace(automatic_checkpoint_naming=False))
+    guard = AccelerateGuard(accelerator, tmp_path, snapshot_every=5, install_signals=False, exit_on_drain=False)
+    try:
+        assert (guard.guard.snapshot_every, guard.adapter.takes_snapshots) == (5, True)
+    finally:
+        guard.close()
+
+
 class TorchFiles(FrameworkAdapter):
     """A framework that saves as the real ones do: `torch.save` and safetensors to paths under the
     directory it is given, a JSON file written directly, a sub-directory it makes itself."""
@@ -245,8 +277,9 @@ def test_kill_9_of_the_writer_mid_persist_leaves_the_previous_checkpoint_complet
 
 
 def test_drain_saves_fresh_without_the_vote_for_an_adapter_that_takes_no_snapshots(tmp_path):
-    """The save decision's vote is a collective on the path from the agreement to the save; the
-    integrations' adapters never hold a snapshot, so the drain skips it and saves fresh."""
+    """The save decision's vote is a collective on the path from the agreement to the save; an
+    integration's adapter without `snapshot_every` never holds a snapshot, so the drain skips it and
+    saves fresh."""
     from datetime import timedelta
 
     from spotguard.hooks.adapters.base import done_future
@@ -273,6 +306,39 @@ def test_drain_saves_fresh_without_the_vote_for_an_adapter_that_takes_no_snapsho
         record = drain_once(adapter, urgent, 7, collectives=collectives)
         assert record.ok and not record.used_snapshot and record.saved_step == 7
         assert collectives.maxes == votes
+
+
+def test_drain_too_close_to_the_deadline_persists_the_held_framework_snapshot(tmp_path):
+    """With `snapshot_every` the integration's adapter votes at the agreed step; a deadline too close
+    for a fresh save persists the held snapshot: the framework's own files as they were at its step,
+    committed as that step, though training changed the state since."""
+    from datetime import timedelta
+
+    import safetensors.torch
+
+    from spotguard.wire.notice import Kind, Notice, now_utc
+    from tests.helpers import drain_once
+
+    model, optimizer = trained()
+    adapter = TorchFiles(tmp_path, model, optimizer)
+    adapter.takes_snapshots = True  # what guard_for(adapter, snapshot_every=N) sets
+    adapter.save(2)  # a measured fresh save: the estimate the vote weighs
+    adapter.snapshot(4)
+    at_snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    now = now_utc()
+    urgent = Notice(id="n", kind=Kind.RECLAIM, source="aws.spot", node="n1", detected_at=now,
+                    deadline=now + timedelta(milliseconds=10))
+    record = drain_once(adapter, urgent, 7)
+    assert record.ok and record.used_snapshot and record.saved_step == 4
+    info = adapter.store.resolve(verify=True)
+    assert (info.step, info.metadata["snapshot"]) == (4, True)
+    saved = safetensors.torch.load_file(info.dir / "model.safetensors")
+    assert all(torch.equal(saved[k], at_snapshot[k]) for k in at_snapshot)
+    assert json.loads((info.dir / "state.json").read_text()) == {"step": 4}
+    adapter.close()
 
 
 def test_lightning_last_ckpt_becomes_each_notice_checkpoint_and_the_file_it_replaced_is_freed_behind(tmp_path):

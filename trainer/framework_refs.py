@@ -11,7 +11,13 @@ tests and the dry-run read from `--out`:
 - `ids-<rank>.jsonl`: one line per global step, {"step", "ids", "t"}: the sample ids this rank trained
   on, and when the step ended;
 - `params-final.pt` (rank 0): the final parameters.
+- `optimizer-step-<N>.pt` (rank 0, with `--integration-snapshot-every`): the optimizer state at each
+  step the integration snapshots (a resume from a persisted snapshot is compared with it);
+- `evaluating-<rank>`: written when this rank's slow evaluation pass began (`--eval-seconds`).
 `--fail-save` makes rank 0's checkpoint write raise (the failing-save tests): `fail_rank0_saves`.
+`--integration-snapshot-every N` is the integration's `snapshot_every` (the dry-run's own
+`--snapshot-every` is accepted and not passed on); `--eval-every N` evaluates every N steps on
+`SlowEval`, whose first sample takes `--eval-seconds` to load (an evaluation pass longer than a grace).
 """
 from __future__ import annotations
 
@@ -69,6 +75,21 @@ class Samples(torch.utils.data.Dataset):
         return {"x": self.x[i], "labels": self.y[i], "idx": i}
 
 
+class SlowEval(Samples):
+    """The evaluation set: `Samples`, whose first sample loaded in this process takes `seconds` (a slow
+    evaluation pass: a metric, a remote data set); `<out>/evaluating-<rank>` says it began."""
+
+    def __init__(self, out: str, rank: int, seconds: float) -> None:
+        super().__init__()
+        self.marker, self.seconds = Path(out) / f"evaluating-{rank}", seconds
+
+    def __getitem__(self, i: int) -> dict:
+        if self.seconds and not self.marker.exists():
+            self.marker.write_text(str(time.time()))
+            time.sleep(self.seconds)
+        return super().__getitem__(i)
+
+
 def parse_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
     """The scripts' command line; also takes the flags the dry-run gives `spotguard.trainer.train`
     (`--checkpoint-dir`, `--step-seconds`, `--log-every`; the others are accepted and unused)."""
@@ -89,6 +110,11 @@ def parse_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
                    help="samples per forward/backward (a step is then several: gradient accumulation)")
     p.add_argument("--ledger", default=None, help="directory: each process appends {step, rank, world, ids} of every "
                                                   "step it trains to ledger-<pid>.jsonl")
+    p.add_argument("--integration-snapshot-every", type=int, default=0,
+                   help="the integration's snapshot_every: an in-memory snapshot every N steps (0: none)")
+    p.add_argument("--eval-every", type=int, default=0, help="train_hf, train_lightning: evaluate every N steps")
+    p.add_argument("--eval-seconds", type=float, default=0.0,
+                   help="the evaluation pass's first sample takes this long to load (evaluating-<rank> written)")
     for unused in ("--framework", "--snapshot-every", "--checkpoint-every", "--batch-policy", "--base-world-size"):
         p.add_argument(unused, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -235,6 +261,11 @@ class Records:
                                                           "started": getattr(self.adapter, "save_started_at", None),
                                                           "detected": notice.detected_at.timestamp()}))
         self._optimizer_state("optimizer-saved.pt", self.optimizer)
+
+    def snapshot_step(self, step: int, every: int) -> None:
+        """At each step the integration snapshots (`every` > 0): the optimizer state then (rank 0)."""
+        if every and step % every == 0:
+            self._optimizer_state(f"optimizer-step-{step}.pt", self.optimizer)
 
     def resumed(self, start: int, optimizer: torch.optim.Optimizer) -> None:
         steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]

@@ -15,8 +15,8 @@ import sys
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from spotguard.integrations.hf import SpotguardCallback, last_checkpoint
-from spotguard.trainer.framework_refs import (DryRunEvents, Records, Samples, TinyRegression, base_optimizer,
-                                              fail_rank0_saves, parse_args, sampler_for, world)
+from spotguard.trainer.framework_refs import (DryRunEvents, Records, Samples, SlowEval, TinyRegression,
+                                              base_optimizer, fail_rank0_saves, parse_args, sampler_for, world)
 
 
 def deepspeed_config(stage: int) -> dict:
@@ -27,8 +27,10 @@ def deepspeed_config(stage: int) -> dict:
 
 
 class RecordSteps(TrainerCallback):
-    def __init__(self, records: Records, model: TinyRegression, events: DryRunEvents, *, unwrap: bool = False):
+    def __init__(self, records: Records, model: TinyRegression, events: DryRunEvents, *, unwrap: bool = False,
+                 snapshot_every: int = 0):
         self.records, self.model, self.events, self.unwrap = records, model, events, unwrap
+        self.snapshot_every = snapshot_every
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         if self.unwrap:
@@ -39,7 +41,16 @@ class RecordSteps(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.records.progress(state.global_step, self.model.take_ids())
+        self.records.snapshot_step(state.global_step, self.snapshot_every)
         self.events.step(state.global_step)
+
+
+def evaluation(opts) -> dict:
+    """TrainingArguments of `--eval-every` (none without it)."""
+    if not opts.eval_every:
+        return {}
+    return {"eval_strategy": "steps", "eval_steps": opts.eval_every, "per_device_eval_batch_size": 4,
+            "prediction_loss_only": True}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,12 +67,16 @@ def main(argv: list[str] | None = None) -> int:
                              dataloader_num_workers=0, remove_unused_columns=False, seed=7,
                              ignore_data_skip=True,
                              ddp_backend="gloo" if size > 1 else None, disable_tqdm=True,
-                             deepspeed=deepspeed_config(opts.deepspeed_stage) if opts.deepspeed_stage else None)
+                             deepspeed=deepspeed_config(opts.deepspeed_stage) if opts.deepspeed_stage else None,
+                             **evaluation(opts))
     model = TinyRegression(opts.step_sleep)
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      eval_dataset=SlowEval(opts.out, rank, opts.eval_seconds) if opts.eval_every else None)
     # RecordSteps ahead of spotguard's callback: the step a notice drains at is recorded too
-    trainer.add_callback(RecordSteps(records, model, events, unwrap=bool(opts.deepspeed_stage)))
-    callback = SpotguardCallback.attach(trainer, sampler=sampler)
+    trainer.add_callback(RecordSteps(records, model, events, unwrap=bool(opts.deepspeed_stage),
+                                     snapshot_every=opts.integration_snapshot_every))
+    snapshots = {"snapshot_every": opts.integration_snapshot_every} if opts.integration_snapshot_every else {}
+    callback = SpotguardCallback.attach(trainer, sampler=sampler, **snapshots)
     if opts.fail_save:
         fail_rank0_saves(rank, opts.ckpt)
     trainer.add_callback(_OnReclaim(callback, records, events))

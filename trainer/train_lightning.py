@@ -18,8 +18,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from spotguard.integrations.lightning import SpotguardCallback
-from spotguard.trainer.framework_refs import (DryRunEvents, Records, Samples, TinyRegression, fail_rank0_saves,
-                                              parse_args, sampler_for, world)
+from spotguard.trainer.framework_refs import (DryRunEvents, Records, Samples, SlowEval, TinyRegression,
+                                              fail_rank0_saves, parse_args, sampler_for, world)
 
 
 class Module(pl.LightningModule):
@@ -41,15 +41,23 @@ class Module(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class Validated(Module):
+    """`Module` with a validation step (`--eval-every`; Lightning warns about one without a loader)."""
+
+    def validation_step(self, batch, batch_idx):
+        return self.model(**batch)["loss"]
+
+
 class RecordSteps(pl.Callback):
     """Records each step; ahead of SpotguardCallback in `callbacks`, so the step a notice drains at is
     recorded too (Lightning calls callbacks before the module's own hooks)."""
 
-    def __init__(self, module: Module):
-        self.module = module
+    def __init__(self, module: Module, snapshot_every: int = 0):
+        self.module, self.snapshot_every = module, snapshot_every
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.module.records.progress(trainer.global_step, self.module.model.take_ids())
+        self.module.records.snapshot_step(trainer.global_step, self.snapshot_every)
         self.module.events.step(trainer.global_step)
 
 
@@ -70,18 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     events = DryRunEvents(opts, rank, size)
     data = Samples()
     sampler = sampler_for(data, opts)
-    spotguard = SpotguardCallback(sampler=sampler)
-    module = Module(records, events, opts.steps, opts.step_sleep)
+    every = opts.integration_snapshot_every
+    spotguard = SpotguardCallback(sampler=sampler, **({"snapshot_every": every} if every else {}))
+    module = (Validated if opts.eval_every else Module)(records, events, opts.steps, opts.step_sleep)
+    validation = {"val_check_interval": opts.eval_every, "check_val_every_n_epoch": None} if opts.eval_every else {}
     trainer = pl.Trainer(accelerator="cpu", devices=size, num_nodes=1, strategy="ddp" if size > 1 else "auto",
                          max_steps=opts.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, num_sanity_val_steps=0,
-                         accumulate_grad_batches=sampler.micro_batches_per_step(size),
+                         accumulate_grad_batches=sampler.micro_batches_per_step(size), **validation,
                          callbacks=[ModelCheckpoint(dirpath=opts.ckpt, save_last=True, save_top_k=0),
-                                    RecordSteps(module), spotguard, RecordReclaims(spotguard, records, events)])
+                                    RecordSteps(module, every), spotguard, RecordReclaims(spotguard, records, events)])
     if opts.fail_save:
         fail_rank0_saves(rank, opts.ckpt)
     resume = "last" if (Path(opts.ckpt) / "last.ckpt").exists() else None
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_sampler=sampler), ckpt_path=resume)
+    val = (torch.utils.data.DataLoader(SlowEval(opts.out, rank, opts.eval_seconds), batch_size=4)
+           if opts.eval_every else None)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_sampler=sampler), val, ckpt_path=resume)
     events.finished(trainer.global_step)
     records.final(module.model)
     return 0
