@@ -22,16 +22,20 @@ a group training uses. It talks through the key-value store of the default group
 - `propose_grid(grid)` / `ack_grid(grid, in_time)` / `grid_agreed(grid)`: the grid of denser
   snapshots while a notice is armed (`snapshot_grid`, `dense_snapshots`): the first grid proposed
   for a notice and attempt is every rank's (one `compare_set`), each rank that saw it in time
-  counts itself (one `add`), and `grid_agreed` is whether every rank did.
+  counts itself (one `add`), and `grid_agreed` is whether every rank did. `meet(grid, step,
+  timeout)`: every rank at that grid step (True: snapshot it), or void after `timeout` (False),
+  the first answer written being every rank's.
 `LocalClaims` is the same for a process alone (no store). Keys live under `spotguard/deadline/`
 of the formation's store, so a re-formed group starts with none.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Protocol
 
 from spotguard.hooks.snapshot_grid import Grid
@@ -79,6 +83,8 @@ class Claims(Protocol):
 
     def grid_agreed(self, grid: Grid) -> bool: ...
 
+    def meet(self, grid: Grid, step: int, timeout: float) -> bool: ...
+
 
 class LocalClaims:
     """Claims of a process alone: the same answers, kept in memory."""
@@ -122,6 +128,9 @@ class LocalClaims:
 
     def grid_agreed(self, grid: Grid) -> bool:
         return True  # alone, a grid seen late simply starts at its next step
+
+    def meet(self, grid: Grid, step: int, timeout: float) -> bool:
+        return True
 
 
 class StoreClaims:
@@ -199,6 +208,14 @@ class StoreClaims:
 
     def grid_agreed(self, grid: Grid) -> bool:
         return self.store.add(f"{PREFIX}grid-in-time/{grid.attempt}/{grid.notice_id}", 0) == self.world_size
+
+    def meet(self, grid: Grid, step: int, timeout: float) -> bool:
+        answer = f"{PREFIX}grid-step/{grid.attempt}/{grid.notice_id}/{step}"
+        if self.store.add(answer + "/arrived", 1) == self.world_size:
+            self.store.compare_set(answer, "", "take")
+        with contextlib.suppress(Exception):  # the wait ran out: void, unless the last rank answered meanwhile
+            self.store.wait([answer], timedelta(seconds=timeout))
+        return self.store.compare_set(answer, "", "void").decode() == "take"
 
     def _all_there(self, keys: list[str], timeout: float) -> bool:
         end = time.monotonic() + timeout

@@ -14,11 +14,13 @@ Contract (`DenseSnapshots`, one per deadline watchdog):
 - `due(step, every)` (the training loop, at the boundary of `step`, only while `grid` is set):
   whether to snapshot `step` besides the periodic snapshots. The first boundary that sees a grid
   tells the store whether it saw it in time (`snapshot_grid.in_time`: one call); the grid's
-  first step asks the store once whether every rank did. Yes: every step of the grid is
-  snapshotted. No: none is, on every rank alike (they read the same count), and the watchdog
-  proposes the next attempt, starting later. A rank's held snapshot is therefore always a step
-  every rank snapshotted (the periodic ones, or the grid's), which `held_by_all` needs; a
-  snapshot waits for a persist in flight (a `save_async`), as every snapshot does.
+  first step asks the store once whether every rank did. Yes: at each step of the grid the
+  ranks meet through the store (`Claims.meet`: three calls) and snapshot it when every rank came.
+  No (or a void meeting): none of the grid's steps is taken from there on, on every rank alike
+  (they read the same answers), and the watchdog proposes the next attempt, starting later. A
+  rank's held snapshot is therefore always a step every rank snapshotted (the periodic ones, or
+  the grid's), which `held_by_all` needs; a snapshot waits for a persist in flight (a
+  `save_async`), as every snapshot does.
 - `stop()` (the watchdog's thread: the notice was withdrawn, or answered with this rank
   staying): the grid ends at the next periodic snapshot step, which every rank takes anyway, so
   ranks that stop a few steps apart hold the same step again from there.
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spotguard.hooks.deadline_claims import Claims
-from spotguard.hooks.snapshot_grid import MAX_ATTEMPTS, Grid, in_time, propose
+from spotguard.hooks.snapshot_grid import MAX_ATTEMPTS, MEET_SECONDS, Grid, in_time, propose
 
 log = logging.getLogger("spotguard.hooks.deadline")
 
@@ -97,6 +99,8 @@ class DenseSnapshots:
             return False
         if self._agreed is None:
             self._agreed = self._seen_by_all(grid)
+        if self._agreed and not self._met(grid, step):
+            self._agreed = False
         return self._agreed
 
     def _acknowledge(self, grid: Grid, step: int) -> None:
@@ -115,6 +119,17 @@ class DenseSnapshots:
             log.warning("denser snapshots: not every rank saw the grid from step %d in time: not used", grid.start)
             self.failed = grid
         return agreed
+
+    def _met(self, grid: Grid, step: int) -> bool:
+        try:
+            met = self._claims().meet(grid, step, MEET_SECONDS)
+        except Exception as exc:
+            log.warning("denser snapshots: the ranks could not meet at step %d (%s)", step, exc)
+            met = False
+        if not met:
+            log.warning("denser snapshots: not every rank reached step %d in time: the grid ends here", step)
+            self.failed = grid
+        return met
 
     def _end(self, grid: Grid) -> None:
         with self._lock:

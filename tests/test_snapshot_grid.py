@@ -4,6 +4,8 @@ driven boundary by boundary: every rank snapshots the same steps, or none of the
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from torch.distributed import TCPStore
 from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
 from spotguard.hooks.deadline_claims import LocalClaims, StoreClaims
 from spotguard.hooks.dense_snapshots import DenseSnapshots, measured_copy_seconds
-from spotguard.hooks.snapshot_grid import (COPY_BUDGET, LEAD_SECONDS, MAX_ATTEMPTS, MIN_LEAD_STEPS, Grid,
+from spotguard.hooks.snapshot_grid import (COPY_BUDGET, LEAD_SECONDS, MAX_ATTEMPTS, MEET_SECONDS, MIN_LEAD_STEPS, Grid,
                                            dense_interval, in_time, lead_steps, propose)
 
 
@@ -84,14 +86,37 @@ def ranks():
     yield [DenseSnapshots(lambda: StoreClaims(server, 0, 2)), DenseSnapshots(lambda: StoreClaims(client, 1, 2))]
 
 
-def lockstep(ranks: list[DenseSnapshots], steps: range) -> list[list[int]]:
-    """The steps each rank snapshots at these boundaries besides the periodic ones, the ranks
-    passing each boundary together (as a collective in every step keeps them)."""
+def lockstep(ranks: list[DenseSnapshots], steps: range, held: dict[int, int] | None = None) -> list[list[int]]:
+    """The steps each rank snapshots at these boundaries besides the periodic ones: one thread a
+    rank, each step a barrier first (as the collective in every training step keeps ranks
+    together). `held`: rank -> a step whose boundary that rank never reaches (held after the
+    step's collective, as a rank-0 evaluation before `guard.step`)."""
     taken: list[list[int]] = [[] for _ in ranks]
-    for step in steps:
-        for rank, into in zip(ranks, taken):
+    collective = threading.Barrier(len(ranks))
+    boundary_passed = [threading.Event() for _ in ranks]  # at the held step
+
+    def run(index: int) -> None:
+        rank = ranks[index]
+        for step in steps:
+            try:
+                collective.wait(timeout=60)
+            except threading.BrokenBarrierError:
+                return  # a peer was held at its boundary: this one's next collective waits for good
+            if (held or {}).get(index) == step:
+                for other, passed in enumerate(boundary_passed):
+                    assert other == index or passed.wait(60)
+                collective.abort()
+                return
             if rank.grid is not None and rank.due(step, EVERY):
-                into.append(step)
+                taken[index].append(step)
+            if held and step in held.values():
+                boundary_passed[index].set()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ranks))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
     return taken
 
 
@@ -169,3 +194,17 @@ def test_no_measured_copy_means_no_grid_for_that_notice(tmp_path):
     dense.follow("m", adapter, 62, STEP, EVERY)            # the next notice measures again
     assert dense.grid is not None and dense.grid.start == 62 + lead_steps(STEP)
     adapter.close()
+
+
+def test_a_rank_held_before_its_boundary_keeps_its_peer_from_a_step_it_does_not_hold(ranks, adapter):
+    """Rank 0 is held after step start+2's collective, before its boundary; rank 1 reaches that
+    boundary, waits MEET_SECONDS for it and does not snapshot it: both hold start+1."""
+    for rank in ranks:
+        rank.follow("n", adapter, 60, STEP, EVERY)
+    start = ranks[0].grid.start
+    t0 = time.monotonic()
+    taken = lockstep(ranks, range(61, start + 5), held={0: start + 2})
+    assert taken == [[start, start + 1]] * 2
+    assert time.monotonic() - t0 >= MEET_SECONDS
+    assert ranks[1].failed == ranks[1].grid        # the watchdog proposes a later grid
+    assert lockstep([ranks[1]], range(start + 3, start + 5)) == [[]]   # no grid step without the peer
