@@ -52,11 +52,15 @@ def wait_for_grid_snapshots(out: Path, run: Run) -> list[int]:
         time.sleep(0.02)
 
 
-def test_a_notice_makes_snapshots_denser_so_the_watchdog_persists_a_step_after_it(tmp_path, reference):
+@pytest.mark.parametrize("held", [
+    ["--hold-rank", "1"],                          # rank 1 before its next step: both completed the same steps
+    ["--hold-rank", "0", "--hold-after-step"],     # rank 0 after its step's all_reduce, before its boundary:
+])                                                 # rank 1 passes that boundary and must not snapshot it alone
+def test_a_notice_makes_snapshots_denser_so_the_watchdog_persists_a_step_after_it(tmp_path, reference, held):
     ckpt, out = tmp_path / "ckpt", tmp_path / "dense"
     args = ["--mode", "ddp", "--ckpt", str(ckpt), "--out", str(out), "--steps", "1000", "--snapshot-every",
-            str(EVERY), "--step-sleep", "0.05", "--signal-at", str(NOTICE_STEP), "--signal-rank", "1",
-            "--hold-rank", "1", "--hold-when", "hold-now", "--log-snapshots", "--grace", str(GRACE), "--no-compare"]
+            str(EVERY), "--step-sleep", "0.05", "--signal-at", str(NOTICE_STEP), "--signal-rank", "1", *held,
+            "--hold-when", "hold-now", "--log-snapshots", "--grace", str(GRACE), "--no-compare"]
     env = term_env(tmp_path, "dense", {"SPOTGUARD_HORIZON_SECONDS": "4"})
     with Run(2, args, out / "logs", rank_env=env) as run:
         newest = wait_for_grid_snapshots(out, run)
@@ -68,7 +72,7 @@ def test_a_notice_makes_snapshots_denser_so_the_watchdog_persists_a_step_after_i
     assert all(saved in snapshot_steps(out, r) for r in range(2))
     assert checkpoints(ckpt) == [f"step-{saved:09d}-notice"]
     for m in messages(tmp_path, "dense"):
-        assert (m["checkpoint"], m["saved_by"], m["steps_lost"]) == ("durable", "watchdog", 0), m
+        assert (m["checkpoint"], m["saved_by"], m["steps_lost"]) == ("durable", "watchdog", m["step"] - saved), m
         assert 0 < m["margin_seconds"] < GRACE, m   # gone before the deadline
     resumed = tmp_path / "resumed"
     codes, tail = run_ranks(2, ["--mode", "ddp", "--ckpt", str(ckpt), "--out", str(resumed), "--steps", str(TOTAL)],

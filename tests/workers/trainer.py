@@ -55,6 +55,8 @@ def parse(argv=None):
     p.add_argument("--fail-notice-write", action="store_true", help="writing a notice's checkpoint raises")
     p.add_argument("--hold-when", default="",
                    help="rank --hold-rank holds the first step that starts once <out>/NAME exists (as --hold-at)")
+    p.add_argument("--hold-after-step", action="store_true",
+                   help="a held step holds after training it, before guard.step (a rank-0 evaluation pass)")
     p.add_argument("--log-snapshots", action="store_true", help="each snapshot's step appended to snapshots-<rank>")
     return p.parse_args(argv)
 
@@ -219,10 +221,13 @@ def main(argv=None) -> int:
         dump("resume")
     try:
         for step in range(start, args.steps):
-            if args.hold_rank in (-1, rank) and (step == args.hold_at
-                                                 or (args.hold_when and (out / args.hold_when).exists())):
+            holding = args.hold_rank in (-1, rank) and (step == args.hold_at
+                                                        or bool(args.hold_when and (out / args.hold_when).exists()))
+            if holding and not args.hold_after_step:
                 hold(out, rank, step)
             job.train_step(step)
+            if holding and args.hold_after_step:
+                hold(out, rank, step)
             if args.save_every and step % args.save_every == 0:
                 if hasattr(adapter, "save_async"):
                     adapter.save_async(step)
