@@ -12,18 +12,19 @@ Contract (`DenseSnapshots`, one per deadline watchdog):
   periodic interval is dense enough) and a grid that failed `MAX_ATTEMPTS` times leave `grid`
   None until `stop()`.
 - `due(step, every)` (the training loop, at the boundary of `step`, only while `grid` is set):
-  whether to snapshot `step` besides the periodic snapshots. The first boundary that sees a grid
+  whether to snapshot `step`, periodic steps included. The first boundary that sees a grid
   tells the store whether it saw it in time (`snapshot_grid.in_time`: one call); the grid's
-  first step asks the store once whether every rank did. Yes: at each step of the grid the
-  ranks meet through the store (`Claims.meet`: three calls) and snapshot it when every rank came.
-  No (or a void meeting): none of the grid's steps is taken from there on, on every rank alike
-  (they read the same answers), and the watchdog proposes the next attempt, starting later. A
-  rank's held snapshot is therefore always a step every rank snapshotted (the periodic ones, or
-  the grid's), which `held_by_all` needs; a snapshot waits for a persist in flight (a
-  `save_async`), as every snapshot does.
+  first step asks the store once whether every rank did. Yes: at each step of the grid, and at
+  each periodic step from then on, the ranks meet through the store (`Claims.meet`: three
+  calls) and snapshot it only when every rank came. No (or a void meeting): from there on only
+  the periodic steps are snapshotted, without meeting, on every rank alike (they read the same
+  answers), and the watchdog proposes the next attempt, starting later. A rank's held snapshot
+  is therefore a step every rank snapshotted, which `held_by_all` needs; a snapshot waits for a
+  persist in flight (a `save_async`), as every snapshot does.
 - `stop()` (the watchdog's thread: the notice was withdrawn, or answered with this rank
-  staying): the grid ends at the next periodic snapshot step, which every rank takes anyway, so
-  ranks that stop a few steps apart hold the same step again from there.
+  staying): the grid ends at the next periodic step (met, as the grid's last), so ranks that
+  stop a few steps apart hold the same step there; a rank still on the grid after it meets no
+  one at its next grid step (`MEET_SECONDS` once) and goes back to the periodic steps too.
 - Memory: none beyond the one set of snapshot buffers (a snapshot overwrites the previous one).
 """
 from __future__ import annotations
@@ -86,22 +87,23 @@ class DenseSnapshots:
 
     # ---- the training loop ------------------------------------------------------------------------
     def due(self, step: int, every: int) -> bool:
+        """Whether the boundary of `step` snapshots it, periodic steps included (module docstring)."""
         grid = self.grid
-        if grid is None:
-            return False
+        periodic = step % every == 0
+        if grid is None:  # ended meanwhile
+            return periodic
         if grid != self._seen:
             self._seen, self._agreed = grid, None
             self._acknowledge(grid, step)
-        if self._ending is not None and every and step % every == 0:
-            self._end(grid)
-            return False  # the periodic snapshot of this step is taken anyway
-        if not grid.takes(step):
-            return False
-        if self._agreed is None:
+        if self._agreed is None and grid.takes(step):
             self._agreed = self._seen_by_all(grid)
-        if self._agreed and not self._met(grid, step):
-            self._agreed = False
-        return self._agreed
+        take = periodic
+        if self._agreed and (periodic or grid.takes(step)):
+            take = self._met(grid, step)
+            self._agreed = take
+        if periodic and self._ending is not None:
+            self._end(grid)
+        return take
 
     def _acknowledge(self, grid: Grid, step: int) -> None:
         try:

@@ -401,10 +401,9 @@ class Guard:
             if verdict.on_notice and self.deadline is not None:
                 self.deadline.answered()  # this rank stays: an in-place change answered the notice
             return result
-        dense = self._dense  # its grid is set only while a notice is armed
-        if self.snapshot_every and self.adapter is not None and (
-                (dense is not None and dense.grid is not None and dense.due(step, self.snapshot_every))
-                or step % self.snapshot_every == 0):
+        dense, every = self._dense, self.snapshot_every  # dense.grid is set only while a notice is armed
+        if every and self.adapter is not None and (
+                dense.due(step, every) if dense is not None and dense.grid is not None else step % every == 0):
             self.adapter.snapshot(step)
         return CONTINUED
 

@@ -25,12 +25,12 @@ measured copy cost allows (`hooks/dense_snapshots.py` runs it across threads and
   in time (`dense_snapshots`): with a collective in every step (DDP, FSDP), a rank's
   acknowledgement at a boundary before `start` is written before any rank completes step
   `start`, so every rank reads the same count at the grid's first step and all take it or none.
-- At each step of an agreed grid the ranks meet before they snapshot (`MEET_SECONDS`): the step
-  is taken only when every rank reached that boundary, and the first answer written (taken, or
-  void once the wait ran out) is every rank's. A rank held between its step's collective and its
-  boundary (a rank-0 evaluation before `guard.step`) while its peers pass a grid step would
-  otherwise leave them holding a step it does not hold; a void step fails the grid like a late
-  one, so the ranks keep the step they all hold.
+- At each step of an agreed grid (and each periodic step while it lasts) the ranks meet before
+  they snapshot (`MEET_SECONDS`): the step is taken only when every rank reached that boundary,
+  and the first answer written (taken, or void once the wait ran out) is every rank's. A rank
+  held between its step's collective and its boundary (a rank-0 evaluation before `guard.step`)
+  while its peers pass a grid step would otherwise leave them holding a step it does not hold;
+  a void step fails the grid like a late one, so the ranks keep the step they all hold.
 - `MAX_ATTEMPTS`: a grid some rank saw too late (or that met a void step) is proposed again (a
   later start) this often.
 """

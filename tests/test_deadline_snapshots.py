@@ -54,8 +54,8 @@ def wait_for_grid_snapshots(out: Path, run: Run) -> list[int]:
 
 @pytest.mark.parametrize("held", [
     ["--hold-rank", "1"],                          # rank 1 before its next step: both completed the same steps
-    ["--hold-rank", "0", "--hold-after-step"],     # rank 0 after its step's all_reduce, before its boundary:
-])                                                 # rank 1 passes that boundary and must not snapshot it alone
+    ["--hold-rank", "0", "--hold-after-step"],     # rank 0 after its step's all_reduce, before its boundary
+], ids=["held-before-its-step", "held-before-its-boundary"])   # ... rank 1 must not snapshot that step alone
 def test_a_notice_makes_snapshots_denser_so_the_watchdog_persists_a_step_after_it(tmp_path, reference, held):
     ckpt, out = tmp_path / "ckpt", tmp_path / "dense"
     args = ["--mode", "ddp", "--ckpt", str(ckpt), "--out", str(out), "--steps", "1000", "--snapshot-every",

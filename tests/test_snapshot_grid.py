@@ -87,7 +87,7 @@ def ranks():
 
 
 def lockstep(ranks: list[DenseSnapshots], steps: range, held: dict[int, int] | None = None) -> list[list[int]]:
-    """The steps each rank snapshots at these boundaries besides the periodic ones: one thread a
+    """The steps each rank snapshots at these boundaries (as `Guard.step` decides): one thread a
     rank, each step a barrier first (as the collective in every training step keeps ranks
     together). `held`: rank -> a step whose boundary that rank never reaches (held after the
     step's collective, as a rank-0 evaluation before `guard.step`)."""
@@ -107,7 +107,7 @@ def lockstep(ranks: list[DenseSnapshots], steps: range, held: dict[int, int] | N
                     assert other == index or passed.wait(60)
                 collective.abort()
                 return
-            if rank.grid is not None and rank.due(step, EVERY):
+            if rank.due(step, EVERY) if rank.grid is not None else step % EVERY == 0:
                 taken[index].append(step)
             if held and step in held.values():
                 boundary_passed[index].set()
@@ -132,7 +132,7 @@ def test_ranks_that_see_the_grid_in_time_snapshot_the_same_steps(ranks, adapter)
     second.follow("n", adapter, 61, STEP, EVERY)          # a peer a step ahead: its proposal loses
     assert first.grid == second.grid and first.grid.start == 60 + lead_steps(STEP)
     start = first.grid.start
-    assert lockstep(ranks, range(62, start + 5)) == [list(range(start, start + 5))] * 2
+    assert lockstep(ranks, range(62, start + 5)) == [[75, *range(start, start + 5)]] * 2   # 75: periodic
     second.follow("n", adapter, start + 5, STEP, EVERY)   # later polls change nothing
     assert second.grid == first.grid
 
@@ -141,7 +141,7 @@ def test_a_rank_that_saw_the_grid_too_late_makes_every_rank_skip_it_until_a_late
     first, second = ranks
     first.follow("n", adapter, 60, STEP, EVERY)
     start = first.grid.start
-    assert lockstep(ranks, range(61, start)) == [[], []]    # the first acknowledged in time; none due yet
+    assert lockstep(ranks, range(61, start)) == [[75], [75]]   # the first acknowledged in time; periodic only
     second.follow("n", adapter, start, STEP, EVERY)       # learned of it at its boundary of `start`
     assert lockstep(ranks, range(start, start + 3)) == [[], []]   # the same count: not every rank in time
     assert first.failed == first.grid and second.failed == second.grid
@@ -149,7 +149,7 @@ def test_a_rank_that_saw_the_grid_too_late_makes_every_rank_skip_it_until_a_late
     first.follow("n", adapter, start + 3, STEP, EVERY)
     retry = first.grid
     assert retry == second.grid and retry.attempt == 1 and retry.start == start + 3 + lead_steps(STEP, 1)
-    assert lockstep(ranks, range(start + 3, retry.start + 2)) == [[retry.start, retry.start + 1]] * 2
+    assert lockstep(ranks, range(start + 3, retry.start + 2)) == [[100, retry.start, retry.start + 1]] * 2
 
 
 def test_after_max_attempts_the_periodic_snapshots_only(ranks, adapter):
@@ -172,12 +172,12 @@ def test_a_stopped_grid_ends_at_the_next_periodic_step(ranks, adapter):
     first.follow("n", adapter, 60, STEP, EVERY)
     second.follow("n", adapter, 60, STEP, EVERY)
     start = first.grid.start
-    assert lockstep(ranks, range(61, start + 2)) == [[start, start + 1]] * 2
+    assert lockstep(ranks, range(61, start + 2)) == [[75, start, start + 1]] * 2
     first.stop()                                           # withdrawn: this rank learns first ...
     assert lockstep(ranks, range(start + 2, start + 4)) == [[start + 2, start + 3]] * 2   # ... and goes on
     second.stop()
     periodic = (start // EVERY + 1) * EVERY
-    assert lockstep(ranks, range(start + 4, periodic + 3)) == [list(range(start + 4, periodic))] * 2
+    assert lockstep(ranks, range(start + 4, periodic + 3)) == [list(range(start + 4, periodic + 1))] * 2
     assert first.grid is None and second.grid is None      # from the periodic step on: as before the notice
 
 
@@ -204,7 +204,7 @@ def test_a_rank_held_before_its_boundary_keeps_its_peer_from_a_step_it_does_not_
     start = ranks[0].grid.start
     t0 = time.monotonic()
     taken = lockstep(ranks, range(61, start + 5), held={0: start + 2})
-    assert taken == [[start, start + 1]] * 2
+    assert taken == [[75, start, start + 1]] * 2
     assert time.monotonic() - t0 >= MEET_SECONDS
     assert ranks[1].failed == ranks[1].grid        # the watchdog proposes a later grid
     assert lockstep([ranks[1]], range(start + 3, start + 5)) == [[]]   # no grid step without the peer
