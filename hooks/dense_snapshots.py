@@ -25,6 +25,9 @@ Contract (`DenseSnapshots`, one per deadline watchdog):
   staying): the grid ends at the next periodic step (met, as the grid's last), so ranks that
   stop a few steps apart hold the same step there; a rank still on the grid after it meets no
   one at its next grid step (`MEET_SECONDS` once) and goes back to the periodic steps too.
+- `end()` (the training loop: the group re-formed in place, every rank of the old group at the
+  same agreed step; joiners know no grid): no grid from now on; a notice still armed gets a new
+  one on the new formation's store.
 - Memory: none beyond the one set of snapshot buffers (a snapshot overwrites the previous one).
 """
 from __future__ import annotations
@@ -86,6 +89,11 @@ class DenseSnapshots:
             self._decided, self._ending = False, self.grid
 
     # ---- the training loop ------------------------------------------------------------------------
+    def end(self) -> None:
+        with self._lock:
+            self.grid = self._ending = self.failed = None
+            self._decided = False
+
     def due(self, step: int, every: int) -> bool:
         """Whether the boundary of `step` snapshots it, periodic steps included (module docstring)."""
         grid = self.grid

@@ -410,6 +410,8 @@ class Guard:
     def rejoin(self) -> None:
         """The Guard's collectives, agreement and reporter on the session's new formation (collective)."""
         self.agreement.close()
+        if self._dense is not None:
+            self._dense.end()  # the joiners know no grid
         self.collectives = self.session.collectives(self._process_group)
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
         self.agreement = make_agreement(self.collectives, agree_every=self.agree_every, pipeline=self.pipeline)

@@ -208,3 +208,19 @@ def test_a_rank_held_before_its_boundary_keeps_its_peer_from_a_step_it_does_not_
     assert time.monotonic() - t0 >= MEET_SECONDS
     assert ranks[1].failed == ranks[1].grid        # the watchdog proposes a later grid
     assert lockstep([ranks[1]], range(start + 3, start + 5)) == [[]]   # no grid step without the peer
+
+
+def test_a_re_formed_group_ends_the_grid_at_once_and_a_notice_still_armed_gets_a_new_one(ranks, adapter):
+    for rank in ranks:
+        rank.follow("n", adapter, 60, STEP, EVERY)
+    start = ranks[0].grid.start
+    assert lockstep(ranks, range(61, start + 2)) == [[75, start, start + 1]] * 2
+    for rank in ranks:
+        rank.end()                                          # the same agreed step on every rank
+    assert [rank.grid for rank in ranks] == [None, None]
+    assert lockstep(ranks, range(start + 2, 101)) == [[100]] * 2   # at once, no meeting (the joiners know none)
+    alone = DenseSnapshots(LocalClaims)                     # the new formation's store has no grid yet
+    alone.follow("n", adapter, 60, STEP, EVERY)
+    alone.end()
+    alone.follow("n", adapter, 101, STEP, EVERY)            # still armed: a new grid
+    assert alone.grid is not None and alone.grid.start == 101 + lead_steps(STEP)
