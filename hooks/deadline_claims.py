@@ -19,17 +19,26 @@ a group training uses. It talks through the key-value store of the default group
   so no rank ends while a peer's main thread could still fail on its absence before that peer's
   watchdog took over; rank 0, whose process serves the store, also waits until every other rank
   is past its last question to it. True when all arrived.
+- `propose_grid(grid)` / `ack_grid(grid, in_time)` / `grid_agreed(grid)`: the grid of denser
+  snapshots while a notice is armed (`snapshot_grid`, `dense_snapshots`): the first grid proposed
+  for a notice and attempt is every rank's (one `compare_set`), each rank that saw it in time
+  counts itself (one `add`), and `grid_agreed` is whether every rank did. `meet(grid, step,
+  timeout)`: every rank at that grid step (True: snapshot it), or void after `timeout` (False),
+  the first answer written being every rank's.
 `LocalClaims` is the same for a process alone (no store). Keys live under `spotguard/deadline/`
 of the formation's store, so a re-formed group starts with none.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Protocol
 
+from spotguard.hooks.snapshot_grid import Grid
 from spotguard.wire.notice import Notice
 
 log = logging.getLogger("spotguard.hooks.deadline")
@@ -68,6 +77,14 @@ class Claims(Protocol):
 
     def leaving(self, timeout: float) -> bool: ...
 
+    def propose_grid(self, grid: Grid) -> Grid: ...
+
+    def ack_grid(self, grid: Grid, in_time: bool) -> None: ...
+
+    def grid_agreed(self, grid: Grid) -> bool: ...
+
+    def meet(self, grid: Grid, step: int, timeout: float) -> bool: ...
+
 
 class LocalClaims:
     """Claims of a process alone: the same answers, kept in memory."""
@@ -101,6 +118,18 @@ class LocalClaims:
         return True
 
     def leaving(self, timeout: float) -> bool:
+        return True
+
+    def propose_grid(self, grid: Grid) -> Grid:
+        return grid
+
+    def ack_grid(self, grid: Grid, in_time: bool) -> None:
+        pass
+
+    def grid_agreed(self, grid: Grid) -> bool:
+        return True  # alone, a grid seen late simply starts at its next step
+
+    def meet(self, grid: Grid, step: int, timeout: float) -> bool:
         return True
 
 
@@ -167,6 +196,26 @@ class StoreClaims:
             return True
         # rank 0 hosts the store: the last to go, so no peer loses it while it still asks
         return self._all_there([f"{PREFIX}gone/{r}" for r in range(1, self.world_size)], end - time.monotonic())
+
+    def propose_grid(self, grid: Grid) -> Grid:
+        key = f"{PREFIX}grid/{grid.attempt}/{grid.notice_id}"
+        won = self.store.compare_set(key, "", grid.to_wire()).decode()
+        return Grid.from_wire(grid.notice_id, grid.attempt, won)
+
+    def ack_grid(self, grid: Grid, in_time: bool) -> None:
+        if in_time:
+            self.store.add(f"{PREFIX}grid-in-time/{grid.attempt}/{grid.notice_id}", 1)
+
+    def grid_agreed(self, grid: Grid) -> bool:
+        return self.store.add(f"{PREFIX}grid-in-time/{grid.attempt}/{grid.notice_id}", 0) == self.world_size
+
+    def meet(self, grid: Grid, step: int, timeout: float) -> bool:
+        answer = f"{PREFIX}grid-step/{grid.attempt}/{grid.notice_id}/{step}"
+        if self.store.add(answer + "/arrived", 1) == self.world_size:
+            self.store.compare_set(answer, "", "take")
+        with contextlib.suppress(Exception):  # the wait ran out: void, unless the last rank answered meanwhile
+            self.store.wait([answer], timedelta(seconds=timeout))
+        return self.store.compare_set(answer, "", "void").decode() == "take"
 
     def _all_there(self, keys: list[str], timeout: float) -> bool:
         end = time.monotonic() + timeout

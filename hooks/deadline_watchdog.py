@@ -14,6 +14,9 @@ Contract (`DeadlineWatchdog`, made and driven by the Guard):
   written in advance and the last-resort timer (`exit_timer`, outside Python) is set to end the
   process with 84 at `deadline_policy.leave_by`.
 - `completed(step)` / `resumed(start)`: the Guard's boundary and resume (an int stored: no cost).
+- `dense` (`dense_snapshots.DenseSnapshots`): while a notice is armed and the Guard snapshots
+  (`snapshot_every` > 0), each poll lets it settle the grid of denser snapshots every rank takes
+  (the Guard's boundary asks it whether a step is due); a withdrawn or answered notice stops it.
 - Each poll (`POLL` seconds, or sooner when the latest safe moment comes) follows
   `deadline_policy.plan` and the job-wide claim: nothing new to save (still, once a peer's
   boundary could have answered: `not_before`) -> claim LEAVE and leave with 83; the latest safe
@@ -46,6 +49,7 @@ from spotguard.hooks import deadline_claims as claims_mod
 from spotguard.hooks.deadline_claims import Claims, StoreClaims
 from spotguard.hooks.deadline_exit import DeadlineExit, Progress
 from spotguard.hooks.deadline_policy import Plan, leave_by, not_before, plan
+from spotguard.hooks.dense_snapshots import DenseSnapshots
 from spotguard.hooks.exit_timer import ExitTimer
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.signals import SignalTrap
@@ -64,15 +68,17 @@ class DeadlineWatchdog:
 
     def __init__(self, adapter: Callable[[], Any], margin: float, trap: SignalTrap | None = None,
                  reporter: HookReporter | None = None, claims: Callable[[], Claims] | None = None,
-                 step_seconds: Callable[[], float] = lambda: 0.0, concerns: Callable[[Notice], bool] = lambda n: True):
+                 step_seconds: Callable[[], float] = lambda: 0.0, concerns: Callable[[Notice], bool] = lambda n: True,
+                 snapshot_every: int = 0):
         self.adapter, self.margin, self.trap, self.step_seconds = adapter, margin, trap, step_seconds
-        self.concerns = concerns
+        self.concerns, self.snapshot_every = concerns, snapshot_every
         self.progress = Progress()
         self.timer = ExitTimer()
         self._claims_for = claims or StoreClaims.for_default_group
         self._claims: Claims | None = None
         self._formation: Any = None
         self.exit = DeadlineExit(adapter, self.claims, self.timer, reporter)
+        self.dense = DenseSnapshots(self.claims)
         self.notice: Notice | None = None
         self._armed_for: str | None = None
         self._armed_at = self._leave_at = 0.0
@@ -119,6 +125,7 @@ class DeadlineWatchdog:
         if self.notice is None or self.notice.id != notice_id or self._acting:
             return
         self.notice = None
+        self.dense.stop()
         if share:
             with contextlib.suppress(Exception):
                 self.claims().withdraw(notice_id)
@@ -190,6 +197,9 @@ class DeadlineWatchdog:
         self.progress.saw_durable(getattr(getattr(self.adapter(), "snapshot_engine", None), "persisted_step", None))
         if self._armed_for != notice.id:
             self._arm_last_resort(notice, deadline)
+        if self.snapshot_every and not self._acting:
+            self.dense.follow(notice.id, self.adapter(), self.progress.completed, self.step_seconds(),
+                              self.snapshot_every)
         if self._boundary_owns:
             return
         claims = self.claims()

@@ -89,7 +89,9 @@ Contract:
   answered by persisting the held snapshot on every rank, which then leaves with 83 before the
   deadline (84 when nothing could be made durable); a notice with nothing new to save leaves
   within a second (at once before the Guard exists: `early_exit`). The boundary's agreed save
-  and the watchdog never both run.
+  and the watchdog never both run. While a notice is armed, a Guard that snapshots
+  (`snapshot_every`) snapshots more often, on a grid every rank shares, as often as the measured
+  copy allows (`snapshot_grid`, `dense_snapshots`): the watchdog's snapshot is that recent.
 - Under `spotguard launch` (`SPOTGUARD_LAUNCHER_PID`), a rank whose launcher died leaves within
   `grace_seconds` even when blocked in a collective (`orphan_watch`).
 - Bad configuration raises `spotguard.config.ConfigError` naming the field.
@@ -185,9 +187,10 @@ class Guard:
             self._trap = SignalTrap(self.grace_seconds, (signal_module.SIGTERM, *extra_signals))
             self._trap.install()
         self.deadline = (DeadlineWatchdog(lambda: self.adapter, self.save_margin_seconds, self._trap, self.reporter,
-                                          step_seconds=lambda: self._step_seconds, concerns=self._makes_this_rank_leave)
-                         .start()
+                                          step_seconds=lambda: self._step_seconds, concerns=self._makes_this_rank_leave,
+                                          snapshot_every=self.snapshot_every).start()
                          if exit_on_drain and hard_exit and install_signals and watchdog_enabled() else None)
+        self._dense = self.deadline.dense if self.deadline is not None else None  # denser snapshots on a notice
         self._orphan_watch = OrphanWatch.from_env(self.grace_seconds)
         if self._orphan_watch is not None:
             self._orphan_watch.start()
@@ -398,13 +401,17 @@ class Guard:
             if verdict.on_notice and self.deadline is not None:
                 self.deadline.answered()  # this rank stays: an in-place change answered the notice
             return result
-        if self.snapshot_every and self.adapter is not None and step % self.snapshot_every == 0:
+        dense, every = self._dense, self.snapshot_every  # dense.grid is set only while a notice is armed
+        if every and self.adapter is not None and (
+                dense.due(step, every) if dense is not None and dense.grid is not None else step % every == 0):
             self.adapter.snapshot(step)
         return CONTINUED
 
     def rejoin(self) -> None:
         """The Guard's collectives, agreement and reporter on the session's new formation (collective)."""
         self.agreement.close()
+        if self._dense is not None:
+            self._dense.end()  # the joiners know no grid
         self.collectives = self.session.collectives(self._process_group)
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
         self.agreement = make_agreement(self.collectives, agree_every=self.agree_every, pipeline=self.pipeline)

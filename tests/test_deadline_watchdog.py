@@ -66,13 +66,17 @@ def signalled_run(tmp: Path, tag: str, args: list[str], grace: float, ready: lis
         return codes, time.monotonic() - signalled, grace, run
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
+def uninterrupted_state(out: Path, steps: int) -> dict:
+    """The final state of 2 DDP ranks that trained `steps` steps without a notice."""
     codes, tail = run_ranks(2, ["--mode", "ddp", "--ckpt", str(out / "ckpt"), "--out", str(out), "--steps",
-                                str(TOTAL)], out / "logs", timeout=LONG_WAIT)
+                                str(steps)], out / "logs", timeout=LONG_WAIT)
     assert codes == [0, 0], tail
     return load_state(out / "state-final.pt")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return uninterrupted_state(tmp_path_factory.mktemp("reference"), TOTAL)
 
 
 def test_a_long_step_past_the_deadline_persists_the_snapshot_and_every_rank_leaves_before_it(tmp_path, reference):

@@ -53,6 +53,11 @@ def parse(argv=None):
     p.add_argument("--slow-async-from", type=int, default=-1,
                    help="periodic saves of this step and later write only once <out>/release-async exists")
     p.add_argument("--fail-notice-write", action="store_true", help="writing a notice's checkpoint raises")
+    p.add_argument("--hold-when", default="",
+                   help="rank --hold-rank holds the first step that starts once <out>/NAME exists (as --hold-at)")
+    p.add_argument("--hold-after-step", action="store_true",
+                   help="a held step holds after training it, before guard.step (a rank-0 evaluation pass)")
+    p.add_argument("--log-snapshots", action="store_true", help="each snapshot's step appended to snapshots-<rank>")
     return p.parse_args(argv)
 
 
@@ -161,6 +166,18 @@ def faulty_writes(adapter, args, out: Path, rank: int) -> None:
     adapter._write_state = gated
 
 
+def log_snapshots(adapter, out: Path, rank: int) -> None:
+    """--log-snapshots: every in-memory snapshot's step, one a line, in <out>/snapshots-<rank>."""
+    snapshot = adapter.snapshot
+
+    def logged(step):
+        snapshot(step)
+        with open(out / f"snapshots-{rank}", "a") as f:
+            f.write(f"{step}\n")
+
+    adapter.snapshot = logged
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     out = Path(args.out)
@@ -190,6 +207,8 @@ def main(argv=None) -> int:
 
         adapter = TorchDCPAdapter(job.model, job.optimizer, checkpoint_dir=args.ckpt)
     faulty_writes(adapter, args, out, rank)
+    if args.log_snapshots:
+        log_snapshots(adapter, out, rank)
     guard = Guard.from_env(adapter=adapter, agree_every=args.agree_every, grace_seconds=args.grace,
                            snapshot_every=args.snapshot_every)
 
@@ -202,9 +221,13 @@ def main(argv=None) -> int:
         dump("resume")
     try:
         for step in range(start, args.steps):
-            if step == args.hold_at and args.hold_rank in (-1, rank):
+            holding = args.hold_rank in (-1, rank) and (step == args.hold_at
+                                                        or bool(args.hold_when and (out / args.hold_when).exists()))
+            if holding and not args.hold_after_step:
                 hold(out, rank, step)
             job.train_step(step)
+            if holding and args.hold_after_step:
+                hold(out, rank, step)
             if args.save_every and step % args.save_every == 0:
                 if hasattr(adapter, "save_async"):
                     adapter.save_async(step)

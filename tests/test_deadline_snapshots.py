@@ -1,0 +1,81 @@
+"""Snapshots that are fresh enough (issue 36, item 4) across real ranks (gloo, 2 DDP ranks): a
+notice makes every rank snapshot on a denser grid for the steps it has left, so when a step then
+becomes long the deadline watchdog persists a step trained after the notice, not the periodic
+snapshot from before it.
+
+The notice is rank 1's SIGTERM after step 60 with a 20 s grace, held by a 4 s horizon
+(`SPOTGUARD_HORIZON_SECONDS`: the ranks train on, as under a notice announced ahead), with
+`snapshot_every=25`. Once both ranks have snapshotted a step of the grid the test makes rank 1's
+next step long (a file it waits on, as an evaluation pass): rank 0 sits in DDP's all_reduce. Every
+wait is on a condition; the deadline is the product's (exit 83, the termination message's margin).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_deadline_watchdog import LONG_WAIT, checkpoints, messages, term_env, uninterrupted_state
+from tests.workers.launch import Run, assert_same_state, load_state, run_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+TOTAL = 120
+EVERY = 25
+NOTICE_STEP = 60
+GRACE = 20.0
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return uninterrupted_state(tmp_path_factory.mktemp("reference"), TOTAL)
+
+
+def snapshot_steps(out: Path, rank: int) -> list[int]:
+    path = out / f"snapshots-{rank}"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def wait_for_grid_snapshots(out: Path, run: Run) -> list[int]:
+    """Waits until every rank snapshotted a step after the notice that is not a periodic one; the
+    newest such step of each rank."""
+    end = time.monotonic() + LONG_WAIT
+    while True:
+        dense = [[s for s in snapshot_steps(out, r) if s > NOTICE_STEP and s % EVERY] for r in range(2)]
+        if all(dense):
+            return [steps[-1] for steps in dense]
+        if any(p.poll() is not None for p in run.procs):
+            raise AssertionError(f"a rank exited before any denser snapshot (snapshots: {dense}):\n{run.tail()}")
+        if time.monotonic() > end:
+            raise AssertionError(f"no denser snapshots on every rank (snapshots: {dense}):\n{run.tail()}")
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("held", [
+    ["--hold-rank", "1"],                          # rank 1 before its next step: both completed the same steps
+    ["--hold-rank", "0", "--hold-after-step"],     # rank 0 after its step's all_reduce, before its boundary
+], ids=["held-before-its-step", "held-before-its-boundary"])   # ... rank 1 must not snapshot that step alone
+def test_a_notice_makes_snapshots_denser_so_the_watchdog_persists_a_step_after_it(tmp_path, reference, held):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "dense"
+    args = ["--mode", "ddp", "--ckpt", str(ckpt), "--out", str(out), "--steps", "1000", "--snapshot-every",
+            str(EVERY), "--step-sleep", "0.05", "--signal-at", str(NOTICE_STEP), "--signal-rank", "1", *held,
+            "--hold-when", "hold-now", "--log-snapshots", "--grace", str(GRACE), "--no-compare"]
+    env = term_env(tmp_path, "dense", {"SPOTGUARD_HORIZON_SECONDS": "4"})
+    with Run(2, args, out / "logs", rank_env=env) as run:
+        newest = wait_for_grid_snapshots(out, run)
+        (out / "hold-now").touch()
+        codes = run.wait(GRACE + 60)
+    assert codes == [83, 83], run.tail()
+    [saved] = {m["saved_step"] for m in messages(tmp_path, "dense")}
+    assert saved > NOTICE_STEP and saved >= max(newest), (saved, newest)   # not step 50, the periodic one
+    assert all(saved in snapshot_steps(out, r) for r in range(2))
+    assert checkpoints(ckpt) == [f"step-{saved:09d}-notice"]
+    for m in messages(tmp_path, "dense"):
+        assert (m["checkpoint"], m["saved_by"], m["steps_lost"]) == ("durable", "watchdog", m["step"] - saved), m
+        assert 0 < m["margin_seconds"] < GRACE, m   # gone before the deadline
+    resumed = tmp_path / "resumed"
+    codes, tail = run_ranks(2, ["--mode", "ddp", "--ckpt", str(ckpt), "--out", str(resumed), "--steps", str(TOTAL)],
+                            resumed / "logs", timeout=LONG_WAIT)
+    assert codes == [0, 0], tail
+    assert_same_state(load_state(resumed / "state-final.pt"), reference)
