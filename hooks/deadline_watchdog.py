@@ -9,7 +9,8 @@ Contract (`DeadlineWatchdog`, made and driven by the Guard):
   termination message written in advance emptied, unless the watchdog is acting already). A
   SIGTERM is seen the moment it arrives (the signal's wakeup fd, read by this thread: the main
   thread need not run Python for it), and a notice another rank published through the store
-  (`deadline_claims`) within one poll.
+  (`deadline_claims`) within one poll; withdrawn there (by the rank whose notice it was), it is
+  disarmed here within one poll too.
 - Once armed: the notice is published for the other ranks, a "failed" termination message is
   written in advance and the last-resort timer (`exit_timer`, outside Python) is set to end the
   process with 84 at `deadline_policy.leave_by`.
@@ -84,6 +85,7 @@ class DeadlineWatchdog:
         self._armed_at = self._leave_at = 0.0
         self._acting = self._boundary_owns = False
         self._withdrawn: set[str] = set()
+        self._from_store: str | None = None  # the id of an armed notice this rank learned from the store alone
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._fds = [self._wake_r, self._wake_w]
@@ -190,6 +192,12 @@ class DeadlineWatchdog:
             shared = self.claims().shared_notice()
             if shared is not None:
                 self.arm(shared)
+                self._from_store = shared.id if self.notice is shared else None
+        elif self._from_store == self.notice.id and not self._acting:
+            shared = self.claims().shared_notice()
+            if shared is None or shared.id != self.notice.id:  # withdrawn by the rank that published it
+                self.disarm(self.notice.id, share=False)
+                return
         notice = self.notice
         if notice is None or notice.deadline is None:
             return

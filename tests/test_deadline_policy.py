@@ -141,3 +141,39 @@ def test_steps_lost_with_no_checkpoint_known_are_the_steps_this_process_trained(
     for step in (1, 2, 3):  # the Trainer's global steps count from 1
         progress.complete(step)
     assert progress.lost_since(None) == 3 and progress.lost_since(2) == 1 and progress.lost_since(3) == 0
+
+
+def test_a_notice_learned_from_the_store_is_disarmed_when_its_rank_withdraws_it(tmp_path):
+    """Rank 0 arms rank 1's notice from the shared store (a real TCPStore); rank 1 withdraws it
+    there: rank 0's watchdog disarms within a poll (message emptied, timer cancelled) and the
+    process outlives the timer's time with its own exit status."""
+    message = tmp_path / "termination-log"
+    script = textwrap.dedent(f"""
+        import os, time
+        from datetime import timedelta
+        os.environ["SPOTGUARD_TERMINATION_LOG"] = {str(message)!r}
+        import torch.distributed as dist
+        from spotguard.hooks.deadline_claims import StoreClaims
+        from spotguard.hooks.deadline_watchdog import DeadlineWatchdog
+        from spotguard.wire.notice import Notice, now_utc
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+        mine, theirs = StoreClaims(store, 0, 2), StoreClaims(store, 1, 2)
+        watchdog = DeadlineWatchdog(lambda: None, 1.0, claims=lambda: mine).start()
+        watchdog.completed(5)  # new work, no snapshot: only the timer could end it
+        now = now_utc()
+        theirs.publish(Notice(id="aws.spot:r1", kind="reclaim", source="aws.spot", node="n1", detected_at=now,
+                              deadline=now + timedelta(seconds=1)))
+        end = time.monotonic() + 30
+        while not (os.path.exists({str(message)!r}) and os.path.getsize({str(message)!r})):
+            assert time.monotonic() < end, "never armed from the store"
+            time.sleep(0.02)
+        armed = time.monotonic()
+        theirs.withdraw("aws.spot:r1")
+        while os.path.getsize({str(message)!r}):
+            assert time.monotonic() < end, "never disarmed"
+            time.sleep(0.02)
+        time.sleep(max(armed + 6.5 - time.monotonic(), 0))  # past the last-resort timer's time
+        raise SystemExit(7)
+    """)
+    assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 7
+    assert message.read_text() == ""
