@@ -1,11 +1,13 @@
 """How a departing rank's checkpoint was made, on its way to the sidecar (issue 36, item 6):
 `saved_by`, `margin_seconds` and `snapshot_steps` in the hook report (optional: an older Guard's
 report still reads; a bad value is refused naming the field), kept per rank by the sidecar and
-listed as `departures` in its answers. One drain of the agreed-step machine reports them through
+listed as `departures` in its answers; the termination message says the same, with the rank's
+exit code (a launcher such as torchrun exits with its own). One drain of the agreed-step machine reports them through
 a real HookReporter to a real sidecar over sockets."""
 from __future__ import annotations
 
 import asyncio
+import json
 import aiohttp
 import pytest
 
@@ -68,6 +70,8 @@ async def test_the_boundarys_drain_reports_how_it_saved_and_the_sidecar_lists_it
         finally:
             adapter.close()
         assert record.ok and record.saved_step == 7
+        message = json.loads((tmp_path / "termination-log").read_text())  # the same account, and the exit code
+        assert (message["saved_by"], message["snapshot_steps"], message["exit_code"]) == ("boundary", 0, 83)
         drained = next(body for body in reporter.sent if body["phase"] == "drained")
         assert drained["saved_by"] == "boundary" and drained["snapshot_steps"] == 0
         assert 0 < drained["margin_seconds"] <= 60

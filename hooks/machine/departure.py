@@ -69,7 +69,7 @@ def depart(record: StepRecord, checkpoint: Checkpoint | None, effects: Effects, 
         extra.update({k: v for k, v in (("durable_tier", tier), ("object_step", object_step)) if v is not None})
         checkpoint.report("drained", record.drain_seconds, **extra)
     write_termination_message(notice.id, record.step, record.saved_step, record.ok, steps_lost=steps_lost,
-                              durable_tier=tier, object_step=object_step, extra=account)
+                              durable_tier=tier, object_step=object_step, extra=account, exit_code=record.exit_code)
     record.phases[Phase.DEPARTED.value] = time.time() - record.started_at
     log.warning("rank %d leaves (%s) for notice %s at step %d (checkpoint of step %d %s in %.3fs): exit %d",
                 record.old_rank, record.outcome.value, notice.id, record.step, record.saved_step,
