@@ -214,12 +214,15 @@ class DryRun:
         """Whether the trainer of `pod` started training (trainer/crashes.py)."""
         return any(e["event"] == "start" for e in self._pod_events(pod))
 
-    def _check_deadline(self, node: str, killed: list[str]) -> None:
-        """A node died at its deadline: a pod of it whose rank was still training missed it."""
-        for pod in killed:
+    def _check_deadline(self, node: str, killed: dict[str, list[int]]) -> None:
+        """A node died at its deadline: a pod of it whose rank was still training missed it (its
+        trainer's process was among those killed; a rank gone already, its launcher still
+        exiting, was not training)."""
+        for pod, pids in killed.items():
             mine = self._pod_events(pod)
             kinds = {e["event"] for e in mine}
-            if "start" in kinds and not kinds & {"drained", "finished"}:
+            last = max((e for e in mine if e["event"] == "start"), key=lambda e: e["t"], default=None)
+            if last is not None and last.get("pid") in (None, *pids) and not kinds & {"drained", "finished"}:
                 step = max((e.get("step", 0) for e in mine), default=0)
                 self.problems.append(f"{node} reached its deadline with its rank still training (pod {pod}, step "
                                      f"{step}): every process of it was killed")
