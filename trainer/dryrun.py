@@ -36,6 +36,7 @@ from pathlib import Path
 from spotguard.kube.api import PODS
 from spotguard.trainer.cluster_log import PodLog, SupervisorLog
 from spotguard.trainer.crashes import Crash, give_up
+from spotguard.trainer.departures import departure_events, read_messages
 from spotguard.trainer.events import EventTail, read_event_file, read_events
 from spotguard.trainer.injection import Injector
 from spotguard.trainer.job_manifest import JOB, Backfill, JobShape, job_manifest
@@ -115,7 +116,11 @@ class DryRun:
 
     def report(self, finished_at: float) -> dict:
         decisions, memberships, _ = self.supervisor_log.snapshot()
-        return assemble(self.scenario, self.injected, self._read_events(), self._container_starts(), memberships,
+        events = self._read_events()
+        kinds = {i.notice_id: i.kind for i in self.injected if i.notice_id}
+        messages = read_messages(self.run_dir / "pods", self.pod_log.snapshot())  # the ranks' termination messages
+        events += departure_events(messages, events, kinds)
+        return assemble(self.scenario, self.injected, events, self._container_starts(), memberships,
                         decisions,
                         started_at=self.started_at or finished_at, finished_at=finished_at, status=self.status,
                         not_reached=self.injector.carried_out, problems=self.problems,
@@ -130,6 +135,10 @@ class DryRun:
                 f"--base-world-size={s.workers}"]
         if s.checkpoint_every:
             argv.append(f"--checkpoint-every={s.checkpoint_every}")
+        if s.long_step is not None:
+            argv.append(f"--long-step={s.long_step[0]}:{s.long_step[1]:g}")
+        if s.exit_on_drain:
+            argv.append("--exit-on-drain")
         return argv + self.train_argv_extra
 
     # ---- the run ------------------------------------------------------------------------------
