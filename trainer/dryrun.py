@@ -224,14 +224,19 @@ class DryRun:
         return any(e["event"] == "start" for e in self._pod_events(pod))
 
     def _check_deadline(self, node: str, killed: dict[str, list[int]]) -> None:
-        """A node died at its deadline: a pod of it whose rank was still training missed it (its
-        trainer's process was among those killed; a rank gone already, its launcher still
-        exiting, was not training)."""
+        """A node died at its deadline: a pod of it whose rank was still training missed it. A rank
+        that logged its drain (or finished) did not; nor did one that wrote its departure (its
+        termination message: trainer.departures) before the deadline and whose process was gone
+        by then (its launcher may still have been exiting: torchrun's rendezvous shutdown)."""
+        deadline = max((i.deadline for i in self.injected if i.node == node and i.deadline is not None
+                        and i.deadline <= time.time()), default=time.time())
+        written = {m.pod: m.written_at for m in read_messages(self.run_dir / "pods", self.pod_log.snapshot())}
         for pod, pids in killed.items():
             mine = self._pod_events(pod)
-            kinds = {e["event"] for e in mine}
             last = max((e for e in mine if e["event"] == "start"), key=lambda e: e["t"], default=None)
-            if last is not None and last.get("pid") in (None, *pids) and not kinds & {"drained", "finished"}:
+            if last is None or {e["event"] for e in mine} & {"drained", "finished"}:
+                continue
+            if last.get("pid") in (None, *pids) or written.get(pod, deadline) >= deadline:
                 step = max((e.get("step", 0) for e in mine), default=0)
                 self.problems.append(f"{node} reached its deadline with its rank still training (pod {pod}, step "
                                      f"{step}): every process of it was killed")

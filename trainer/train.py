@@ -14,6 +14,9 @@
 - a notice (from the sidecar, or SIGTERM) makes every rank checkpoint the same step, then the
   rank exits with 83 (`EXIT_PREEMPTED`); logs step, loss, world size and throughput as JSON lines
   (`SPOTGUARD_EVENT_LOG`, see `trainer.events`), and the digest of each state the Guard snapshots;
+- `--no-guard` is the baseline without spotguard: the Guard's module is not even imported (its
+  import installs a SIGTERM handler that leaves with 83, nothing lost, which a process that trains
+  without a Guard must not have);
 - by default the trainer leaves by itself after a drain (the Guard's `exit_on_drain=False`);
   `--exit-on-drain` lets the Guard end the process, as users' scripts do, which runs the deadline
   watchdog: a notice whose deadline comes before the next step boundary (`--long-step S:T`: step S
@@ -29,7 +32,7 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,11 +41,13 @@ from torch.utils.data import DataLoader
 
 from spotguard.data import ElasticSampler
 from spotguard.hooks.elastic import elastic_process
-from spotguard.hooks.guard import Guard
 from spotguard.hooks.step_result import CONTINUED
 from spotguard.trainer.events import EventLog, process_fields
 from spotguard.trainer.model import Samples, build_model, state_digest
 from spotguard.trainer.console import ConsoleEcho
+
+if TYPE_CHECKING:
+    from spotguard.hooks.guard import Guard
 
 log = logging.getLogger("spotguard.trainer")
 
@@ -341,8 +346,20 @@ def leave_drained(events: Any, guard: Guard, framework: str, model: Any, optimiz
     _leave(record.exit_code)
 
 
+def make_guard(args: argparse.Namespace, adapter: Any) -> Guard | None:
+    """The Guard (None with --no-guard), made after the model and adapter: the order a joiner
+    repeats in place."""
+    if args.no_guard:
+        return None
+    from spotguard.hooks.guard import Guard
+
+    return Guard.from_env(adapter=adapter, snapshot_every=args.snapshot_every, exit_on_drain=args.exit_on_drain)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.no_guard:  # before anything is built: its import answers a notice meanwhile (hooks/early_exit.py)
+        import spotguard.hooks.guard  # noqa: F401
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     rank, world_size = setup_distributed()
@@ -358,9 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ledger = open(os.path.join(args.ledger, f"ledger-{os.getpid()}.jsonl"), "a", buffering=1) if args.ledger else None
     build = build_deepspeed if args.framework == "deepspeed" else build_ddp
     model, optimizer, adapter = build(args, rank, world_size, batching, guarded=not args.no_guard, data=sampler)
-    # The Guard after the model and adapter: the order a joiner repeats in place.
-    guard = None if args.no_guard else Guard.from_env(adapter=adapter, snapshot_every=args.snapshot_every,
-                                                       exit_on_drain=args.exit_on_drain)
+    guard = make_guard(args, adapter)
     if guard is None:
         start = (adapter.resume() or 0) if adapter is not None else 0
     else:
