@@ -149,7 +149,7 @@ class DeadlineExit:
         extra.update({k: v for k, v in (("why", why), ("async_save", async_save)) if v is not None})
         lost = progress.lost_since(newest)
         write_termination_message(notice.id, step, saved if saved is not None else step, durable,
-                                  steps_lost=lost, extra=extra)
+                                  steps_lost=lost, extra=extra, exit_code=code)
         self._report(notice, newest, durable, time.time() - started, lost, extra)
         self._wait_for_peers(deadline)
         log.warning("deadline watchdog: leaving for notice %s (%s: step %s %s, %d steps lost, %.2fs before the "

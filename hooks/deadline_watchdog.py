@@ -244,7 +244,7 @@ class DeadlineWatchdog:
         completed = self.progress.completed if self.progress.completed is not None else -1
         write_termination_message(notice.id, completed, completed, False,
                                   steps_lost=self.progress.lost_since(self.progress.durable),
-                                  extra={"saved_by": "none", "why": "deadline"})
+                                  extra={"saved_by": "none", "why": "deadline"}, exit_code=EXIT_CHECKPOINT_FAILED)
         self.timer.arm(time.monotonic() + self._leave_at - time.time(), EXIT_CHECKPOINT_FAILED)
         log.warning("deadline watchdog armed for notice %s: the rank leaves by %.1fs from now at the latest",
                     notice.id, self._leave_at - time.time())

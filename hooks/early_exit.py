@@ -57,7 +57,8 @@ def _leave_now(signum: int, frame: object) -> None:
         return
     node = os.environ.get("SPOTGUARD_NODE") or os.environ.get("NODE_NAME") or os.uname().nodename
     nid = notice_id(names.SIGNAL_SOURCE, node, signal.Signals(signum).name, f"{time.time():.6f}")
-    write_termination_message(nid, -1, -1, True, steps_lost=0, extra={"saved_by": "nothing-new"})
+    write_termination_message(nid, -1, -1, True, steps_lost=0, extra={"saved_by": "nothing-new"},
+                              exit_code=names.EXIT_PREEMPTED)
     log.warning("%s before the Guard exists: nothing trained yet, leaving with %d", signal.Signals(signum).name,
                 names.EXIT_PREEMPTED)
     flush_and_exit(names.EXIT_PREEMPTED)

@@ -4,7 +4,8 @@ rank, a failed change's fallback): the container's termination message.
 Every such rank writes (`hooks/machine/departure.py`, whatever ended its walk) `{"v": 1,
 "notice_id": ..., "step": n, "saved_step": n, "steps_lost": n, "checkpoint": "durable"|"failed"}`
 (with an object store also `"durable_tier"`, and with tier "local" `"object_step"`: the newest
-step known in the object store) to the file named by `SPOTGUARD_TERMINATION_LOG`, or to
+step known in the object store; `"exit_code"`, the code the rank leaves with, which a launcher
+between the rank and the kubelet (torchrun) does not pass on) to the file named by `SPOTGUARD_TERMINATION_LOG`, or to
 `/dev/termination-log` when the kubelet mounted one (it copies the file into
 `containerStatuses[].state.terminated.message`, where the supervisor reads the steps lost:
 supervisor/progress.py). Ranks agree on the step, so ranks sharing a container write the same
@@ -36,10 +37,10 @@ def termination_log_path(environ: dict | None = None) -> str | None:
 def write_termination_message(notice_id: str, step: int, saved_step: int, durable: bool,
                               path: str | None = None, *, steps_lost: int | None = None,
                               durable_tier: str | None = None, object_step: int | None = None,
-                              extra: dict | None = None) -> bool:
+                              extra: dict | None = None, exit_code: int | None = None) -> bool:
     """Writes the message (see the module docstring); True when written. `steps_lost` defaults to
     `step - saved_step`; `durable_tier` ("object", "local", "disk") and `object_step`, when known,
-    are added, then `extra` (the deadline watchdog's `saved_by`, `margin_seconds`, ...)."""
+    are added, then `exit_code` when given, then `extra` (`saved_by`, `margin_seconds`, ...)."""
     target = path if path is not None else termination_log_path()
     if target is None:
         return False
@@ -50,6 +51,8 @@ def write_termination_message(notice_id: str, step: int, saved_step: int, durabl
         message["durable_tier"] = durable_tier
     if object_step is not None:
         message["object_step"] = object_step
+    if exit_code is not None:
+        message["exit_code"] = exit_code
     message.update(extra or {})
     body = json.dumps(message, separators=(",", ":"))
     data = body.encode()[:MAX_MESSAGE_BYTES]

@@ -54,3 +54,22 @@ def drain_once(adapter: Any, notice: Notice, step: int, *, collectives: Any = No
                       save_margin_seconds)
     machine = AgreedStepMachine(GroupSession(), effects, None, ReturnToLoop())
     return machine.run(step, Verdict(notice, deadline_ts(notice), 0)).drain
+
+
+async def passing_dry_run(scenario: Any, run_dir: Any, time_limit: float = 300.0) -> dict:
+    """Runs `scenario` as a dry-run and returns its report, once no process it started is left
+    (15 s at most for them to go) and it passed: finished, no problem, every step trained."""
+    import time
+
+    from spotguard.trainer.dryrun import DryRun
+    from spotguard.trainer.reaper import marked
+
+    dry = DryRun(scenario, run_dir, time_limit=time_limit)
+    report = await dry.run()
+    until = time.monotonic() + 15
+    while marked(dry.marker) and time.monotonic() < until:
+        await asyncio.sleep(0.2)
+    assert marked(dry.marker) == []
+    assert report["ok"] and report["status"] == "finished", (report["status"], report["problems"])
+    assert report["steps_completed"] == scenario.steps
+    return report

@@ -1,4 +1,5 @@
 """Dry-run scenarios: YAML and spot traces, with errors that name the line and the field."""
+import re
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,31 @@ def test_start_at_min_needs_in_place_and_a_boolean():
     for extra in ("start_at_min: yes-please\n", "policy: fixed\nstart_at_min: true\n"):
         with pytest.raises(ScenarioError, match="start_at_min"):
             parse_scenario(base + extra, "<s>")
+
+
+def test_a_long_step_and_exit_on_drain_read_and_reach_the_reference_trainer():
+    from spotguard.trainer.train import compute_seconds, parse_args
+
+    s = parse_scenario("name: x\nsteps: 30\nstep_seconds: 0.05\nlong_step: {step: 13, seconds: 15}\n"
+                       "exit_on_drain: true\n")
+    assert (s.long_step, s.exit_on_drain) == ((13, 15.0), True)
+    assert (parse_scenario("name: x\n").long_step, parse_scenario("name: x\n").exit_on_drain) == (None, False)
+    args = parse_args(["--checkpoint-dir", "/c", "--step-seconds", "0.05", "--long-step", "13:15", "--exit-on-drain"])
+    assert [compute_seconds(args, step) for step in (12, 13, 14)] == [0.05, 15.0, 0.05] and args.exit_on_drain
+    with pytest.raises(SystemExit):
+        parse_args(["--checkpoint-dir", "/c", "--long-step", "13"])
+
+
+@pytest.mark.parametrize("text, field", [
+    ("long_step: {step: 13}\n", "long_step: expected a mapping with step and seconds"),
+    ("long_step: {step: 13, seconds: 0}\n", "long_step.seconds: must be > 0"),
+    ("long_step: {step: -1, seconds: 5}\n", "long_step.step"),
+    ("long_step: {step: 1.5, seconds: 5}\n", "long_step.step"),
+    ("steps: 10\nlong_step: {step: 10, seconds: 5}\n", "long_step.step: 10 is not below steps (10)"),
+    ("exit_on_drain: yes please\n", "exit_on_drain: expected true or false"),
+    ("framework: hf\nexit_on_drain: true\n", "exit_on_drain: an option of the reference trainer"),
+    ("frameworks: [ddp, lightning]\nlong_step: {step: 1, seconds: 5}\n", "not of lightning"),
+])
+def test_bad_long_steps_and_exit_on_drain_name_the_field(text, field):
+    with pytest.raises(ScenarioError, match=re.escape(field)):
+        parse_scenario("name: x\n" + text, "s.yaml")

@@ -8,19 +8,18 @@ saved; a maintenance is acted on no sooner than its deadline less the horizon (1
 The matrix is the CI's check of the scenarios users run first; it runs them as shipped. CI runs
 every scenario once and every framework at least once (`ci_cases`: a scenario that lists several
 frameworks runs with one no earlier scenario ran, else its first); `SPOTGUARD_FULL_MATRIX=1` runs
-every scenario with every framework it lists (two more dry-runs, ~2 minutes of a CI worker).
+every scenario with every framework it lists (two more dry-runs, ~2 minutes of a CI worker). A
+scenario with a test of its own (`OWN_TESTS`), which runs it once and checks what it is about, is
+not run here again.
 """
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 
 import pytest
 
-from spotguard.trainer.dryrun import DryRun
-from spotguard.trainer.reaper import marked
 from spotguard.trainer.scenario import bundled_scenarios, load_scenario
+from tests.helpers import passing_dry_run
 
 pytestmark = pytest.mark.slow
 HORIZON = 120.0  # seconds: a notice further ahead is held (README, the Guard)
@@ -36,7 +35,8 @@ def ci_cases(listed: dict[str, tuple[str, ...]]) -> list[tuple[str, str]]:
     return cases
 
 
-LISTED = {name: tuple(load_scenario(name).allowed_frameworks) for name in bundled_scenarios()}
+OWN_TESTS = {"long-step-short-notice": "tests/test_dryrun_deadline.py"}
+LISTED = {name: tuple(load_scenario(name).allowed_frameworks) for name in bundled_scenarios() if name not in OWN_TESTS}
 if os.environ.get("SPOTGUARD_FULL_MATRIX") == "1":
     CASES = [(name, framework) for name, frameworks in LISTED.items() for framework in frameworks]
 else:
@@ -46,7 +46,8 @@ else:
 def test_the_ci_cases_run_every_scenario_and_every_framework():
     assert ci_cases({"a": ("ddp", "fsdp2"), "b": ("ddp", "fsdp2"), "c": ("deepspeed",)}) == \
         [("a", "ddp"), ("b", "fsdp2"), ("c", "deepspeed")]
-    assert {name for name, _ in CASES} == set(LISTED)
+    assert {name for name, _ in CASES} == set(LISTED) == set(bundled_scenarios()) - set(OWN_TESTS)
+    assert set(OWN_TESTS) <= set(bundled_scenarios())
     assert {framework for _, framework in CASES} == {f for frameworks in LISTED.values() for f in frameworks}
 
 
@@ -54,14 +55,7 @@ def test_the_ci_cases_run_every_scenario_and_every_framework():
 @pytest.mark.parametrize("name, framework", CASES, ids=[f"{n}-{f}" for n, f in CASES])
 async def test_bundled_scenario_passes(tmp_path, name, framework):
     scenario = load_scenario(name).with_overrides(framework=framework)
-    dry = DryRun(scenario, tmp_path / "run", time_limit=300)
-    report = await dry.run()
-    until = time.monotonic() + 15
-    while marked(dry.marker) and time.monotonic() < until:
-        await asyncio.sleep(0.2)
-    assert marked(dry.marker) == []
-    assert report["ok"] and report["status"] == "finished", (report["status"], report["problems"])
-    assert report["steps_completed"] == scenario.steps
+    report = await passing_dry_run(scenario, tmp_path / "run")
     assert report["steps_lost"] <= scenario.allow_steps_lost
     for row in report["timeline"]:
         if "margin_s" in row:

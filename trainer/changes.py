@@ -5,8 +5,10 @@ Input: the trainers' events (`trainer.events`), every rank of every generation. 
   node) log between two `start` events: a node that left in place and later joined again in the
   same generation has two.
 - `actions(log)`: what one process did at each change: an `agreed` notice (its `notice_id`) with
-  the `durable`, `drained` and `resized` events that follow it in that process's log, or a
-  `resized` with no agreement (a grow: the membership that admitted joiners).
+  the `durable`, `drained`, `resized` and `left` events that follow it in that process's log, a
+  `resized` with no agreement (a grow: the membership that admitted joiners), or a `left` with no
+  agreement (the deadline watchdog answered the notice before the ranks agreed:
+  trainer.departures).
 - `job_changes(events, ...)`: one `Change` per change of the job: the actions of one generation
   that carry one notice id (a shrink, a drain, a membership's fallback), or that resized at one
   step with no notice (a grow). Never grouped by time: two changes of one generation stay apart.
@@ -39,10 +41,11 @@ class Action:
     durable: dict | None = None
     drained: dict | None = None
     resized: dict | None = None
+    left: dict | None = None  # the rank's departure, from its termination message (trainer.departures)
 
     @property
     def t(self) -> float:
-        first = self.agreed or self.resized or self.durable or self.drained or {}
+        first = self.agreed or self.resized or self.durable or self.drained or self.left or {}
         return float(first.get("t", 0.0))
 
 
@@ -113,6 +116,11 @@ def actions(log: list[dict]) -> list[Action]:
         elif kind in ("durable", "drained"):
             if current is not None and getattr(current, kind) is None:
                 setattr(current, kind, e)
+        elif kind == "left":
+            if current is None or current.notice_id != e.get("notice_id") or current.left is not None:
+                current = _action(e, notice_id=e.get("notice_id"), kind=e.get("kind"))
+                out.append(current)
+            current.left = e
         elif kind == "resized":
             if current is not None and current.resized is None and current.step == e.get("step") \
                     and (current.drained is None or e.get("path") == "fallback"):
@@ -126,7 +134,7 @@ def actions(log: list[dict]) -> list[Action]:
 
 def _action(e: dict, notice_id: str | None, kind: str | None) -> Action:
     return Action(int(e.get("generation", 0)), str(e.get("node") or f"rank{e.get('rank')}"), e.get("rank"),
-                  e.get("world_size"), int(e.get("step", 0)), notice_id, kind)
+                  e.get("world_size"), int(e.get("step") or 0), notice_id, kind)
 
 
 def job_changes(events: Iterable[dict], notice_nodes: dict[str, str] | None = None,

@@ -36,6 +36,7 @@ from pathlib import Path
 from spotguard.kube.api import PODS
 from spotguard.trainer.cluster_log import PodLog, SupervisorLog
 from spotguard.trainer.crashes import Crash, give_up
+from spotguard.trainer.departures import departure_events, read_messages
 from spotguard.trainer.events import EventTail, read_event_file, read_events
 from spotguard.trainer.injection import Injector
 from spotguard.trainer.job_manifest import JOB, Backfill, JobShape, job_manifest
@@ -115,7 +116,11 @@ class DryRun:
 
     def report(self, finished_at: float) -> dict:
         decisions, memberships, _ = self.supervisor_log.snapshot()
-        return assemble(self.scenario, self.injected, self._read_events(), self._container_starts(), memberships,
+        events = self._read_events()
+        kinds = {i.notice_id: i.kind for i in self.injected if i.notice_id}
+        messages = read_messages(self.run_dir / "pods", self.pod_log.snapshot())  # the ranks' termination messages
+        events += departure_events(messages, events, kinds)
+        return assemble(self.scenario, self.injected, events, self._container_starts(), memberships,
                         decisions,
                         started_at=self.started_at or finished_at, finished_at=finished_at, status=self.status,
                         not_reached=self.injector.carried_out, problems=self.problems,
@@ -130,6 +135,10 @@ class DryRun:
                 f"--base-world-size={s.workers}"]
         if s.checkpoint_every:
             argv.append(f"--checkpoint-every={s.checkpoint_every}")
+        if s.long_step is not None:
+            argv.append(f"--long-step={s.long_step[0]}:{s.long_step[1]:g}")
+        if s.exit_on_drain:
+            argv.append("--exit-on-drain")
         return argv + self.train_argv_extra
 
     # ---- the run ------------------------------------------------------------------------------
@@ -214,12 +223,20 @@ class DryRun:
         """Whether the trainer of `pod` started training (trainer/crashes.py)."""
         return any(e["event"] == "start" for e in self._pod_events(pod))
 
-    def _check_deadline(self, node: str, killed: list[str]) -> None:
-        """A node died at its deadline: a pod of it whose rank was still training missed it."""
-        for pod in killed:
+    def _check_deadline(self, node: str, killed: dict[str, list[int]]) -> None:
+        """A node died at its deadline: a pod of it whose rank was still training missed it. A rank
+        that logged its drain (or finished) did not; nor did one that wrote its departure (its
+        termination message: trainer.departures) before the deadline and whose process was gone
+        by then (its launcher may still have been exiting: torchrun's rendezvous shutdown)."""
+        deadline = max((i.deadline for i in self.injected if i.node == node and i.deadline is not None
+                        and i.deadline <= time.time()), default=time.time())
+        written = {m.pod: m.written_at for m in read_messages(self.run_dir / "pods", self.pod_log.snapshot())}
+        for pod, pids in killed.items():
             mine = self._pod_events(pod)
-            kinds = {e["event"] for e in mine}
-            if "start" in kinds and not kinds & {"drained", "finished"}:
+            last = max((e for e in mine if e["event"] == "start"), key=lambda e: e["t"], default=None)
+            if last is None or {e["event"] for e in mine} & {"drained", "finished"}:
+                continue
+            if last.get("pid") in (None, *pids) or written.get(pod, deadline) >= deadline:
                 step = max((e.get("step", 0) for e in mine), default=0)
                 self.problems.append(f"{node} reached its deadline with its rank still training (pod {pod}, step "
                                      f"{step}): every process of it was killed")

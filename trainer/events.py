@@ -7,7 +7,10 @@ Events the reference trainer writes (every one has `t` (wall-clock seconds), `ra
 - `agreed`     {"step", "notice_id", "kind", "deadline"}: all ranks agreed to act at this step
 - `durable`    {"step", "tag", "seconds", "digest", "snapshot": bool}: the checkpoint is complete
 - `drained`    {"step", "exit_code"}
+- `snapshot`   {"step", "digest"}: the Guard holds an in-memory snapshot of this state
 - `finished`   {"step"}
+A process the deadline watchdog ends writes no `agreed` / `durable` / `drained`: the dry-run reads
+its departure from its termination message (`trainer.departures`: `left` events).
 """
 from __future__ import annotations
 

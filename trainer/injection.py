@@ -59,9 +59,9 @@ class Injector:
         self.injected.extend(results)
         return results
 
-    async def due_deaths(self) -> list[tuple[str, list[str]]]:
+    async def due_deaths(self) -> list[tuple[str, dict[str, list[int]]]]:
         """Kills the nodes whose deadline passed or whose reclaim notice was withdrawn (module
-        docstring): (node, the pods whose container still ran)."""
+        docstring): (node, {each pod whose container still ran: the PIDs killed})."""
         now, out = time.time(), []
         for name, deadline in list(self.deadlines.items()):
             if now >= deadline or self._withdrawn(name):

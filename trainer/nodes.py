@@ -128,15 +128,15 @@ class SimulatedNode:
     def live_notices(self) -> list[Any]:
         return list(self.agent.table.live()) if self.agent is not None else []
 
-    async def die(self) -> list[str]:
-        """The instance is gone (module docstring); returns the pods whose container still ran
-        ([] when it had no instance any more)."""
+    async def die(self) -> dict[str, list[int]]:
+        """The instance is gone (module docstring); returns the pods whose container still ran,
+        each with the PIDs killed then ({} when it had no instance any more)."""
         async with self.lifecycle:
             return await self._die()
 
-    async def _die(self) -> list[str]:
+    async def _die(self) -> dict[str, list[int]]:
         if self.kubelet is None:
-            return []
+            return {}
         running = await self.kubelet.die()
         self.kubelet = None
         await self._stop_instance()

@@ -3,7 +3,12 @@
 Inputs: the scenario events as injected (with the emulator's `served_at`, the notice deadline,
 and the ids the dry-run tied to each: the agent's notice id, the membership generation that
 admitted a returning node, the generation drained to scale out), the generations the local
-supervisor launched, the memberships it pushed, and the trainers' event logs (`trainer.events`).
+supervisor launched, the memberships it pushed, and the trainers' event logs (`trainer.events`,
+with each departure the kubelet reported: `left`, trainer.departures). A notice's row says how
+the ranks said they saved (`saved_by`: "boundary", the agreed step's save, or "watchdog", the
+deadline watchdog's persist of the held snapshot; `checkpoint_step`; `snapshot_steps`, the steps
+trained after it; `left_margin_s`, the seconds left to the deadline when they left), as they
+reported it, never worked out again here.
 Output: a JSON-able dict, a text rendering, and a PNG plot.
 
 Attribution is by ids, never by time windows (`trainer.changes`): a notice's row takes the
@@ -99,9 +104,18 @@ class _Generations:
                    default=0)
 
     def restore_point(self, index: int) -> int:
-        """The newest step generation `index` could be resumed at: its start or a durable checkpoint."""
+        """The newest step generation `index` could be resumed at: its start or a durable checkpoint
+        (a `durable` event, or a departure that said its checkpoint was durable)."""
         mine = self.events.get(index, [])
-        return max([e["step"] for e in mine if e["event"] in ("start", "durable")], default=0)
+        return max([e["step"] for e in mine if e["event"] in ("start", "durable")]
+                   + [e["saved"] for e in mine if e["event"] == "left" and e.get("durable") and e.get("saved")],
+                   default=0)
+
+    def snapshot_digest(self, index: int, step: int) -> str | None:
+        """The digest the lowest rank of generation `index` logged for its snapshot after `step`
+        completed steps (None: none logged)."""
+        snaps = [e for e in self.events.get(index, []) if e["event"] == "snapshot" and e.get("step") == step]
+        return min(snaps, key=lambda e: e.get("rank") or 0).get("digest") if snaps else None
 
 
 def _mark_not_reached(timeline: list[dict], finished: bool) -> None:
@@ -139,13 +153,13 @@ def build_report(scenario: dict, injected: list[InjectedEvent], generations: lis
         if inj.effective and inj.kind in NOTICE_KINDS and inj.notice_id:
             change = next((c for c in changes if c.notice_id == inj.notice_id), None)
             if change is not None:
-                _notice_facts(entry, inj, change, started_at, problems)
+                _notice_facts(entry, inj, change, started_at, problems, gens)
         elif inj.effective and inj.kind == "capacity" and inj.launched_with is not None:
             _launched_with(entry, inj, generations, started_at)
         elif inj.effective and inj.kind == "capacity":
             change = _capacity_change(inj, changes, gens, memberships, started_at, entry)
             if change is not None and change.path != "in-place":  # the drain it took: its checkpoint
-                _notice_facts(entry, inj, change, started_at, problems)
+                _notice_facts(entry, inj, change, started_at, problems, gens)
         if change is not None:
             _change_facts(entry, change, relaunches, generations, started_at, problems, inj)
         timeline.append(entry)
@@ -192,11 +206,14 @@ def build_report(scenario: dict, injected: list[InjectedEvent], generations: lis
     }
 
 
-def _notice_facts(entry: dict, inj: InjectedEvent, change: Change, started_at: float, problems: list[str]) -> None:
-    """What the ranks did with one notice: agreed, detected, durable, drained (its own actions only)."""
+def _notice_facts(entry: dict, inj: InjectedEvent, change: Change, started_at: float, problems: list[str],
+                  gens: _Generations) -> None:
+    """What the ranks did with one notice: agreed, detected, durable, drained (its own actions
+    only), and how they said they saved (`_departure_facts`)."""
     agreed = [a.agreed for a in change.actions if a.agreed is not None]
     durable = [a.durable for a in change.actions if a.durable is not None]
     drained = [a.drained for a in change.actions if a.drained is not None]
+    left = [a.left for a in change.actions if a.left is not None]
     label = f"{inj.kind} on {inj.node}"
     if agreed:
         steps = {guard_step(e["step"]) for e in agreed}
@@ -229,6 +246,39 @@ def _notice_facts(entry: dict, inj: InjectedEvent, change: Change, started_at: f
     if drained:
         entry["drained"] = _rel(max(e["t"] for e in drained), started_at)
         entry["exit_codes"] = sorted({e.get("exit_code") for e in drained})
+    if left:
+        _departure_facts(entry, left, started_at, problems, label, agreed=bool(agreed))
+    if "checkpoint_step" in entry and not entry.get("saved_digest"):  # a snapshot's save: the state it held
+        entry["saved_digest"] = gens.snapshot_digest(change.generation, entry["checkpoint_step"] + 1)
+
+
+def _departure_facts(entry: dict, left: list[dict], started_at: float, problems: list[str], label: str,
+                     agreed: bool) -> None:
+    """How the ranks said they left (their termination messages, trainer.departures): which path
+    saved (`saved_by`), the step, the steps the snapshot cost (`snapshot_steps`, the most of any
+    rank) and the seconds left to the deadline when they left (`left_margin_s`, the least); for
+    a departure the ranks did not log themselves (the deadline watchdog's), also the checkpoint's
+    step, when they exited and with which codes."""
+    paths = sorted({e["saved_by"] for e in left if e.get("saved_by")})
+    if paths:
+        entry["saved_by"] = paths[0] if len(paths) == 1 else paths
+        if len(paths) > 1:
+            problems.append(f"{label}: ranks saved by different paths {paths}")
+    costs = [e["snapshot_steps"] for e in left if e.get("snapshot_steps") is not None]
+    if costs:
+        entry["snapshot_steps"] = max(costs)
+    margins = [e["margin_seconds"] for e in left if e.get("margin_seconds") is not None]
+    if margins:
+        entry["left_margin_s"] = min(margins)
+    saved = {guard_step(e["saved"]) for e in left if e.get("durable") and e.get("saved") is not None}
+    if "checkpoint_step" not in entry and saved:
+        entry["checkpoint_step"] = max(saved)
+        if len(saved) > 1:
+            problems.append(f"{label}: ranks saved different steps {sorted(saved)}")
+    elif "checkpoint_step" not in entry and not agreed:
+        problems.append(f"{label}: the ranks left with nothing durable ({', '.join(paths) or 'no account'})")
+    entry.setdefault("drained", _rel(max(e["t"] for e in left), started_at))
+    entry.setdefault("exit_codes", sorted({e["exit_code"] for e in left if e.get("exit_code") is not None}))
 
 
 def _launched_with(entry: dict, inj: InjectedEvent, generations: list[GenerationRecord], started_at: float) -> None:
@@ -367,6 +417,19 @@ def _process_text(facts: dict) -> str:
     return f"relaunched ({count} processes in turn)" if count else "process replaced"
 
 
+def saved_text(entry: dict) -> str:
+    """Which path saved a notice's checkpoint, as the ranks said, in words."""
+    paths = entry["saved_by"] if isinstance(entry["saved_by"], list) else [entry["saved_by"]]
+    text = f"saved by {' and '.join(paths)}"
+    if "checkpoint_step" in entry:
+        text += f" at step {entry['checkpoint_step']}"
+    if entry.get("snapshot_steps") is not None:
+        text += f" ({entry['snapshot_steps']} steps trained after it)"
+    if "left_margin_s" in entry:
+        text += f", left {entry['left_margin_s']:.2f}s before the deadline"
+    return text
+
+
 def resumed_text(step: int | None) -> str:
     """Where a relaunch resumed, in words (`resumed_step`: a Guard step, -1 the beginning)."""
     if step is None:
@@ -419,6 +482,8 @@ def render_text(report: dict) -> str:
             facts.append(f"ranks {e['ranks_missing']} did not take part (their process had ended)")
         if "margin_s" in e:
             facts.append(f"deadline margin {e['margin_s']:.2f}s")
+        if "saved_by" in e:
+            facts.append(saved_text(e))
         if "steps_lost" in e:
             facts.append(f"steps lost {e['steps_lost']}")
         if e.get("path") == "in-place":

@@ -15,7 +15,8 @@ it returns the events with `generation` replaced by that number, and a `Generati
 group: its starting world size, its nodes, when it was launched (the latest container start
 among the pods that formed it: `container_starts`, (node, time) pairs, the one on each node
 last before its rank started; else its first `start`), when its last event was, its drained
-exit codes, and how it ended (finished, drained, crashed).
+exit codes (a `drained` event's, or the exit of a departure the kubelet saw: `left`), and how it
+ended (finished, drained, crashed).
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def _record(number: int, logs: list[list[dict]], container_starts: list[tuple[st
     founders = [e for e in starts if not e.get("joined")] or starts
     first_start = min((e["t"] for e in starts), default=min(e["t"] for e in events))
     launched = _launched(founders, container_starts, first_start)
-    drained = {str(e.get("node")): int(e["exit_code"]) for e in events if e["event"] == "drained"
+    drained = {str(e.get("node")): int(e["exit_code"]) for e in events if e["event"] in ("drained", "left")
                and e.get("exit_code") is not None}
     if any(e["event"] == "finished" for e in events):
         reason = "finished"

@@ -17,7 +17,13 @@ A scenario is a YAML file (or the embedded default) like:
 Event kinds: `reclaim` (spot reclaim notice with `lead` seconds of warning), `rebalance`,
 `maintenance` (with `lead`), `cancel` (withdraws the maintenance scheduled on `node`),
 `gpu-fault` (a fatal Xid through the fake NVML backend), `capacity` (the node comes back).
-`at` is seconds after training first starts. `allow_steps_lost: N` declares that the scenario
+`at` is seconds after training first starts. `long_step: {step: S, seconds: T}` makes step S (the
+number the trainer passes to `guard.step`, 0-based) take T seconds instead of `step_seconds`, in
+every run that trains it (an evaluation pass, a first compile, a data stall: a resumed run that
+trains step S again waits again). `exit_on_drain: true` makes the reference trainer's Guard end
+the process on a drain (the Guard's default, what users' scripts do), and so run the deadline
+watchdog; by default the trainer leaves by itself after a drain and has none. Both are options of
+the reference trainer (ddp, fsdp2, deepspeed). `allow_steps_lost: N` declares that the scenario
 expects up to N steps lost (a notice too short for a fresh save); any more fails the run.
 `frameworks: [ddp, fsdp2]` lists the frameworks the scenario is written to pass with (default:
 its `framework`); the bundled-scenario test runs every bundled scenario with each of them.
@@ -47,6 +53,8 @@ CLOUDS = ("aws", "gcp", "azure", "alibaba")
 FRAMEWORKS = ("ddp", "fsdp2", "deepspeed", "hf", "accelerate", "lightning")
 # The others relaunch (DeepSpeed; the Trainer and Lightning integrations: README, 'Membership changes in place').
 IN_PLACE_FRAMEWORKS = ("ddp", "fsdp2", "accelerate")
+# The frameworks the reference trainer (trainer/train.py) runs; the others run their integration's script.
+REFERENCE_TRAINER_FRAMEWORKS = ("ddp", "fsdp2", "deepspeed")
 MEMBERSHIP_PATHS = ("in-place", "restart")
 POLICIES = ("elastic", "fixed")
 EVENT_KINDS = ("reclaim", "rebalance", "maintenance", "cancel", "gpu-fault", "capacity")
@@ -96,6 +104,8 @@ class Scenario:
     start_at_min: bool = False  # in place: train once min_workers nodes are ready, the others join in place
     frameworks: tuple[str, ...] = ()  # the frameworks it is written to pass with; () means `framework`
     expect: tuple[tuple[str, int], ...] = ()  # (what, count): decisions | memberships | changes | agreed
+    long_step: tuple[int, float] | None = None  # (step, seconds): one step that takes that long
+    exit_on_drain: bool = False  # the trainer's Guard ends the process on a drain (the deadline watchdog runs)
     events: tuple[ScenarioEvent, ...] = field(default_factory=tuple)
 
     @property
@@ -124,7 +134,7 @@ class Scenario:
 
 _TOP_FIELDS = {"name", "cloud", "workers", "framework", "frameworks", "policy", "min_workers", "steps",
                "step_seconds", "checkpoint_every", "allow_steps_lost", "membership", "start_at_min", "expect",
-               "events"}
+               "long_step", "exit_on_drain", "events"}
 EXPECTED = ("decisions", "memberships", "changes", "agreed")
 _EVENT_FIELDS = {"at", "kind", "node", "lead"}
 
@@ -183,11 +193,13 @@ def parse_scenario(text: str, origin: str = "<scenario>") -> Scenario:
             raise ScenarioError(f"{at('frameworks')}: frameworks: expected a list of distinct frameworks out of "
                                 f"{', '.join(FRAMEWORKS)}, got {listed!r}")
         fields["frameworks"] = tuple(listed)
-    if "start_at_min" in data:
-        if not isinstance(data["start_at_min"], bool):
-            raise ScenarioError(f"{at('start_at_min')}: start_at_min: expected true or false, "
-                                f"got {data['start_at_min']!r}")
-        fields["start_at_min"] = data["start_at_min"]
+    for key in ("start_at_min", "exit_on_drain"):
+        if key in data:
+            if not isinstance(data[key], bool):
+                raise ScenarioError(f"{at(key)}: {key}: expected true or false, got {data[key]!r}")
+            fields[key] = data[key]
+    if "long_step" in data:
+        fields["long_step"] = _long_step(data["long_step"], at("long_step"))
     if "expect" in data:
         fields["expect"] = _expectations(data["expect"], at("expect"))
     if "step_seconds" in data:
@@ -230,6 +242,15 @@ def _events(events_raw: Any, events_node: yaml.Node | None, where_list: str, ori
     return tuple(sorted(events, key=lambda e: e.at))
 
 
+def _long_step(raw: Any, where: str) -> tuple[int, float]:
+    if not isinstance(raw, dict) or set(raw) != {"step", "seconds"}:
+        raise ScenarioError(f"{where}: long_step: expected a mapping with step and seconds, got {raw!r}")
+    seconds = float(_number(raw["seconds"], where, "long_step.seconds"))
+    if seconds <= 0:
+        raise ScenarioError(f"{where}: long_step.seconds: must be > 0, got {raw['seconds']!r}")
+    return int(_number(raw["step"], where, "long_step.step", integer=True)), seconds
+
+
 def _expectations(raw: Any, where: str) -> tuple[tuple[str, int], ...]:
     if not isinstance(raw, dict) or not raw:
         raise ScenarioError(f"{where}: expect: expected a mapping of {', '.join(EXPECTED)} to counts")
@@ -253,6 +274,13 @@ def _check_semantics(s: Scenario, origin: str) -> None:
     if s.start_at_min and not s.in_place:
         raise ScenarioError(f"{origin}: start_at_min: needs membership changes in place (policy elastic, "
                             f"framework {' or '.join(IN_PLACE_FRAMEWORKS)})")
+    options = [name for name, value in (("long_step", s.long_step), ("exit_on_drain", s.exit_on_drain)) if value]
+    others = [f for f in s.allowed_frameworks if f not in REFERENCE_TRAINER_FRAMEWORKS]
+    if options and others:
+        raise ScenarioError(f"{origin}: {options[0]}: an option of the reference trainer "
+                            f"({', '.join(REFERENCE_TRAINER_FRAMEWORKS)}), not of {', '.join(others)}")
+    if s.long_step is not None and s.long_step[0] >= s.steps:
+        raise ScenarioError(f"{origin}: long_step.step: {s.long_step[0]} is not below steps ({s.steps})")
     if s.min_workers > s.workers:
         raise ScenarioError(f"{origin}: min_workers: {s.min_workers} is more than workers ({s.workers})")
     nodes = set(s.nodes)

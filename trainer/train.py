@@ -13,7 +13,15 @@
   batch and scales the learning rate with the world size;
 - a notice (from the sidecar, or SIGTERM) makes every rank checkpoint the same step, then the
   rank exits with 83 (`EXIT_PREEMPTED`); logs step, loss, world size and throughput as JSON lines
-  (`SPOTGUARD_EVENT_LOG`, see `trainer.events`).
+  (`SPOTGUARD_EVENT_LOG`, see `trainer.events`), and the digest of each state the Guard snapshots;
+- `--no-guard` is the baseline without spotguard: the Guard's module is not even imported (its
+  import installs a SIGTERM handler that leaves with 83, nothing lost, which a process that trains
+  without a Guard must not have);
+- by default the trainer leaves by itself after a drain (the Guard's `exit_on_drain=False`);
+  `--exit-on-drain` lets the Guard end the process, as users' scripts do, which runs the deadline
+  watchdog: a notice whose deadline comes before the next step boundary (`--long-step S:T`: step S
+  takes T seconds) is answered by persisting the held snapshot, and the process ends from the
+  watchdog's thread (its termination message is the account of it: no events).
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,11 +41,13 @@ from torch.utils.data import DataLoader
 
 from spotguard.data import ElasticSampler
 from spotguard.hooks.elastic import elastic_process
-from spotguard.hooks.guard import Guard
 from spotguard.hooks.step_result import CONTINUED
 from spotguard.trainer.events import EventLog, process_fields
 from spotguard.trainer.model import Samples, build_model, state_digest
 from spotguard.trainer.console import ConsoleEcho
+
+if TYPE_CHECKING:
+    from spotguard.hooks.guard import Guard
 
 log = logging.getLogger("spotguard.trainer")
 
@@ -54,6 +64,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="world size the learning rate is tuned for (scale-lr; default: the first run's)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--step-seconds", type=float, default=0.0, help="extra synthetic compute per step")
+    p.add_argument("--long-step", type=long_step, default=None, metavar="STEP:SECONDS",
+                   help="step STEP (0-based) takes SECONDS instead of --step-seconds (an evaluation pass)")
+    p.add_argument("--exit-on-drain", action="store_true",
+                   help="the Guard ends the process on a drain (its default; the deadline watchdog runs)")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--snapshot-every", type=int, default=0, help="in-memory snapshot every K steps")
     p.add_argument("--checkpoint-every", type=int, default=0, help="periodic checkpoint every K steps")
@@ -74,6 +88,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     return args
+
+
+def long_step(text: str) -> tuple[int, float]:
+    """`STEP:SECONDS` (argparse type): a step >= 0 and seconds > 0."""
+    step, _, seconds = text.partition(":")
+    try:
+        parsed = int(step), float(seconds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STEP:SECONDS, got {text!r}") from None
+    if parsed[0] < 0 or not parsed[1] > 0 or not math.isfinite(parsed[1]):
+        raise argparse.ArgumentTypeError(f"expected a step >= 0 and seconds > 0, got {text!r}")
+    return parsed
+
+
+def compute_seconds(args: argparse.Namespace, step: int) -> float:
+    """The synthetic compute of `step`: --step-seconds, or the long step's seconds."""
+    return args.long_step[1] if args.long_step is not None and step == args.long_step[0] else args.step_seconds
 
 
 class Batching:
@@ -277,22 +308,58 @@ def log_checkpoint(events: Any, record: Any, drain: bool = False, digest: str | 
                  **({"digest": digest} if drain else {}))
 
 
-def leave_drained(events: Any, guard: Guard, framework: str, model: Any, optimizer: Any) -> None:
+def log_drained(events: Any, record: Any, framework: str, model: Any, optimizer: Any) -> None:
     """This rank drained: its `agreed` / `durable` (with the saved state's digest unless the save
-    was a snapshot or FSDP2's shards) and `drained` events, then the process ends with the drain's
-    exit code."""
-    record = guard.last_drain
+    was a snapshot or FSDP2's shards) and `drained` events; the log is closed."""
     digest = None if record.used_snapshot or framework == "fsdp2" else digest_of(model, optimizer)
     log_checkpoint(events, record, drain=True, digest=digest)
     events.write("drained", step=record.step + 1, exit_code=record.exit_code)
     events.close()
+
+
+def log_snapshot(events: Any, adapter: Any, step: int, framework: str, model: Any, optimizer: Any) -> None:
+    """The Guard snapshotted `step` in memory: the `snapshot` event with the state's digest (what a
+    save of that snapshot, the deadline watchdog's, resumes to; not for FSDP2's shards)."""
+    if getattr(adapter, "snapshot_step", None) == step and framework != "fsdp2":
+        events.write("snapshot", step=step + 1, digest=digest_of(model, optimizer))
+
+
+def step_guard(guard: Guard, step: int, events: Any, framework: str, model: Any, optimizer: Any) -> Any:
+    """`guard.step(step)`. With --exit-on-drain the Guard ends the process on this step's drain
+    (SystemExit): the drain's events are written on the way out."""
+    try:
+        return guard.step(step)
+    except SystemExit:
+        record = guard.last_drain
+        if record is not None and record.step == step and record.notice is not None:
+            log_drained(events, record, framework, model, optimizer)
+        raise
+
+
+def leave_drained(events: Any, guard: Guard, framework: str, model: Any, optimizer: Any) -> None:
+    """This rank drained (the Guard returned it): its events, then the process ends with the
+    drain's exit code."""
+    record = guard.last_drain
+    log_drained(events, record, framework, model, optimizer)
     guard.close()
     _shutdown()
     _leave(record.exit_code)
 
 
+def make_guard(args: argparse.Namespace, adapter: Any) -> Guard | None:
+    """The Guard (None with --no-guard), made after the model and adapter: the order a joiner
+    repeats in place."""
+    if args.no_guard:
+        return None
+    from spotguard.hooks.guard import Guard
+
+    return Guard.from_env(adapter=adapter, snapshot_every=args.snapshot_every, exit_on_drain=args.exit_on_drain)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.no_guard:  # before anything is built: its import answers a notice meanwhile (hooks/early_exit.py)
+        import spotguard.hooks.guard  # noqa: F401
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     rank, world_size = setup_distributed()
@@ -308,9 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ledger = open(os.path.join(args.ledger, f"ledger-{os.getpid()}.jsonl"), "a", buffering=1) if args.ledger else None
     build = build_deepspeed if args.framework == "deepspeed" else build_ddp
     model, optimizer, adapter = build(args, rank, world_size, batching, guarded=not args.no_guard, data=sampler)
-    # The Guard after the model and adapter: the order a joiner repeats in place.
-    guard = None if args.no_guard else Guard.from_env(adapter=adapter, snapshot_every=args.snapshot_every,
-                                                       exit_on_drain=False)
+    guard = make_guard(args, adapter)
     if guard is None:
         start = (adapter.resume() or 0) if adapter is not None else 0
     else:
@@ -336,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         if ledger is not None:
             ledger.write(json.dumps({"step": step, "rank": rank, "world": world_size,
                                      "ids": [int(i) for _x, _y, ids in chunks for i in ids]}) + "\n")
-        if args.step_seconds:
-            time.sleep(args.step_seconds)
+        if compute_seconds(args, step):
+            time.sleep(compute_seconds(args, step))
         now_wall = time.time()
         max_gap, last_step_at = max(max_gap, now_wall - last_step_at), now_wall
         done = step + 1
@@ -350,8 +415,10 @@ def main(argv: list[str] | None = None) -> int:
             adapter.save(step, reason="periodic")
         elif adapter is not None and args.checkpoint_first and step == start and not joined_running_group():
             adapter.save(step, reason="first")
-        result = guard.step(step) if guard is not None else CONTINUED
+        result = step_guard(guard, step, events, args.framework, model, optimizer) if guard is not None else CONTINUED
         drained = result.drained
+        if guard is not None and not drained and result.resize is None:
+            log_snapshot(events, adapter, step, args.framework, model, optimizer)
         if result.resize is not None and not drained:
             log_resize(events, guard, result.resize)
             rank, world_size, model, optimizer = guard.rank, guard.world_size, adapter.model, adapter.optimizer

@@ -9,9 +9,9 @@
    object store (the newest step known there);
 2. when the checkpoint is durable: the `@on_drain` hooks `hook(step, notice)` (a failure is
    logged, the rank leaves anyway) and, for a notice's checkpoint, the `drained` report;
-3. the termination message for the supervisor (`termination_message`), for every outcome, with
-   `saved_by` "boundary" (the deadline watchdog writes "watchdog"), `snapshot_steps` and
-   `margin_seconds` (to the notice's deadline, when it has one);
+3. the termination message for the supervisor (`termination_message`), for every outcome; it and
+   the `drained` report say `saved_by` "boundary" (the deadline watchdog says "watchdog"),
+   `snapshot_steps` and `margin_seconds` (to the notice's deadline, when it has one);
 4. the `Departure`: `ExitProcess` closes the Guard, leaves the groups (no last agreement: the
    checkpoint's vote was this formation's last collective, and a peer that stopped answering
    must not hold a rank whose checkpoint is durable), raises SystemExit(83, or 84 when not
@@ -61,15 +61,15 @@ def depart(record: StepRecord, checkpoint: Checkpoint | None, effects: Effects, 
             except Exception:  # the checkpoint is durable; leave anyway
                 log.exception("@on_drain hook %s failed", getattr(hook, "__name__", hook))
         record.drain_seconds = time.monotonic() - t0
-        if checkpoint is not None:
-            extra: dict = {"steps_lost": steps_lost, "saved_step": record.saved_step}
-            extra.update({k: v for k, v in (("durable_tier", tier), ("object_step", object_step)) if v is not None})
-            checkpoint.report("drained", record.drain_seconds, **extra)
     left = notice.seconds_left()
+    account = {"saved_by": "boundary", "snapshot_steps": record.step - record.saved_step,
+               **({} if left is None else {"margin_seconds": round(left, 3)})}
+    if record.ok and checkpoint is not None:
+        extra: dict = {"steps_lost": steps_lost, "saved_step": record.saved_step, **account}
+        extra.update({k: v for k, v in (("durable_tier", tier), ("object_step", object_step)) if v is not None})
+        checkpoint.report("drained", record.drain_seconds, **extra)
     write_termination_message(notice.id, record.step, record.saved_step, record.ok, steps_lost=steps_lost,
-                              durable_tier=tier, object_step=object_step,
-                              extra={"saved_by": "boundary", "snapshot_steps": record.step - record.saved_step,
-                                     **({} if left is None else {"margin_seconds": round(left, 3)})})
+                              durable_tier=tier, object_step=object_step, extra=account, exit_code=record.exit_code)
     record.phases[Phase.DEPARTED.value] = time.time() - record.started_at
     log.warning("rank %d leaves (%s) for notice %s at step %d (checkpoint of step %d %s in %.3fs): exit %d",
                 record.old_rank, record.outcome.value, notice.id, record.step, record.saved_step,

@@ -1,7 +1,9 @@
 """Hook reports from the pod's ranks, and the preStop wait built on them.
 
 The report body (POST /v1/hooks) is `wire.hook_report.HookReport`. `HookBook` keeps, per notice id and
-rank, what the rank reported, and says how far the pod is (`Progress`).
+rank, what the rank reported, and says how far the pod is (`Progress`), with each departing rank's
+account of its checkpoint (`Progress.departures`: `saved_by`, `margin_seconds`, `snapshot_steps`, as
+the rank last reported them; the POST /v1/hooks answer and the preStop result carry them).
 
 Expected ranks of the pod: `local_world_size` when configured (`--local-world-size` /
 SPOTGUARD_LOCAL_WORLD_SIZE, what a multi-pod job must set: the ranks *in this pod*); otherwise
@@ -40,6 +42,9 @@ class RankState:
     drain_seconds: float = 0.0
     steps_lost: int = 0
     durable_tier: str | None = None  # the rank's latest report of it (None: never told)
+    saved_by: str | None = None  # how its checkpoint was made (wire.hook_report.SAVED_BY; None: never told)
+    margin_seconds: float | None = None  # seconds to the deadline when it left
+    snapshot_steps: int | None = None  # steps trained after the saved step
 
     @property
     def done(self) -> bool:
@@ -88,11 +93,23 @@ class Progress:
         tiers = {s.durable_tier for s in self.ranks.values() if s.durable_tier is not None}
         return next((tier for tier in DURABLE_TIERS if tier in tiers), None)
 
+    @property
+    def departures(self) -> list[dict[str, Any]]:
+        """Each rank that said how its checkpoint was made: its rank, step, `saved_by`,
+        `margin_seconds` and `snapshot_steps` as it reported them (rank order)."""
+        return [{"rank": rank, "step": s.step, "saved_by": s.saved_by,
+                 **{k: v for k, v in (("margin_seconds", s.margin_seconds), ("snapshot_steps", s.snapshot_steps))
+                    if v is not None}}
+                for rank, s in sorted(self.ranks.items()) if s.saved_by is not None]
+
     def to_wire(self) -> dict[str, Any]:
         body: dict[str, Any] = {"notice_id": self.notice_id, "expected_ranks": self.expected,
                                 "done_ranks": self.done_ranks, "failed_ranks": self.failed_ranks}
         if self.durable_tier is not None:
             body["durable_tier"] = self.durable_tier
+        departures = self.departures
+        if departures:
+            body["departures"] = departures
         return body
 
 
@@ -118,6 +135,9 @@ class HookBook:
         state.steps_lost = report.steps_lost
         if report.durable_tier is not None:
             state.durable_tier = report.durable_tier
+        if report.saved_by is not None:  # an extra-less resend keeps what the rank said
+            state.saved_by, state.margin_seconds, state.snapshot_steps = (report.saved_by, report.margin_seconds,
+                                                                          report.snapshot_steps)
         if report.phase == "drained":
             state.drained = True
             state.drain_seconds = report.seconds

@@ -137,15 +137,17 @@ class Kubelet:
             await asyncio.gather(self._loop_task, return_exceptions=True)
             self._loop_task = None
 
-    async def die(self) -> list[str]:
-        """The instance is gone (module docstring); returns the pods whose container still ran."""
+    async def die(self) -> dict[str, list[int]]:
+        """The instance is gone (module docstring); returns the pods whose container still ran,
+        each with the PIDs of its processes killed then."""
         await self._halt()
         running = [r.name for r in self.pods.values() if r.process is not None and r.process.returncode is None]
         for runner in self.pods.values():
             runner.dead = True
-        await asyncio.gather(*(r.kill() for r in self.pods.values()))
-        await asyncio.gather(*(r.done.wait() for r in self.pods.values()))
-        return running
+        runners = list(self.pods.values())
+        killed = await asyncio.gather(*(r.kill() for r in runners))
+        await asyncio.gather(*(r.done.wait() for r in runners))
+        return {r.name: pids for r, pids in zip(runners, killed) if r.name in running}
 
     async def stop(self, grace: float) -> None:
         """The end of the run (module docstring)."""
