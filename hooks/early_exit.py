@@ -11,7 +11,9 @@ has its default action and the deadline watchdog is not turned off (`SPOTGUARD_D
 "0"). The handler writes the termination message (`saved_by` "nothing-new", no step lost) and
 ends the process with 83. `supersede()` (the Guard's deadline watchdog, once made) turns it off:
 from then on the Guard answers signals, and this handler, should it run again (a trap restored
-it), does what SIGTERM's default does.
+it), does what SIGTERM's default does. So does a process that trained before any Guard was made
+(a torch optimizer stepped: a global post-step hook, removed at `supersede()`, sees it): "nothing
+trained" would be false there, and steps were lost.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from spotguard.wire.notice import notice_id
 log = logging.getLogger("spotguard.hooks.deadline")
 
 WORKER_VARIABLES = ("RANK", "LOCAL_RANK", names.ENV_LAUNCHER_PID)
-_state = {"installed": False, "superseded": False}
+_state = {"installed": False, "superseded": False, "trained": False}
 
 
 def install_at_import() -> bool:
@@ -42,16 +44,36 @@ def install_at_import() -> bool:
         return False
     signal.signal(signal.SIGTERM, _leave_now)
     _state["installed"] = True
+    _watch_training()
     return True
 
 
 def supersede() -> None:
     """The Guard answers signals from now on."""
     _state["superseded"] = True
+    handle = _hook.pop("handle", None)
+    if handle is not None:
+        handle.remove()
+
+
+_hook: dict = {}
+
+
+def _watch_training() -> None:
+    """Marks the process as having trained at the first optimizer step (any torch optimizer)."""
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+    except ImportError:
+        return
+
+    def trained(optimizer: object, args: object, kwargs: object) -> None:
+        _state["trained"] = True  # (never removed from inside: torch iterates its hooks while calling them)
+
+    _hook["handle"] = register_optimizer_step_post_hook(trained)
 
 
 def _leave_now(signum: int, frame: object) -> None:
-    if _state["superseded"]:
+    if _state["superseded"] or _state["trained"]:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return

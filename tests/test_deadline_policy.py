@@ -2,6 +2,8 @@
 exit timer (hooks/exit_timer.py) in a real process whose main thread holds the GIL in a C call."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -177,3 +179,25 @@ def test_a_notice_learned_from_the_store_is_disarmed_when_its_rank_withdraws_it(
     """)
     assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 7
     assert message.read_text() == ""
+
+
+@pytest.mark.parametrize("steps, expected", [(0, 83), (1, -signal.SIGTERM)])
+def test_sigterm_before_the_guard_is_83_only_when_nothing_was_trained(tmp_path, steps, expected):
+    """A worker that imported the Guard's module: SIGTERM before any optimizer step leaves with 83
+    ("nothing-new"); after a step trained without a Guard it is SIGTERM's own death, never a false 83."""
+    message = tmp_path / "termination-log"
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        import torch
+        import spotguard.hooks.guard  # noqa: F401 - installs the early exit
+        weight = torch.nn.Parameter(torch.ones(2))
+        optimizer = torch.optim.SGD([weight], lr=0.1)
+        for _ in range({steps}):
+            weight.sum().backward()
+            optimizer.step()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    """)
+    env = {**os.environ, "RANK": "0", "SPOTGUARD_TERMINATION_LOG": str(message)}
+    assert subprocess.run([sys.executable, "-c", script], env=env, timeout=60).returncode == expected
+    assert message.exists() is (expected == 83)
