@@ -73,6 +73,12 @@ def test_what_is_not_a_guards_departure_is_none(text):
     assert departure_events([Message("p", "node-1", text, T0 + 9, 1)], first_generation(), {}) == []
 
 
+def test_the_early_exits_message_of_a_process_stopped_in_its_start_up_is_no_departure():
+    text = json.dumps({"v": 1, "notice_id": "signal:x", "step": -1, "saved_step": -1, "checkpoint": "durable",
+                       "steps_lost": 0, "saved_by": "nothing-new", "exit_code": 83})
+    assert departure_events([Message("p", "node-1", text, T0 + 9, 83)], first_generation(), {}) == []
+
+
 def test_a_message_before_its_node_logged_anything_ties_to_nothing():
     assert departure_events([message(-1.0, "node-1")], first_generation(), {}) == []
 

@@ -15,7 +15,9 @@ whose node died has one too, though its dead kubelet reported nothing.
 the code the rank said it leaves with; `container_exit_code`: the container's, None when its node
 died, which a launcher such as torchrun makes its own) with the process fields (`generation`,
 `node`, `group`, `rank`, `world_size`) of that pod's trainer, taken from its last event before the
-message, so it belongs to that process's log (trainer.changes). `step` and `saved` count
+message, so it belongs to that process's log (trainer.changes). The early exit's message (a
+process that left before its Guard existed, step -1: a pod stopped during its start-up) is no
+departure: that process was in no group. `step` and `saved` count
 completed steps, as every trainer event does (a Guard step + 1). Nothing is derived: what the
 message says, as it says it; a message that is not JSON, or names no notice, is no departure.
 """
@@ -66,8 +68,8 @@ def departure_events(messages: Iterable[Message], events: Iterable[dict], kinds:
     for m in messages:
         message = _parsed(m.text)
         mine = [e for e in events if e.get("node") == m.node and e["t"] <= m.written_at]
-        if message is None or not mine:
-            continue  # not the Guard's, or its trainer never logged: nothing to tie it to
+        if message is None or not mine or _before_the_guard(message):
+            continue  # not the Guard's, its trainer never logged, or it left before it had a Guard
         last = max(mine, key=lambda e: e["t"])
         left = {"t": m.written_at, "event": "left", **{k: last.get(k) for k in PROCESS_FIELDS},
                 "notice_id": message["notice_id"], "kind": kinds.get(message["notice_id"]),
@@ -85,6 +87,13 @@ def _parsed(text: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return message if isinstance(message, dict) and isinstance(message.get("notice_id"), str) else None
+
+
+def _before_the_guard(message: dict) -> bool:
+    """The early exit's message (hooks/early_exit.py: step -1): a process that left before its
+    Guard existed was in no group yet, so its leaving changed no membership."""
+    step = message.get("step")
+    return isinstance(step, int) and step < 0
 
 
 def _done(step: Any) -> int | None:
