@@ -37,7 +37,7 @@ from spotguard.hooks.deadline_claims import Claims
 from spotguard.hooks.deadline_policy import FINISH_SECONDS
 from spotguard.hooks.exit_timer import ExitTimer
 from spotguard.hooks.hook_reporter import HookReporter
-from spotguard.hooks.termination_message import write_termination_message
+from spotguard.hooks.termination_message import departure_account, write_termination_message
 from spotguard.processes import flush_and_exit
 from spotguard.wire.names import EXIT_CHECKPOINT_FAILED, EXIT_PREEMPTED
 from spotguard.wire.notice import Notice
@@ -62,6 +62,10 @@ class Progress:
         """Step `step` completed (the Guard's boundary)."""
         self.completed = step
         self.trained += 1
+
+    def saw_persisted(self, adapter: Any) -> None:
+        """The step `adapter`'s snapshot engine persisted last is durable (none: nothing learned)."""
+        self.saw_durable(getattr(getattr(adapter, "snapshot_engine", None), "persisted_step", None))
 
     def saw_durable(self, step: int | None) -> None:
         """A checkpoint of `step` is durable (the newest wins)."""
@@ -136,16 +140,15 @@ class DeadlineExit:
               why: str | None = None, async_save: str | None = None, saved_by: str = "watchdog") -> None:
         """Termination message, report, exit: 83 when `saved` (a step now durable) is not None or
         nothing was trained since the durable checkpoint, else 84. Never returns."""
-        progress.saw_durable(getattr(getattr(self.adapter(), "snapshot_engine", None), "persisted_step", None))
+        progress.saw_persisted(self.adapter())
         durable = saved is not None or saved_by == "nothing-new"
         code = EXIT_PREEMPTED if durable else EXIT_CHECKPOINT_FAILED
         self.timer.arm(time.monotonic() + max(min(REPORT_SECONDS + LEAVE_TOGETHER_SECONDS + 0.5,
                                                   deadline - time.time() - 0.1), 0.5), code)
         newest = saved if saved is not None else progress.durable
         step = progress.completed if progress.completed is not None else (newest if newest is not None else -1)
-        extra: dict[str, Any] = {"saved_by": saved_by, "margin_seconds": round(deadline - time.time(), 3)}
-        if saved is not None and progress.completed is not None:
-            extra["snapshot_steps"] = progress.completed - saved
+        extra = departure_account(saved_by, progress.completed if saved is not None else None, saved,
+                                  deadline - time.time())
         extra.update({k: v for k, v in (("why", why), ("async_save", async_save)) if v is not None})
         lost = progress.lost_since(newest)
         write_termination_message(notice.id, step, saved if saved is not None else step, durable,

@@ -52,9 +52,10 @@ from spotguard.hooks.deadline_exit import DeadlineExit, Progress
 from spotguard.hooks.deadline_policy import Plan, leave_by, not_before, plan
 from spotguard.hooks.dense_snapshots import DenseSnapshots
 from spotguard.hooks.exit_timer import ExitTimer
+from spotguard.hooks.group_session import default_group
 from spotguard.hooks.hook_reporter import HookReporter
 from spotguard.hooks.signals import SignalTrap
-from spotguard.hooks.termination_message import termination_log_path, write_termination_message
+from spotguard.hooks.termination_message import clear_termination_message, write_termination_message
 from spotguard.wire.names import ENV_DEADLINE_WATCHDOG, EXIT_CHECKPOINT_FAILED
 from spotguard.wire.notice import Notice
 
@@ -98,7 +99,7 @@ class DeadlineWatchdog:
 
     def claims(self) -> Claims:
         """The claims of the current formation (a re-formed group has a store of its own)."""
-        formation = _default_group()
+        formation = default_group()
         if self._claims is None or self._formation is not formation:
             self._claims, self._formation = self._claims_for(), formation
         return self._claims
@@ -202,7 +203,7 @@ class DeadlineWatchdog:
         if notice is None or notice.deadline is None:
             return
         deadline = notice.deadline.timestamp()
-        self.progress.saw_durable(getattr(getattr(self.adapter(), "snapshot_engine", None), "persisted_step", None))
+        self.progress.saw_persisted(self.adapter())
         if self._armed_for != notice.id:
             self._arm_last_resort(notice, deadline)
         if self.snapshot_every and not self._acting:
@@ -310,19 +311,3 @@ def watchdog_enabled(env: dict[str, str] | None = None) -> bool:
     on a drain and traps its signals; the Guard checks those)."""
     return (os.environ if env is None else env).get(ENV_DEADLINE_WATCHDOG, "1").strip() != "0"
 
-
-def _default_group() -> Any:
-    """The default process group now (None without torch.distributed)."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
-def clear_termination_message() -> None:
-    """Empties the termination message written in advance (its notice was withdrawn)."""
-    path = termination_log_path()
-    if path is not None:
-        with contextlib.suppress(OSError), open(path, "wb"):
-            pass

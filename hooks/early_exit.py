@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 
-from spotguard.hooks.termination_message import write_termination_message
+from spotguard.hooks.termination_message import departure_account, write_termination_message
 from spotguard.processes import flush_and_exit
 from spotguard.wire import names
 from spotguard.wire.notice import notice_id
@@ -79,7 +79,7 @@ def _leave_now(signum: int, frame: object) -> None:
         return
     node = os.environ.get("SPOTGUARD_NODE") or os.environ.get("NODE_NAME") or os.uname().nodename
     nid = notice_id(names.SIGNAL_SOURCE, node, signal.Signals(signum).name, f"{time.time():.6f}")
-    write_termination_message(nid, -1, -1, True, steps_lost=0, extra={"saved_by": "nothing-new"},
+    write_termination_message(nid, -1, -1, True, steps_lost=0, extra=departure_account("nothing-new", None, None, None),
                               exit_code=names.EXIT_PREEMPTED)
     log.warning("%s before the Guard exists: nothing trained yet, leaving with %d", signal.Signals(signum).name,
                 names.EXIT_PREEMPTED)

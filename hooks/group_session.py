@@ -117,7 +117,7 @@ class GroupSession:
     # ---- the formation ------------------------------------------------------------------------
     def groups(self) -> ControlGroups | None:
         """See the module docstring."""
-        world = _default_group()
+        world = default_group()
         if world is None:
             return None
         with self._lock:
@@ -230,7 +230,7 @@ class GroupSession:
         return self._torch_default is not None
 
 
-def _default_group() -> Any:
+def default_group() -> Any:
     """The default group when torch.distributed runs more than one rank, else None."""
     try:
         import torch.distributed as dist

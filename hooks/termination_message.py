@@ -34,6 +34,30 @@ def termination_log_path(environ: dict | None = None) -> str | None:
     return KUBELET_TERMINATION_LOG if os.path.exists(KUBELET_TERMINATION_LOG) else None
 
 
+def departure_account(saved_by: str, step: int | None, saved_step: int | None,
+                      seconds_left: float | None) -> dict:
+    """How a departing rank's checkpoint was made, as its message and its hook report say it:
+    `saved_by` ("boundary", "watchdog", "nothing-new", "none"), `snapshot_steps` (steps trained
+    after the saved one, when both are known) and `margin_seconds` (to the deadline, when it has one)."""
+    account: dict = {"saved_by": saved_by}
+    if step is not None and saved_step is not None:
+        account["snapshot_steps"] = step - saved_step
+    if seconds_left is not None:
+        account["margin_seconds"] = round(seconds_left, 3)
+    return account
+
+
+def clear_termination_message() -> None:
+    """Empties the message written in advance (the deadline watchdog's, for a notice withdrawn since)."""
+    path = termination_log_path()
+    if path is not None:
+        try:
+            with open(path, "wb"):
+                pass
+        except OSError:
+            pass
+
+
 def write_termination_message(notice_id: str, step: int, saved_step: int, durable: bool,
                               path: str | None = None, *, steps_lost: int | None = None,
                               durable_tier: str | None = None, object_step: int | None = None,

@@ -34,7 +34,7 @@ from spotguard.hooks.checkpoint.types import TieredStore
 from spotguard.hooks.machine.checkpoint import Checkpoint
 from spotguard.hooks.machine.effects import Effects
 from spotguard.hooks.machine.model import Phase, StepRecord
-from spotguard.hooks.termination_message import write_termination_message
+from spotguard.hooks.termination_message import departure_account, write_termination_message
 from spotguard.processes import flush_and_exit
 
 log = logging.getLogger("spotguard.hooks.guard")
@@ -61,9 +61,7 @@ def depart(record: StepRecord, checkpoint: Checkpoint | None, effects: Effects, 
             except Exception:  # the checkpoint is durable; leave anyway
                 log.exception("@on_drain hook %s failed", getattr(hook, "__name__", hook))
         record.drain_seconds = time.monotonic() - t0
-    left = notice.seconds_left()
-    account = {"saved_by": "boundary", "snapshot_steps": record.step - record.saved_step,
-               **({} if left is None else {"margin_seconds": round(left, 3)})}
+    account = departure_account("boundary", record.step, record.saved_step, notice.seconds_left())
     if record.ok and checkpoint is not None:
         extra: dict = {"steps_lost": steps_lost, "saved_step": record.saved_step, **account}
         extra.update({k: v for k, v in (("durable_tier", tier), ("object_step", object_step)) if v is not None})
