@@ -107,6 +107,8 @@ async def test_a_restarted_agent_with_failing_metadata_never_releases_a_pending_
                              what="the notice withdrawn during the restart withdrawn at the listener")
             assert [n.id for n in sc.live.notices()] == [reclaim_id]
             assert not waiting.done()
+            # the pod's stream is a connection of its own: the withdrawal may reach it after the listener
+            await eventually(lambda: not pod.events.empty(), timeout=10, what="the withdrawal at the pod")
             events = []
             while not pod.events.empty():
                 events.append(pod.events.get_nowait())
