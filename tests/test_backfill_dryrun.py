@@ -5,7 +5,8 @@ back as soon as its rank has left, and once it has been free for return-after an
 replacement is a member, a spot pod takes the on-demand member's place in ONE membership, which
 the ranks carry out in place at one agreed step. Nothing relaunches, the world never exceeds
 max, and the node-seconds split counts the on-demand stint. The run is cancelled once the
-swap-back happened (every process ends).
+swap-back happened, and nothing it started is left (the check of a cancelled run: until this
+test made it, tests/test_dryrun_faults.py had a run of its own for it).
 
 Three worker start-ups in a row (the job, the replacement, the spot joiner) make its time."""
 from __future__ import annotations
@@ -16,8 +17,10 @@ import time
 import pytest
 
 from spotguard.trainer.backfill_run import BackfillDryRun
+from spotguard.trainer.reaper import marked
 from spotguard.trainer.scenario import Scenario, ScenarioEvent
 from spotguard.wire.names import EXIT_PREEMPTED
+from tests.test_dryrun_faults import nothing_left, still_running
 
 WAIT = 240.0  # bound on the whole story on a loaded machine
 
@@ -47,10 +50,16 @@ async def test_warm_standby_joins_and_is_swapped_back_for_spot_in_place(tmp_path
         await until("the swap-back", lambda: hosts()[-1] == ["node-0", "node-1"] and ["node-0", "od-0"] in hosts())
         swapped_at = dry.memberships[-1].t
         await until("the ranks carried out the swap", lambda: swap_done(dry, swapped_at))
+        running = [p.pid for p in marked(dry.marker)]
     finally:
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
             await run
+    # cancelled as Ctrl-C cancels `spotguard dry-run`: nothing it started is left, the workers of
+    # this in-place job included (their own process groups, SIGTERM trapped)
+    assert len(running) >= 2, running
+    assert await nothing_left(dry.marker) == []
+    assert not still_running(running)
     swap = len(hosts()) - 1
     assert hosts()[swap - 1] == ["node-0", "od-0"]  # one membership: node-1 in, od-0 out
     assert all(len(h) <= 2 for h in hosts())
