@@ -1,8 +1,10 @@
 """The default and restart paths end to end, and what the dry-run says about them is true.
 
-One real dry-run per path (real agents, sidecars, Guards, the supervisor over the local cluster),
-checked for what the job did (in place: the survivor never restarts and the returning node
-joins from a live peer; restart: every relaunch resumes the step the ranks agreed and saved)
+One real dry-run per path (real agents, sidecars, Guards, the supervisor over the local cluster;
+the in-place path's is the bundled `preempted-twice`, which the bundled-scenario matrix leaves to
+this module), checked for what the job did (in place: the survivor never restarts and the
+returning node joins from a live peer; restart: every relaunch resumes the step the ranks agreed
+and saved)
 and for what the output says (issue 37, items 1-8: the plot's world-size series follows the
 world the ranks formed, step numbers are the Guard's, the checkpoint folders', the restart
 path's rows name relaunched processes and real worlds). Each run is one test: a run costs a
@@ -22,15 +24,15 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.trainer.report import render_text
+from spotguard.trainer.scenario import load_scenario
 from spotguard.trainer.timeline_plot import world_size_series
+from tests.helpers import passing_dry_run
 from tests.test_dryrun import SHORT_DEFAULT, assert_consistent_save, dry_run
+from tests.test_scenarios_bundled import assert_passed_as_shipped
 
 pytestmark = pytest.mark.slow
 
-# The notice is short (6 s) and training long enough (21 s of steps) that the returning node's
-# process, started once the reclaimed rank left, joins before training ends even at load 15.
-IN_PLACE = SHORT_DEFAULT.replace("steps: 300", "steps: 700").replace("lead: 15", "lead: 6") \
-    .replace("at: 8, kind: capacity", "at: 5, kind: capacity")
 # Capacity returns late enough that the world-1 group has formed even on a loaded machine.
 RESTART = SHORT_DEFAULT.replace("steps: 300", "steps: 800").replace("at: 8, kind: capacity", "at: 25, kind: capacity")
 
@@ -47,36 +49,53 @@ def finished_run(tmp_path: Path, scenario: str, *args: str) -> tuple[dict, str, 
     return report, output, tmp_path / "run"
 
 
-def test_the_default_path_changes_membership_in_place_and_says_so_truly(tmp_path):
-    report, output, run = finished_run(tmp_path, IN_PLACE)
-    survivor_kept_its_process_and_the_node_rejoined(report, output)
+async def test_the_default_path_changes_membership_in_place_and_says_so_truly(tmp_path):
+    """On the bundled `preempted-twice` as shipped (2 nodes; node-1 preempted, given back, preempted
+    and given back again, 55 s of steps): the in-place path twice over, each departure and each
+    return checked as the one of a run of its own was (a 2-node run of this test's own until this
+    one took its place: the same path, once). The bundled-scenario matrix leaves this scenario to
+    this test (tests/test_scenarios_bundled.py, `OWN_TESTS`): its report gets the matrix's checks
+    too. The text checked is the one `spotguard dry-run` prints (render_text)."""
+    shipped = load_scenario("preempted-twice")
+    report = await passing_dry_run(shipped, tmp_path / "run")  # finished, every step, nothing left running
+    assert_passed_as_shipped(shipped, report)
+    output = render_text(report)
+    survivor_kept_its_process_and_the_node_rejoined(report, output, shipped.steps)
     world_size_series_follows_the_membership_changes(report)
-    steps_are_numbered_as_the_checkpoint_folder_is(report, output, run)
+    steps_are_numbered_as_the_checkpoint_folder_is(report, output, tmp_path / "run")
 
 
-def survivor_kept_its_process_and_the_node_rejoined(report: dict, output: str) -> None:
-    reclaim, capacity = report["timeline"]
-    assert reclaim["ranks_agreed"] == [0, 1], reclaim
-    assert reclaim["checkpoint_step"] == reclaim["agreed_step"], reclaim
-    assert reclaim["margin_s"] > 0
-    assert (reclaim["path"], reclaim["world"]) == ("in-place", "2 -> 1"), reclaim
-    assert (capacity["path"], capacity["world"]) == ("in-place", "1 -> 2"), capacity
-    assert "relaunched" not in reclaim and "relaunched" not in capacity
+def reclaims_and_returns(report: dict) -> list[tuple[dict, dict]]:
+    """The timeline's rows as (reclaim, capacity) pairs: node-1 leaves, then comes back."""
+    rows = report["timeline"]
+    assert [row["kind"] for row in rows] == ["reclaim", "capacity"] * (len(rows) // 2) and rows, rows
+    return list(zip(rows[::2], rows[1::2], strict=True))
+
+
+def survivor_kept_its_process_and_the_node_rejoined(report: dict, output: str, steps: int) -> None:
+    cycles = reclaims_and_returns(report)
+    for reclaim, capacity in cycles:
+        assert reclaim["ranks_agreed"] == [0, 1], reclaim
+        assert reclaim["checkpoint_step"] == reclaim["agreed_step"], reclaim
+        assert reclaim["margin_s"] > 0
+        assert (reclaim["path"], reclaim["world"]) == ("in-place", "2 -> 1"), reclaim
+        assert (capacity["path"], capacity["world"]) == ("in-place", "1 -> 2"), capacity
+        assert "relaunched" not in reclaim and "relaunched" not in capacity
     assert [(c["from_world"], c["to_world"], c["path"]) for c in report["membership_changes"]] == \
-        [(2, 1, "in-place"), (1, 2, "in-place")]
+        [(2, 1, "in-place"), (1, 2, "in-place")] * len(cycles)
     assert len(report["generations"]) == 1  # nobody was relaunched
     assert report["survivors"]["node-0"]["pid_kept"] is True, report["survivors"]
     assert report["survivors"]["node-1"]["joined"] is True, report["survivors"]
-    assert report["steps_completed"] == 700 and report["steps_lost"] == 0
+    assert report["steps_completed"] == steps and report["steps_lost"] == 0
     assert "in-place: world 2 -> 1" in output and "node-0: same process throughout" in output
 
 
 def world_size_series_follows_the_membership_changes(report: dict) -> None:
-    """Item 1: 2 -> 1 -> 2 as the ranks changed in place (it used to draw a flat 2)."""
+    """Item 1: 2 -> 1 -> 2 (each time) as the ranks changed in place (it used to draw a flat 2)."""
     series = world_size_series(report)
     changes = report["membership_changes"]
-    assert [w for _, w in series] == [2, 1, 2, 0], series
-    assert [t for t, _ in series[1:3]] == [c["t"] for c in changes], (series, changes)
+    assert [w for _, w in series] == [2] + [1, 2] * len(reclaims_and_returns(report)) + [0], series
+    assert [t for t, _ in series[1:-1]] == [c["t"] for c in changes], (series, changes)
     assert series[0][0] == report["generations"][0]["launched"]
     # every step rank 0 logged ran in the world the series draws at that time (the closing 0 is
     # drawn at the last step's time)
@@ -87,11 +106,14 @@ def world_size_series_follows_the_membership_changes(report: dict) -> None:
 
 def steps_are_numbered_as_the_checkpoint_folder_is(report: dict, output: str, run: Path) -> None:
     """Item 8: agreed/durable step == the notice checkpoint's folder step (the Guard's numbering)."""
-    reclaim = report["timeline"][0]
-    assert notice_folders(run) == [reclaim["checkpoint_step"]] == [reclaim["agreed_step"]], reclaim
-    assert f"agreed {reclaim['agreed']:.2f}s at step {reclaim['agreed_step']}" in output
-    assert f"durable {reclaim['durable']:.2f}s step {reclaim['checkpoint_step']}" in output
-    assert report["membership_changes"][0]["step"] == reclaim["agreed_step"]
+    reclaims = [reclaim for reclaim, _ in reclaims_and_returns(report)]
+    assert notice_folders(run) == [r["checkpoint_step"] for r in reclaims] == [r["agreed_step"] for r in reclaims], \
+        reclaims
+    departures = report["membership_changes"][::2]
+    for reclaim, departure in zip(reclaims, departures, strict=True):
+        assert f"agreed {reclaim['agreed']:.2f}s at step {reclaim['agreed_step']}" in output
+        assert f"durable {reclaim['durable']:.2f}s step {reclaim['checkpoint_step']}" in output
+        assert departure["step"] == reclaim["agreed_step"], (departure, reclaim)
 
 
 def test_the_restart_path_survives_a_reclaim_scales_back_and_says_so_truly(tmp_path):
@@ -171,8 +193,6 @@ def test_an_unusable_out_is_one_clean_line(tmp_path, make, why):
 def test_the_bundled_two_reclaims_scenario_returns_to_three_in_time():
     """Item 6: its promise ("then back to 3") fits its timing: the capacity comes back with at
     least 10 s of training left at its step time."""
-    from spotguard.trainer.scenario import load_scenario
-
     s = load_scenario("two-reclaims")
     capacity = max(e.at for e in s.events if e.kind == "capacity")
     assert s.steps * s.step_seconds - capacity >= 10.0, (s.steps, s.step_seconds, capacity)

@@ -37,6 +37,7 @@ def ci_cases(listed: dict[str, tuple[str, ...]]) -> list[tuple[str, str]]:
 
 # scenario -> (the test that runs it as shipped, the framework it runs it with)
 OWN_TESTS = {"long-step-short-notice": ("tests/test_dryrun_deadline.py", "ddp"),
+             "preempted-twice": ("tests/test_dryrun_truth.py", "ddp"),
              "two-reclaims": ("tests/test_dryrun_faults.py", "ddp")}
 ALL_LISTED = {name: tuple(load_scenario(name).allowed_frameworks) for name in bundled_scenarios()}
 LISTED = {name: frameworks for name, frameworks in ALL_LISTED.items() if name not in OWN_TESTS}
