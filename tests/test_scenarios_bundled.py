@@ -10,8 +10,10 @@ every scenario once and every framework at least once (`ci_cases`: a scenario th
 frameworks runs with one no earlier scenario ran, else its first); `SPOTGUARD_FULL_MATRIX=1` runs
 every scenario with every framework it lists (two more dry-runs, ~2 minutes of a CI worker). A
 scenario with a test of its own (`OWN_TESTS`), which runs it once as shipped and checks what it is
-about, is not run here again with the framework that test runs: that test checks its report with
-`assert_passed_as_shipped` too (the checks this matrix makes).
+about, is not run here again with the framework that test runs. The tests of two-reclaims and
+preempted-twice check their report with `assert_passed_as_shipped` too (the checks this matrix
+makes); long-step-short-notice's checks its own way what the watchdog's save says (no agreed step:
+the ranks never agree, which this matrix's relaunch check expects).
 """
 from __future__ import annotations
 
