@@ -137,41 +137,54 @@ def test_no_worker_outlives_a_launcher_killed_while_it_is_blocked_in_a_change(tm
         assert time.monotonic() - killed < 60  # the re-form timeout is 120 s
 
 
-@pytest.mark.parametrize("pending", [["a", "b", "c", "d"], ["a", "b"]], ids=["names-the-leaver", "is-the-new-group"])
-def test_a_membership_pending_at_a_shrink_is_rechecked_against_the_new_group(pending, tmp_path):
-    """c gets SIGTERM at step 4, when a membership (generation 1) is pending on every rank; the
-    shrink goes first (a real notice wins). Afterwards the membership asks nothing: it named c,
-    which just left (it used to re-add c: a stall, then the fallback), or it is the new group
-    itself (it used to make every rank drain). a and b train on and finish."""
+def member(generation: int, hosts: list[str], store: str | None) -> str:
+    """A membership as the sidecar relays it (`store` None: it names none)."""
+    data = {"v": 1, "generation": generation, "hosts": hosts, "world_size": len(hosts)}
+    return json.dumps({**data, "store": store} if store else data)
+
+
+@pytest.fixture(scope="module", params=[["a", "b", "c", "d"], ["a", "b"]], ids=["names-the-leaver", "is-the-new-group"])
+def shrink_with_pending(request, tmp_path_factory) -> tuple[Hosts, dict[str, int]]:
+    """a, b, c (DDP); c gets SIGTERM at step 4, when the membership `request.param` (generation 1)
+    is pending on every rank; a and b train 4 steps after the change. After it, at steps 6, 7
+    and 8, every rank of the new group is offered the confirmation of its hosts (generation 5),
+    then a membership naming a host twice and one that changes the hosts without a store, then
+    one of generation 3. The exit codes."""
+    tmp_path = tmp_path_factory.mktemp("pending")
     with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", env={"SPOTGUARD_REFORM_TIMEOUT": "5"}) as hosts:
-        offer = json.dumps({"v": 1, "generation": 1, "hosts": pending, "world_size": len(pending),
-                            "store": f"127.0.0.1:{hosts.port('a')}"})
-        hosts.start(["a", "b", "c"], args=(*LONG, "--signal-at", "4", "--signal-node", "c", "--offer", f"4:{offer}",
-                                            "--stop-after", "1", "--tail", "4"))
+        store = f"127.0.0.1:{hosts.port('a')}"
+        offers = [f"4:{member(1, request.param, store)}", f"6:{member(5, ['a', 'b'], store)}",
+                  f"7:{member(6, ['a', 'b', 'b'], store)}", f"7:{member(6, ['a', 'c'], None)}",
+                  f"8:{member(3, ['a', 'c'], store)}"]
+        hosts.start(["a", "b", "c"], args=(*LONG, "--signal-at", "4", "--signal-node", "c",
+                                            *(f"--offer={o}" for o in offers), "--stop-after", "1", "--tail", "4"))
         codes = hosts.wait(["a", "b", "c"], timeout=240)
+    return hosts, codes
+
+
+def test_a_membership_pending_at_a_shrink_is_rechecked_against_the_new_group(shrink_with_pending):
+    """The shrink goes first (a real notice wins). Afterwards the membership asks nothing: it
+    named c, which just left (it used to re-add c: a stall, then the fallback), or it is the new
+    group itself (it used to make every rank drain). a and b train on and finish."""
+    hosts, codes = shrink_with_pending
     assert codes == {"a": 0, "b": 0, "c": 83}, hosts.tail()
     assert [(c["outcome"], c["world"]) for h in ("a", "b") for c in hosts.changes(h)] == [("in-place", 2)] * 2
     step = hosts.changes("a")[0]["step"]
     assert [hosts.progress(h) for h in ("a", "b")] == [step + 4] * 2  # the 4 steps after the change
 
 
-def test_bad_memberships_are_refused_in_one_line_naming_the_field_and_training_goes_on(tmp_path):
-    """a and b (generation 5 confirmed) are offered a membership naming a host twice, one that
-    changes the hosts without a store, and one of generation 3: each is refused with one line
-    naming its field, on every rank, and the job trains all its steps as it was."""
-    def member(generation: int, hosts: list[str], store: bool = True) -> str:
-        data = {"v": 1, "generation": generation, "hosts": hosts, "world_size": len(hosts)}
-        return json.dumps({**data, "store": "127.0.0.1:1"} if store else data)
-
-    offers = [f"1:{member(5, ['a', 'b'])}", f"2:{member(6, ['a', 'b', 'b'])}", f"3:{member(6, ['a', 'c'], False)}",
-              f"4:{member(3, ['a', 'c'])}"]
-    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", ("--steps", "8", *(f"--offer={o}" for o in offers))) \
-            as hosts:
-        hosts.start(["a", "b"])
-        codes = hosts.wait(["a", "b"], timeout=240)
-    assert codes == {"a": 0, "b": 0}, hosts.tail()
+def test_bad_memberships_are_refused_in_one_line_naming_the_field_and_training_goes_on(shrink_with_pending):
+    """The group a, b (generation 5 confirmed) is offered a membership naming a host twice, one
+    that changes the hosts without a store, and one of generation 3: each is refused with one line
+    naming its field, on every rank, and the job trains all its steps as it was (no change but the
+    shrink before them). They come in the run of the pending membership's test, after its change:
+    a group that formed in place takes them as one that started so."""
+    hosts, codes = shrink_with_pending
+    assert codes["a"] == codes["b"] == 0, hosts.tail()
+    step = hosts.changes("a")[0]["step"]
+    assert step < 6, step  # the offers came to the group of two
     for host in ("a", "b"):
-        assert hosts.progress(host) == 7 and hosts.changes(host) == []
+        assert hosts.progress(host) == step + 4 and len(hosts.changes(host)) == 1
         refused = [line for line in (hosts.out / f"log-{host}").read_text().splitlines() if "refused" in line]
         assert len(refused) == 3, refused
         for line, field in zip(refused, ("hosts:", "store:", "generation:")):

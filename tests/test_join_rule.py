@@ -11,14 +11,13 @@ in both cases the worker must start the job's group with the others instead of w
 for a membership that never lists it while the others time out. A group that is live at the
 store is still joined.
 
-Run as `python -m tests.test_join_rule <out file>`, the module is one worker: it calls
-`init_process_group()`, all-reduces a 1 and writes what it saw.
+Each worker is tests/workers/join_rule.py: it calls `init_process_group()`, all-reduces a 1 and
+writes what it saw.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -29,11 +28,11 @@ import pytest
 from spotguard.processes import free_port
 from spotguard.wire.sse import encode
 from tests.workers.hosts import Hosts
+from tests.workers.join_rule import HOLD_FILE
 from tests.workers.launch import ROOT, base_env
 from tests.workers.sidecar_stub import SidecarStub
 
 pytestmark = pytest.mark.slow
-HOLD_FILE = "JOIN_TEST_HOLD_FILE"  # a worker that got it stays in its group until the file exists
 
 
 class MembershipSidecar(SidecarStub):
@@ -60,8 +59,8 @@ class MembershipSidecar(SidecarStub):
 
 
 class Workers(Hosts):
-    """Worker processes (this module) by host name, on 127.0.0.1, each serving its own rendezvous
-    port; the ports, waits, logs and kills of tests/workers/hosts.py."""
+    """Worker processes (tests/workers/join_rule.py) by host name, on 127.0.0.1, each serving its
+    own rendezvous port; the ports, waits, logs and kills of tests/workers/hosts.py."""
 
     def __init__(self, out: Path, sidecar_url: str):
         super().__init__(out, "ddp", out / "ckpt")
@@ -75,7 +74,7 @@ class Workers(Hosts):
                    LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", RANK=str(rank), WORLD_SIZE=str(world),
                    MASTER_PORT=str(self.port(master)), **extra)
         with open(self.out / f"log-{host}", "wb") as log:
-            self.procs[host] = subprocess.Popen([sys.executable, "-m", "tests.test_join_rule",
+            self.procs[host] = subprocess.Popen([sys.executable, "-m", "tests.workers.join_rule",
                                                  str(self.out / f"result-{host}.json")],
                                                 env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
@@ -145,30 +144,3 @@ def test_a_worker_still_joins_a_group_live_at_the_store(tmp_path):
             (tmp_path / "release").touch()
             workers.close()
 
-
-def _worker(result: str) -> None:
-    """One worker (module docstring)."""
-    import torch
-    import torch.distributed as dist
-
-    from spotguard.hooks.elastic import elastic_process, init_process_group
-
-    init_process_group(join_timeout=float(os.environ.get("JOIN_TEST_JOIN_TIMEOUT", "600")))
-    total = torch.ones(1)
-    dist.all_reduce(total)
-    process = elastic_process()
-    seen = {"rank": dist.get_rank(), "world": dist.get_world_size(),
-            "joined": process is not None and process.joined is not None, "sum": total.item()}
-    Path(result).write_text(json.dumps(seen))
-    hold = os.environ.get(HOLD_FILE)
-    deadline = time.monotonic() + 120
-    while hold and not os.path.exists(hold) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import logging
-
-    logging.basicConfig(level=logging.INFO)
-    _worker(sys.argv[1])

@@ -1,17 +1,25 @@
-"""One rank of a shrink or grow through the peer-to-peer transfer alone (no Guard, no store of
-spotguard's): the old group trains a few steps, hands over, the new group forms on another port,
-rebuilds, receives and loads; the full state is dumped before (old rank 0: what the agreed
-checkpoint holds) and after (new rank 0) for a bit-exact comparison, and one more step is trained.
+"""One host of a series of shrinks, grows and replacements through the peer-to-peer transfer alone
+(no Guard, no store of spotguard's), one process per host for the whole series.
 
-    python reshard.py --mode ddp|fsdp2 --out DIR --old-hosts a,b,c --new-hosts a,b --me a
-        --old-port P --new-port Q [--steps 3]
-A host in --new-hosts but not in --old-hosts is a joiner (it starts in the new group).
-Writes state-before.pt, state-after.pt, sent-<host> (bytes sent), planned (the plan's moved and
-minimum bytes), exit-<host>.
+    python reshard.py --out DIR --me a --script FILE [--steps 3]
+
+The script (JSON) is a list of chains, run in order by every host:
+`{"name": N, "mode": "ddp"|"fsdp2", "groups": [[hosts], ...], "ports": [port per group], "refuse": bool}`.
+A chain's first group forms, builds its model and trains --steps steps; each next group is one
+change: the old group hands over, the new group forms on its own port (a host not in the old
+group is a joiner: it holds nothing), rebuilds, receives and loads, then trains one step (the
+loaded state trains on; that step's state is the next change's agreed state). A host in neither
+group of a change waits for the next one it is in. `refuse`: the first group's model is FSDP2
+with one weight sharded on dimension 1, a placement the plan cannot map; every rank of it must
+refuse the change before anything moves, its state intact, and the chain ends there.
+Writes, per change `<name>-<k>` (k from 0): state-before-<change>.pt (old rank 0: what the agreed
+checkpoint holds), state-after-<change>.pt (new rank 0), sent-<change>-<host> (bytes the host
+sent), planned-<change> (the plan's moved and minimum bytes); refused-<name>-<host> (the refusal).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -30,6 +38,8 @@ from spotguard.hooks.elastic.transfer import hand_over, load, receive
 from spotguard.trainer.elastic_job import base_model, batch, build_for
 from launch import assert_same_state
 from state_dump import flatten
+
+EXTRA = {"pos": 7}  # what travels beside the state (a data position, say)
 
 
 def full(adapter) -> dict[str, torch.Tensor]:
@@ -59,68 +69,76 @@ def refused_build():
 
 
 def form(port: int, rank: int, world: int) -> None:
+    # A host can wait here through the changes before its group (the whole script's start-up on
+    # a loaded machine): a generous deadline, not a measure.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+                            timeout=timedelta(seconds=300))
+
+
+def run_chain(chain: dict, me: str, out: Path, steps: int) -> None:
+    """Every change of `chain` that `me` takes part in (module docstring)."""
+    groups, ports, name = chain["groups"], chain["ports"], chain["name"]
+    build = refused_build if chain.get("refuse") else build_for(chain["mode"])
+    adapter = None
+    if me in groups[0]:
+        form(ports[0], groups[0].index(me), len(groups[0]))
+        adapter = TorchDCPAdapter(*build(), checkpoint_dir=out / f"ckpt-{name}", build=build)
+        for s in range(steps):
+            train(adapter, s)
+    for k, (old, new) in enumerate(itertools.pairwise(groups)):
+        change, step = f"{name}-{k}", steps - 1 + k  # one step trained after each change
+        reform = ReformPlan.make(old, new)
+        held = None
+        if me in old:
+            old_rank = old.index(me)
+            state = full(adapter)
+            if old_rank == 0:
+                torch.save(state, out / f"state-before-{change}.pt")
+            if chain.get("refuse"):
+                try:
+                    hand_over(GroupCollectives(), adapter, step, EXTRA, reform)
+                except ReshardError as exc:
+                    assert_same_state(state, full(adapter))  # nothing moved, nothing lost
+                    (out / f"refused-{name}-{me}").write_text(str(exc))
+                dist.destroy_process_group()
+                return
+            held = hand_over(GroupCollectives(), adapter, step, EXTRA, reform)
+            (out / f"sent-{change}-{me}").write_text(str(held.sent_bytes))
+            if old_rank == 0:
+                (out / f"planned-{change}").write_text(json.dumps([held.plan.moved_bytes(),
+                                                                   held.plan.minimum_bytes()]))
+            dist.destroy_process_group()
+            if reform.new_rank(old_rank) is None:
+                adapter = None
+                continue
+            form(ports[k + 1], reform.new_rank(old_rank), reform.new_world_size)
+            adapter.rebuild()
+        elif me in new:
+            form(ports[k + 1], reform.joiner_rank(me, 0), reform.new_world_size)
+            adapter = TorchDCPAdapter(*build(), checkpoint_dir=out / f"ckpt-{name}", build=build)
+        else:
+            continue
+        held = receive(GroupCollectives(), adapter, held, share_first=True)
+        load(adapter, held)
+        (out / f"sent-{change}-{me}").write_text(str(held.sent_bytes))
+        assert held.step == step and held.extra == EXTRA, (change, held.step, held.extra)
+        state = full(adapter)
+        if dist.get_rank() == 0:
+            torch.save(state, out / f"state-after-{change}.pt")
+        train(adapter, step + 1)  # the loaded state trains on
+    if adapter is not None:
+        dist.destroy_process_group()
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--old-hosts", required=True)
-    p.add_argument("--new-hosts", required=True)
     p.add_argument("--me", required=True)
-    p.add_argument("--old-port", type=int, required=True)
-    p.add_argument("--new-port", type=int, required=True)
+    p.add_argument("--script", required=True)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--refuse", action="store_true",
-                   help="FSDP2 with one weight sharded on dim 1: the plan must refuse before anything moves")
     args = p.parse_args()
-    out = Path(args.out)
-    reform = ReformPlan.make(args.old_hosts.split(","), args.new_hosts.split(","))
-    build = refused_build if args.refuse else build_for(args.mode)
-    held = None
-    step = args.steps - 1
-    if args.me in reform.old_hosts:
-        old_rank = reform.old_hosts.index(args.me)
-        form(args.old_port, old_rank, reform.old_world_size)
-        adapter = TorchDCPAdapter(*build(), checkpoint_dir=out / "ckpt", build=build)
-        for s in range(args.steps):
-            train(adapter, s)
-        state = full(adapter)
-        if old_rank == 0:
-            torch.save(state, out / "state-before.pt")
-        if args.refuse:
-            try:
-                hand_over(GroupCollectives(), adapter, step, {"pos": 7}, reform)
-            except ReshardError as exc:
-                assert_same_state(state, full(adapter))  # nothing moved, nothing lost
-                (out / f"refused-{args.me}").write_text(str(exc))
-            dist.destroy_process_group()
-            return 0
-        held = hand_over(GroupCollectives(), adapter, step, {"pos": 7}, reform)
-        (out / f"sent-{args.me}").write_text(str(held.sent_bytes))
-        if old_rank == 0:
-            (out / "planned").write_text(json.dumps([held.plan.moved_bytes(), held.plan.minimum_bytes()]))
-        dist.destroy_process_group()
-        if reform.new_rank(old_rank) is None:
-            return 0
-        form(args.new_port, reform.new_rank(old_rank), reform.new_world_size)
-        adapter.rebuild()
-    else:
-        form(args.new_port, reform.joiner_rank(args.me, 0), reform.new_world_size)
-        model, optimizer = build()
-        adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=out / "ckpt", build=build)
-    sent_before = held.sent_bytes if held is not None else 0
-    held = receive(GroupCollectives(), adapter, held, share_first=True)
-    load(adapter, held)
-    (out / f"sent-{args.me}").write_text(str(held.sent_bytes))
-    assert held.step == step and held.extra == {"pos": 7}, (held.step, held.extra, sent_before)
-    state = full(adapter)
-    if dist.get_rank() == 0:
-        torch.save(state, out / "state-after.pt")
-    train(adapter, args.steps)  # the loaded state trains on
-    dist.destroy_process_group()
+    for chain in json.loads(Path(args.script).read_text()):
+        run_chain(chain, args.me, Path(args.out), args.steps)
     return 0
 
 
