@@ -3,13 +3,20 @@
 A change of data-parallel world size makes the adapter convert the checkpoint to DeepSpeed's
 universal format (ds_to_universal --inject_missing_state) and load it with load_universal; the
 state right after loading (fp32 parameters, Adam moments, global step) equals, bit for bit,
-the state the previous leg saved.
+the state the previous leg saved. The universal copy is the one of exactly the commit it was made
+from: a tag committed again (other content) loses its copy, and the next resume converts anew.
+
+One chain of legs in one store (a DeepSpeed process and each conversion import far more than
+torch, so every leg's checkpoint is the next leg's start and is checked for all it proves):
+ZeRO-1 at 2 -> 1 -> 2 ranks; then ZeRO-2 trained afresh at 2 ranks re-commits the tag the ZeRO-1
+1-rank leg committed (whose copy the 2-rank leg made), and resumes 2 -> 1 -> 2 from it.
 """
 from __future__ import annotations
 
-import pytest
-
 import json
+from pathlib import Path
+
+import pytest
 
 from spotguard.hooks.checkpoint import CheckpointStore
 from spotguard.hooks.checkpoint.derived import SOURCE
@@ -18,7 +25,8 @@ from tests.workers.launch import assert_same_state, exits, load_state, run_ranks
 pytestmark = pytest.mark.slow
 
 
-def leg(tmp_path, name: str, world: int, stage: int, signal_at: int, *extra: str):
+def leg(tmp_path, name: str, world: int, stage: int, signal_at: int, *extra: str) -> tuple[Path, str]:
+    """`world` ranks at ZeRO `stage`; the last rank SIGTERMs itself after `signal_at`: all save that step, exit 83."""
     out = tmp_path / name
     args = ["--mode", "deepspeed", "--zero-stage", str(stage), "--ckpt", str(tmp_path / "ckpt"), "--out", str(out),
             "--steps", "1000", "--signal-at", str(signal_at), "--signal-rank", str(world - 1), *extra]
@@ -27,32 +35,7 @@ def leg(tmp_path, name: str, world: int, stage: int, signal_at: int, *extra: str
     assert exits(out, world) == [83] * world
     records = saved(out, world)
     assert {r["step"] for r in records} == {signal_at}, records
-    return out, signal_at, tail
-
-
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero_resume_2_1_2_exact(tmp_path, stage):
-    first, step1, _ = leg(tmp_path, "w2", 2, stage, signal_at=2)
-    second, step2, tail = leg(tmp_path, "w1", 1, stage, signal_at=step1 + 2)
-    assert "loading its universal form" in tail
-    assert (tmp_path / "ckpt" / "_universal").is_dir()
-    saved_state, resumed = load_state(first / "state-save.pt"), load_state(second / "state-resume.pt")
-    assert int(resumed["global_steps"]) == step1 + 1
-    assert_same_state(saved_state, resumed)
-    third, _, _ = leg(tmp_path, "w2b", 2, stage, signal_at=step2 + 2)
-    assert_same_state(load_state(second / "state-save.pt"), load_state(third / "state-resume.pt"))
-
-
-
-def resume_only(tmp_path, name: str, world: int, step: int):
-    """A leg that only resumes (from the checkpoint of `step`) and exits: no training, no save."""
-    out = tmp_path / name
-    args = ["--mode", "deepspeed", "--zero-stage", "1", "--ckpt", str(tmp_path / "ckpt"), "--out", str(out),
-            "--steps", str(step + 1)]
-    codes, tail = run_ranks(world, args, out / "logs", timeout=240)
-    assert codes == [0] * world, tail
-    assert "loading its universal form" in tail
-    return out
+    return out, tail
 
 
 def copy_source(tmp_path, tag: str) -> str | None:
@@ -62,17 +45,43 @@ def copy_source(tmp_path, tag: str) -> str | None:
         return None
 
 
-def test_universal_copy_follows_its_commit(tmp_path):
-    _first, step, _ = leg(tmp_path, "w2", 2, 1, signal_at=2)
-    store = CheckpointStore(tmp_path / "ckpt", clean=False)
-    tag = store.latest().tag
-    resume_only(tmp_path, "w1", 1, step)
+def resumed_exactly_through_the_universal_form(saved_leg: Path, resumed_leg: Path, tail: str, step: int) -> None:
+    assert "loading its universal form" in tail
+    resumed = load_state(resumed_leg / "state-resume.pt")
+    assert int(resumed["global_steps"]) == step + 1
+    assert_same_state(load_state(saved_leg / "state-save.pt"), resumed)
+
+
+def the_copy_is_of_exactly_that_commit(tmp_path, store: CheckpointStore, tag: str) -> None:
     assert copy_source(tmp_path, tag) == store.read(tag).fingerprint
-    # the same tag committed again with other content (trained from scratch at 1 rank, not 2)
-    again, _, _ = leg(tmp_path, "w1-fresh", 1, 1, step, "--fresh")
+
+
+def resume_2_1_2(tmp_path, store: CheckpointStore, stage: int, first: Path, step: int) -> tuple[str, int]:
+    """From `first`'s 2-rank checkpoint of `step`: 1 rank, then 2, each resume exact; returns the
+    tag and step of the 1-rank leg's checkpoint (its universal copy made by the 2-rank leg)."""
+    tag = store.latest().tag
+    second, tail = leg(tmp_path, f"s{stage}-w1", 1, stage, step + 2)
+    resumed_exactly_through_the_universal_form(first, second, tail, step)
+    the_copy_is_of_exactly_that_commit(tmp_path, store, tag)
+    tag = store.latest().tag
+    third, tail = leg(tmp_path, f"s{stage}-w2b", 2, stage, step + 4)
+    resumed_exactly_through_the_universal_form(second, third, tail, step + 2)
+    the_copy_is_of_exactly_that_commit(tmp_path, store, tag)
+    return tag, step + 2
+
+
+def a_recommit_drops_the_copy_of_the_commit_it_replaced(tmp_path, store: CheckpointStore, tag: str) -> None:
     assert store.latest().tag == tag
     assert copy_source(tmp_path, tag) is None, "a copy of a commit that is gone was kept"
     assert not list((tmp_path / "ckpt" / "_universal").glob(".build-*"))
-    resumed = resume_only(tmp_path, "w2-resume", 2, step)
-    assert copy_source(tmp_path, tag) == store.read(tag).fingerprint
-    assert_same_state(load_state(again / "state-save.pt"), load_state(resumed / "state-resume.pt"))
+
+
+def test_zero1_and_zero2_resume_2_1_2_exactly_and_the_universal_copy_follows_its_commit(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", clean=False)
+    first, _ = leg(tmp_path, "s1-w2", 2, 1, 2)
+    tag, step = resume_2_1_2(tmp_path, store, 1, first, 2)
+    # ZeRO-2 from scratch at 2 ranks commits that tag again, other content: the copy goes; the
+    # 1-rank leg that resumes it converts this commit (its state is this commit's, not the copy's)
+    again, _ = leg(tmp_path, "s2-w2", 2, 2, step, "--fresh")
+    a_recommit_drops_the_copy_of_the_commit_it_replaced(tmp_path, store, tag)
+    resume_2_1_2(tmp_path, store, 2, again, step)

@@ -316,13 +316,41 @@ def watch_trial(zygote: Zygote, rules: LaneRules, name: str, style: str, final: 
                 pass
 
 
+class SharedZygote:
+    """The disk lanes' zygote, started once (one torch import for both): it only forks, so a lane
+    leaves nothing in it, and each lane's children open their own store root. A lane that fails
+    mid-trial discards it (lines of a child cut short would reach the next lane): the next starts one."""
+
+    def __init__(self):
+        self.zygote: Zygote | None = None
+
+    def get(self) -> Zygote:
+        if self.zygote is None:
+            self.zygote = Zygote()
+        return self.zygote
+
+    def discard(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
+
+
+@pytest.fixture(scope="module")
+def disk_zygote():
+    shared = SharedZygote()
+    try:
+        yield shared
+    finally:
+        shared.discard()
+
+
 @pytest.mark.parametrize("lane", sorted(STYLES))
-def test_sigkill_during_saves_never_loses_the_newest_checkpoint(tmp_path, lane):
+def test_sigkill_during_saves_never_loses_the_newest_checkpoint(tmp_path, lane, disk_zygote):
     trials = int(os.environ.get("SPOTGUARD_CRASH_TRIALS", "30"))
     seed = int(os.environ.get("SPOTGUARD_CRASH_SEED", str(time.time_ns())))
     rng = random.Random(seed)
     root = tmp_path / "store"
-    zygote = Zygote()
+    zygote = disk_zygote.get()
     stats: collections.Counter = collections.Counter()
     problems: list[str] = []
     try:
@@ -333,8 +361,9 @@ def test_sigkill_during_saves_never_loses_the_newest_checkpoint(tmp_path, lane):
             style = styles[(trial // 2) % len(styles)]
             last_committed = run_trial(zygote, root, mode, lane, style, trial == trials, last_committed, rng,
                                        stats, problems, trial)
-    finally:
-        zygote.close()
+    except BaseException:
+        disk_zygote.discard()
+        raise
     print(f"\ncrash lane {lane} (seed {seed}): " + ", ".join(f"{k} {v}" for k, v in sorted(stats.items())))
     assert not problems, problems
     assert last_committed >= 1 and stats["clean finishes"] == 1

@@ -3,11 +3,14 @@ notice makes every rank snapshot on a denser grid for the steps it has left, so 
 becomes long the deadline watchdog persists a step trained after the notice, not the periodic
 snapshot from before it.
 
-The notice is rank 1's SIGTERM after step 60 with a 20 s grace, held by a 4 s horizon
+Each notice is rank 1's SIGTERM after a given step with a 20 s grace, held by a 4 s horizon
 (`SPOTGUARD_HORIZON_SECONDS`: the ranks train on, as under a notice announced ahead), with
-`snapshot_every=25`. Once both ranks have snapshotted a step of the grid the test makes rank 1's
-next step long (a file it waits on, as an evaluation pass): rank 0 sits in DDP's all_reduce. Every
-wait is on a condition; the deadline is the product's (exit 83, the termination message's margin).
+`snapshot_every=25`. Once both ranks have snapshotted a step of the grid the test makes one rank's
+next step long (a file it waits on, as an evaluation pass): the other sits in DDP's all_reduce.
+Every wait is on a condition; the deadline is the product's (exit 83, the termination message's
+margin). Two ways to hold, one chain: the second run resumes from the first's checkpoint (its
+notice comes after a periodic snapshot of its own), and one resume to the end checks both
+checkpoints against an uninterrupted run.
 """
 from __future__ import annotations
 
@@ -21,15 +24,14 @@ from tests.workers.launch import Run, assert_same_state, load_state, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-TOTAL = 120
+TOTAL = 300  # past both notices' saves even if a loaded machine trains the whole 4 s horizon
 EVERY = 25
-NOTICE_STEP = 60
+FIRST_NOTICE = 60
+NEXT_NOTICE_AFTER = 40  # the second notice, this many steps after the first save: a periodic snapshot between
 GRACE = 20.0
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return uninterrupted_state(tmp_path_factory.mktemp("reference"), TOTAL)
+HELD_BEFORE_ITS_STEP = ["--hold-rank", "1"]  # rank 1 before its next step: both completed the same steps
+# rank 0 after its step's all_reduce, before its boundary: rank 1 must not snapshot that step alone
+HELD_BEFORE_ITS_BOUNDARY = ["--hold-rank", "0", "--hold-after-step"]
 
 
 def snapshot_steps(out: Path, rank: int) -> list[int]:
@@ -37,12 +39,12 @@ def snapshot_steps(out: Path, rank: int) -> list[int]:
     return [int(line) for line in path.read_text().split()] if path.exists() else []
 
 
-def wait_for_grid_snapshots(out: Path, run: Run) -> list[int]:
+def wait_for_grid_snapshots(out: Path, run: Run, notice: int) -> list[int]:
     """Waits until every rank snapshotted a step after the notice that is not a periodic one; the
     newest such step of each rank."""
     end = time.monotonic() + LONG_WAIT
     while True:
-        dense = [[s for s in snapshot_steps(out, r) if s > NOTICE_STEP and s % EVERY] for r in range(2)]
+        dense = [[s for s in snapshot_steps(out, r) if s > notice and s % EVERY] for r in range(2)]
         if all(dense):
             return [steps[-1] for steps in dense]
         if any(p.poll() is not None for p in run.procs):
@@ -52,30 +54,39 @@ def wait_for_grid_snapshots(out: Path, run: Run) -> list[int]:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("held", [
-    ["--hold-rank", "1"],                          # rank 1 before its next step: both completed the same steps
-    ["--hold-rank", "0", "--hold-after-step"],     # rank 0 after its step's all_reduce, before its boundary
-], ids=["held-before-its-step", "held-before-its-boundary"])   # ... rank 1 must not snapshot that step alone
-def test_a_notice_makes_snapshots_denser_so_the_watchdog_persists_a_step_after_it(tmp_path, reference, held):
-    ckpt, out = tmp_path / "ckpt", tmp_path / "dense"
+def a_notice_makes_snapshots_denser_so_the_watchdog_persists_a_step_after_it(tmp_path, name: str, held: list[str],
+                                                                            notice: int) -> int:
+    """One run to its notice after step `notice` and the long step; returns the step the watchdog persisted."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / name
+    before = checkpoints(ckpt) if ckpt.exists() else []
     args = ["--mode", "ddp", "--ckpt", str(ckpt), "--out", str(out), "--steps", "1000", "--snapshot-every",
-            str(EVERY), "--step-sleep", "0.05", "--signal-at", str(NOTICE_STEP), "--signal-rank", "1", *held,
+            str(EVERY), "--step-sleep", "0.05", "--signal-at", str(notice), "--signal-rank", "1", *held,
             "--hold-when", "hold-now", "--log-snapshots", "--grace", str(GRACE), "--no-compare"]
-    env = term_env(tmp_path, "dense", {"SPOTGUARD_HORIZON_SECONDS": "4"})
+    env = term_env(tmp_path, name, {"SPOTGUARD_HORIZON_SECONDS": "4"})
     with Run(2, args, out / "logs", rank_env=env) as run:
-        newest = wait_for_grid_snapshots(out, run)
+        newest = wait_for_grid_snapshots(out, run, notice)
         (out / "hold-now").touch()
         codes = run.wait(GRACE + 60)
     assert codes == [83, 83], run.tail()
-    [saved] = {m["saved_step"] for m in messages(tmp_path, "dense")}
-    assert saved > NOTICE_STEP and saved >= max(newest), (saved, newest)   # not step 50, the periodic one
+    [saved] = {m["saved_step"] for m in messages(tmp_path, name)}
+    assert saved > notice and saved >= max(newest), (saved, newest)   # not the periodic one before the notice
     assert all(saved in snapshot_steps(out, r) for r in range(2))
-    assert checkpoints(ckpt) == [f"step-{saved:09d}-notice"]
-    for m in messages(tmp_path, "dense"):
+    assert checkpoints(ckpt) == sorted([*before, f"step-{saved:09d}-notice"])
+    for m in messages(tmp_path, name):
         assert (m["checkpoint"], m["saved_by"], m["steps_lost"]) == ("durable", "watchdog", m["step"] - saved), m
         assert 0 < m["margin_seconds"] < GRACE, m   # gone before the deadline
+    return saved
+
+
+def test_a_notice_makes_snapshots_denser_so_the_watchdog_persists_a_step_after_it(tmp_path_factory, tmp_path):
+    first = a_notice_makes_snapshots_denser_so_the_watchdog_persists_a_step_after_it(
+        tmp_path, "held-before-its-step", HELD_BEFORE_ITS_STEP, FIRST_NOTICE)
+    second = a_notice_makes_snapshots_denser_so_the_watchdog_persists_a_step_after_it(
+        tmp_path, "held-before-its-boundary", HELD_BEFORE_ITS_BOUNDARY, first + NEXT_NOTICE_AFTER)
+    assert second < TOTAL - 1, (first, second)
+    reference = uninterrupted_state(tmp_path_factory.mktemp("reference"), TOTAL)
     resumed = tmp_path / "resumed"
-    codes, tail = run_ranks(2, ["--mode", "ddp", "--ckpt", str(ckpt), "--out", str(resumed), "--steps", str(TOTAL)],
-                            resumed / "logs", timeout=LONG_WAIT)
+    codes, tail = run_ranks(2, ["--mode", "ddp", "--ckpt", str(tmp_path / "ckpt"), "--out", str(resumed), "--steps",
+                                str(TOTAL)], resumed / "logs", timeout=LONG_WAIT)
     assert codes == [0, 0], tail
     assert_same_state(load_state(resumed / "state-final.pt"), reference)
