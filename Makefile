@@ -9,6 +9,13 @@ PIP    := $(VENV)/bin/pip
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.spotguard-installed
 
+# Some machines set PYTHONDONTWRITEBYTECODE=1 (this project's CI kind does). Every process then
+# compiles the repository's modules from source (~0.5 s of CPU per trainer process) and pytest
+# rewrites every test module again in each xdist worker; the suite and the dry-run start hundreds
+# of processes. Here they cache bytecode in __pycache__ (ignored by git): an empty value is unset
+# for Python.
+export PYTHONDONTWRITEBYTECODE :=
+
 .PHONY: run test lint test-k8s k8s-assets promtool bench install clean
 
 # A real control plane for the tests marked k8s: the bundle in ../shared, unpacked once.
@@ -24,6 +31,9 @@ install: $(STAMP)
 # with && : `set -e` does not apply inside the left side of ||).
 INSTALL_LOG := $(VENV)/install.log
 INSTALL_TAIL := 40
+# DeepSpeed's CPU op compiles (tools/prebuild_deepspeed_op.py: needs torch and DeepSpeed only) while
+# pip installs the rest: the compile is the longest step of the install.
+PREBUILD_LOG := $(VENV)/prebuild.log
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	@echo "installing spotguard and its dependencies into $(VENV) (about 2 minutes on a quiet machine; log: $(INSTALL_LOG))"
@@ -32,8 +42,11 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	  $(PIP) install -q --upgrade pip setuptools wheel && \
 	  $(PIP) install -q -c constraints.txt torch==2.13.0 && \
 	  DS_BUILD_OPS=0 $(PIP) install -q -c constraints.txt --no-build-isolation deepspeed && \
-	  $(PIP) install -q -c constraints.txt -e '.[train,deepspeed,hf,lightning,k8s,gpu,ui,s3,test,lint]' && \
-	  TORCH_EXTENSIONS_DIR=$(abspath .cache/torch_extensions) $(PY) tools/prebuild_deepspeed_op.py \
+	  { TORCH_EXTENSIONS_DIR=$(abspath .cache/torch_extensions) $(PY) tools/prebuild_deepspeed_op.py \
+	      > $(PREBUILD_LOG) 2>&1 & prebuild=$$!; \
+	    $(PIP) install -q -c constraints.txt -e '.[train,deepspeed,hf,lightning,k8s,gpu,ui,s3,test,lint]'; \
+	    installed=$$?; wait $$prebuild; built=$$?; cat $(PREBUILD_LOG); \
+	    [ $$installed -eq 0 ] && [ $$built -eq 0 ]; } \
 	) > $(INSTALL_LOG) 2>&1 || { tail -n $(INSTALL_TAIL) $(INSTALL_LOG) >&2; \
 	  echo "make install: failed (above: the last $(INSTALL_TAIL) lines of $(INSTALL_LOG))" >&2; exit 1; }
 	@touch $(STAMP)
@@ -45,6 +58,8 @@ run: $(STAMP)
 # multi-process or dry-run test's time is spent waiting (start-up, rendezvous, simulated steps), so
 # even on two cores a third worker pays. A fourth did not: the CPU bounds the suite (~1700 s of
 # CPU; docs/developing.md, "The suite's time"), and it only added load. Every test tolerates a neighbour.
+# `--dist worksteal` hands each worker a slice of the collection; tests/scheduling.py deals the
+# tests into slices of equal recorded seconds, each worker's longest first.
 PYTEST_WORKERS ?= 3
 
 test: $(STAMP)

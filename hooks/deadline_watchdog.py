@@ -86,6 +86,7 @@ class DeadlineWatchdog:
         self._armed_at = self._leave_at = 0.0
         self._acting = self._boundary_owns = False
         self._withdrawn: set[str] = set()
+        self._arming = threading.RLock()  # a disarm never lands between the message and the timer
         self._from_store: str | None = None  # the id of an armed notice this rank learned from the store alone
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -124,18 +125,19 @@ class DeadlineWatchdog:
     def disarm(self, notice_id: str, share: bool = True) -> None:
         """A withdrawn notice: no last-resort exit, no termination message (unless the watchdog
         acts on it already: the rank is leaving then); `share`: withdrawn from the store too."""
-        self._withdrawn.add(notice_id)
-        if self.notice is None or self.notice.id != notice_id or self._acting:
-            return
-        self.notice = None
-        self.dense.stop()
-        if share:
-            with contextlib.suppress(Exception):
-                self.claims().withdraw(notice_id)
-        if self._armed_for == notice_id:
-            self._armed_for = None
-            self.timer.cancel()
-            clear_termination_message()
+        with self._arming:
+            self._withdrawn.add(notice_id)
+            if self.notice is None or self.notice.id != notice_id or self._acting:
+                return
+            self.notice = None
+            self.dense.stop()
+            if share:
+                with contextlib.suppress(Exception):
+                    self.claims().withdraw(notice_id)
+            if self._armed_for == notice_id:
+                self._armed_for = None
+                self.timer.cancel()
+                clear_termination_message()
 
     def completed(self, step: int) -> None:
         self.progress.complete(step)
@@ -204,8 +206,8 @@ class DeadlineWatchdog:
             return
         deadline = notice.deadline.timestamp()
         self.progress.saw_persisted(self.adapter())
-        if self._armed_for != notice.id:
-            self._arm_last_resort(notice, deadline)
+        if self._armed_for != notice.id and not self._arm_last_resort(notice, deadline):
+            return
         if self.snapshot_every and not self._acting:
             self.dense.follow(notice.id, self.adapter(), self.progress.completed, self.step_seconds(),
                               self.snapshot_every)
@@ -237,18 +239,27 @@ class DeadlineWatchdog:
             self.exit.hold_process()
             self.exit.persist(step, notice, deadline, self._leave_at, self.progress)
 
-    def _arm_last_resort(self, notice: Notice, deadline: float) -> None:
-        self._armed_for, self._armed_at = notice.id, time.time()
-        self._leave_at = leave_by(deadline, self._armed_at)
-        with contextlib.suppress(Exception):
-            self.claims().publish(notice)
-        completed = self.progress.completed if self.progress.completed is not None else -1
-        write_termination_message(notice.id, completed, completed, False,
-                                  steps_lost=self.progress.lost_since(self.progress.durable),
-                                  extra={"saved_by": "none", "why": "deadline"}, exit_code=EXIT_CHECKPOINT_FAILED)
-        self.timer.arm(time.monotonic() + self._leave_at - time.time(), EXIT_CHECKPOINT_FAILED)
+    def _arm_last_resort(self, notice: Notice, deadline: float) -> bool:
+        """Publishes `notice`, writes its termination message and arms the timer, all or nothing
+        against a concurrent `disarm` (the Guard's thread): a withdrawal between the message and
+        the timer left the timer armed and the rank exited 84 at a withdrawn notice. False: the
+        notice was withdrawn first."""
+        with self._arming:
+            if notice.id in self._withdrawn or self.notice is not notice:
+                return False
+            self._armed_for, self._armed_at = notice.id, time.time()
+            self._leave_at = leave_by(deadline, self._armed_at)
+            with contextlib.suppress(Exception):
+                self.claims().publish(notice)
+            completed = self.progress.completed if self.progress.completed is not None else -1
+            write_termination_message(notice.id, completed, completed, False,
+                                      steps_lost=self.progress.lost_since(self.progress.durable),
+                                      extra={"saved_by": "none", "why": "deadline"},
+                                      exit_code=EXIT_CHECKPOINT_FAILED)
+            self.timer.arm(time.monotonic() + self._leave_at - time.time(), EXIT_CHECKPOINT_FAILED)
         log.warning("deadline watchdog armed for notice %s: the rank leaves by %.1fs from now at the latest",
                     notice.id, self._leave_at - time.time())
+        return True
 
     @staticmethod
     def _persist_estimate(adapter: Any) -> float | None:

@@ -110,13 +110,21 @@ def test_a_cancelled_exit_timer_never_fires():
 def test_a_withdrawn_notice_disarms_the_last_resort_and_empties_the_message(tmp_path):
     """Armed (the message written in advance, the timer set for 5 s on), then withdrawn: the
     process outlives the timer's time with its own exit status and an empty message; a resent
-    copy of the withdrawn notice does not arm it again."""
+    copy of the withdrawn notice does not arm it again. The withdrawal comes while the watchdog
+    is between writing the message and arming the timer (held there for a second): the timer it
+    then arms is cancelled too (it fired at 5 s, exit 84, before arming was made atomic)."""
     message = tmp_path / "termination-log"
     script = textwrap.dedent(f"""
         import os, time
         from datetime import timedelta
         os.environ["SPOTGUARD_TERMINATION_LOG"] = {str(message)!r}
+        import spotguard.hooks.deadline_watchdog as deadline_watchdog
         from spotguard.hooks.deadline_watchdog import DeadlineWatchdog
+        write = deadline_watchdog.write_termination_message
+        def write_then_pause(*args, **kwargs):
+            write(*args, **kwargs)
+            time.sleep(1.0)
+        deadline_watchdog.write_termination_message = write_then_pause
         from spotguard.wire.notice import Notice, now_utc
         watchdog = DeadlineWatchdog(lambda: None, 1.0).start()
         watchdog.completed(5)  # new work, no snapshot: only the timer could end it
