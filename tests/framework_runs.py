@@ -41,21 +41,22 @@ def notice(nid: str) -> dict:
 
 
 def interrupted_run(framework: str, tmp_path: Path, ckpt: Path, out: Path, delivery: str, *extra: str,
-                    after_step: int = 3) -> tuple[list[int], SidecarStub | None, str]:
-    """Two ranks; once rank 0 passed `after_step`, rank 1 alone gets the notice. (exit codes, stub, log tail)."""
+                    after_step: int = 3, world: int = 2) -> tuple[list[int], SidecarStub | None, str]:
+    """`world` ranks; once rank 0 passed `after_step`, the last rank alone gets the notice. (exit codes,
+    stub, log tail)."""
     stub = SidecarStub() if delivery == "sidecar" else None
     rank_env = {}
     if stub is not None:
         stub.__enter__()
         token = tmp_path / "token"
         token.write_text(stub.token)
-        rank_env = {1: {"SPOTGUARD_SIDECAR_URL": stub.url, "SPOTGUARD_TOKEN_FILE": str(token)}}
+        rank_env = {world - 1: {"SPOTGUARD_SIDECAR_URL": stub.url, "SPOTGUARD_TOKEN_FILE": str(token)}}
     try:
-        with Run(2, args(ckpt, out, "--step-sleep", "0.05", *extra), out / "logs", rank_env=rank_env,
+        with Run(world, args(ckpt, out, "--step-sleep", "0.05", *extra), out / "logs", rank_env=rank_env,
                  module=MODULES[framework]) as run:
             wait_for_progress(out, 0, after_step, timeout=600, procs=run.procs)
             if stub is None:
-                run.procs[1].send_signal(signal.SIGTERM)
+                run.procs[-1].send_signal(signal.SIGTERM)
             else:
                 deadline = time.monotonic() + 30
                 while stub.connections < 1 and time.monotonic() < deadline:

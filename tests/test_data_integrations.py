@@ -2,7 +2,7 @@
 tiny model and 64 samples): the position survives the framework's OWN checkpoints too (the
 Trainer's periodic `checkpoint-N`, Lightning's `ModelCheckpoint`, Accelerate's `save_state`), a
 resume continues the uninterrupted order, and bad input is refused at start with what to change.
-The multi-rank runs through a shrink and a grow are tests/test_data_ledger_integrations.py."""
+The multi-rank runs through a shrink and a grow are tests/test_integrations_multirank.py."""
 from __future__ import annotations
 
 import logging

@@ -11,6 +11,9 @@ and every rank exits 83 before the deadline; the framework's own resume
 (`train(resume_from_checkpoint=last_checkpoint(trainer))`, `fit(ckpt_path="last")`) continues from
 it with the optimizer state equal bit for bit and the data position continuing. Without
 `snapshot_every` the same run leaves with 84 (nothing held to persist).
+The resume on one rank keeps the global batch (the per-device batch doubles): the Trainer's and
+Lightning's resume at a new world size with the global batch kept (tests/test_integrations_multirank.py
+keeps each rank's batch).
 """
 from __future__ import annotations
 
