@@ -58,8 +58,6 @@ run: $(STAMP)
 # multi-process or dry-run test's time is spent waiting (start-up, rendezvous, simulated steps), so
 # even on two cores a third worker pays. A fourth did not: the CPU bounds the suite (~1700 s of
 # CPU; docs/developing.md, "The suite's time"), and it only added load. Every test tolerates a neighbour.
-# `--dist worksteal` hands each worker a slice of the collection; tests/scheduling.py deals the
-# tests into slices of equal recorded seconds, each worker's longest first.
 PYTEST_WORKERS ?= 3
 
 test: $(STAMP)

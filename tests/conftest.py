@@ -10,7 +10,6 @@ import pytest
 
 from spotguard.emulator.control import EmulatorControl
 from spotguard.emulator.server import Emulator
-from tests.scheduling import load_durations, longest_first, record_duration, write_durations, xdist_workers
 
 # DeepSpeed JIT-builds its CPU shared-memory op on a first use, under a lock file in the torch
 # extensions folder (`~/.cache/torch_extensions` by default). Shared by every clone and virtual
@@ -45,18 +44,29 @@ LONG_UNMARKED = ("test_goodput.py", "test_local_", "test_supervisor_backfill.py"
                  "test_checkpoint_s3_", "test_integrations_s3.py", "test_checkpoint_crash.py")
 
 
-def runs_long(item) -> bool:
-    """Whether `item`'s module is one of multi-process runs (marked `slow` or `k8s`, or named in
-    LONG_UNMARKED): what a test missing from tests/durations.json is assumed to be."""
-    return "slow" in item.keywords or "k8s" in item.keywords or item.path.name.startswith(LONG_UNMARKED)
+def _runs_long(module: str, marked: bool) -> bool:
+    return marked or module.startswith(LONG_UNMARKED)
+
+
+def slow_modules_first(items: list) -> None:
+    """Reorders `items` in place: whole modules, each in its own order, those with a test marked
+    `slow` or `k8s` (or named in LONG_UNMARKED) first. Under xdist's worksteal the last tests of a
+    queue run last and the first worker done idles while the other finishes its current test: with
+    the 30-80 s tests started early, what is left at the end is seconds long. The same order on
+    every worker (it depends on the collection only), as xdist requires."""
+    long_modules = {item.path.name for item in items if "slow" in item.keywords or "k8s" in item.keywords}
+    rank = {}
+    for item in items:
+        rank.setdefault(item.path, 0 if _runs_long(item.path.name, item.path.name in long_modules) else 1)
+    items.sort(key=lambda item: rank[item.path])  # stable: each module's tests keep their order
 
 
 def pytest_collection_modifyitems(config, items):
-    """Each worker's longest first (tests/scheduling.py). Without KUBEBUILDER_ASSETS, tests marked `k8s`
+    """Slow modules first (`slow_modules_first`). Without KUBEBUILDER_ASSETS, tests marked `k8s`
     are skipped (one summary line says why)."""
     from tests.control_plane import assets_dir
 
-    longest_first(items, load_durations(), runs_long, xdist_workers())
+    slow_modules_first(items)
     if assets_dir() is not None:
         return
     skip = pytest.mark.skip(reason="no real control plane (KUBEBUILDER_ASSETS)")
@@ -64,15 +74,6 @@ def pytest_collection_modifyitems(config, items):
         if "k8s" in item.keywords:
             item.add_marker(skip)
             _k8s_skipped.append(item.nodeid)
-
-
-def pytest_runtest_logreport(report):
-    record_duration(report)
-
-
-def pytest_sessionfinish(session):
-    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
-        write_durations()
 
 
 def pytest_terminal_summary(terminalreporter):
