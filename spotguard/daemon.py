@@ -6,7 +6,7 @@ Contract of `run_daemon(main, log_level=...)`:
 - `main(stop)` runs in a fresh event loop (`asyncio.run`); `stop` is an `asyncio.Event` that
   SIGTERM and SIGINT set. That is the graceful stop: `main` finishes or cancels its work, cleans
   up and returns. A second signal sets the event again and changes nothing; the handlers go
-  away with the loop;
+  away with the loop, and the handlers the process had before come back;
 - the return value is `main`'s (None counts as 0), the command's exit status; stdout is flushed
   before it returns, so a JSON line printed at start is never lost in a buffer.
 """
@@ -26,7 +26,13 @@ def run_daemon(main: Callable[[asyncio.Event], Awaitable[int | None]], *, log_le
         from spotguard.logs import setup_logging
 
         setup_logging(log_level)
-    return asyncio.run(_run(main))
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        return asyncio.run(_run(main))
+    finally:
+        for sig, handler in before.items():  # asyncio leaves SIG_DFL behind, whatever was there
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 async def _run(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:

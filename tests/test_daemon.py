@@ -24,6 +24,27 @@ def test_sigterm_sets_stop_and_main_returns_the_exit_status():
     assert signal.getsignal(signal.SIGTERM) == before  # the handler went away with the loop
 
 
+def test_the_handlers_the_process_had_come_back_after_the_loop():
+    """A process with its own SIGTERM handler (a Guard's, in a training process) gets it back:
+    asyncio leaves SIG_DFL behind when its loop closes."""
+    seen = []
+
+    def own(signum, frame):
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, own)
+    try:
+        async def main(stop: asyncio.Event) -> int:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.wait_for(stop.wait(), 10)
+            return 3
+
+        assert run_daemon(main) == 3 and seen == []  # the loop's handler took it
+        assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_sigint_is_a_graceful_stop_too_and_none_means_0():
     async def main(stop: asyncio.Event) -> None:
         os.kill(os.getpid(), signal.SIGINT)
