@@ -56,8 +56,9 @@ run: $(STAMP)
 
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist; 0 runs it in this process): most of a
 # multi-process or dry-run test's time is spent waiting (start-up, rendezvous, simulated steps), so
-# even on two cores a third worker pays. A fourth did not: the CPU bounds the suite (~1700 s of
-# CPU; docs/developing.md, "The suite's time"), and it only added load. Every test tolerates a neighbour.
+# even on two cores a third worker pays. A fourth did not (measured again at ~1570 s of CPU: 1053 s
+# against 1014 s of pytest): the CPU bounds the suite (docs/developing.md, "The suite's time"),
+# and it only added load. Every test tolerates a neighbour.
 PYTEST_WORKERS ?= 3
 
 test: $(STAMP)
