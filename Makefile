@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.spotguard-installed
 
 # Some machines set PYTHONDONTWRITEBYTECODE=1 (this project's CI kind does). Every process then
-# compiles the repository's modules from source (~0.5 s of CPU per trainer process) and pytest
+# compiles the repository's modules from source (~0.25 s of CPU per trainer start) and pytest
 # rewrites every test module again in each xdist worker; the suite and the dry-run start hundreds
 # of processes. Here they cache bytecode in __pycache__ (ignored by git): an empty value is unset
 # for Python.
