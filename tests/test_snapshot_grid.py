@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from spotguard.hooks import dense_snapshots
 from spotguard.hooks.adapters.plain_torch import PlainTorchAdapter
 from spotguard.hooks.deadline_claims import LocalClaims, StoreClaims
 from spotguard.hooks.dense_snapshots import DenseSnapshots, measured_copy_seconds
@@ -70,11 +71,19 @@ EVERY = 25
 STEP = 0.05  # seconds per step: a grid starts lead_steps(STEP) steps ahead
 
 
+COPY = 0.001  # seconds per snapshot copy, as the grids below assume: one every step
+
+
 @pytest.fixture
-def adapter(tmp_path):
+def adapter(tmp_path, monkeypatch):
+    """A real adapter with a measured copy, read as `COPY`: a copy measured on a loaded machine
+    (17 ms seen) would make the grid sparser than the steps these tests name."""
     model = torch.nn.Linear(8, 4)
     adapter = PlainTorchAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path / "ckpt")
     adapter.snapshot(0)  # a measured copy
+    measured = dense_snapshots.measured_copy_seconds
+    monkeypatch.setattr(dense_snapshots, "measured_copy_seconds",
+                        lambda of: COPY if of is adapter and measured(of) is not None else measured(of))
     yield adapter
     adapter.close()
 
