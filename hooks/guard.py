@@ -108,7 +108,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from spotguard.config import ConfigError, http_url, positive_float, positive_int
-from spotguard.hooks.adapters.base import resizable_adapter
+from spotguard.hooks.adapters.base import prepare_at_boundary, resizable_adapter
 from spotguard.hooks.agreement import Agreement, make_agreement
 from spotguard.hooks.agreement.collectives import Collectives, GroupCollectives
 from spotguard.hooks import early_exit
@@ -384,6 +384,7 @@ class Guard:
         self._last_boundary = boundary
         if self.deadline is not None:
             self.deadline.completed(step)
+        prepare_at_boundary(self.adapter)  # the snapshot buffers: at the first boundary, and the first after a change
         trap = self._trap
         if trap is not None and trap.received is not None:
             notice = trap.take()
