@@ -5,7 +5,8 @@ meta device, `fully_shard`, `to_empty`: only this rank's shards are ever allocat
 bench/membership_user_path.py runs it under `spotguard launch` (in place) and under torchrun (the
 relaunch). The one addition is the measurement: one JSON line per completed step in
 `<out>/steps-<node>.jsonl`: `t` when the step completed, `back` when `guard.step` returned (after
-a change, in the new group), `world` the world size the step ran at.
+a change, in the new group), `world` the world size the step ran at, and after an in-place change
+`phases` (its record's phases, seconds from its start).
 
     python bench/_user_fsdp2.py --out DIR --ckpt DIR --dim 4096 --layers 5 --steps 12
 """
@@ -72,9 +73,11 @@ def main(argv=None) -> int:
             ckpt.optimizer.zero_grad(set_to_none=True)
             time.sleep(args.step_sleep)
             done, world = time.monotonic(), guard.world_size
-            guard.step(step)
-            steps.write(json.dumps({"step": step, "t": done, "back": time.monotonic(), "world": world,
-                                    "pid": os.getpid()}) + "\n")
+            result = guard.step(step)
+            line = {"step": step, "t": done, "back": time.monotonic(), "world": world, "pid": os.getpid()}
+            if result.resized:  # the change's phases (seconds from its start), for the bench's split
+                line["phases"] = result.resize.phases
+            steps.write(json.dumps(line) + "\n")
     guard.close()
     dist.destroy_process_group()
     return 0

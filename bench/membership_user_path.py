@@ -25,7 +25,9 @@ stopped. Every survivor's RSS is sampled from outside every `--period` seconds (
   its start to its first step completed, less the median step of the relaunched job: a lower
   bound of the restart path (its drain's checkpoint and exit are not counted). Goal: change /
   relaunch <= 0.2.
-The load of the machine (1-minute load average, cores) is printed with the figures.
+The change's phases on the slowest survivor (its Guard's record: agreed, decided, checkpointed,
+handover beside the write, durable, left, formed, rebuilt, transferred, committed) and the load of
+the machine (1-minute load average, cores) are printed with the figures.
 """
 from __future__ import annotations
 
@@ -208,6 +210,16 @@ def timeline(run: dict) -> dict[str, dict]:
             for host, series in run["samples"].items()}
 
 
+def phase_split(run: dict) -> tuple[str, dict[str, float]]:
+    """The slowest survivor's change, phase by phase (seconds each, in the order reached)."""
+    changes = {h: next(s for s in run["steps"][h] if "phases" in s) for h in HOSTS[1:]}
+    host = max(changes, key=lambda h: changes[h]["back"] - changes[h]["t"])
+    split, previous = {}, 0.0
+    for phase, at in sorted(changes[host]["phases"].items(), key=lambda item: item[1]):
+        split[phase], previous = at - previous, at
+    return host, split
+
+
 def change_cost(run: dict) -> tuple[float, float, int]:
     """(the survivors' longest gap across the change, one step at 3 ranks, the agreed step)."""
     gaps, agreed = [], -1
@@ -274,10 +286,13 @@ def main(argv=None) -> int:
     print(f"  change at step {agreed}: survivors' gap {gap:.2f}s, one step at 3 {step3:.2f}s -> {change:.2f}s beyond "
           f"a step; torchrun relaunch: first step {start:.2f}s after its start, one step {step_r:.2f}s -> "
           f"{restart:.2f}s; ratio {ratio:.2f} (goal <= {COST_GOAL}): {'met' if ratio <= COST_GOAL else 'NOT MET'}")
+    host, split = phase_split(run)
+    print(f"  the change on {host} (the slowest survivor), by phase: "
+          + ", ".join(f"{name} {seconds:.2f}" for name, seconds in split.items()) + " s")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "worst": worst, "change_s": change, "relaunch_s": restart,
                                          "ratio": ratio, "load": [run["load"], relaunch["load"]],
-                                         "timeline": timeline(run)}, indent=1))
+                                         "phases": split, "timeline": timeline(run)}, indent=1))
     return 0 if worst <= MEMORY_GOAL and ratio <= COST_GOAL else 1
 
 
