@@ -3,7 +3,7 @@ notice makes every rank snapshot on a denser grid for the steps it has left, so 
 becomes long the deadline watchdog persists a step trained after the notice, not the periodic
 snapshot from before it.
 
-Each notice is rank 1's SIGTERM after a given step with a 20 s grace, held by a 4 s horizon
+Each notice is rank 1's SIGTERM after a given step with a 12 s grace, held by a 4 s horizon
 (`SPOTGUARD_HORIZON_SECONDS`: the ranks train on, as under a notice announced ahead), with
 `snapshot_every=25`. Once both ranks have snapshotted a step of the grid the test makes one rank's
 next step long (a file it waits on, as an evaluation pass): the other sits in DDP's all_reduce.
@@ -28,7 +28,10 @@ TOTAL = 300  # past both notices' saves even if a loaded machine trains the whol
 EVERY = 25
 FIRST_NOTICE = 60
 NEXT_NOTICE_AFTER = 40  # the second notice, this many steps after the first save: a periodic snapshot between
-GRACE = 20.0
+# The notice's deadline: the watchdog acts ~5 s before it (deadline_policy.act_at), so each run
+# waits ~7 s for it after the notice; the ranks reach the denser grid and the long step ~1 s after
+# the notice (19 steps). 20 s (before) added 8 s of waiting to each of the two runs.
+GRACE = 12.0
 HELD_BEFORE_ITS_STEP = ["--hold-rank", "1"]  # rank 1 before its next step: both completed the same steps
 # rank 0 after its step's all_reduce, before its boundary: rank 1 must not snapshot that step alone
 HELD_BEFORE_ITS_BOUNDARY = ["--hold-rank", "0", "--hold-after-step"]

@@ -69,7 +69,7 @@ workers: 2
 policy: elastic
 min_workers: 1
 membership: restart
-steps: 300
+steps: 120
 step_seconds: 0.05
 events:
   - {at: 2, kind: reclaim, node: node-1, lead: 1}
@@ -82,7 +82,9 @@ def test_a_rank_still_training_at_its_deadline_fails_the_run_and_no_worker_of_it
     own), so no step of node-1 is logged past the deadline, and the run fails (exit 1) naming the
     missed deadline. (A 1 s notice: the supervisor's relaunch of node-0 for the new membership
     comes seconds after it; with 4 s it raced the deadline, and node-0's rank leaving first failed
-    node-1's collective: a crash before the deadline, not a missed one.)"""
+    node-1's collective: a crash before the deadline, not a missed one.) 120 steps last 6 s at
+    least, past the deadline at 3 s; with no Guard the relaunch trains them all again from step 0,
+    so more steps (300 before) only made that 9 s longer."""
     code, report, output = dry_run(tmp_path, MISSED_DEADLINE, "--", "--no-guard", timeout=420)
     assert report is not None, output[-3000:]
     assert code == 1 and not report["ok"], (report["problems"], output[-3000:])

@@ -206,8 +206,10 @@ def test_a_peer_stopped_during_a_change_costs_the_others_at_most_one_reform_time
     """a leaves at step 3 (SIGTERM); c stops itself (SIGSTOP) as its `phase` ends, and is woken
     once its change's deadline (3 re-form timeouts) has passed. b's fallback starts within one
     re-form timeout of that phase (before: two when c stopped after `durable`, in `left` then in
-    `formed`); a waits on nobody after its checkpoint's vote; c leaves at once when woken."""
-    reform = 8.0
+    `formed`); a waits on nobody after its checkpoint's vote; c leaves at once when woken. The
+    re-form timeout is the unit of every bound here: 5 s (8 before) tells one from two as well (b's
+    fallback came 8.00 s after `handover` with 8 s), and the test waits 3 of them for c's deadline."""
+    reform = 5.0
     env = {"SPOTGUARD_REFORM_TIMEOUT": f"{reform:g}", "FAIL_AT": phase, "FAIL_NODE": "c", "FAIL_HOW": "stop"}
     with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", env=env) as hosts:
         hosts.start(["a", "b", "c"], args=(*LONG, "--signal-at", "3", "--signal-node", "a"))

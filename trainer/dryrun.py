@@ -66,7 +66,7 @@ class DryRun:
         self.train_argv_extra = train_argv_extra or []
         self.marker = new_token()  # in the environment of every process this run starts
         self.cluster = LocalCluster(run_dir, scenario.cloud, timings, env={MARK_ENV: self.marker})
-        self.shape = JobShape(self._train_argv(), backfill=backfill)
+        self.shape = JobShape(self._train_argv(), backfill=backfill, reform_timeout=timings.reform_timeout)
         self.on_demand = list(on_demand)
         self.injector = Injector(self.cluster.nodes)
         first = [] if scenario.start_at_min or backfill is not None else scenario.nodes

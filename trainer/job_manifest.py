@@ -83,6 +83,7 @@ class JobShape:
     backfill: Backfill | None = None
     c10d_port: int = field(default_factory=free_port)
     inject: bool = True  # labelled for the injector (False: a cluster without spotguard's pods)
+    reform_timeout: float = 10.0  # seconds: `spotguard launch --reform-timeout` (in place)
 
 
 def replicas(scenario: Scenario, backfill: Backfill | None) -> int:
@@ -112,7 +113,7 @@ def _command(scenario: Scenario, shape: JobShape) -> list[str]:
         nnodes = f"{scenario.min_workers}:{count}" if at_min else str(count)
         return ["spotguard", "launch", f"--nnodes={nnodes}",
                 "--node-rank=$(JOB_COMPLETION_INDEX)", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-                f"--master-port={shape.ports.port(0)}", "--reform-timeout=10",
+                f"--master-port={shape.ports.port(0)}", f"--reform-timeout={shape.reform_timeout:g}",
                 f"--min-world-size={scenario.min_workers}", "--same-session", *shape.train_argv]
     least = scenario.min_workers if scenario.policy == "elastic" else scenario.workers
     return ["torchrun", f"--nnodes={least}:{scenario.workers}",

@@ -39,6 +39,7 @@ class Timings:
     join_settle: float = 5.0  # ControllerConfig.join_settle (10)
     resync: float = 5.0  # --resync (60)
     failure_backoff: float = 0.5  # the Job controller's pod failure backoff (10, doubling)
+    reform_timeout: float = 10.0  # the Job's `spotguard launch --reform-timeout` (30)
 
     def describe(self) -> str:
         return (f"supervisor scale-out delay {self.scale_out_delay:g}s (cluster default 30s), checkpoint timeout "
