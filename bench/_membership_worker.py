@@ -6,7 +6,9 @@ The job of `spotguard.trainer.elastic_job` (DeepSpeed: the same model under ZeRO
 synthetic compute time per step (`--step-sleep`). With `--dim D --layers L` (FSDP2 only) the
 model is the memory bench's instead (`_memory_worker.builder`: L x Linear(D, D), made on the meta
 device, only the shards materialised; ~1.1 GiB of parameters + AdamW moments at 4096 x 6), with
-`adapter.prepare()` after the first step and after each resize, as docs/in-place.md tells users.
+`adapter.prepare()` after the first step and after each resize (the Guard now does it at those
+boundaries itself, so the call is a no-op after the first; after a resize it allocates one boundary
+earlier than the Guard would).
 `accelerate`: the same model and batches through `AccelerateGuard` (spotguard.integrations), in
 its in-place form (`in_place=True`) under SPOTGUARD_IN_PLACE, else its restart path; its
 `ElasticSampler` only keeps the position here (the batches are the job's synthetic ones).

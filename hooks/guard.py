@@ -62,6 +62,10 @@ Contract:
   the change's record) or drained; its truth value is "drained", as the boolean it replaced.
   After a drain the process ends with that code even if torch's C++ teardown would abort:
   an atexit hook flushes logging/stdio and calls `os._exit(code)` (`hard_exit=False` disables it).
+- Host memory: at its first step boundary, and at the first after an in-place change gave this
+  rank another shard, the Guard allocates the adapter's snapshot buffers (`adapter.prepare()`
+  through `adapters.base.prepare_at_boundary`, every rank at the same step): periodic snapshots,
+  a notice's save and a change's checkpoint reuse them, and training code need not call it.
 - `offer(notice)` hands the Guard a notice from elsewhere (the listener and signals use it too).
 - `resume()` loads through the attached adapter and the `@on_resume` hooks and returns the step
   to start from (0 without a checkpoint).
@@ -108,7 +112,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from spotguard.config import ConfigError, http_url, positive_float, positive_int
-from spotguard.hooks.adapters.base import resizable_adapter
+from spotguard.hooks.adapters.base import prepare_at_boundary, resizable_adapter
 from spotguard.hooks.agreement import Agreement, make_agreement
 from spotguard.hooks.agreement.collectives import Collectives, GroupCollectives
 from spotguard.hooks import early_exit
@@ -384,6 +388,7 @@ class Guard:
         self._last_boundary = boundary
         if self.deadline is not None:
             self.deadline.completed(step)
+        prepare_at_boundary(self.adapter)  # the snapshot buffers: at the first boundary, and the first after a change
         trap = self._trap
         if trap is not None and trap.received is not None:
             notice = trap.take()

@@ -368,3 +368,38 @@ def test_step_tells_what_happened_and_last_resize_still_answers_with_a_warning(t
             assert result == False  # noqa: E712
     finally:
         guard.close()
+
+
+def test_the_first_boundary_allocates_the_buffers_and_a_notice_save_reuses_them(tmp_path):
+    """Without prepare(): the Guard's first step boundary allocates the snapshot buffers, sized to
+    the state; the notice's save allocates nothing more. A copy taken before the first boundary
+    (a save_async of step 0) already fits: the boundary keeps its held snapshot and copies nothing."""
+    model, opt = tiny_job()
+    adapter = PlainTorchAdapter(model, opt, checkpoint_dir=tmp_path / "ck")
+    guard = Guard(adapter=adapter, install_signals=False, exit_on_drain=False, in_place=False)
+    buffers = adapter.snapshot_engine.buffers
+    try:
+        train(model, opt, 0)
+        assert (buffers.allocations, adapter.prepared) == (0, False)
+        assert guard.step(0).continued
+        state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        assert buffers.allocations == 1 and buffers.nbytes >= state_bytes and adapter.prepared
+        adapter.prepare()  # public, a no-op now
+        train(model, opt, 1)
+        guard.offer(notice())
+        assert guard.step(1).drained and guard.last_drain.ok
+        assert buffers.allocations == 1
+    finally:
+        guard.close()
+    assert not adapter.prepared  # closed: the buffers are freed
+
+    model, opt = tiny_job()
+    adapter = PlainTorchAdapter(model, opt, checkpoint_dir=tmp_path / "ck2")
+    guard = Guard(adapter=adapter, install_signals=False, exit_on_drain=False, in_place=False)
+    try:
+        train(model, opt, 0)
+        adapter.save_async(0)
+        assert guard.step(0).continued
+        assert (adapter.snapshot_step, adapter.snapshot_engine.buffers.allocations) == (0, 1)
+    finally:
+        guard.close()

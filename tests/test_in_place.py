@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -97,6 +98,31 @@ def test_grow_in_place_from_a_live_peer(shrink_then_grow):
     assert any(not torch.equal(joined[k], v) for k, v in hosts.state("resize-1").items())
     # The group of three trained its 3 steps together.
     assert [hosts.progress(h) for h in ("b", "c", "d")] == [step + 3] * 3
+
+
+def test_snapshot_buffers_allocated_at_the_first_step_and_reused_by_the_changes(shrink_then_grow):
+    """The worker never calls prepare(): the Guard allocates the buffers at its first step boundary,
+    the notice's checkpoint and the grow's reuse them, and after a change that gives a rank another
+    shard they are re-sized once, at the first boundary of the new group (every rank alike)."""
+    hosts = shrink_then_grow.hosts
+    lines = {h: [json.loads(x) for x in (hosts.out / f"buffers-{h}.jsonl").read_text().splitlines()]
+             for h in ("a", "b", "c", "d")}
+    shrink = hosts.changes("a")[0]["step"]
+    grow = hosts.changes("b")[1]["step"]
+    for host in ("a", "b", "c"):  # the first boundary (step 0) allocated; the notice's save allocated nothing
+        first, reclaim = lines[host][0], next(x for x in lines[host] if x["at"] == "reclaim")
+        assert (first["at"], first["step"], first["allocations"]) == ("boundary", 0, 1), lines[host]
+        assert (reclaim["step"], reclaim["allocations"], reclaim["nbytes"]) == (shrink, 1, first["nbytes"])
+    assert [x["at"] for x in lines["a"]] == ["boundary", "reclaim"], lines["a"]  # the leaver: no other allocation
+    joined = lines["d"][0]
+    assert (joined["at"], joined["step"], joined["allocations"]) == ("boundary", grow + 1, 1), lines["d"]
+    for host in ("b", "c"):
+        allocated = [x for x in lines[host] if x["at"] == "boundary"]
+        if hosts.mode == "fsdp2":  # 3 -> 2 -> 3 shards: re-sized at the first boundary after each change
+            assert [(x["step"], x["allocations"]) for x in allocated] == [(0, 1), (shrink + 1, 2), (grow + 1, 3)]
+            assert allocated[1]["nbytes"] > max(allocated[0]["nbytes"], allocated[2]["nbytes"]), allocated
+        else:  # DDP: the same replica in every group, the same buffers throughout
+            assert [(x["step"], x["allocations"]) for x in allocated] == [(0, 1)], allocated
 
 
 def assert_durable(hosts: Hosts, step: int, held: dict) -> None:

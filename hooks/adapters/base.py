@@ -23,8 +23,12 @@ buffers, into a `PendingCheckpoint`) and `_load(info)`. The base class then give
 - `save_behind(step, ...)` / `persist_snapshot_behind(...)`: a save (a persist of the held
   snapshot) that returns after the copy with the Future of its commit (an in-place change writes
   its checkpoint while the state moves); the next save, snapshot or `rebuild` waits for it.
-- `prepare()`: allocates the buffers now (call once after the first optimizer step, so that no
-  notice pays for it); `save_parts()`: measured seconds of each part (snapshot, persist).
+- `prepare()`: allocates the buffers now, sized to this rank's shard (collective: every rank at
+  the same step; DeepSpeed's copy is collective); a no-op while `prepared` (True after it or
+  any other copy of the state, False again after a `rebuild` or `close`). The Guard calls it at
+  its first step boundary and the first after each in-place change (`prepare_at_boundary`), so
+  no notice save, snapshot or change allocates them; calling it earlier is still allowed.
+  `save_parts()`: measured seconds of each part (snapshot, persist).
 - `estimate_save_seconds()`: 1.25 x (slowest recent snapshot + slowest recent persist), else
   1.25 x the slowest of the last 5 measured fresh saves.
 - `resume()`: the newest complete, verified checkpoint -> `_load`, `resumed_metadata`,
@@ -75,6 +79,7 @@ __all__ = [
     "StoreAdapter",
     "checkpoint_tag",
     "done_future",
+    "prepare_at_boundary",
     "reraise_interrupts",
     "resizable_adapter",
     "tag_for",
@@ -169,6 +174,23 @@ def resizable_adapter(adapter: object) -> ResizableAdapter | None:
     return None
 
 
+def prepare_at_boundary(adapter: object) -> None:
+    """The Guard's call at every step boundary: `adapter.prepare()` when the adapter has one and is
+    not `prepared` (the Guard's first boundary, and the first after an in-place change gave this
+    rank another shard: every rank of the group reaches it at the same step, so a collective copy
+    is safe). A notice's save, a snapshot and a change's checkpoint then reuse the buffers. An
+    allocation that fails (InsufficientHostMemory) is logged and not tried again until the next
+    rebuild: the notice's save then allocates, or fails and says so, itself."""
+    if adapter is None or getattr(adapter, "prepared", True):
+        return
+    try:
+        adapter.prepare()  # type: ignore[attr-defined]
+    except Exception:
+        log.exception("the snapshot buffers could not be allocated at the step boundary: a notice's save will "
+                      "try again")
+        adapter.prepared = True  # type: ignore[attr-defined]  # tried: not at every step (module docstring)
+
+
 def done_future(call: Callable[[], Any]) -> Future:
     """A Future already done with `call()`'s result or exception (a save that has no Future of its own)."""
     future: Future = Future()
@@ -212,6 +234,7 @@ class StoreAdapter:
         self.save_seconds: deque[float] = deque(maxlen=5)
         self.last_info: CheckpointInfo | None = None
         self.async_error: BaseException | None = None
+        self.prepared = False  # the buffers are allocated for the current model and optimizer (`prepare`)
         listen = getattr(store, "add_failure_listener", None)  # a store with an object tier (uploads)
         if listen is not None:
             listen(self._upload_failed)
@@ -270,6 +293,7 @@ class StoreAdapter:
         self._snapshot, self.snapshot_step = None, None  # the buffers are about to change
         snap = engine.snapshot(lambda: self._state(step), step=step, extra=extra)
         self._snapshot, self.snapshot_step = snap, step
+        self.prepared = True  # the buffers fit the current state now
         return snap
 
     def _persist(self, snap: Snapshot | None, step: int, reason: str, notice: Notice | None, *,
@@ -310,13 +334,17 @@ class StoreAdapter:
         return self._persist(snap, step, reason, notice, snapshot=False, failure=failure)
 
     def prepare(self) -> None:
-        """Allocates the snapshot buffers now (a copy of the current state, not a checkpoint).
-        Call after the first optimizer step, on every rank (DeepSpeed's copy is collective)."""
+        """Allocates the snapshot buffers now (a copy of the current state, not a checkpoint), on
+        every rank at the same step (DeepSpeed's copy is collective); nothing when `prepared`.
+        The Guard calls it at its first step boundary (and the first after an in-place change)."""
+        if self.prepared:
+            return
         engine = self.snapshot_engine
         self.wait()
         engine.snapshot(lambda: self._state(-1), step=-1, timed=False)
         engine.forget()
         self._snapshot, self.snapshot_step = None, None
+        self.prepared = True
 
     def save_parts(self) -> PartTimes:
         """Measured seconds of each part of a save (snapshot, persist); None where not measured."""
@@ -422,6 +450,7 @@ class StoreAdapter:
 
     def close(self) -> None:
         self.snapshot_engine.close()
+        self.prepared = False  # the buffers are freed
 
     def estimate_save_seconds(self) -> float | None:
         fresh = self.save_parts().fresh

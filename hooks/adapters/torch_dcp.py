@@ -135,6 +135,7 @@ class TorchDCPAdapter(StoreAdapter, ResizableAdapter):
         self.wait()
         self.model, self.optimizer = self.build()
         self._snapshot, self.snapshot_step = None, None
+        self.prepared = False  # another shard: the buffers are re-sized at the next step boundary
         self._setup_group()
 
     def load_full_state(self, state: dict[str, Any]) -> None:

@@ -12,6 +12,9 @@ Files written into --out (the tests read them):
   the state), `handover` (the state the old group holds as a change begins), `resume` (right
   after loading a checkpoint), `save` (the agreed step) and `final`;
 - resize-<node>.jsonl: one line per change (outcome, ranks, pause, phases);
+- buffers-<node>.jsonl: the adapter's snapshot buffers (allocations so far, bytes) at the step
+  boundary where they were (re-)allocated (`at`: "boundary"), and at the agreed step's
+  @on_reclaim hook (`at`: "reclaim": what the notice's checkpoint used);
 - exit-<node>: the exit status.
 A reclaim notice of this host: once `<out>/notice-<node>` exists (its text: seconds to the
 deadline), the rank's Guard is offered one, and the time it was offered is written to
@@ -132,8 +135,19 @@ def main(argv=None) -> int:
             dump("handover")
         maybe_fail(name)
 
+    allocated = [0]
+
+    def note_buffers(at: str, step: int) -> None:
+        buffers = adapter.snapshot_engine.buffers
+        if at == "reclaim" or buffers.allocations != allocated[0]:
+            allocated[0] = buffers.allocations
+            with open(out / f"buffers-{NODE}.jsonl", "a") as f:
+                f.write(json.dumps({"at": at, "step": step, "allocations": buffers.allocations,
+                                    "nbytes": buffers.nbytes}) + "\n")
+
     @guard.on_reclaim
     def saved(step, notice):
+        note_buffers("reclaim", step)
         dump("save")
 
     watch_memberships(read_membership, guard.view)
@@ -182,6 +196,7 @@ def main(argv=None) -> int:
                 noticed = offer_reclaim(guard, out)
             time.sleep(args.step_sleep)
             guard.step(step)
+            note_buffers("boundary", step)
             if note_change():
                 changes += 1
                 dump(f"resize-{changes}")
