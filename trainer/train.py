@@ -438,8 +438,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _leave(code: int) -> None:
-    """Ends the process with `code` after a drain, skipping torch's C++ teardown, which can abort
-    (SIGABRT) in gloo/store destructors and would turn a clean 83 into a crash."""
+    """Ends the process with `code` after a drain or a finish, skipping torch's C++ teardown, which
+    can abort (SIGABRT) in gloo/store destructors and would turn a clean 83 or 0 into a crash."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -455,4 +455,6 @@ def _shutdown() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # main() closed everything it opened (events, ledger, Guard and adapter, the group): the exit
+    # skips torch's C++ teardown, as a drain's does (`_leave`); a finished joiner was seen to abort there
+    _leave(main())
