@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
 from spotguard.trainer.events import read_events
 from spotguard.trainer.goodput import MODES, Comparison, ModeResult, across_rounds, run_mode, summarize
 from spotguard.trainer.report import GenerationRecord, InjectedEvent
+from spotguard.trainer.rounds import rounds
 from spotguard.trainer.scenario import find_trace, scenario_from_trace
 
 # 15.5 minutes of the bundled AWS p3 trace (from uclasystem/bamboo, MIT), t=15270..16200, on 2 slots:
@@ -92,7 +94,7 @@ async def test_every_mode_replays_a_trace_window(tmp_path):
     assert periodic.reclaims_hit == 1 and periodic.restarts == 1
     report = json.loads((tmp_path / "periodic" / "report.json").read_text())
     assert report["generations"][0]["reason"] == "evicted"  # SIGTERM at notice time, no Guard to save it
-    events = list(read_events(tmp_path / "periodic" / "events"))
+    events = numbered(tmp_path / "periodic")
     assert not [e for e in events if e["event"] in ("agreed", "durable")]
     resumed = [e["step"] for e in events if e["event"] == "start" and e["generation"] == 1]
     assert resumed and all(s % CHECKPOINT_EVERY == 0 for s in resumed)  # back to a periodic checkpoint
@@ -100,7 +102,7 @@ async def test_every_mode_replays_a_trace_window(tmp_path):
     relaunched = results["spotguard-restart"]
     assert relaunched.reclaims_hit == 1 and relaunched.leads_s == [5.0]
     assert relaunched.lost_on_reclaims == [0] and relaunched.restarts == 1 and relaunched.in_place == 0
-    events = list(read_events(tmp_path / "spotguard-restart" / "events"))
+    events = numbered(tmp_path / "spotguard-restart")
     durable = [e for e in events if e["event"] == "durable" and e["generation"] == 0]
     assert durable and {e["step"] for e in durable} == {
         min(e["step"] for e in events if e["event"] == "start" and e["generation"] == 1)}
@@ -112,6 +114,13 @@ async def test_every_mode_replays_a_trace_window(tmp_path):
     durable = [e for e in events if e["event"] == "durable"]
     resized = [e for e in events if e["event"] == "resized"]
     assert resized and {e["step"] for e in resized} == {e["step"] for e in durable}
+
+
+def numbered(run: Path) -> list[dict]:
+    """The run's trainer events with `generation` the group they belong to, as the report numbers
+    them (trainer/rounds.py). The raw field is the container's launch epoch, which stays 0 when the
+    relaunch's container starts while one of the old group's still exits (seen under load)."""
+    return rounds(read_events(run / "events"))[0]
 
 
 def test_rounds_are_each_compared_with_their_own_ideal_run():
