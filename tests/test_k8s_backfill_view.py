@@ -190,7 +190,7 @@ async def test_the_operator_view_of_a_backfill_job_and_a_preemption_answered_at_
         # drops its tracking finalizer and the pod is gone.
         await asyncio.to_thread(set_container_exit, control_plane, ns, victim.metadata.name, names.EXIT_PREEMPTED)
         await asyncio.to_thread(wait_until, lambda: victim.metadata.name not in {
-            p.metadata.name for p in core.list_namespaced_pod(ns).items}, 30, "the victim gone")
+            p.metadata.name for p in core.list_namespaced_pod(ns).items}, 120, "the victim gone")
         events = await asyncio.to_thread(wait_until, lambda: [e for e in view.events(names.EVENT_WARM_STANDBY)
                                                               if replacement.metadata.name in e.message], 30,
                                          "the replacement's Event")
