@@ -46,7 +46,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from membership_memory import Sampler  # a sibling: the bench scripts run as scripts
+from membership_memory import Sampler, state_bytes  # a sibling: the bench scripts run as scripts
 
 from spotguard.processes import free_port
 
@@ -72,11 +72,6 @@ def parse(argv=None) -> argparse.Namespace:
     if args.dim < 1 or args.layers < 1 or args.warm < 1 or args.after < 2:
         p.error("--dim, --layers, --warm must be >= 1 and --after >= 2")
     return args
-
-
-def state_bytes(args: argparse.Namespace) -> int:
-    """Parameters + AdamW's two moments of the model (float32)."""
-    return 3 * 4 * args.layers * (args.dim * args.dim + args.dim)
 
 
 def steps_of(out: Path, node: str) -> list[dict]:
