@@ -269,9 +269,7 @@ class AccelerateGuard:
 
     def step(self, step: int) -> bool:
         """After step `step` on every rank: drains here (exit 83) when the ranks agree on a notice.
-        The first call of a run allocates the engine's buffers (every rank: it is collective)."""
-        if not self.adapter.prepared:
-            self.adapter.prepare()
+        The Guard's first boundary allocates the engine's buffers (every rank: it is collective)."""
         return self.guard.step(step)
 
     def close(self) -> None:

@@ -7,8 +7,8 @@ the framework's own format, and the Guard they drive.
   (`_framework_save`) aimed at this rank's scratch directory `<checkpoint_dir>/.spotguard-boundary-<rank>`
   with its heavy writes captured (capture.py: `torch.save` and safetensors' `save_file` record the
   object instead of writing it), and the engine copies the captured objects' tensors into its
-  buffers (allocated once: `prepare()`, which each integration calls at the first step boundary of
-  a run, before any notice);
+  buffers (allocated once: `prepare()`, which the Guard calls at the first step boundary of a
+  run, before any notice);
 - in the background the engine persists that copy through the store's complete-or-invisible
   commit (begin, this rank's files written in the framework's format by `write_captured`,
   finish_rank, every rank agrees, rank 0 commits), named `_tag(step, reason)`; `_after_commit`
@@ -179,7 +179,7 @@ class FrameworkAdapter(StoreAdapter):
     # ---- the CheckpointAdapter interface ----------------------------------------------------
     def prepare(self) -> None:
         """Allocates the engine's buffers from a capture of the current state (not a checkpoint):
-        collective (the framework's save may be); the integrations call it at the first step boundary."""
+        collective (the framework's save may be); the Guard calls it at the first step boundary."""
         super().prepare()
         capture.clear(self.scratch)
         self.prepared = True

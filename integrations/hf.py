@@ -14,8 +14,8 @@ Contract:
 - `on_train_begin` (every rank, the model already wrapped in DDP): makes the Guard, which
   piggybacks its agreement on DDP's gradient all_reduce; the store removes what a killed save
   left (its pending directory, the step-boundary scratch).
-- `on_step_end`: at the first step of a run the adapter allocates the snapshot engine's buffers
-  (`prepare()`), then `guard.step(state.global_step)`. On an agreed notice every rank saves the
+- `on_step_end`: `guard.step(state.global_step)` (its first boundary allocates the snapshot
+  engine's buffers: `prepare()`). On an agreed notice every rank saves the
   Trainer's own checkpoint of that global step through the one engine (core.py): at the step
   boundary the Trainer's `_save_checkpoint` (model, optimizer, scheduler, RNG, trainer state) runs
   with its `torch.save` / safetensors writes captured, and the captured tensors are copied into
@@ -204,8 +204,6 @@ class SpotguardCallback(TrainerCallback):
             return
         if self.sampler is not None:
             self.sampler.advance()  # this step's global batch is consumed: a save at this boundary holds that
-        if self.adapter is not None and not self.adapter.prepared:
-            self.adapter.prepare()  # every rank, the same step: the buffers exist before any notice
         if self.guard.step(state.global_step):
             # Reached only with attach(trainer, exit_on_drain=False): by default the Guard ends the
             # process after the drain (83, 84 if the save failed) inside step(). Here the Trainer stops.

@@ -18,8 +18,8 @@ Contract:
   piggybacks its agreement on DDP's gradient all_reduce. Its SIGTERM handler replaces
   Lightning's for the fit (Lightning's stops the loop and saves nothing, and broadcasts from inside
   the handler of the one rank that got the signal): SIGTERM becomes a notice, as with the Guard.
-- `on_train_batch_end`, after each optimizer step: at the first one of a run the adapter allocates
-  the snapshot engine's buffers (`prepare()`), then `guard.step(trainer.global_step)`. On an agreed
+- `on_train_batch_end`, after each optimizer step: `guard.step(trainer.global_step)` (its first
+  boundary allocates the snapshot engine's buffers: `prepare()`). On an agreed
   notice every rank saves that global step through the one engine (core.py): at the step boundary
   `trainer.save_checkpoint` runs (Lightning's own checkpoint dict: weights, optimizer and scheduler
   states, loops, callbacks, hyper-parameters) with the strategy's CheckpointIO swapped for one whose
@@ -202,8 +202,6 @@ class SpotguardCallback(pl.Callback):
         self._last_step = step
         if self.sampler is not None:
             self.sampler.advance()  # this step's global batch is consumed: a save at this boundary holds that
-        if self.adapter is not None and not self.adapter.prepared:
-            self.adapter.prepare()  # every rank, the same step: the buffers exist before any notice
         if self.guard.step(step):
             # Reached only with SpotguardCallback(exit_on_drain=False): by default the Guard ends the
             # process after the drain (83, 84 if the save failed) inside step(). Here Lightning stops.
