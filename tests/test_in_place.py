@@ -216,3 +216,26 @@ def test_start_at_min_trains_with_the_first_membership_and_admits_a_late_host_in
     assert [(g["outcome"], g["world"], g["new_rank"]) for g in grow] == [("in-place", 2, 0)]
     assert_same_state(hosts.state("joined"), hosts.state("resize-1"))
     assert [hosts.progress(h) for h in ("a", "b")] == [grow[0]["step"] + 3] * 2
+
+
+def test_start_at_min_forms_an_admission_whose_start_was_never_seen_as_the_first_group(tmp_path):
+    """The supervisor pushed the `start` membership of a and, before a read it, admitted b (Ready
+    meanwhile); a sidecar relays only the newest membership, so both read generation 2, which
+    admits b to a group that never formed. No group is live at a's store: a and b start the job's
+    group together (before: both took the join path, no rank held the state, both crashed)."""
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", ("--steps", "8"),
+               env={"SPOTGUARD_START_AT_MIN": "1", "SPOTGUARD_REFORM_TIMEOUT": "20"}) as hosts:
+        for host in ("a", "b"):
+            hosts.start([host], env={"SPOTGUARD_READY_FILE": str(hosts.out / f"ready-{host}")})
+        hosts.wait_for("ready-a", timeout=240)
+        hosts.wait_for("ready-b", timeout=240)
+        hosts.push(2, ["a", "b"])
+        codes = hosts.wait(["a", "b"], timeout=240)
+        logs = {host: (hosts.out / f"log-{host}").read_text(errors="replace") for host in ("a", "b")}
+    assert codes == {"a": 0, "b": 0}, hosts.tail()
+    assert [hosts.progress(h) for h in ("a", "b")] == [7, 7]
+    assert hosts.changes("a") == hosts.changes("b") == []
+    for host, rank in (("a", 0), ("b", 1)):
+        assert "a group that never formed" in logs[host], logs[host]
+        assert f"starting with membership 2 as rank {rank} of 2" in logs[host], logs[host]
+    assert not (hosts.out / "state-joined.pt").exists()

@@ -44,7 +44,10 @@ Contract:
   (the job's first group, pushed once min pods are Ready) is formed by its hosts together at
   `m<generation>/`: nobody joins, the Guard resumes from the durable checkpoint as at any start.
   Any other (the running job admitting this pod in place) is joined: the state comes from a live
-  peer. RANK, WORLD_SIZE, GROUP_RANK and GROUP_WORLD_SIZE are set to the group's once it formed.
+  peer; but when no group is live at its store (`never_formed`: the supervisor admitted a pod
+  right after the `start` push and the sidecar relayed only the newer membership), it is formed
+  as the first group, like a `start` one. RANK, WORLD_SIZE, GROUP_RANK and GROUP_WORLD_SIZE are
+  set to the group's once it formed.
 - Raises `ReformError` when the group cannot be formed, `TimeoutError` when no membership lists
   this host in time.
 """
@@ -155,9 +158,14 @@ def start_at_min(session: GroupSession, memberships: Callable[[], dict | None] |
     membership = wait_for_membership(view.node, memberships, timeout, newer_than=newer)
     rank = membership.hosts.index(view.node) * view.procs_per_host + view.local_rank
     world = len(membership.hosts) * view.procs_per_host
-    log.warning("%s membership %d as rank %d of %d (store %s)", "starting with" if membership.start else "joining",
+    first = membership.start or never_formed(membership, view.node, session.timeouts.live_probe)
+    if first and not membership.start:
+        log.warning("membership %d admits %s to a group that never formed (no group is live at its store %s; "
+                    "the `start` membership before it was not seen): its hosts start the job's group together",
+                    membership.generation, view.node, membership.store)
+    log.warning("%s membership %d as rank %d of %d (store %s)", "starting with" if first else "joining",
                 membership.generation, rank, world, membership.store)
-    if membership.start:
+    if first:
         with session.bounded(session.timeouts.reform):
             session.reform(membership.store, f"m{membership.generation}/", rank, world, session.timeouts.reform)
         session.started = membership
@@ -165,6 +173,19 @@ def start_at_min(session: GroupSession, memberships: Callable[[], dict | None] |
         join_membership(session, membership, rank, world)
     env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "GROUP_RANK": str(rank // view.procs_per_host),
                 "GROUP_WORLD_SIZE": str(len(membership.hosts))})
+
+
+def never_formed(membership: Membership, node: str, probe: float) -> bool:
+    """Whether `membership`, which admits `node` (waiting at start at min, so in no group yet) to
+    a running group, names one that never formed: the supervisor pushed the job's `start`
+    membership and, before its hosts read it, admitted a pod that became Ready meanwhile; a
+    sidecar relays only the newest membership, so every host reads the admission and nobody
+    holds the state to send. True when `node` is its first host (the leader, whose store is this
+    process's, is never a joiner) or no group is live at its store within `probe` seconds
+    (rendezvous.py `live_group`: the leader of a formed group keeps the key there)."""
+    if membership.hosts[0] == node:
+        return True
+    return live_group(membership.store, probe) is None
 
 
 def warm_up() -> None:
