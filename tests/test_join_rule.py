@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import pytest
 
 from spotguard.processes import free_port
 from spotguard.wire.sse import encode
+from tests.workers import zygote
 from tests.workers.hosts import Hosts
 from tests.workers.join_rule import HOLD_FILE
 from tests.workers.launch import ROOT, base_env
@@ -74,9 +73,8 @@ class Workers(Hosts):
                    LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", RANK=str(rank), WORLD_SIZE=str(world),
                    MASTER_PORT=str(self.port(master)), **extra)
         with open(self.out / f"log-{host}", "wb") as log:
-            self.procs[host] = subprocess.Popen([sys.executable, "-m", "tests.workers.join_rule",
-                                                 str(self.out / f"result-{host}.json")],
-                                                env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            self.procs[host] = zygote.popen(["-m", "tests.workers.join_rule", str(self.out / f"result-{host}.json")],
+                                            env=env, cwd=ROOT, stdout=log)
 
     def result(self, host: str) -> dict:
         return json.loads((self.out / f"result-{host}.json").read_text())

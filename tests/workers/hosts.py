@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from spotguard.hooks.adapters.store import CheckpointStore
 from spotguard.hooks.checkpoint.dcp import StoreDcpReader
 from spotguard.processes import free_port
 from tests.workers.state_dump import flatten
+from tests.workers import zygote
 from tests.workers.launch import ROOT, base_env, kill_all, load_state
 
 ELASTIC = Path(__file__).resolve().parent / "elastic.py"
@@ -69,8 +69,7 @@ class Hosts:
                     "--node-rank", env.get("RANK", "0"), "--master-port", env.get("MASTER_PORT", str(self.port(host))),
                     *argv]
         with open(self.out / f"log-{host}", "wb") as log:
-            self.procs[host] = subprocess.Popen([sys.executable, *argv], env=env, cwd=ROOT, stdout=log,
-                                                stderr=subprocess.STDOUT)
+            self.procs[host] = zygote.popen(argv, env=env, cwd=ROOT, stdout=log)
 
     def start(self, hosts: list[str], args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         """`hosts` as ranks 0.. of a new job, on the first host's store."""

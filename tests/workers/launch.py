@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from spotguard.processes import free_port
+from tests.workers import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).resolve().parent / "trainer.py"
@@ -44,8 +44,7 @@ class Run:
                        MASTER_PORT=port)
             env.update((rank_env or {}).get(rank, {}))
             with open(self.logs[rank], "wb") as log:
-                self.procs.append(subprocess.Popen([sys.executable, *program, *args], env=env, cwd=ROOT,
-                                                   stdout=log, stderr=subprocess.STDOUT))
+                self.procs.append(zygote.popen([*program, *args], env=env, cwd=ROOT, stdout=log))
 
     def wait(self, timeout: float = 120) -> list[int]:
         deadline = time.monotonic() + timeout
