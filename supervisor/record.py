@@ -22,7 +22,8 @@ action. Contract:
   (in place): the incarnations ("<pod uid>/<restarts>") of the member pods it was pushed for,
   so that a group whose every member pod restarted or ended is known to be gone.
   `start_generation` (start at min): the generation pushed as a job's first group, re-pushed
-  with its `start` mark for as long as it is the current one. `ready_seen` (in place): when each
+  with its `start` mark for as long as it is the current one; `started_at` when it was pushed
+  (Ready joiners wait a settle window after it: in_place.py). `ready_seen` (in place): when each
   Ready joiner held back by the settle window was first seen Ready (pod uid -> time), so the
   window is the same for a restarted supervisor.
 - `awaiting` (phase Checkpointing, fixed policy): the notices the checkpoint wait is for (notice
@@ -52,7 +53,7 @@ SUSPENDED = "Suspended"  # suspended by the supervisor, waiting for capacity
 GAVE_UP = "GaveUp"  # max-wait passed without capacity: stays suspended, no more waiting
 PHASES = (RUNNING, CHECKPOINTING, SUSPENDED, GAVE_UP)
 TIMES = ("decided_at", "waiting_since", "checkpoint_deadline", "lacking_since", "spot_free_since", "below_max_since",
-         "spot_idle_since", "backfill_at")
+         "spot_idle_since", "backfill_at", "started_at")
 MAX_COUNTED_EXITS = 64
 
 
@@ -75,6 +76,7 @@ class Record:
     store: str = ""  # in-place jobs: the rendezvous store last pushed with them
     member_pods: tuple[str, ...] = ()  # in-place jobs: "<pod uid>/<restarts>" of the members pushed
     start_generation: int = 0  # start at min: the generation of the last first group pushed (0: none)
+    started_at: datetime | None = None  # start at min: when that first group was pushed
     reclaims_survived: int = 0
     decided_by: str = ""
     capacity: str = ""  # "" (as created) or "on-demand" (fallen back)
