@@ -60,13 +60,14 @@ def processes_per_replica(pod_spec: Mapping[str, Any] | None) -> int:
 
 
 def membership_json(generation: int, hosts: Iterable[str], world_size: int, drain: str = "", store: str = "",
-                    start: bool = False, standby: bool = False) -> str:
+                    start: bool = False, standby: bool = False, first: Membership | None = None) -> str:
     """The wire form; `drain` (an id) asks every member to checkpoint and drain (a `drain` notice);
     `store` ("host:port") is where an in-place job's ranks re-form (in_place.py); `start`: the
     first group of a start-at-min job (its hosts start it together); `standby`: a noticed
     member's replacement is asked for at once (a backfill job with a spare), so its rank may
-    train on until the replacement joins."""
-    return Membership(generation, tuple(hosts), world_size, drain, store, start, standby).to_json()
+    train on until the replacement joins; `first`: the `start` membership a later one of a
+    start-at-min job descends from."""
+    return Membership(generation, tuple(hosts), world_size, drain, store, start, standby, first).to_json()
 
 
 def pods_to_update(pods: Iterable[Mapping[str, Any]], value: str) -> list[Mapping[str, Any]]:

@@ -36,6 +36,7 @@ from spotguard.supervisor.disruption import disrupted
 from spotguard.supervisor.in_place import (fresh_members, group_gone, held_for_replacement, in_place_group,
                                            joiners_settled, ready_joiners, start_members, starting_joiners)
 from spotguard.supervisor.record import CHECKPOINTING, RUNNING, Record
+from spotguard.wire.membership import Membership
 
 Pod = Mapping[str, Any]
 
@@ -188,8 +189,18 @@ def _pushed(record: Record, pods: JobPods, hosts: tuple[str, ...], store: str, i
         record = record.with_(member_pods=incarnations)
     start = in_place and record.generation == record.start_generation > 0  # the first group, told again
     value = membership.membership_json(record.generation, hosts, count * pods.per_replica, store=store,
-                                       start=start, standby=pods.standby)
+                                       start=start, standby=pods.standby, first=_first(record, pods, in_place))
     return Planned(record, _push(pods, value, record.generation, hosts, why))
+
+
+def _first(record: Record, pods: JobPods, in_place: bool) -> Membership | None:
+    """The `start` membership a later membership of a start-at-min job descends from (None
+    before the start, for the start itself, and for jobs without one)."""
+    if not in_place or not record.start_hosts or not record.start_store \
+            or not 0 < record.start_generation < record.generation:
+        return None
+    return Membership(record.start_generation, record.start_hosts, len(record.start_hosts) * pods.per_replica,
+                      store=record.start_store, start=True)
 
 
 def _fresh_group(record: Record, pods: JobPods, replicas: int) -> Planned:
@@ -210,7 +221,8 @@ def _start_group(record: Record, pods: JobPods, shape: JobShape, now: datetime) 
     if found is None:
         return Planned(record)  # the pods' updates requeue the job
     hosts, store, incarnations = found
-    record = record.with_(members=(), store="", start_generation=record.generation + 1, started_at=now)
+    record = record.with_(members=(), store="", start_generation=record.generation + 1, started_at=now,
+                          start_hosts=hosts, start_store=store)
     return _pushed(record, pods, hosts, store, incarnations, len(hosts), in_place=True,
                    why=f"{len(hosts)} of min {shape.start_at_min} pods Ready: the first group")
 

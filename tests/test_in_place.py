@@ -218,24 +218,28 @@ def test_start_at_min_trains_with_the_first_membership_and_admits_a_late_host_in
     assert [hosts.progress(h) for h in ("a", "b")] == [grow[0]["step"] + 3] * 2
 
 
-def test_start_at_min_forms_an_admission_whose_start_was_never_seen_as_the_first_group(tmp_path):
-    """The supervisor pushed the `start` membership of a and, before a read it, admitted b (Ready
-    meanwhile); a sidecar relays only the newest membership, so both read generation 2, which
-    admits b to a group that never formed. No group is live at a's store: a and b start the job's
-    group together (before: both took the join path, no rank held the state, both crashed)."""
-    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", ("--steps", "8"),
+def test_a_host_of_the_first_group_that_reads_only_a_later_membership_still_forms_it(tmp_path):
+    """Start at min, a sidecar relaying only the newest membership: the supervisor pushed the
+    `start` of a and b and then admitted c. a (and c) read the start; b read only the admission,
+    which names the start as its `first`. b forms the first group with a (before: b took the join
+    path while a waited for it in the start's rendezvous, and both crashed), and the group admits
+    c in place, from a live peer."""
+    args = (*LONG, "--stop-after", "1", "--tail", "3")
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", args,
                env={"SPOTGUARD_START_AT_MIN": "1", "SPOTGUARD_REFORM_TIMEOUT": "20"}) as hosts:
-        for host in ("a", "b"):
-            hosts.start([host], env={"SPOTGUARD_READY_FILE": str(hosts.out / f"ready-{host}")})
-        hosts.wait_for("ready-a", timeout=240)
-        hosts.wait_for("ready-b", timeout=240)
-        hosts.push(2, ["a", "b"])
-        codes = hosts.wait(["a", "b"], timeout=240)
-        logs = {host: (hosts.out / f"log-{host}").read_text(errors="replace") for host in ("a", "b")}
-    assert codes == {"a": 0, "b": 0}, hosts.tail()
-    assert [hosts.progress(h) for h in ("a", "b")] == [7, 7]
-    assert hosts.changes("a") == hosts.changes("b") == []
-    for host, rank in (("a", 0), ("b", 1)):
-        assert "a group that never formed" in logs[host], logs[host]
-        assert f"starting with membership 2 as rank {rank} of 2" in logs[host], logs[host]
-    assert not (hosts.out / "state-joined.pt").exists()
+        for host in ("a", "b", "c"):
+            only = {"TEST_MEMBERSHIP_FILE": str(hosts.out / "membership-b.json")} if host == "b" else {}
+            hosts.start([host], env={"SPOTGUARD_READY_FILE": str(hosts.out / f"ready-{host}"), **only})
+        for host in ("a", "b", "c"):
+            hosts.wait_for(f"ready-{host}", timeout=240)
+        hosts.push(1, ["a", "b"], start=True)
+        hosts.wait_until(lambda: "starting with membership 1" in hosts.log("a"), "a read the start")
+        for to in ("membership.json", "membership-b.json"):
+            hosts.push(2, ["a", "b", "c"], first=(1, ["a", "b"]), to=to)
+        codes = hosts.wait(["a", "b", "c"], timeout=240)
+    assert codes == {"a": 0, "b": 0, "c": 0}, hosts.tail()
+    assert "forming it" in hosts.log("b") and "starting with membership 1 as rank 1 of 2" in hosts.log("b")
+    assert "joining membership 2 as rank 2 of 3" in hosts.log("c")
+    grow = hosts.changes("a")
+    assert [(g["outcome"], g["world"], g["new_rank"]) for g in grow] == [("in-place", 3, 0)]
+    assert_same_state(hosts.state("joined"), hosts.state("resize-1"))

@@ -341,3 +341,6 @@ def test_no_joiner_is_admitted_while_the_first_group_may_still_be_forming():
     due = decided(held.record, 10)
     assert due.record.members == ("n0", "n1", "n2") and due.record.generation == start.record.generation + 1
     assert "start" not in told(due)
+    # the admission names the start it descends from: a host that reads only this one still forms it
+    assert told(due)["first"] == {**told(start), "v": 1}
+    assert parse_record(due.record.to_json()) == due.record

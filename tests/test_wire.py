@@ -85,6 +85,17 @@ def test_membership_written_by_the_supervisor_reads_back_in_the_sidecar():
         Membership.from_json(first.replace("true", '"yes"'))
 
 
+def test_a_later_membership_names_the_first_group_it_descends_from():
+    start = Membership(2, ("a", "b"), 2, store="10.0.0.1:29411", start=True)
+    later = membership_json(3, ["a", "b", "c"], 3, store="10.0.0.1:29411", first=start)
+    assert Membership.from_json(later).first == start
+    wire = json.loads(later)
+    bad = {"hosts": ["a", "a"]}, {"start": False}, {"generation": 3}, {"store": ""}, {"first": wire["first"]}
+    for change in bad:
+        with pytest.raises(MembershipFormatError, match=r"^first"):
+            Membership.from_wire({**wire, "first": {**wire["first"], **change}})
+
+
 def test_wire_imports_no_part_above_it():
     offenders = [f"{p.relative_to(ROOT)}: {m}" for p in sorted((ROOT / "spotguard" / "wire").glob("*.py"))
                  for m in _imports(p) if m.startswith(UPPER)]

@@ -44,10 +44,9 @@ Contract:
   (the job's first group, pushed once min pods are Ready) is formed by its hosts together at
   `m<generation>/`: nobody joins, the Guard resumes from the durable checkpoint as at any start.
   Any other (the running job admitting this pod in place) is joined: the state comes from a live
-  peer; but when no group is live at its store (`never_formed`: the supervisor admitted a pod
-  right after the `start` push and the sidecar relayed only the newer membership), it is formed
-  as the first group, like a `start` one. RANK, WORLD_SIZE, GROUP_RANK and GROUP_WORLD_SIZE are
-  set to the group's once it formed.
+  peer; but a host of the job's first group it descends from (its `first`), which never formed,
+  forms that first group (`first_to_form`: its sidecar relayed only the newer membership).
+  RANK, WORLD_SIZE, GROUP_RANK and GROUP_WORLD_SIZE are set to the group's once it formed.
 - Raises `ReformError` when the group cannot be formed, `TimeoutError` when no membership lists
   this host in time.
 """
@@ -156,16 +155,18 @@ def start_at_min(session: GroupSession, memberships: Callable[[], dict | None] |
     announce(env.get(names.ENV_READY_FILE))
     newer = -1 if before is None else before.generation
     membership = wait_for_membership(view.node, memberships, timeout, newer_than=newer)
+    if not membership.start:
+        first = first_to_form(membership, view.node, session.timeouts.live_probe)
+        if first is not None:
+            log.warning("membership %d descends from the job's first group %d, which lists %s and is not live at "
+                        "its store %s (its `start` was not read: a sidecar relays the newest): forming it",
+                        membership.generation, first.generation, view.node, first.store)
+            membership = first
     rank = membership.hosts.index(view.node) * view.procs_per_host + view.local_rank
     world = len(membership.hosts) * view.procs_per_host
-    first = membership.start or never_formed(membership, view.node, session.timeouts.live_probe)
-    if first and not membership.start:
-        log.warning("membership %d admits %s to a group that never formed (no group is live at its store %s; "
-                    "the `start` membership before it was not seen): its hosts start the job's group together",
-                    membership.generation, view.node, membership.store)
-    log.warning("%s membership %d as rank %d of %d (store %s)", "starting with" if first else "joining",
+    log.warning("%s membership %d as rank %d of %d (store %s)", "starting with" if membership.start else "joining",
                 membership.generation, rank, world, membership.store)
-    if first:
+    if membership.start:
         with session.bounded(session.timeouts.reform):
             session.reform(membership.store, f"m{membership.generation}/", rank, world, session.timeouts.reform)
         session.started = membership
@@ -175,17 +176,20 @@ def start_at_min(session: GroupSession, memberships: Callable[[], dict | None] |
                 "GROUP_WORLD_SIZE": str(len(membership.hosts))})
 
 
-def never_formed(membership: Membership, node: str, probe: float) -> bool:
-    """Whether `membership`, which admits `node` (waiting at start at min, so in no group yet) to
-    a running group, names one that never formed: the supervisor pushed the job's `start`
-    membership and, before its hosts read it, admitted a pod that became Ready meanwhile; a
-    sidecar relays only the newest membership, so every host reads the admission and nobody
-    holds the state to send. True when `node` is its first host (the leader, whose store is this
-    process's, is never a joiner) or no group is live at its store within `probe` seconds
-    (rendezvous.py `live_group`: the leader of a formed group keeps the key there)."""
-    if membership.hosts[0] == node:
-        return True
-    return live_group(membership.store, probe) is None
+def first_to_form(membership: Membership, node: str, probe: float) -> Membership | None:
+    """The job's first group (`membership.first`, start at min) when `node`, waiting for its first
+    group, is one of its hosts and it never formed: `node` is its first host (its leader, whose
+    store is this process's), or no group is live at its store within `probe` seconds
+    (rendezvous.py `live_group`: the leader of a formed group keeps its key there). A host whose
+    sidecar relayed only a later membership then forms the first group with the hosts that read
+    its `start`; a host the first group does not list, or one it lists whose group is live (it
+    restarted: a rank of that group no more), joins as any joiner does. None otherwise."""
+    first = membership.first
+    if first is None or node not in first.hosts:
+        return None
+    if first.hosts[0] != node and live_group(first.store, probe) is not None:
+        return None
+    return first
 
 
 def warm_up() -> None:

@@ -8,7 +8,10 @@ on-demand to spot capacity; the sidecar turns it into a `drain` notice), and opt
 that change membership in place: a rank re-forms its process group there, at prefix
 `m<generation>/`, when the hosts differ from its group's (hooks/elastic), and optionally
 `"start": true`: the job's first group (a start-at-min job: its hosts start training together,
-none joins a running group), and optionally `"standby": true`: the supervisor asks for a
+none joins a running group), and optionally `"first": {...}`: that `start` membership (a
+whole membership object) on every later one of the same start-at-min job, so that a host of it
+that reads only a later membership (a sidecar relays the newest) still forms the first group with
+the others (hooks/elastic/join.py `first_to_form`), and optionally `"standby": true`: the supervisor asks for a
 replacement (warm standby) at once for a member that gets a reclaim or maintenance notice, so
 that rank may keep training until its replacement joins (`hooks/replacement_hold.py`); a
 supervisor that cannot place one (no capacity) leaves it out. `Membership.to_json`
@@ -49,6 +52,7 @@ class Membership:
     store: str = ""  # "host:port" of the first host's rendezvous store ("" when not in place)
     start: bool = False  # the job's first group: its hosts start it, none joins a running one
     standby: bool = False  # a noticed member's replacement is asked for at once (warm standby)
+    first: Membership | None = None  # start at min: the job's first group this one descends from
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"v": VERSION, "generation": self.generation, "hosts": list(self.hosts),
@@ -61,11 +65,13 @@ class Membership:
             wire["start"] = True
         if self.standby:
             wire["standby"] = True
+        if self.first is not None:
+            wire["first"] = self.first.to_wire()
         return wire
 
     @classmethod
-    def from_wire(cls, obj: Any) -> Membership:
-        obj = versioned_object(obj, VERSION, MembershipFormatError, "membership")
+    def from_wire(cls, obj: Any, *, nested: bool = False) -> Membership:
+        obj = versioned_object(obj, VERSION, MembershipFormatError, "first" if nested else "membership")
         generation = whole(obj, "generation", 0, MembershipFormatError)
         world_size = whole(obj, "world_size", 0, MembershipFormatError)
         hosts = obj.get("hosts")
@@ -85,7 +91,17 @@ class Membership:
         standby = obj.get("standby", False)
         if not isinstance(standby, bool):
             raise MembershipFormatError("standby: expected true or false")
-        return cls(generation, tuple(hosts), world_size, drain, store, start, standby)
+        first = obj.get("first")
+        if first is not None:
+            if nested:
+                raise MembershipFormatError("first: a first group names no first group of its own")
+            try:
+                first = cls.from_wire(first, nested=True)
+            except MembershipFormatError as exc:
+                raise MembershipFormatError(f"first.{exc}") from None
+            if not first.start or not first.store or first.generation >= generation:
+                raise MembershipFormatError("first: expected an earlier `start` membership with a store")
+        return cls(generation, tuple(hosts), world_size, drain, store, start, standby, first)
 
     def to_json(self) -> str:
         """The annotation value: compact JSON with sorted keys, so equal memberships compare equal as text."""

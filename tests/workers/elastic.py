@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"pid-{NODE}").write_text(str(os.getpid()))
-    read_membership = membership_reader(out / "membership.json")
+    read_membership = membership_reader(Path(os.environ.get("TEST_MEMBERSHIP_FILE") or out / "membership.json"))
     fail_at, fail_node, fail_how = os.environ.get("FAIL_AT"), os.environ.get("FAIL_NODE"), os.environ.get("FAIL_HOW")
 
     def maybe_fail(phase: str) -> None:

@@ -83,15 +83,23 @@ class Hosts:
         extra = dict(SPOTGUARD_JOIN="1", SPOTGUARD_READY_FILE=str(self.out / f"ready-{host}"), **(env or {}))
         self._spawn(host, self._env(host, extra), args)
 
-    def push(self, generation: int, hosts: list[str], start: bool = False, standby: bool = False) -> None:
+    def push(self, generation: int, hosts: list[str], start: bool = False, standby: bool = False,
+             first: tuple[int, list[str]] | None = None, to: str = "membership.json") -> None:
         """The membership `hosts` (generation `generation`), led by the first host's store;
-        `start`: the job's first group (start at min); `standby`: warm standby (the replacement hold)."""
-        data = {"v": 1, "generation": generation, "hosts": hosts, "world_size": len(hosts),
+        `start`: the job's first group (start at min); `standby`: warm standby (the replacement hold);
+        `first`: (generation, hosts) of the `start` membership it descends from; `to`: the file
+        (a worker reads the one its TEST_MEMBERSHIP_FILE names, else membership.json)."""
+        data = self.membership(generation, hosts, start, standby)
+        if first is not None:
+            data["first"] = self.membership(first[0], first[1], start=True)
+        tmp = self.out / f"{to}.tmp"
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.out / to)
+
+    def membership(self, generation: int, hosts: list[str], start: bool = False, standby: bool = False) -> dict:
+        return {"v": 1, "generation": generation, "hosts": hosts, "world_size": len(hosts),
                 "store": f"127.0.0.1:{self.port(hosts[0])}", **({"start": True} if start else {}),
                 **({"standby": True} if standby else {})}
-        tmp = self.out / "membership.json.tmp"
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.out / "membership.json")
 
     # ---- what the hosts left behind -------------------------------------------------------------
     def wait_for(self, name: str, timeout: float = 120) -> Path:
@@ -150,6 +158,11 @@ class Hosts:
 
     def state(self, tag: str) -> dict[str, torch.Tensor]:
         return load_state(self.out / f"state-{tag}.pt")
+
+    def log(self, host: str) -> str:
+        """What `host`'s process wrote so far ("" before it wrote anything)."""
+        path = self.out / f"log-{host}"
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def tail(self, lines: int = 20) -> str:
         return "\n".join(f"--- {host}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
