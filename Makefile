@@ -56,10 +56,11 @@ run: $(STAMP)
 
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist; 0 runs it in this process): most of a
 # multi-process or dry-run test's time is spent waiting (start-up, rendezvous, simulated steps), so
-# even on two cores a third worker pays. A fourth did not (measured again at ~1570 s of CPU: 1053 s
-# against 1014 s of pytest): the CPU bounds the suite (docs/developing.md, "The suite's time"),
-# and it only added load. Every test tolerates a neighbour.
-PYTEST_WORKERS ?= 3
+# even on two cores more workers than cores pay. A fourth did not while every rank imported torch
+# itself (~1570 s of CPU: 1053 s against 1014 s of pytest); with the tests' ranks forked from a
+# preloaded Python (tests/workers/zygote.py) it does: 761 s of pytest on 4 workers, against about
+# 14 minutes on 3 (docs/developing.md, "The suite's time"). Every test tolerates a neighbour.
+PYTEST_WORKERS ?= 4
 
 test: $(STAMP)
 	@$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS); rc=$$?; \
