@@ -9,10 +9,11 @@ same script or module, in its own process, with its own PID, exit code and signa
 What it does not change: the product's own process starts (`spotguard launch` starting a
 worker, the dry-run's pods) and any start the server cannot reproduce exactly take the real
 `subprocess.Popen`: another Python, an environment that differs from the server's in a variable
-read while those imports ran (`IMPORT_TIME_ENV`), stdin or output pipes, or no server. Ranks of
-one run are forked from two servers in turn, each with its own hash seed, so two ranks never
-share one (as two real processes would not; an order of a set or dict of strings that differs
-across ranks stays visible to the tests). `SPOTGUARD_TEST_ZYGOTE=0` turns it off.
+read while those imports ran (`IMPORT_TIME_ENV`), stdin or output pipes, or no server. Ranks are
+forked from two servers in turn, each with its own hash seed, so a rank never shares its seed with
+the rank started just before it (two real processes would not share one; an order of a set of
+strings that differs across ranks stays visible to the tests, whose runs have two or three ranks:
+the first two always differ). `SPOTGUARD_TEST_ZYGOTE=0` turns it off.
 
 The object returned answers `pid`, `args`, `returncode`, `poll()`, `wait(timeout)`,
 `send_signal()`, `terminate()` and `kill()` as Popen does (signals go to the PID; the exit status
