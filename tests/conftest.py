@@ -48,37 +48,17 @@ def _runs_long(module: str, marked: bool) -> bool:
     return marked or module.startswith(LONG_UNMARKED)
 
 
-def slow_modules_first(items: list, workers: int = 1) -> None:
-    """Reorders `items` in place so that the long tests (those of modules with a test marked `slow`
-    or `k8s`, or named in LONG_UNMARKED) start first on every one of `workers` xdist workers.
-    xdist's worksteal hands each worker one contiguous share of the list (the first worker the
-    first len/workers items, and so on), each runs its share from the front, and an idle worker
-    steals the back half of another's queue. So each share here begins with long tests, whole
-    modules (a module-scoped fixture is made once), each to the share with the fewest long tests
-    so far, then short ones: the long tests all start early and what is stolen and run last is
-    seconds long. Before, every long test sat in the first
-    worker's share, stealing reached them from the back, and a 70 s dry-run could start in the
-    suite's last minute (one clean-clone CI run ended 70 s after all the others' tests). The same
-    order on every worker (it depends on the collection and the worker count), as xdist requires."""
+def slow_modules_first(items: list) -> None:
+    """Reorders `items` in place: whole modules, each in its own order, those with a test marked
+    `slow` or `k8s` (or named in LONG_UNMARKED) first. Under xdist's worksteal the last tests of a
+    queue run last and the first worker done idles while the other finishes its current test: with
+    the 30-80 s tests started early, what is left at the end is seconds long. The same order on
+    every worker (it depends on the collection only), as xdist requires."""
     long_modules = {item.path.name for item in items if "slow" in item.keywords or "k8s" in item.keywords}
-    modules: dict = {}
+    rank = {}
     for item in items:
-        if _runs_long(item.path.name, item.path.name in long_modules):
-            modules.setdefault(item.path, []).append(item)
-    chosen = {id(item) for tests in modules.values() for item in tests}
-    short = [item for item in items if id(item) not in chosen]
-    shares: list[list] = [[] for _ in range(workers)]
-    for tests in sorted(modules.values(), key=len, reverse=True):  # stable: ties keep the collection order
-        min(shares, key=len).extend(tests)
-    ordered, left = [], len(items)
-    for worker in range(workers):
-        share = left // (workers - worker)  # worksteal's first distribution (xdist/scheduler/worksteal.py)
-        left -= share
-        mine = shares[worker]
-        take = max(0, share - len(mine))
-        ordered += mine + short[:take]
-        short = short[take:]
-    items[:] = ordered + short
+        rank.setdefault(item.path, 0 if _runs_long(item.path.name, item.path.name in long_modules) else 1)
+    items.sort(key=lambda item: rank[item.path])  # stable: each module's tests keep their order
 
 
 def pytest_collection_modifyitems(config, items):
@@ -86,8 +66,7 @@ def pytest_collection_modifyitems(config, items):
     are skipped (one summary line says why)."""
     from tests.control_plane import assets_dir
 
-    workerinput = getattr(config, "workerinput", None)  # set on xdist's workers, which collect
-    slow_modules_first(items, int(workerinput["workercount"]) if workerinput else 1)
+    slow_modules_first(items)
     if assets_dir() is not None:
         return
     skip = pytest.mark.skip(reason="no real control plane (KUBEBUILDER_ASSETS)")
