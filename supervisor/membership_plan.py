@@ -125,7 +125,7 @@ def plan(record: Record, pods: JobPods, shape: JobShape, now: datetime, settle: 
         return Planned(record)
     if shape.start_at_min and shape.in_place:
         if not record.members or group_gone(pods.replicas, record.member_pods):
-            return _start_group(record, pods, shape, now)
+            return _start_group(record, pods, shape)
     elif record.decided_at is None:
         return Planned(record)
     if not shape.in_place:
@@ -146,9 +146,6 @@ def _in_place(record: Record, pods: JobPods, shape: JobShape, now: datetime, set
     starting = starting_joiners(pods.replicas, previous, mode, pods.on_healthy_node)
     admit = joiners_settled([(now - t).total_seconds() for t in seen.values()], len(starting), settle)
     recheck = None if admit or not seen else min(seen.values()) + timedelta(seconds=settle)
-    forming = start_forming(record, now, settle)
-    if forming is not None and seen:
-        admit, recheck = False, forming
     record = record.with_(ready_seen=None if admit or not seen else seen)
     member_node: Callable[[Pod], bool] = pods.on_healthy_node
     if pods.standby:
@@ -160,19 +157,6 @@ def _in_place(record: Record, pods: JobPods, shape: JobShape, now: datetime, set
         return Planned(record, recheck_at=recheck)  # the first host's pod has no IP yet: its update requeues
     planned = _pushed(record, pods, hosts, store, incarnations, len(hosts), in_place=True)
     return Planned(planned.record, planned.push, recheck)
-
-
-def start_forming(record: Record, now: datetime, settle: float) -> datetime | None:
-    """Until when a start-at-min job's first group may still be forming: the last membership
-    pushed is its `start` one, pushed less than `settle` seconds ago; else None. No joiner is
-    admitted meanwhile: a sidecar relays only the newest membership, so an admission pushed right
-    after the start reaches some of its hosts in the start's place, and the hosts would form two
-    different groups (hooks/elastic/join.py `never_formed` answers the case where all of them
-    read the admission alone)."""
-    if not record.start_generation or record.generation != record.start_generation or record.started_at is None:
-        return None
-    until = record.started_at + timedelta(seconds=settle)
-    return until if now < until else None
 
 
 def _pushed(record: Record, pods: JobPods, hosts: tuple[str, ...], store: str, incarnations: tuple[str, ...],
@@ -214,15 +198,15 @@ def _fresh_group(record: Record, pods: JobPods, replicas: int) -> Planned:
     return _pushed(record, pods, hosts, store, incarnations, len(hosts), why="the relaunched group")
 
 
-def _start_group(record: Record, pods: JobPods, shape: JobShape, now: datetime) -> Planned:
+def _start_group(record: Record, pods: JobPods, shape: JobShape) -> Planned:
     """A start-at-min job without a running group: once min pods are Ready, their first
     membership (marked `start`, at most max hosts), as a new generation."""
     found = start_members(pods.replicas, shape.start_at_min, pods.hosts_mode, pods.on_healthy_node, shape.limit)
     if found is None:
         return Planned(record)  # the pods' updates requeue the job
     hosts, store, incarnations = found
-    record = record.with_(members=(), store="", start_generation=record.generation + 1, started_at=now,
-                          start_hosts=hosts, start_store=store)
+    record = record.with_(members=(), store="", start_generation=record.generation + 1, start_hosts=hosts,
+                          start_store=store)
     return _pushed(record, pods, hosts, store, incarnations, len(hosts), in_place=True,
                    why=f"{len(hosts)} of min {shape.start_at_min} pods Ready: the first group")
 

@@ -22,8 +22,7 @@ action. Contract:
   (in place): the incarnations ("<pod uid>/<restarts>") of the member pods it was pushed for,
   so that a group whose every member pod restarted or ended is known to be gone.
   `start_generation` (start at min): the generation pushed as a job's first group, re-pushed
-  with its `start` mark for as long as it is the current one; `started_at` when it was pushed
-  (Ready joiners wait a settle window after it: in_place.py), `start_hosts` / `start_store` what
+  with its `start` mark for as long as it is the current one; `start_hosts` / `start_store` what
   it listed (every later membership carries it as `first`). `ready_seen` (in place): when each
   Ready joiner held back by the settle window was first seen Ready (pod uid -> time), so the
   window is the same for a restarted supervisor.
@@ -54,7 +53,7 @@ SUSPENDED = "Suspended"  # suspended by the supervisor, waiting for capacity
 GAVE_UP = "GaveUp"  # max-wait passed without capacity: stays suspended, no more waiting
 PHASES = (RUNNING, CHECKPOINTING, SUSPENDED, GAVE_UP)
 TIMES = ("decided_at", "waiting_since", "checkpoint_deadline", "lacking_since", "spot_free_since", "below_max_since",
-         "spot_idle_since", "backfill_at", "started_at")
+         "spot_idle_since", "backfill_at")
 MAX_COUNTED_EXITS = 64
 
 
@@ -77,7 +76,6 @@ class Record:
     store: str = ""  # in-place jobs: the rendezvous store last pushed with them
     member_pods: tuple[str, ...] = ()  # in-place jobs: "<pod uid>/<restarts>" of the members pushed
     start_generation: int = 0  # start at min: the generation of the last first group pushed (0: none)
-    started_at: datetime | None = None  # start at min: when that first group was pushed
     start_hosts: tuple[str, ...] = ()  # start at min: that first group's hosts
     start_store: str = ""  # start at min: and its store
     reclaims_survived: int = 0
