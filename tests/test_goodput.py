@@ -43,6 +43,21 @@ def test_summarize_keeps_lost_and_attributes_steps():
     assert r.useful_samples == 50 * 32 + 30 * 16 + 20 * 32
 
 
+def test_a_reclaim_served_while_the_group_still_starts_hits_it():
+    """The notice came at 2.5 s, while the job's containers still started (launched at 3 s, under
+    load); the node went at its deadline, 7.5 s, in the middle of training: the reclaim hit that
+    generation (a CI run counted 0 hits: it read only the moment the notice was served)."""
+    gens = [GenerationRecord(0, 2, ["node-0", "node-1"], launched_at=3.0, ended_at=8.0),
+            GenerationRecord(1, 1, ["node-0"], launched_at=9.0, ended_at=20.0)]
+    events = [ev(3.5, "start", 0, 0, global_batch=32), ev(7.4, "step", 0, 21),
+              ev(9.5, "start", 1, 0, global_batch=16), ev(19.0, "finished", 1, 120)]
+    injected = [InjectedEvent("reclaim", "node-1", 2.5, 2.5, served_at=2.5, deadline=7.5)]
+    r = summarize("periodic", events, gens, injected, total_steps=120)
+    assert (r.reclaims_injected, r.reclaims_hit) == (1, 1)
+    late = [InjectedEvent("reclaim", "node-1", 2.0, 2.0, served_at=2.0, deadline=2.9)]  # gone before the launch
+    assert summarize("periodic", events, gens, late, total_steps=120).reclaims_hit == 0
+
+
 def test_goals_compare_against_ideal_and_baseline():
     def result(mode, wall, lost):
         return ModeResult(mode, "finished", 100, 100, wall, 3200, reclaims_hit=1, leads_s=[10.0],

@@ -227,9 +227,10 @@ def summarize(mode: str, events: Iterable[dict], generations: list[GenerationRec
 
     reclaims = [i for i in injected if i.kind == "reclaim" and (i.served_at or i.injected_at) <= t_end]
     hit_gens: dict[int, int] = collections.Counter()
-    for r in reclaims:
+    for r in reclaims:  # a hit: a generation using the node ran at some time between its notice and its deadline
         served = r.served_at or r.injected_at
-        live = [g for g in generations if g.launched_at <= served and (g.ended_at is None or served <= g.ended_at)
+        gone = max(served, r.deadline or served)
+        live = [g for g in generations if g.launched_at <= gone and (g.ended_at is None or served <= g.ended_at)
                 and r.node in g.nodes]
         if live:
             hit_gens[live[-1].index] += 1
