@@ -12,7 +12,9 @@ Contract (`DeadlineWatchdog`, made and driven by the Guard):
   (`deadline_claims`) within one poll; withdrawn there (by the rank whose notice it was), it is
   disarmed here within one poll too.
 - Once armed: the notice is published for the other ranks, a "failed" termination message is
-  written in advance and the last-resort timer (`exit_timer`, outside Python) is set to end the
+  written in advance (never over the account a boundary that answered first wrote: a watchdog
+  thread starved until after the departure armed late, ci: "saved by ['boundary', 'none']")
+  and the last-resort timer (`exit_timer`, outside Python) is set to end the
   process with 84 at `deadline_policy.leave_by`.
 - `completed(step)` / `resumed(start)`: the Guard's boundary and resume (an int stored: no cost).
 - `dense` (`dense_snapshots.DenseSnapshots`): while a notice is armed and the Guard snapshots
@@ -255,7 +257,7 @@ class DeadlineWatchdog:
             write_termination_message(notice.id, completed, completed, False,
                                       steps_lost=self.progress.lost_since(self.progress.durable),
                                       extra={"saved_by": "none", "why": "deadline"},
-                                      exit_code=EXIT_CHECKPOINT_FAILED)
+                                      exit_code=EXIT_CHECKPOINT_FAILED, in_advance=True)
             self.timer.arm(time.monotonic() + self._leave_at - time.time(), EXIT_CHECKPOINT_FAILED)
         log.warning("deadline watchdog armed for notice %s: the rank leaves by %.1fs from now at the latest",
                     notice.id, self._leave_at - time.time())

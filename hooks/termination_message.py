@@ -13,9 +13,13 @@ content. Writing never raises: a rank that cannot write still exits with its cod
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
+from collections.abc import Iterator
+from typing import BinaryIO
 
 from spotguard.wire import names
 from spotguard.wire.notice import WIRE_VERSION
@@ -52,8 +56,8 @@ def clear_termination_message() -> None:
     path = termination_log_path()
     if path is not None:
         try:
-            with open(path, "wb"):
-                pass
+            with _locked(path) as f:
+                f.truncate(0)
         except OSError:
             pass
 
@@ -61,10 +65,16 @@ def clear_termination_message() -> None:
 def write_termination_message(notice_id: str, step: int, saved_step: int, durable: bool,
                               path: str | None = None, *, steps_lost: int | None = None,
                               durable_tier: str | None = None, object_step: int | None = None,
-                              extra: dict | None = None, exit_code: int | None = None) -> bool:
+                              extra: dict | None = None, exit_code: int | None = None,
+                              in_advance: bool = False) -> bool:
     """Writes the message (see the module docstring); True when written. `steps_lost` defaults to
     `step - saved_step`; `durable_tier` ("object", "local", "disk") and `object_step`, when known,
-    are added, then `exit_code` when given, then `extra` (`saved_by`, `margin_seconds`, ...)."""
+    are added, then `exit_code` when given, then `extra` (`saved_by`, `margin_seconds`, ...).
+
+    `in_advance`: the deadline watchdog's "failed" message, written before anything is known: it
+    never replaces a message the file already holds for the same notice (a boundary that answered
+    first, in this process or another rank's in the same container, keeps its account). Writers
+    hold an exclusive lock on the file, so the check and the write are one step."""
     target = path if path is not None else termination_log_path()
     if target is None:
         return False
@@ -81,9 +91,36 @@ def write_termination_message(notice_id: str, step: int, saved_step: int, durabl
     body = json.dumps(message, separators=(",", ":"))
     data = body.encode()[:MAX_MESSAGE_BYTES]
     try:
-        with open(target, "wb") as f:
+        with _locked(target) as f:
+            if in_advance and _notice_of(f.read()) == notice_id:
+                return False
+            f.seek(0)
+            f.truncate(0)
             f.write(data)
     except OSError as exc:
         log.warning("could not write the termination message to %s: %s", target, exc)
         return False
     return True
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[BinaryIO]:
+    """The file opened for reading and writing (created when missing), positioned at its start,
+    under an exclusive `flock` (the watchdog's thread and the main thread of every rank in the
+    container write the same file)."""
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            f.seek(0)
+            yield f
+            f.flush()
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _notice_of(data: bytes) -> str | None:
+    try:
+        message = json.loads(data)
+    except ValueError:
+        return None
+    return message.get("notice_id") if isinstance(message, dict) else None

@@ -145,6 +145,55 @@ def test_a_withdrawn_notice_disarms_the_last_resort_and_empties_the_message(tmp_
     assert message.read_text() == ""
 
 
+def test_a_watchdog_that_arms_after_the_boundary_departed_keeps_the_boundarys_account(tmp_path):
+    """The boundary answered the notice and wrote its termination message ("boundary", exit 83)
+    before the watchdog's thread, starved on a loaded machine, first looked at the notice: the
+    watchdog still arms its last resort but its advance "failed" message does not replace the
+    account (ci: a Lightning drain reported as "saved by ['boundary', 'none']"). A message of
+    another notice is replaced."""
+    message = tmp_path / "termination-log"
+    script = textwrap.dedent(f"""
+        import json, logging, os, time
+        from datetime import timedelta
+        os.environ["SPOTGUARD_TERMINATION_LOG"] = {str(message)!r}
+        from spotguard.hooks.deadline_watchdog import DeadlineWatchdog
+        from spotguard.hooks.termination_message import departure_account, write_termination_message
+        from spotguard.wire.notice import Notice, now_utc
+        now = now_utc()
+        def notice(nid):
+            return Notice(id=nid, kind="reclaim", source="aws.spot", node="n", detected_at=now,
+                          deadline=now + timedelta(seconds=30))
+        armed_for = []  # the watchdog logs "armed" once its message is written and its timer set
+        class Armed(logging.Handler):
+            def emit(self, record):
+                armed_for.append(record.args[0] if "armed for notice" in record.msg else None)
+        logging.getLogger("spotguard.hooks.deadline").addHandler(Armed())
+        def armed(watchdog, nid):
+            end = time.monotonic() + 30
+            while nid not in armed_for:
+                assert time.monotonic() < end
+                time.sleep(0.01)
+            return json.loads(open({str(message)!r}).read())
+        write_termination_message("aws.spot:b", 9, 9, True, exit_code=83,
+                                  extra=departure_account("boundary", 9, 9, 20.0))
+        watchdog = DeadlineWatchdog(lambda: None, 1.0).start()
+        watchdog.completed(9)
+        watchdog.arm(notice("aws.spot:b"))
+        kept = armed(watchdog, "aws.spot:b")
+        assert (kept["saved_by"], kept["exit_code"], kept["checkpoint"]) == ("boundary", 83, "durable"), kept
+        watchdog.close(None)
+        other = DeadlineWatchdog(lambda: None, 1.0).start()
+        other.completed(9)
+        other.arm(notice("aws.spot:c"))
+        replaced = armed(other, "aws.spot:c")
+        assert (replaced["notice_id"], replaced["saved_by"], replaced["checkpoint"]) == ("aws.spot:c", "none", "failed")
+        other.close(None)
+        raise SystemExit(7)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    assert result.returncode == 7, result.stderr[-3000:]
+
+
 def test_steps_lost_with_no_checkpoint_known_are_the_steps_this_process_trained():
     progress = Progress()
     assert progress.lost_since(None) == 0
