@@ -31,8 +31,9 @@ Contract (docs/protocols.md, "In-place membership"):
 - start at min (`spotguard.io/start-at-min: "true"`, `start_members`): no group runs before the
   supervisor's first membership, marked `start`: the Ready pods (each worker's ready file says it
   waits for one) once at least min-replicas are, in completion-index order; later Ready pods are
-  joiners as above; every later membership names the start as its `first` (a host of it that
-  reads only a later one still forms it: hooks/elastic/join.py `first_to_form`). After the group
+  joiners as above; a later membership names the start as its `first` while all the start's
+  pods are still members as they were (a host of it that reads only a later one still forms it:
+  hooks/elastic/join.py `first_to_form`; a host back with a new pod joins instead). After the group
   is gone the next first membership is made the same way;
 - the group is GONE (`group_gone`) when none of the member pods of the last membership still
   runs as the incarnation it was pushed for (`incarnation`: pod uid and restarts; every member

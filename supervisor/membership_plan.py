@@ -178,10 +178,15 @@ def _pushed(record: Record, pods: JobPods, hosts: tuple[str, ...], store: str, i
 
 
 def _first(record: Record, pods: JobPods, in_place: bool) -> Membership | None:
-    """The `start` membership a later membership of a start-at-min job descends from (None
-    before the start, for the start itself, and for jobs without one)."""
-    if not in_place or not record.start_hosts or not record.start_store \
-            or not 0 < record.start_generation < record.generation:
+    """The `start` membership a later membership of a start-at-min job descends from, while
+    every pod the start listed is still a member in the same incarnation: only then can a host
+    it lists be a pod that never read it. A host name comes back with a new pod (a reclaimed
+    node given back, a restarted container), which must join the live group, never form the
+    first one again (a CI run's returned spot node formed a second group from the checkpoint).
+    None before the start, for the start itself, and for jobs without one."""
+    if not in_place or not record.start_hosts or not record.start_store or not record.start_pods \
+            or not 0 < record.start_generation < record.generation \
+            or not set(record.start_pods) <= set(record.member_pods):
         return None
     return Membership(record.start_generation, record.start_hosts, len(record.start_hosts) * pods.per_replica,
                       store=record.start_store, start=True)
@@ -206,7 +211,7 @@ def _start_group(record: Record, pods: JobPods, shape: JobShape) -> Planned:
         return Planned(record)  # the pods' updates requeue the job
     hosts, store, incarnations = found
     record = record.with_(members=(), store="", start_generation=record.generation + 1, start_hosts=hosts,
-                          start_store=store)
+                          start_store=store, start_pods=incarnations)
     return _pushed(record, pods, hosts, store, incarnations, len(hosts), in_place=True,
                    why=f"{len(hosts)} of min {shape.start_at_min} pods Ready: the first group")
 

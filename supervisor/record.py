@@ -23,7 +23,8 @@ action. Contract:
   so that a group whose every member pod restarted or ended is known to be gone.
   `start_generation` (start at min): the generation pushed as a job's first group, re-pushed
   with its `start` mark for as long as it is the current one; `start_hosts` / `start_store` what
-  it listed (every later membership carries it as `first`). `ready_seen` (in place): when each
+  it listed and `start_pods` its member pods' incarnations (a later membership carries it as
+  `first` while every one of those pods is still a member: membership_plan.py). `ready_seen` (in place): when each
   Ready joiner held back by the settle window was first seen Ready (pod uid -> time), so the
   window is the same for a restarted supervisor.
 - `awaiting` (phase Checkpointing, fixed policy): the notices the checkpoint wait is for (notice
@@ -78,6 +79,7 @@ class Record:
     start_generation: int = 0  # start at min: the generation of the last first group pushed (0: none)
     start_hosts: tuple[str, ...] = ()  # start at min: that first group's hosts
     start_store: str = ""  # start at min: and its store
+    start_pods: tuple[str, ...] = ()  # start at min: and its member pods' incarnations
     reclaims_survived: int = 0
     decided_by: str = ""
     capacity: str = ""  # "" (as created) or "on-demand" (fallen back)
@@ -115,6 +117,7 @@ class Record:
         obj["members"] = list(self.members)
         obj["member_pods"] = list(self.member_pods)
         obj["start_hosts"] = list(self.start_hosts)
+        obj["start_pods"] = list(self.start_pods)
         obj["counted_exits"] = list(self.counted_exits)
         obj["ready_seen"] = None if self.ready_seen is None else {
             uid: format_time(t) for uid, t in self.ready_seen.items()}
@@ -151,9 +154,11 @@ def parse_record(text: str | None) -> Record:
         counted = obj.get("counted_exits", [])
         member_pods = obj.get("member_pods", [])
         start_hosts = obj.get("start_hosts", [])
+        start_pods = obj.get("start_pods", [])
         if not all(isinstance(x, list) and all(isinstance(i, str) for i in x)
-                   for x in (handled, members, counted, member_pods, start_hosts)):
-            raise RecordError("handled/members/counted_exits/member_pods/start_hosts: expected lists of strings")
+                   for x in (handled, members, counted, member_pods, start_hosts, start_pods)):
+            raise RecordError("handled/members/counted_exits/member_pods/start_hosts/start_pods: expected lists "
+                              "of strings")
         for name in ("spot_directives", "cost", "split", "ready_seen", "awaiting"):
             if obj.get(name) is not None and not isinstance(obj[name], dict):
                 raise RecordError(f"{name}: expected an object")
@@ -176,6 +181,7 @@ def parse_record(text: str | None) -> Record:
             start_generation=int(obj.get("start_generation", 0)),
             start_hosts=tuple(start_hosts),
             start_store=str(obj.get("start_store", "")),
+            start_pods=tuple(start_pods),
             reclaims_survived=int(obj.get("reclaims_survived", 0)),
             decided_by=str(obj.get("decided_by", "")),
             capacity=str(obj.get("capacity", "")),

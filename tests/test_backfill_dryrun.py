@@ -27,10 +27,7 @@ WAIT = 240.0  # bound on the whole story on a loaded machine
 
 @pytest.mark.timeout(420)
 async def test_warm_standby_joins_and_is_swapped_back_for_spot_in_place(tmp_path):
-    scenario = Scenario(name="backfill", workers=2, steps=100000, step_seconds=0.05,
-                        events=(ScenarioEvent(at=0.5, kind="reclaim", node="node-1", lead=5.0),
-                                # carried out once node-1's rank has left (Injector._give_back)
-                                ScenarioEvent(at=1.0, kind="capacity", node="node-1")))
+    scenario = Scenario(name="backfill", workers=2, steps=100000, step_seconds=0.05)
     dry = BackfillDryRun(scenario, tmp_path, ["--log-every=1"], time_limit=WAIT, fallback_after=60.0,
                          return_after=1.0)
     run = asyncio.create_task(dry.run())
@@ -45,13 +42,24 @@ async def test_warm_standby_joins_and_is_swapped_back_for_spot_in_place(tmp_path
     def hosts() -> list[list[str]]:
         return [m.hosts for m in dry.memberships]
 
+    capacity: asyncio.Task | None = None
     try:
+        # The job starts at min (1): whichever node is Ready first trains alone, the other joins.
+        # Only then is node-1 reclaimed, so the group it leaves goes on (a reclaim of a first
+        # group of node-1 alone ended it: node-0 started a second one, ci20 and ci27).
+        await until("both spot nodes trained together", lambda: {"node-0", "node-1"} in map(set, hosts()))
+        await dry.injector.inject_now(ScenarioEvent(at=0.0, kind="reclaim", node="node-1", lead=5.0))
+        # carried out once node-1's rank has left (Injector._give_back)
+        capacity = asyncio.create_task(dry.injector.inject_now(ScenarioEvent(at=0.0, kind="capacity", node="node-1")))
         await until("the on-demand replacement joined", lambda: ["node-0", "od-0"] in hosts())
         await until("the swap-back", lambda: hosts()[-1] == ["node-0", "node-1"] and ["node-0", "od-0"] in hosts())
-        swapped_at = dry.memberships[-1].t
+        swap = len(hosts()) - 1  # the run's cancellation pushes memberships of its own after it
+        swapped_at = dry.memberships[swap].t
         await until("the ranks carried out the swap", lambda: swap_done(dry, swapped_at))
         running = [p.pid for p in marked(dry.marker)]
     finally:
+        if capacity is not None:
+            capacity.cancel()
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
             await run
@@ -60,11 +68,10 @@ async def test_warm_standby_joins_and_is_swapped_back_for_spot_in_place(tmp_path
     assert len(running) >= 2, running
     assert await nothing_left(dry.marker) == []
     assert not still_running(running)
-    swap = len(hosts()) - 1
-    assert hosts()[swap - 1] == ["node-0", "od-0"]  # one membership: node-1 in, od-0 out
+    assert hosts()[swap - 1] == ["node-0", "od-0"], hosts()  # one membership: node-1 in, od-0 out
     assert all(len(h) <= 2 for h in hosts())
     _, generations = dry.trainer_events()
-    assert len(generations) == 1  # nothing relaunched
+    assert len(generations) == 1, (generations, hosts())  # nothing relaunched
     assert any("warm standby" in s["backfill"] for s in dry.supervisor_log.backfill_steps)
     spot = [j for j in dry.joiners if j.node == "node-1"]
     assert spot and spot[-1].started >= dry.memberships[swap - 1].t  # placed once od-0 had joined

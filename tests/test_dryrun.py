@@ -72,7 +72,7 @@ membership: restart
 steps: 120
 step_seconds: 0.05
 events:
-  - {at: 2, kind: reclaim, node: node-1, lead: 1}
+  - {at: 2, kind: reclaim, node: node-1, lead: 0}
 """
 
 
@@ -80,11 +80,10 @@ def test_a_rank_still_training_at_its_deadline_fails_the_run_and_no_worker_of_it
     """No Guard (`-- --no-guard`): nothing drains node-1's rank before its node's deadline. The
     node dies then: every process of its pod is killed (torchrun's worker too, in a session of its
     own), so no step of node-1 is logged past the deadline, and the run fails (exit 1) naming the
-    missed deadline. (A 1 s notice: the supervisor's relaunch of node-0 for the new membership
-    comes seconds after it; with 4 s it raced the deadline, and node-0's rank leaving first failed
-    node-1's collective: a crash before the deadline, not a missed one.) 120 steps last 6 s at
-    least, past the deadline at 3 s; with no Guard the relaunch trains them all again from step 0,
-    so more steps (300 before) only made that 9 s longer."""
+    missed deadline. The notice has no lead: the node dies at the dry-run's next tick, before the
+    supervisor can relaunch node-0 for the new membership (with 1 s and 4 s, a loaded machine let
+    the relaunch come first; node-0's rank leaving failed node-1's collective: a crash before the
+    deadline, not a missed one). 120 steps last 6 s at least, past the deadline at 2 s."""
     code, report, output = dry_run(tmp_path, MISSED_DEADLINE, "--", "--no-guard", timeout=420)
     assert report is not None, output[-3000:]
     assert code == 1 and not report["ok"], (report["problems"], output[-3000:])

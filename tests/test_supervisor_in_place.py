@@ -340,3 +340,38 @@ def test_an_admission_right_after_the_start_names_the_start_as_its_first():
     assert admitted.record.generation == start.record.generation + 1 and "start" not in told(admitted)
     assert told(admitted)["first"] == {**told(start), "v": 1}
     assert parse_record(admitted.record.to_json()) == admitted.record
+
+
+def test_a_host_of_the_start_back_with_a_new_pod_is_told_no_first_group():
+    """Start at min with n0 alone; n1 admitted (its membership names the start as `first`). Then
+    n0's pod goes (its node reclaimed) and the node comes back with a new pod: the memberships
+    from then on name no `first`, so the new pod on n0 joins the live group instead of forming
+    the start's group again from the checkpoint (a CI run: the returned spot node read the swap's
+    membership, found the start listing its host and no group at the start's store, and formed a
+    second group)."""
+    policy = parse_policy({names.ANN_POLICY: "elastic", names.ANN_IN_PLACE: "true", names.ANN_START_AT_MIN: "true",
+                           names.ANN_MIN_REPLICAS: "1", names.ANN_MAX_REPLICAS: "2"}, 2)
+    pods = [uid_pod(0, "n0", ready=True), uid_pod(1, "n1")]
+    record, offset = Record(), 0.0
+
+    def decided() -> dict | None:
+        nonlocal record, offset
+        st = JobState(policy, 2, False, record, (), healthy_replicas=len(pods), pods=job_pods(pods))
+        offset += SETTLE.join_settle + 1
+        decision = decide(st, T0 + timedelta(seconds=offset), SETTLE)
+        record = parse_record(decision.record.to_json())
+        return told(decision) if decision.membership is not None else None
+
+    start = decided()
+    assert start is not None and start["hosts"] == ["n0"] and start["start"]
+    pods[1] = uid_pod(1, "n1", ready=True)
+    admitted = decided()
+    assert admitted is not None and admitted["hosts"] == ["n0", "n1"] and admitted["first"]["hosts"] == ["n0"]
+    del pods[0]
+    left = decided()
+    assert left is not None and left["hosts"] == ["n1"] and "first" not in left, left
+    back = uid_pod(0, "n0", ready=True)
+    back["metadata"]["uid"] = "uid-0-new-instance"
+    pods.insert(0, back)
+    readmitted = decided()
+    assert readmitted is not None and readmitted["hosts"] == ["n1", "n0"] and "first" not in readmitted, readmitted
