@@ -9,7 +9,8 @@ that change membership in place: a rank re-forms its process group there, at pre
 `m<generation>/`, when the hosts differ from its group's (hooks/elastic), and optionally
 `"start": true`: the job's first group (a start-at-min job: its hosts start training together,
 none joins a running group), and optionally `"first": {...}`: that `start` membership (a
-whole membership object) on every later one of the same start-at-min job, so that a host of it
+whole membership object) on a later one of the same start-at-min job while every pod the start
+listed is still a member as it was (supervisor/membership_plan.py `_first`), so that a host of it
 that reads only a later membership (a sidecar relays the newest) still forms the first group with
 the others (hooks/elastic/join.py `first_to_form`), and optionally `"standby": true`: the supervisor asks for a
 replacement (warm standby) at once for a member that gets a reclaim or maintenance notice, so
