@@ -12,10 +12,9 @@ Contract (`DeadlineWatchdog`, made and driven by the Guard):
   (`deadline_claims`) within one poll; withdrawn there (by the rank whose notice it was), it is
   disarmed here within one poll too.
 - Once armed: the notice is published for the other ranks, a "failed" termination message is
-  written in advance (never over the account a boundary that answered first wrote: a watchdog
-  thread starved until after the departure armed late, ci: "saved by ['boundary', 'none']")
-  and the last-resort timer (`exit_timer`, outside Python) is set to end the
-  process with 84 at `deadline_policy.leave_by`.
+  written in advance (never over the account of a boundary that answered first: a thread
+  starved until after the departure arms late) and the last-resort timer (`exit_timer`,
+  outside Python) is set to end the process with 84 at `deadline_policy.leave_by`.
 - `completed(step)` / `resumed(start)`: the Guard's boundary and resume (an int stored: no cost).
 - `dense` (`dense_snapshots.DenseSnapshots`): while a notice is armed and the Guard snapshots
   (`snapshot_every` > 0), each poll lets it settle the grid of denser snapshots every rank takes

@@ -182,8 +182,7 @@ def _first(record: Record, pods: JobPods, in_place: bool) -> Membership | None:
     every pod the start listed is still a member in the same incarnation: only then can a host
     it lists be a pod that never read it. A host name comes back with a new pod (a reclaimed
     node given back, a restarted container), which must join the live group, never form the
-    first one again (a CI run's returned spot node formed a second group from the checkpoint).
-    None before the start, for the start itself, and for jobs without one."""
+    first one again from the checkpoint. None before the start, for the start itself, and for jobs without one."""
     if not in_place or not record.start_hosts or not record.start_store or not record.start_pods \
             or not 0 < record.start_generation < record.generation \
             or not set(record.start_pods) <= set(record.member_pods):
