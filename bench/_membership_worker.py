@@ -97,24 +97,19 @@ def sized_job(ckpt: str, dim: int, layers: int):
 
 
 def deepspeed_job(ckpt: str):
-    """(adapter, one_step(x, y)) for DeepSpeed ZeRO-1 (restart path only: not resizable)."""
-    import deepspeed
-
+    """(adapter, one_step(x, y)) for DeepSpeed ZeRO-1 with a client AdamW, in place under
+    SPOTGUARD_IN_PLACE (the engine made again for each new group: read from the adapter)."""
     from spotguard.hooks.adapters.deepspeed import DeepSpeedAdapter
-    from spotguard.trainer.elastic_job import GLOBAL_BATCH
+    from spotguard.trainer.elastic_job import build_deepspeed, deepspeed_config
 
-    model = base_model()
-    per_rank = GLOBAL_BATCH // dist.get_world_size()
-    config = {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
-              "train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1,
-              "train_batch_size": per_rank * dist.get_world_size(), "steps_per_print": 10 ** 9}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                           config=config)
+    adapter = DeepSpeedAdapter(build_deepspeed(stage=1), checkpoint_dir=ckpt, in_place=True,
+                               config_for=lambda world: deepspeed_config(world, stage=1))
 
     def one_step(x, y) -> float:
+        engine = adapter.engine
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         return timed(engine.step)
-    return DeepSpeedAdapter(engine, checkpoint_dir=ckpt), one_step
+    return adapter, one_step
 
 
 def accelerate_job(ckpt: str):
@@ -162,6 +157,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     node = os.environ["SPOTGUARD_NODE"]
     read_membership = membership_reader(out / "membership.json")
+    if args.framework == "deepspeed":  # as a user's script does, before it joins (the joiner's warm-up reads it)
+        import deepspeed  # noqa: F401
     init_process_group(memberships=read_membership, join_timeout=120)
     boundary = None
     if args.dim:

@@ -14,7 +14,7 @@ Per framework, in one run:
 - restart (today's path): the same notice makes every rank checkpoint the agreed step and exit
   83; then new processes (interpreter, torch import, group init, load from the checkpoint) start
   at 3; a second notice -> every rank exits 83 -> new processes at 4 with e.
-DeepSpeed ZeRO-1 runs the restart path only (it is not resized in place). `accelerate` is the same
+DeepSpeed is ZeRO-1 with a client AdamW, `DeepSpeedAdapter(in_place=True)`. `accelerate` is the same
 job through the Accelerate integration (`AccelerateGuard(in_place=True)` in place, its restart path
 otherwise); the Trainer and Lightning integrations keep the restart path (docs/integrations.md).
 At size (`--dim 4096 --layers 6`: FSDP2 only, the model of bench/membership_memory.py, ~1.1 GiB of
@@ -61,7 +61,7 @@ from spotguard.wire import names
 
 WORKER = Path(__file__).resolve().with_name("_membership_worker.py")
 FRAMEWORKS = ("ddp", "fsdp2", "deepspeed", "accelerate")
-IN_PLACE_FRAMEWORKS = ("ddp", "fsdp2", "accelerate")
+IN_PLACE_FRAMEWORKS = ("ddp", "fsdp2", "deepspeed", "accelerate")
 START_HOSTS = ("a", "b", "c", "d")
 LEAVER, JOINER = "a", "e"
 SURVIVORS = ("b", "c", "d")
@@ -75,7 +75,7 @@ EXIT_PREEMPTED = names.EXIT_PREEMPTED
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--frameworks", default="ddp,fsdp2",
-                   help=f"comma-separated, of {', '.join(FRAMEWORKS)} (default ddp,fsdp2; deepspeed: restart only)")
+                   help=f"comma-separated, of {', '.join(FRAMEWORKS)} (default ddp,fsdp2)")
     p.add_argument("--step-sleep", type=float, default=0.05, help="synthetic compute per step, seconds")
     p.add_argument("--steps-between", type=int, default=15, help="steps every rank trains between two changes")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds any one wait may take")

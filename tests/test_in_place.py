@@ -1,9 +1,13 @@
-"""Membership changes in place across real gloo processes, one per host (tests/workers/elastic.py).
+"""Membership changes in place across real gloo processes, one per host (tests/workers/elastic.py):
+DDP and FSDP2 (TorchDCPAdapter), DeepSpeed ZeRO-2 with a client AdamW and ZeRO-1 with DeepSpeed's
+AdamW offloaded to the CPU (DeepSpeedAdapter(in_place=True)).
 
 - Shrink: host "a" (rank 0, whose store the job started on) gets SIGTERM; it checkpoints the
   agreed step with the others and exits 83 while "b" and "c" re-form a group of 2 on b's store
   in the same processes. Their state right after the change equals what today's relaunch would
-  load from that checkpoint.
+  load from that checkpoint (DeepSpeed: a real relaunch of 2 ranks, which converts the 3 ranks'
+  checkpoint to DeepSpeed's universal form and loads it: parameters, fp32 master, Adam moments
+  and step, lr, the engine's step count, bit for bit).
 - Grow: joiner "d" starts (with the others, to keep the test short) and says it is ready; once
   b and c trained on after the shrink, the membership b, c, d is pushed; at the next agreed step
   the three form a group and d receives the state from a live peer (the survivors save that step
@@ -41,7 +45,11 @@ class ShrinkThenGrow:
     shrink_ckpt: Path  # the checkpoints as they were after the shrink, before the grow saved its step
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+RELAUNCHED = ("fsdp2", "deepspeed", "deepspeed-offload")  # checked against a real relaunch
+SHARDED = RELAUNCHED  # a rank's share of the state changes with the world size
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp2", "deepspeed", "deepspeed-offload"])
 def shrink_then_grow(request, tmp_path_factory) -> ShrinkThenGrow:
     """a, b, c; a (rank 0, the store's host) leaves at step 5; then d joins; 3 steps in b, c, d."""
     root = tmp_path_factory.mktemp(f"in-place-{request.param}")
@@ -71,7 +79,8 @@ def test_shrink_in_place_when_the_store_host_leaves(shrink_then_grow, tmp_path):
         assert hosts.pid(host) == shrink["pid"] == run.pids[host]  # the same process trained on
     assert [hosts.changes(h)[0]["new_rank"] for h in ("b", "c")] == [0, 1]
     assert checkpoint_steps(run.shrink_ckpt) == [step]  # the notice path still wrote the agreed step
-    if hosts.mode == "fsdp2":  # a real relaunch of 2 ranks: FSDP2 reshards the 3 ranks' checkpoint as it loads
+    if hosts.mode in RELAUNCHED:  # a real relaunch of 2 ranks: FSDP2 reshards the 3 ranks' checkpoint as it
+        # loads, DeepSpeed converts it to its universal form
         relaunched = restart(hosts.mode, run.shrink_ckpt, tmp_path / "restart", world=2, steps=step + 1)
     else:  # DDP's relaunch loads the replica as saved, bit-exact at another world size (proven with real
         # relaunches in tests/test_adapter_dcp.py, 2 -> 1 -> 2): what the checkpoint holds is what it loads
@@ -118,7 +127,7 @@ def test_snapshot_buffers_allocated_at_the_first_step_and_reused_by_the_changes(
     assert (joined["at"], joined["step"], joined["allocations"]) == ("boundary", grow + 1, 1), lines["d"]
     for host in ("b", "c"):
         allocated = [x for x in lines[host] if x["at"] == "boundary"]
-        if hosts.mode == "fsdp2":  # 3 -> 2 -> 3 shards: re-sized at the first boundary after each change
+        if hosts.mode in SHARDED:  # 3 -> 2 -> 3 shards: re-sized at the first boundary after each change
             assert [(x["step"], x["allocations"]) for x in allocated] == [(0, 1), (shrink + 1, 2), (grow + 1, 3)]
             assert allocated[1]["nbytes"] > max(allocated[0]["nbytes"], allocated[2]["nbytes"]), allocated
         else:  # DDP: the same replica in every group, the same buffers throughout

@@ -1,11 +1,12 @@
 """The reshard plan as tables: who sends which rows to whom, for FSDP2 (chunk pieces), DDP
-replicas and HSDP, shrinks, grows and replacements, and the layouts it refuses."""
+replicas, HSDP and DeepSpeed ZeRO's flat partitions, shrinks, grows and replacements, and the
+layouts it refuses."""
 from __future__ import annotations
 
 import pytest
 
 from spotguard.hooks.elastic.reshard_plan import (REPLICATE, SHARD0, Keep, Layout, Move, Relay, ReshardError,
-                                                  ReshardPlan, TensorSpec, held_rows)
+                                                  ReshardPlan, TensorSpec, held_rows, zero_partition)
 
 
 def spec(rows: int, layout: Layout, name: str = "w", row_bytes: int = 4) -> TensorSpec:
@@ -82,7 +83,39 @@ def test_replacement_of_a_replica_comes_from_a_survivor():
     assert plan.moves == (Move(0, 0, 1, 0, 4),)
 
 
+def zero(world: int) -> Layout:
+    return Layout((world,), (zero_partition(2),))
+
+
+@pytest.mark.parametrize("rows, world, pieces", [
+    (10, 3, [(0, 4), (4, 8), (8, 10)]),  # ceil(10 / 6) * 2 = 4 items a rank; the last holds 2 and 2 of padding
+    (12, 3, [(0, 4), (4, 8), (8, 12)]),
+    (5, 4, [(0, 2), (2, 4), (4, 5), (5, 5)]),
+    (3, 1, [(0, 3)]),
+    (7, 2, [(0, 4), (4, 7)]),
+])
+def test_a_zero_partition_is_deepspeeds_equal_aligned_piece_of_the_flat_content(rows, world, pieces):
+    """DeepSpeed pads a group's flat content to a multiple of 2 x world and cuts it into equal
+    partitions (stage_1_and_2.py); the padding is local and never moves."""
+    assert [held_rows(zero(world), rows, r) for r in range(world)] == pieces
+
+
+@pytest.mark.parametrize("rows, old, new", [(n, a, b) for n in (1, 7, 16, 33) for a in (1, 2, 3, 4)
+                                             for b in (1, 2, 3, 4)])
+def test_zero_partitions_reshard_delivering_every_needed_item_once(rows, old, new):
+    survivors = {r: r for r in range(min(old, new))}
+    plan = ReshardPlan.make([spec(rows, zero(old))], old, new, survivors)
+    assert plan.new_layouts == (zero(new),)
+    for dst in range(new):
+        got = sorted([(k.start, k.stop) for k in plan.keeps if k.new_rank == dst]
+                     + [(m.start, m.stop) for m in plan.moves if m.dst == dst])
+        assert [r for a, b in got for r in range(a, b)] == list(range(*plan.new_rows(0, dst)))
+    assert plan.moved_bytes() == plan.minimum_bytes()
+
+
 @pytest.mark.parametrize("layout, new_world, message", [
+    (Layout((2, 2), (REPLICATE, zero_partition(2))), 4, r"a ZeRO partition needs a 1-D mesh"),
+    (Layout((4,), ("ZeroPartition(align=0)",)), 4, r"ZeroPartition\(align=0\).*not supported"),
     (Layout((2,), ("Shard(dim=1)",)), 3, r"'w' with placement \[Shard\(dim=1\)\].*not supported"),
     (Layout((2,), ("Partial(sum)",)), 3, r"Partial\(sum\).*not supported"),
     (Layout((2, 2), (REPLICATE, SHARD0)), 3, r"world size 3 cannot take this mesh \(a multiple of 2"),

@@ -131,7 +131,7 @@ def test_frameworks_default_to_the_scenarios_framework():
     assert parse_scenario("name: x\nframework: fsdp2\n").allowed_frameworks == ("fsdp2",)
     assert parse_scenario("name: x\nframeworks: [ddp, fsdp2]\n").allowed_frameworks == ("ddp", "fsdp2")
     with pytest.raises(ScenarioError, match="frameworks"):
-        parse_scenario("name: x\nmembership: in-place\nframeworks: [ddp, deepspeed]\n", "s.yaml")
+        parse_scenario("name: x\nmembership: in-place\nframeworks: [ddp, lightning]\n", "s.yaml")
 
 
 def test_framework_integrations_take_the_restart_path_but_accelerate_changes_in_place():
@@ -141,7 +141,9 @@ def test_framework_integrations_take_the_restart_path_but_accelerate_changes_in_
     for framework in ("hf", "lightning"):
         assert not default.with_overrides(framework=framework, policy="elastic").in_place
     assert default.with_overrides(framework="accelerate", policy="elastic").in_place
-    with pytest.raises(ScenarioError, match="in-place needs policy elastic and framework ddp or fsdp2 or accelerate"):
+    assert default.with_overrides(framework="deepspeed", policy="elastic").in_place
+    with pytest.raises(ScenarioError,
+                       match="in-place needs policy elastic and framework ddp or fsdp2 or deepspeed or accelerate"):
         default.with_overrides(framework="hf", policy="elastic", membership="in-place")
 
 

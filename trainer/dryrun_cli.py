@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="hf / accelerate / lightning: that framework's reference script with its integration "
                         "(accelerate in place; hf, lightning: the restart path)")
     p.add_argument("--membership", choices=("in-place", "restart"), default=None,
-                   help="how membership changes happen (default: in place for elastic DDP/FSDP2/Accelerate jobs)")
+                   help="how membership changes happen (default: in place for elastic DDP, FSDP2, DeepSpeed, "
+                        "Accelerate jobs)")
     p.add_argument("--policy", choices=("elastic", "fixed"), default=None)
     p.add_argument("--out", default=None, help="run directory (default: runs/dryrun-<time>)")
     p.add_argument("--time-limit", default="600", help="give up after this many seconds (default 600)")

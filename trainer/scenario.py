@@ -51,8 +51,9 @@ import yaml
 
 CLOUDS = ("aws", "gcp", "azure", "alibaba")
 FRAMEWORKS = ("ddp", "fsdp2", "deepspeed", "hf", "accelerate", "lightning")
-# The others relaunch (DeepSpeed; the Trainer and Lightning integrations: README, 'Membership changes in place').
-IN_PLACE_FRAMEWORKS = ("ddp", "fsdp2", "accelerate")
+# The others relaunch (the Trainer and Lightning integrations: README, 'Membership changes in place').
+# DeepSpeed changes in place with ZeRO-1/2, the reference trainer's stages.
+IN_PLACE_FRAMEWORKS = ("ddp", "fsdp2", "deepspeed", "accelerate")
 # The frameworks the reference trainer (trainer/train.py) runs; the others run their integration's script.
 REFERENCE_TRAINER_FRAMEWORKS = ("ddp", "fsdp2", "deepspeed")
 MEMBERSHIP_PATHS = ("in-place", "restart")
@@ -265,7 +266,7 @@ def _expectations(raw: Any, where: str) -> tuple[tuple[str, int], ...]:
 def _check_semantics(s: Scenario, origin: str) -> None:
     if s.membership == "in-place" and (s.policy != "elastic" or s.framework not in IN_PLACE_FRAMEWORKS):
         raise ScenarioError(f"{origin}: membership: in-place needs policy elastic and framework "
-                            f"{' or '.join(IN_PLACE_FRAMEWORKS)} (DeepSpeed and the Trainer / Lightning integrations "
+                            f"{' or '.join(IN_PLACE_FRAMEWORKS)} (the Trainer and Lightning integrations "
                             "relaunch: README, 'Membership changes in place')")
     relaunching = [f for f in s.frameworks if f not in IN_PLACE_FRAMEWORKS]
     if s.membership == "in-place" and relaunching:

@@ -125,9 +125,14 @@ class Batching:
         self.accumulation = math.ceil(self.per_rank / self.micro)
 
 
-def setup_distributed() -> tuple[int, int]:
-    """Joins or starts the job's group (in place under `spotguard launch`, else torch's env://)."""
+def setup_distributed(framework: str = "ddp") -> tuple[int, int]:
+    """Joins or starts the job's group (in place under `spotguard launch`, else torch's env://).
+    DeepSpeed is imported first, as a user's script does: a joiner's warm-up then imports what its
+    first engine needs before it says it is ready."""
     from spotguard.hooks.elastic import init_process_group
+
+    if framework == "deepspeed":
+        import deepspeed  # noqa: F401
 
     if ("RANK" in os.environ or os.environ.get("SPOTGUARD_JOIN") == "1") and not dist.is_initialized():
         init_process_group("gloo")
@@ -230,7 +235,11 @@ def build_deepspeed(args, rank, world_size, batching, guarded: bool, data: Elast
     optimizer = torch.optim.AdamW(model.parameters(), lr=batching.lr)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                    config=ds_config(args, world_size, batching))
-    adapter = DeepSpeedAdapter(engine, checkpoint_dir=args.checkpoint_dir, data=data) if guarded else None
+    if not guarded:
+        return engine, None, None
+    # In place (ZeRO-1/2): the engine is made again for each new group with that world's batching.
+    adapter = DeepSpeedAdapter(engine, checkpoint_dir=args.checkpoint_dir, data=data, in_place=True,
+                               config_for=lambda world: ds_config(args, world, Batching(args, world, args.base_world)))
     return engine, None, adapter
 
 
@@ -346,6 +355,15 @@ def leave_drained(events: Any, guard: Guard, framework: str, model: Any, optimiz
     _leave(record.exit_code)
 
 
+def after_resize(args: argparse.Namespace, adapter: Any, batching: Batching) -> tuple[Any, Any]:
+    """(model, optimizer) the loop trains after an in-place change: the rebuilt ones, with this
+    world's lr; DeepSpeed's engine made again (the optimizer inside it, its lr carried along)."""
+    if args.framework == "deepspeed":
+        return adapter.engine, None
+    set_lr(adapter.optimizer, batching.lr)
+    return adapter.model, adapter.optimizer
+
+
 def make_guard(args: argparse.Namespace, adapter: Any) -> Guard | None:
     """The Guard (None with --no-guard), made after the model and adapter: the order a joiner
     repeats in place."""
@@ -362,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         import spotguard.hooks.guard  # noqa: F401
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    rank, world_size = setup_distributed()
+    rank, world_size = setup_distributed(args.framework)
     events = EventLog(args.event_log if rank == 0 or args.event_log is None else
                       args.event_log.replace(".jsonl", f"-rank{rank}.jsonl"),
                       rank=rank, world_size=world_size, **process_fields())
@@ -421,9 +439,9 @@ def main(argv: list[str] | None = None) -> int:
             log_snapshot(events, adapter, step, args.framework, model, optimizer)
         if result.resize is not None and not drained:
             log_resize(events, guard, result.resize)
-            rank, world_size, model, optimizer = guard.rank, guard.world_size, adapter.model, adapter.optimizer
+            rank, world_size = guard.rank, guard.world_size
             batching = Batching(args, world_size, base_world)
-            set_lr(optimizer, batching.lr)
+            model, optimizer = after_resize(args, adapter, batching)
         if drained:
             leave_drained(events, guard, args.framework, model, optimizer)
     events.write("finished", step=args.steps if step + 1 >= args.steps else step + 1, max_step_gap=round(max_gap, 4),

@@ -22,23 +22,40 @@ Contract:
   the tag, removed by retention once its checkpoint is no longer among the newest `keep_last`.
   Every rank loads it with the engine's universal loading switched on for that load only.
 - A snapshot is the same capture and copy without the persist.
+- In place (`in_place=True`, ZeRO-1/2 jobs `deepspeed_support.refusal` accepts; any other job
+  logs why once, at start, and keeps the restart path): the adapter is a `ResizableAdapter`. An
+  in-place change moves each rank's fp32 master and Adam partitions peer to peer
+  (`deepspeed_zero.collect` / `install`, never through files; each rank receives only its new
+  partition), and `rebuild()` makes the engine again on the new group in the same process, the
+  module kept (`deepspeed_zero.reinitialize`, the old engine's memory released). The step
+  counts, the LR scheduler, the loss scaler and the engine's counters come along; the data
+  position too (`data=`). Training code reads `adapter.engine` again after a change
+  (`guard.step(...).resize`): the engine it held before is destroyed. The new engine's config is
+  `config_for(world_size)` when given, else the old one with the same micro-batch and
+  gradient-accumulation steps per rank (DeepSpeed's `train_batch_size` follows the world size).
 """
 from __future__ import annotations
 
 import logging
 import os
+import copy
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
-from spotguard.hooks.adapters.base import StoreAdapter
+from spotguard.hooks.adapters.base import ResizableAdapter, StoreAdapter
+from spotguard.hooks.adapters.deepspeed_support import refusal
 from spotguard.hooks.checkpoint.torchfile import save_torch_file
+
+if TYPE_CHECKING:
+    from spotguard.hooks.elastic.reshard_state import Shards
 
 log = logging.getLogger("spotguard.hooks.adapters.deepspeed")
 
@@ -83,15 +100,86 @@ class StoreCheckpointEngine(CheckpointEngine):
         return False
 
 
-class DeepSpeedAdapter(StoreAdapter):
+def config_at(engine, world_size: int) -> dict[str, Any]:
+    """`engine`'s config for `world_size` ranks: the same micro-batch and gradient-accumulation
+    steps per rank, `train_batch_size` their product times the world size."""
+    config = copy.deepcopy(engine._config._param_dict)
+    micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
+                  train_batch_size=micro * accumulation * world_size)
+    return config
+
+
+class DeepSpeedAdapter(StoreAdapter, ResizableAdapter):
     """Checkpoints a DeepSpeed engine through the store; see the module docstring."""
 
-    def __init__(self, engine, **kwargs):
+    def __init__(self, engine, *, in_place: bool = False,
+                 config_for: Callable[[int], dict[str, Any]] | None = None, **kwargs):
+        """`in_place`: changes of the data-parallel size move the state peer to peer and rebuild the
+        engine in this process (ZeRO-1/2; module docstring). `config_for(world_size)`: the DeepSpeed
+        config of the engine rebuilt for that many ranks (default `config_at`). `kwargs`:
+        `checkpoint_dir` or `store`, `keep_last`, `extra_state`, `data` (see StoreAdapter)."""
         self.engine = engine
         self.ds_engine = StoreCheckpointEngine()
         engine.checkpoint_engine = self.ds_engine
         self._scratch = Path(tempfile.mkdtemp(prefix="spotguard-ds-snapshot-"))
+        self.config_for = config_for
+        self.in_place_refusal: str | None = None
+        if in_place:
+            from spotguard.hooks.adapters.deepspeed_zero import facts_of
+
+            self.in_place_refusal = refusal(facts_of(engine))
+            if self.in_place_refusal:
+                log.warning("this DeepSpeed job changes membership by restarting: %s", self.in_place_refusal)
+        self.in_place = in_place and self.in_place_refusal is None
         super().__init__(**kwargs)
+
+    # ---- in place ----------------------------------------------------------------------------
+    @property
+    def resizable(self) -> bool:
+        return self.in_place
+
+    def shard_state(self) -> Shards:
+        """This rank's fp32 master and optimizer partitions as reshard pieces (views, no copy);
+        like DCP's, no wait for a persist in flight: it reads the snapshot buffers."""
+        from spotguard.hooks.adapters.deepspeed_zero import collect
+
+        return collect(self.engine)
+
+    def shard_device(self) -> torch.device:
+        partitions = self.engine.optimizer.single_partition_of_fp32_groups
+        return partitions[0].device if partitions else torch.device("cpu")
+
+    def load_shards(self, manifest: dict[str, Any], pieces: dict[int, torch.Tensor]) -> None:
+        """Collective over the new group (the model's parameters are all-gathered from the fp32
+        master, as DeepSpeed's step does)."""
+        from spotguard.hooks.adapters.deepspeed_zero import install
+
+        install(self.engine, manifest, pieces)
+
+    def full_state(self) -> dict[str, Any]:
+        raise RuntimeError("a DeepSpeed engine moves its partitions peer to peer only: unset SPOTGUARD_RESHARD")
+
+    def load_full_state(self, state: dict[str, Any]) -> None:
+        raise RuntimeError("a DeepSpeed engine moves its partitions peer to peer only: unset SPOTGUARD_RESHARD")
+
+    def rebuild(self) -> None:
+        """The engine made again on the current default group, the module kept (collective); the
+        adapter's collectives move to the new formation's checkpoint group."""
+        import torch.distributed as dist
+
+        from spotguard.hooks.adapters.deepspeed_zero import reinitialize
+
+        if not self.in_place:
+            raise RuntimeError("this adapter was made without in_place=True: it cannot be resized in place")
+        self.wait()
+        world = dist.get_world_size()
+        config = self.config_for(world) if self.config_for is not None else config_at(self.engine, world)
+        self.engine = reinitialize(self.engine, config)
+        self.engine.checkpoint_engine = self.ds_engine
+        self._snapshot, self.snapshot_step = None, None
+        self.prepared = False  # another partition: the buffers are re-sized at the next step boundary
+        self._setup_group()
 
     # ---- sizes ----------------------------------------------------------------------------
     def dp_world_size(self) -> int:

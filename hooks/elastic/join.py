@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -192,15 +193,25 @@ def first_to_form(membership: Membership, node: str, probe: float) -> Membership
     return first
 
 
+# What a process's first `deepspeed.initialize` imports beyond `import deepspeed` (DeepSpeed 0.19:
+# about 1500 modules, 1.5 s of CPU: its Muon optimizer calls torch.compile, which loads inductor).
+DEEPSPEED_FIRST_ENGINE = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.module_inject.auto_ep_layer",
+                          "deepspeed.module_inject.auto_ep_presets.registry", "deepspeed.comm.mori",
+                          "deepspeed.ops.triton_ops", "deepspeed.moe.ep_router", "deepspeed.ops.op_builder.all_ops")
+
+
 def warm_up() -> None:
     """Imports what building and loading a model in a new group needs, before the joiner says it
-    is ready: the survivors wait for the joiner only after that (their pause), not for imports."""
+    is ready: the survivors wait for the joiner only after that (their pause), not for imports.
+    DeepSpeed's first engine's imports too, when the process imported DeepSpeed (nothing of it
+    otherwise)."""
     import importlib
 
+    deepspeed = DEEPSPEED_FIRST_ENGINE if "deepspeed" in sys.modules else ()
     for module in ("torch.nn.parallel", "torch.distributed.device_mesh", "torch.distributed.fsdp",
                    "torch.distributed.tensor", "torch.distributed.tensor.debug",
                    "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-                   "torch.distributed.algorithms.ddp_comm_hooks"):
+                   "torch.distributed.algorithms.ddp_comm_hooks", *deepspeed):
         try:
             importlib.import_module(module)
         except ImportError:  # an optional part missing from this torch build

@@ -31,12 +31,27 @@ mesh dimension, a mesh that is not the group, a world size the mesh cannot take.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 SHARD0 = "Shard(dim=0)"
 REPLICATE = "Replicate()"
 KNOWN = (SHARD0, REPLICATE)
+_ZERO = re.compile(r"ZeroPartition\(align=([1-9][0-9]*)\)")
+
+
+def zero_partition(align: int) -> str:
+    """The placement of a ZeRO-1/2 flat partition whose size is a multiple of `align` items."""
+    return f"ZeroPartition(align={int(align)})"
+
+
+def _alignment(placement: str) -> int | None:
+    """The piece-size multiple of a placement that cuts dimension 0 (SHARD0: 1), else None."""
+    if placement == SHARD0:
+        return 1
+    match = _ZERO.fullmatch(placement)
+    return int(match.group(1)) if match else None
 
 
 class ReshardError(ValueError):
@@ -104,10 +119,14 @@ def _check(spec: TensorSpec, layout: Layout, world: int) -> None:
     if len(layout.mesh) != len(layout.placements) or not layout.mesh:
         raise _fail(spec, layout, "needs one placement per mesh dimension")
     for placement in layout.placements:
-        if placement not in KNOWN:
-            raise _fail(spec, layout, f"placement {placement} is not supported (only {SHARD0} and {REPLICATE})")
-    if layout.placements.count(SHARD0) > 1:
+        if placement != REPLICATE and _alignment(placement) is None:
+            raise _fail(spec, layout, f"placement {placement} is not supported (only {SHARD0}, {REPLICATE} and "
+                                      f"{zero_partition(2)})")
+    sharded = [p for p in layout.placements if p != REPLICATE]
+    if len(sharded) > 1:
         raise _fail(spec, layout, "dimension 0 sharded over more than one mesh dimension is not supported")
+    if sharded and sharded[0] != SHARD0 and len(layout.mesh) > 1:
+        raise _fail(spec, layout, "a ZeRO partition needs a 1-D mesh")
     if math.prod(layout.mesh) != world:
         raise _fail(spec, layout, f"the mesh holds {math.prod(layout.mesh)} ranks, the group {world}")
 
@@ -136,9 +155,10 @@ def _coords(rank: int, mesh: Sequence[int]) -> list[int]:
     return coords[::-1]
 
 
-def _piece(rows: int, n: int, k: int) -> tuple[int, int]:
-    """torch.chunk's piece k of n over `rows` rows."""
-    size = -(-rows // n)
+def _piece(rows: int, n: int, k: int, align: int = 1) -> tuple[int, int]:
+    """torch.chunk's piece k of n over `rows` rows (align 1), or a ZeRO partition's (its size
+    rounded up to a multiple of `align`)."""
+    size = -(-rows // (n * align)) * align
     return min(k * size, rows), min((k + 1) * size, rows)
 
 
@@ -146,8 +166,9 @@ def held_rows(layout: Layout, rows: int, rank: int) -> tuple[int, int]:
     """The global rows [start, stop) `rank` holds under `layout`."""
     coords = _coords(rank, layout.mesh)
     for dim, placement in enumerate(layout.placements):
-        if placement == SHARD0:
-            return _piece(rows, layout.mesh[dim], coords[dim])
+        align = _alignment(placement)
+        if align is not None:
+            return _piece(rows, layout.mesh[dim], coords[dim], align)
     return 0, rows
 
 

@@ -66,7 +66,7 @@ def _entry(name: str, value: torch.Tensor, world: int) -> tuple[dict[str, Any], 
              "dtensor": isinstance(value, DTensor), **layout}, piece)
 
 
-def _jsonable(field: str, value: Any) -> Any:
+def jsonable(field: str, value: Any) -> Any:
     try:
         json.dumps(value)
     except (TypeError, ValueError):
@@ -110,8 +110,8 @@ def collect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: int
             if isinstance(value, torch.Tensor):
                 add(f"optim/{name}/{key}", value)
             else:
-                optim_values.setdefault(name, {})[key] = _jsonable(f"optimizer state {name}/{key}", value)
-    groups = [{k: _jsonable(f"param_groups[{i}].{k}", v) for k, v in group.items() if k != "params"}
+                optim_values.setdefault(name, {})[key] = jsonable(f"optimizer state {name}/{key}", value)
+    groups = [{k: jsonable(f"param_groups[{i}].{k}", v) for k, v in group.items() if k != "params"}
               for i, group in enumerate(optimizer.param_groups)]
     return Shards({"entries": entries, "optim_values": optim_values, "param_groups": groups}, pieces)
 

@@ -1,6 +1,9 @@
 """A tiny job for the in-place membership tests: one host (one rank) per process, DDP or FSDP2.
 
-    python elastic.py --mode ddp|fsdp2 --ckpt DIR --out DIR --steps N [--join]
+    python elastic.py --mode ddp|fsdp2|deepspeed|deepspeed-offload --ckpt DIR --out DIR --steps N [--join]
+
+deepspeed: ZeRO-2 with a client AdamW; deepspeed-offload: ZeRO-1 with DeepSpeed's AdamW on the CPU
+(`trainer/elastic_job.build_deepspeed`), both `DeepSpeedAdapter(in_place=True)`.
 
 The environment names the host (SPOTGUARD_NODE) and the rendezvous (SPOTGUARD_RDZV_*); the
 test harness pushes memberships by writing `<out>/membership.json` (what a sidecar would relay).
@@ -42,15 +45,17 @@ from spotguard.hooks.elastic import elastic_process, init_process_group
 from spotguard.hooks.group_session import Timeouts
 from spotguard.hooks.guard import Guard
 from spotguard.wire.notice import Kind, Notice, now_utc
-from spotguard.trainer.elastic_job import batch, build_for, membership_reader, watch_memberships
+from spotguard.trainer.elastic_job import (batch, build_deepspeed, build_for, deepspeed_config, membership_reader,
+                                           watch_memberships)
 from state_dump import flatten  # a sibling: the workers run as scripts
 
 NODE = os.environ.get("SPOTGUARD_NODE", "?")
+DEEPSPEED_MODES = {"deepspeed": (2, False), "deepspeed-offload": (1, True)}  # mode -> (ZeRO stage, offload)
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ddp", "fsdp2"], required=True)
+    p.add_argument("--mode", choices=["ddp", "fsdp2", *DEEPSPEED_MODES], required=True)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=40)
@@ -66,10 +71,36 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def deepspeed_full_state(engine) -> dict[str, torch.Tensor]:
+    """A DeepSpeed engine's state as flat full tensors through DeepSpeed's own accessors
+    (collective): the model's parameters, the fp32 master, the Adam moments and step, the lr."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict[str, torch.Tensor] = {}
+    zero = engine.optimizer
+    stepped = any(zero.optimizer.state.get(p) for p in zero.single_partition_of_fp32_groups)
+    if stepped:  # Adam's state exists from the first step on (DeepSpeed links it to the parameters lazily)
+        zero._lazy_init_hp_params_optimizer_state()
+    for name, param in engine.module.named_parameters():
+        out[f"param/{name}"] = param.detach().clone()
+        out[f"fp32/{name}"] = safe_get_full_fp32_param(param).clone()
+        for key in ("exp_avg", "exp_avg_sq") if stepped else ():
+            out[f"{key}/{name}"] = safe_get_full_optimizer_state(param, key).clone()
+    for i, partition in enumerate(zero.single_partition_of_fp32_groups):
+        state = zero.optimizer.state.get(partition) or {}
+        step = state.get("step", zero.optimizer.param_groups[i].get("step", 0))
+        out[f"step/{i}"] = torch.as_tensor(step, dtype=torch.float64).clone()
+        out[f"lr/{i}"] = torch.tensor(zero.optimizer.param_groups[i]["lr"], dtype=torch.float64)
+    out["global_steps"] = torch.tensor(engine.global_steps)
+    return out
+
+
 def full_state(adapter) -> dict[str, torch.Tensor]:
-    """The full state as flat full tensors, on every rank (collective under FSDP2)."""
+    """The full state as flat full tensors, on every rank (collective under FSDP2 and DeepSpeed)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+    if hasattr(adapter, "engine"):
+        return deepspeed_full_state(adapter.engine)
     model_state, optim_state = get_state_dict(adapter.model, adapter.optimizer,
                                               options=StateDictOptions(full_state_dict=True))
     return flatten(model_state, optim_state)
@@ -115,13 +146,22 @@ def main(argv=None) -> int:
     change_timeout = os.environ.get("SPOTGUARD_REFORM_TIMEOUT")
     if change_timeout and os.environ.get("SPOTGUARD_JOIN") != "1":
         os.environ["SPOTGUARD_REFORM_TIMEOUT"] = "240"
+    if args.mode in DEEPSPEED_MODES:  # as a user's script does, before it joins: a joiner's warm-up reads it
+        import deepspeed  # noqa: F401
     init_process_group(memberships=read_membership, join_timeout=240)
     if change_timeout:
         elastic_process().timeouts = Timeouts.of(float(change_timeout))
     maybe_fail("formed-joiner")
-    build = build_for(args.mode)
-    model, optimizer = build()
-    adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=args.ckpt, build=build)
+    if args.mode in DEEPSPEED_MODES:
+        from spotguard.hooks.adapters.deepspeed import DeepSpeedAdapter
+
+        stage, offload = DEEPSPEED_MODES[args.mode]
+        adapter = DeepSpeedAdapter(build_deepspeed(stage, offload), checkpoint_dir=args.ckpt, in_place=True,
+                                   config_for=lambda world: deepspeed_config(world, stage, offload))
+    else:
+        build = build_for(args.mode)
+        model, optimizer = build()
+        adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=args.ckpt, build=build)
     guard = Guard.from_env(adapter=adapter, in_place=True)
 
     def dump(tag: str) -> None:
@@ -182,9 +222,14 @@ def main(argv=None) -> int:
     try:
         while step < end:
             x, y = batch(step, guard.rank, guard.world_size)
-            adapter.optimizer.zero_grad()
-            torch.nn.functional.mse_loss(adapter.model(x), y).backward()
-            adapter.optimizer.step()
+            if args.mode in DEEPSPEED_MODES:  # the engine is made again by a change: read it every step
+                engine = adapter.engine
+                engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+                engine.step()
+            else:
+                adapter.optimizer.zero_grad()
+                torch.nn.functional.mse_loss(adapter.model(x), y).backward()
+                adapter.optimizer.step()
             (out / f"progress-{NODE}").write_text(str(step))
             if step == args.signal_at and NODE == args.signal_node:
                 os.kill(os.getpid(), signal.SIGTERM)
