@@ -31,7 +31,7 @@ install: $(STAMP)
 # with && : `set -e` does not apply inside the left side of ||).
 INSTALL_LOG := $(VENV)/install.log
 INSTALL_TAIL := 40
-# DeepSpeed's CPU op compiles (tools/prebuild_deepspeed_op.py: needs torch and DeepSpeed only) while
+# DeepSpeed's CPU ops compile (tools/prebuild_deepspeed_op.py: needs torch and DeepSpeed only) while
 # pip installs the rest: the compile is the longest step of the install.
 PREBUILD_LOG := $(VENV)/prebuild.log
 

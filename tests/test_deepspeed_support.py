@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from spotguard.hooks.adapters.deepspeed_support import EngineFacts, refusal
+from spotguard.hooks.adapters.deepspeed_zero import carried_micro_steps
 from tests.s3_server import free_ports
 
 WORKER = Path(__file__).parent / "workers" / "deepspeed_support.py"
@@ -44,6 +45,14 @@ def test_what_the_in_place_path_does_not_support_is_named(change, reason):
                                     {"offload_optimizer": "cpu"}, {"optimizer": "FusedAdam"}])
 def test_zero_1_and_2_with_adam_on_the_accelerator_or_the_cpu_are_supported(change):
     assert refusal(replace(SUPPORTED, **change)) is None
+
+
+def test_the_micro_step_count_follows_the_new_groups_accumulation(caplog):
+    """10 optimizer steps of 2 micro-batches at 4 ranks = 20 micro steps; at 2 ranks a step takes
+    4: 40, so DeepSpeed's next boundary comes after 4 micro-batches, not 2."""
+    assert carried_micro_steps(20, 2, 4) == 40 and carried_micro_steps(40, 4, 2) == 20
+    assert carried_micro_steps(7, 1, 3) == 21 and not caplog.records
+    assert carried_micro_steps(21, 2, 2) == 20 and "not carried" in caplog.text  # mid-step: the partial one drops
 
 
 def run_worker(tmp_path, *flags: str) -> dict:

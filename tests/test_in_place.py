@@ -88,7 +88,7 @@ def test_shrink_in_place_when_the_store_host_leaves(shrink_then_grow, tmp_path):
     assert_same_state(hosts.state("resize-1"), relaunched)
 
 
-def test_grow_in_place_from_a_live_peer(shrink_then_grow):
+def test_grow_in_place_from_a_live_peer(shrink_then_grow, tmp_path):
     run = shrink_then_grow
     hosts = run.hosts
     assert run.codes == {"a": 83, "b": 0, "c": 0, "d": 0}, hosts.tail()
@@ -107,6 +107,11 @@ def test_grow_in_place_from_a_live_peer(shrink_then_grow):
     assert any(not torch.equal(joined[k], v) for k, v in hosts.state("resize-1").items())
     # The group of three trained its 3 steps together.
     assert [hosts.progress(h) for h in ("b", "c", "d")] == [step + 3] * 3
+    if hosts.mode.startswith("deepspeed"):  # what a relaunch of 3 loads from the 2 ranks' checkpoint of that
+        # step, through the universal form (a copy: the relaunch adds the converted folder)
+        shutil.copytree(hosts.ckpt, tmp_path / "ckpt")
+        assert_same_state(hosts.state("resize-2"), restart(hosts.mode, tmp_path / "ckpt", tmp_path / "restart",
+                                                           world=3, steps=step + 1))
 
 
 def test_snapshot_buffers_allocated_at_the_first_step_and_reused_by_the_changes(shrink_then_grow):
@@ -155,6 +160,24 @@ def test_shrink_falls_back_when_a_survivor_fails_after_forming(tmp_path):
     assert "injected failure at formed" in hosts.changes("c")[0]["error"]
     assert_durable(hosts, step, hosts.state("handover"))
     assert_same_state(hosts.state("save"), hosts.state("handover"))
+
+
+def test_a_deepspeed_shrink_that_fails_after_the_rebuild_falls_back_and_loses_nothing(tmp_path):
+    """a leaves; c raises once its engine was made again on the group of b and c: both exit 83,
+    and a relaunch of 2 from the agreed step's checkpoint loads the state the old group held."""
+    args = (*LONG, "--signal-at", "3", "--signal-node", "a")
+    env = {**FAST_FALLBACK, "FAIL_AT": "rebuilt", "FAIL_NODE": "c"}
+    with Hosts(tmp_path / "run", "deepspeed", tmp_path / "ckpt", args, env=env) as hosts:
+        hosts.start(["a", "b", "c"])
+        codes = hosts.wait(["a", "b", "c"], timeout=240)
+    assert codes == {"a": 83, "b": 83, "c": 83}, hosts.tail()
+    step = hosts.changes("a")[0]["step"]
+    assert [(c["outcome"], c["step"], c["durable"]) for h in ("b", "c") for c in hosts.changes(h)] == \
+        [("fallback", step, True)] * 2
+    assert "injected failure at rebuilt" in hosts.changes("c")[0]["error"]
+    assert checkpoint_steps(hosts.ckpt) == [step]
+    relaunched = restart("deepspeed", hosts.ckpt, tmp_path / "restart", world=2, steps=step + 1)
+    assert_same_state(hosts.state("handover"), relaunched)
 
 
 GROW_FAULTS = {

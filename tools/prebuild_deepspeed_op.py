@@ -1,8 +1,10 @@
-"""Builds DeepSpeed's CPU shared-memory op once, at install, into TORCH_EXTENSIONS_DIR.
+"""Builds DeepSpeed's CPU ops once, at install, into TORCH_EXTENSIONS_DIR: the shared-memory op and
+the CPU Adam op.
 
-DeepSpeed JIT-compiles this op (`deepspeed_shm_comm`) the first time a process initialises its
-communication on CPU: about two minutes of compiler time, under a lock file that every other
-DeepSpeed start then waits on. `make install` runs this script so that no test (and no rank of
+DeepSpeed JIT-compiles the shared-memory op (`deepspeed_shm_comm`) the first time a process
+initialises its communication on CPU: about two minutes of compiler time, under a lock file that
+every other DeepSpeed start then waits on; and the CPU Adam op (`cpu_adam`, about 30 s) the first
+time a process makes DeepSpeed's Adam with `offload_optimizer` to the CPU. `make install` runs this script so that no test (and no rank of
 a dry-run with a deadline) pays for the compile or waits on the lock; the tests point
 TORCH_EXTENSIONS_DIR at the same per-checkout folder (tests/conftest.py).
 """
@@ -18,12 +20,13 @@ def main() -> int:
         return 2
     from deepspeed.accelerator import get_accelerator
 
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not builder.is_compatible():
-        print("prebuild_deepspeed_op: this DeepSpeed has no compatible CPU shared-memory op: nothing to build")
-        return 0
-    builder.load(verbose=False)
-    print(f"prebuild_deepspeed_op: {builder.absolute_name()} ready in {os.environ['TORCH_EXTENSIONS_DIR']}")
+    for name in ("ShareMemCommBuilder", "CPUAdamBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None or not builder.is_compatible():
+            print(f"prebuild_deepspeed_op: this DeepSpeed has no compatible {name}: nothing to build")
+            continue
+        builder.load(verbose=False)
+        print(f"prebuild_deepspeed_op: {builder.absolute_name()} ready in {os.environ['TORCH_EXTENSIONS_DIR']}")
     return 0
 
 

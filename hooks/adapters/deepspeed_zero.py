@@ -10,13 +10,15 @@ Contract:
   the same at every world size) laid out `zero_partition(2)`; the pieces are views of the live
   partitions (no copy). The manifest also carries, as JSON: the optimizer's scalar state (Adam's
   step count, as a tensor or a number as it was), the param groups' hyperparameters, the engine's
-  counters (global steps and samples, skipped and micro steps), the LR scheduler's state and the
-  fp16 loss scaler's. Raises `ReshardError` when a partition is not where the layout puts it.
+  counters (global steps and samples, skipped and micro steps) and gradient-accumulation steps,
+  the LR scheduler's state and the fp16 loss scaler's. Raises `ReshardError` when a partition is not where the layout puts it.
 - `install(engine, manifest, pieces)` on an engine built for the new group (every rank of it:
   collective): the pieces become the fp32 master partitions and the optimizer's state, the
   scalars and counters are set, and the model's parameters are made from the fp32 master as
   DeepSpeed's step makes them (its own `update_lp_params`: each rank copies its partition, one
-  all-gather). Raises `ReshardError` when the engine's groups differ from the manifest's.
+  all-gather); the micro-step count is carried as optimizer steps times the new engine's
+  accumulation steps (`carried_micro_steps`). Raises `ReshardError` when the engine's groups
+  differ from the manifest's.
 - `reinitialize(engine, config)` -> a new engine for the current default group, the module kept:
   the optimizer made again over the same parameter groups (the client's class, or DeepSpeed's from
   the config), the client LR scheduler re-pointed at it; the old engine is destroyed first
@@ -129,6 +131,7 @@ def collect(engine: Any) -> Shards:
     scaler = getattr(optimizer, "loss_scaler", None)
     manifest = {"entries": entries, "optim_values": scalars, "param_groups": groups,
                 "counters": {k: int(getattr(engine, k, 0) or 0) for k in COUNTERS},
+                "accumulation": int(engine.gradient_accumulation_steps()),
                 "scheduler": _scalar("the LR scheduler's state", scheduler),
                 "loss_scaler": {k: _scalar(f"the loss scaler's {k}", getattr(scaler, k)) for k in SCALER_FIELDS
                                 if scaler is not None and hasattr(scaler, k)}}
@@ -174,7 +177,11 @@ def install(engine: Any, manifest: dict[str, Any], pieces: dict[int, torch.Tenso
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
     optimizer._hp_optimizer_states_linked = False  # the hp mappings link the installed state at the next step
     optimizer.update_lp_params()
-    for key, value in manifest["counters"].items():
+    counters = dict(manifest["counters"])
+    counters["micro_steps"] = carried_micro_steps(int(counters.get("micro_steps", 0)),
+                                                  int(manifest.get("accumulation") or 1),
+                                                  int(engine.gradient_accumulation_steps()))
+    for key, value in counters.items():
         setattr(engine, key, int(value))
     if manifest.get("scheduler") is not None and getattr(engine, "lr_scheduler", None) is not None:
         engine.lr_scheduler.load_state_dict(manifest["scheduler"])
@@ -182,6 +189,18 @@ def install(engine: Any, manifest: dict[str, Any], pieces: dict[int, torch.Tenso
     for key, value in (manifest.get("loss_scaler") or {}).items():
         if scaler is not None:
             setattr(scaler, key, _unscalar(value))
+
+
+def carried_micro_steps(micro_steps: int, old_accumulation: int, new_accumulation: int) -> int:
+    """The engine's micro-step count in a group that accumulates `new_accumulation` micro-batches a
+    step: the same number of optimizer steps, so DeepSpeed's boundary arithmetic
+    (`(micro_steps + 1) % accumulation`) starts the next step at its first micro-batch. A change
+    between two micro-batches of a step (not at the Guard's step boundary) drops the partial
+    gradients, as a relaunch does: logged."""
+    if micro_steps % old_accumulation:
+        log.warning("an in-place change came %d micro-batches into a step of %d: their gradients are not "
+                    "carried", micro_steps % old_accumulation, old_accumulation)
+    return micro_steps // old_accumulation * new_accumulation
 
 
 def _drop_cached_groups() -> None:
