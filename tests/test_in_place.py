@@ -146,38 +146,28 @@ def assert_durable(hosts: Hosts, step: int, held: dict) -> None:
     assert_same_state(held, saved)
 
 
-def test_shrink_falls_back_when_a_survivor_fails_after_forming(tmp_path):
-    """The leaving store host is gone, c raises once the group of b and c formed: both exit 83."""
+@pytest.mark.parametrize("mode, phase", [("ddp", "formed"), ("deepspeed", "rebuilt")])
+def test_shrink_falls_back_when_a_survivor_fails_after_forming(mode, phase, tmp_path):
+    """The leaving store host is gone, c raises once the group of b and c formed (DeepSpeed: once its
+    engine was made again on it): both exit 83 with the agreed step durable, holding what the old
+    group held (DeepSpeed: what a relaunch of 2 loads from it)."""
     args = (*LONG, "--signal-at", "3", "--signal-node", "a")
-    env = {**FAST_FALLBACK, "FAIL_AT": "formed", "FAIL_NODE": "c"}
-    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", args, env=env) as hosts:
+    env = {**FAST_FALLBACK, "FAIL_AT": phase, "FAIL_NODE": "c"}
+    with Hosts(tmp_path / "run", mode, tmp_path / "ckpt", args, env=env) as hosts:
         hosts.start(["a", "b", "c"])
         codes = hosts.wait(["a", "b", "c"], timeout=240)
     assert codes == {"a": 83, "b": 83, "c": 83}, hosts.tail()
     step = hosts.changes("a")[0]["step"]
     assert [(c["outcome"], c["step"], c["durable"]) for h in ("b", "c") for c in hosts.changes(h)] == \
         [("fallback", step, True)] * 2
-    assert "injected failure at formed" in hosts.changes("c")[0]["error"]
-    assert_durable(hosts, step, hosts.state("handover"))
+    assert f"injected failure at {phase}" in hosts.changes("c")[0]["error"]
+    if mode == "deepspeed":
+        assert checkpoint_steps(hosts.ckpt) == [step]
+        relaunched = restart(mode, hosts.ckpt, tmp_path / "restart", world=2, steps=step + 1)
+        assert_same_state(hosts.state("handover"), relaunched)
+    else:
+        assert_durable(hosts, step, hosts.state("handover"))
     assert_same_state(hosts.state("save"), hosts.state("handover"))
-
-
-def test_a_deepspeed_shrink_that_fails_after_the_rebuild_falls_back_and_loses_nothing(tmp_path):
-    """a leaves; c raises once its engine was made again on the group of b and c: both exit 83,
-    and a relaunch of 2 from the agreed step's checkpoint loads the state the old group held."""
-    args = (*LONG, "--signal-at", "3", "--signal-node", "a")
-    env = {**FAST_FALLBACK, "FAIL_AT": "rebuilt", "FAIL_NODE": "c"}
-    with Hosts(tmp_path / "run", "deepspeed", tmp_path / "ckpt", args, env=env) as hosts:
-        hosts.start(["a", "b", "c"])
-        codes = hosts.wait(["a", "b", "c"], timeout=240)
-    assert codes == {"a": 83, "b": 83, "c": 83}, hosts.tail()
-    step = hosts.changes("a")[0]["step"]
-    assert [(c["outcome"], c["step"], c["durable"]) for h in ("b", "c") for c in hosts.changes(h)] == \
-        [("fallback", step, True)] * 2
-    assert "injected failure at rebuilt" in hosts.changes("c")[0]["error"]
-    assert checkpoint_steps(hosts.ckpt) == [step]
-    relaunched = restart("deepspeed", hosts.ckpt, tmp_path / "restart", world=2, steps=step + 1)
-    assert_same_state(hosts.state("handover"), relaunched)
 
 
 GROW_FAULTS = {

@@ -4,9 +4,10 @@ the CPU Adam op.
 DeepSpeed JIT-compiles the shared-memory op (`deepspeed_shm_comm`) the first time a process
 initialises its communication on CPU: about two minutes of compiler time, under a lock file that
 every other DeepSpeed start then waits on; and the CPU Adam op (`cpu_adam`, about 30 s) the first
-time a process makes DeepSpeed's Adam with `offload_optimizer` to the CPU. `make install` runs this script so that no test (and no rank of
-a dry-run with a deadline) pays for the compile or waits on the lock; the tests point
-TORCH_EXTENSIONS_DIR at the same per-checkout folder (tests/conftest.py).
+time a process makes DeepSpeed's Adam with `offload_optimizer` to the CPU. `make install` runs
+this script so that no test (and no rank of a dry-run with a deadline) pays for the compiles or
+waits on their locks; the tests point TORCH_EXTENSIONS_DIR at the same per-checkout folder
+(tests/conftest.py).
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ Contract:
   partitions (no copy). The manifest also carries, as JSON: the optimizer's scalar state (Adam's
   step count, as a tensor or a number as it was), the param groups' hyperparameters, the engine's
   counters (global steps and samples, skipped and micro steps) and gradient-accumulation steps,
-  the LR scheduler's state and the fp16 loss scaler's. Raises `ReshardError` when a partition is not where the layout puts it.
+  the LR scheduler's state and the fp16 loss scaler's. Raises `ReshardError` when a partition is
+  not where the layout puts it.
 - `install(engine, manifest, pieces)` on an engine built for the new group (every rank of it:
   collective): the pieces become the fp32 master partitions and the optimizer's state, the
   scalars and counters are set, and the model's parameters are made from the fp32 master as
