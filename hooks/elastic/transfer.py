@@ -11,7 +11,7 @@ Contract, on every rank of a change:
 1. `hand_over(collectives, adapter, step, extra, reform)` in the OLD group, before it is left:
    every rank maps its adapter's tensors (`adapter.shard_state()`) onto the new world size
    (`ReshardPlan`); one `all_ok` on `collectives`: when any rank's plan refused a layout
-   (`ReshardError` naming tensor and placement), or the extras are not JSON, or
+   (`ReshardError` naming tensor and placement), or its state or the extras are not JSON, or
    `SPOTGUARD_RESHARD_BUCKET_MB` is not a positive number, every rank raises here, before any byte moved,
    and the change falls back to the checkpoint it wrote. Then each staying rank allocates its new
    pieces and copies the rows it keeps, and the leaving ranks send their rows to the staying ranks
@@ -123,11 +123,11 @@ def hand_over(collectives: Collectives, adapter: Any, step: int, extra: dict[str
     from spotguard.hooks.elastic.reshard_state import empty_piece
     from spotguard.hooks.elastic.reshard_transfer import copy_keeps, relay_hops, run_hops, run_moves
 
-    shards = adapter.shard_state()
     survivors = {old: reform.new_rank(old) for old in reform.survivors}
     me = collectives.rank
     refusal: Exception | None = None
     try:
+        shards = adapter.shard_state()  # a DeepSpeed state that cannot travel raises here, on this rank only
         plan = _plan(shards.manifest, reform.old_world_size, reform.new_world_size, survivors)
         bucket = _bucket_bytes()
         json.dumps(extra)  # it travels in the new group's header
