@@ -1,6 +1,6 @@
 """Membership changes in place across real gloo processes, one per host (tests/workers/elastic.py):
-DDP and FSDP2 (TorchDCPAdapter), DeepSpeed ZeRO-2 with a client AdamW and ZeRO-1 with DeepSpeed's
-AdamW offloaded to the CPU (DeepSpeedAdapter(in_place=True)).
+DDP and FSDP2 (TorchDCPAdapter), DeepSpeed ZeRO-2 with a client AdamW (fp32, and bf16 parameters over
+the fp32 master) and ZeRO-1 with DeepSpeed's AdamW offloaded to the CPU (DeepSpeedAdapter(in_place=True)).
 
 - Shrink: host "a" (rank 0, whose store the job started on) gets SIGTERM; it checkpoints the
   agreed step with the others and exits 83 while "b" and "c" re-form a group of 2 on b's store
@@ -45,11 +45,11 @@ class ShrinkThenGrow:
     shrink_ckpt: Path  # the checkpoints as they were after the shrink, before the grow saved its step
 
 
-RELAUNCHED = ("fsdp2", "deepspeed", "deepspeed-offload")  # checked against a real relaunch
+RELAUNCHED = ("fsdp2", "deepspeed", "deepspeed-offload", "deepspeed-bf16")  # checked against a real relaunch
 SHARDED = RELAUNCHED  # a rank's share of the state changes with the world size
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp2", "deepspeed", "deepspeed-offload"])
+@pytest.fixture(scope="module", params=["ddp", "fsdp2", "deepspeed", "deepspeed-offload", "deepspeed-bf16"])
 def shrink_then_grow(request, tmp_path_factory) -> ShrinkThenGrow:
     """a, b, c; a (rank 0, the store's host) leaves at step 5; then d joins; 3 steps in b, c, d."""
     root = tmp_path_factory.mktemp(f"in-place-{request.param}")

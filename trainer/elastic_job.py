@@ -9,10 +9,11 @@ Contract:
 - `build_for(mode)`: a `build()` for `TorchDCPAdapter(build=...)`: the model wrapped for the
   CURRENT default group ("ddp": DistributedDataParallel; "fsdp2": `fully_shard` per Linear and
   the root, on a 1-D CPU mesh of the whole world) and its AdamW (lr 1e-2).
-- `deepspeed_config(world, stage, offload)` / `build_deepspeed(stage, offload)`: the same model
-  under DeepSpeed ZeRO `stage` on the current default group, rank `r`'s micro-batch its share of
-  the global batch; a client torch AdamW (lr 1e-2), or with `offload` DeepSpeed's own AdamW from
-  the config, its state on the CPU (DeepSpeedCPUAdam).
+- `deepspeed_config(world, stage, offload, bf16)` / `build_deepspeed(stage, offload, bf16)`: the
+  same model under DeepSpeed ZeRO `stage` on the current default group, rank `r`'s micro-batch its
+  share of the global batch; a client torch AdamW (lr 1e-2), or with `offload` DeepSpeed's own
+  AdamW from the config, its state on the CPU (DeepSpeedCPUAdam); `bf16`: bf16 parameters over an
+  fp32 master (inputs are cast by the caller).
 - `batch(step, rank, world)`: rank's contiguous share of step `step`'s global batch of 16
   samples, a function of the step alone (the same samples at any world size dividing 16).
 - `membership_reader(path)`: a callable returning the JSON membership at `path`, None while the
@@ -62,7 +63,7 @@ def build_for(mode: str) -> Callable[[], tuple[torch.nn.Module, torch.optim.Opti
     return build
 
 
-def deepspeed_config(world: int, stage: int = 2, offload: bool = False) -> dict:
+def deepspeed_config(world: int, stage: int = 2, offload: bool = False, bf16: bool = False) -> dict:
     zero: dict = {"stage": stage}
     config: dict = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
                     "train_batch_size": GLOBAL_BATCH // world * world, "zero_optimization": zero,
@@ -70,10 +71,12 @@ def deepspeed_config(world: int, stage: int = 2, offload: bool = False) -> dict:
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+    if bf16:
+        config["bf16"] = {"enabled": True}
     return config
 
 
-def build_deepspeed(stage: int = 2, offload: bool = False):
+def build_deepspeed(stage: int = 2, offload: bool = False, bf16: bool = False):
     """The engine of `deepspeed_config` for the current default group (module docstring)."""
     import deepspeed
 
@@ -81,7 +84,7 @@ def build_deepspeed(stage: int = 2, offload: bool = False):
     optimizer = None if offload else torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine, _optimizer, _loader, _scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=model.parameters() if offload else None,
-        config=deepspeed_config(dist.get_world_size(), stage, offload))
+        config=deepspeed_config(dist.get_world_size(), stage, offload, bf16))
     return engine
 
 

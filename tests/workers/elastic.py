@@ -2,8 +2,9 @@
 
     python elastic.py --mode ddp|fsdp2|deepspeed|deepspeed-offload --ckpt DIR --out DIR --steps N [--join]
 
-deepspeed: ZeRO-2 with a client AdamW; deepspeed-offload: ZeRO-1 with DeepSpeed's AdamW on the CPU
-(`trainer/elastic_job.build_deepspeed`), both `DeepSpeedAdapter(in_place=True)`.
+deepspeed: ZeRO-2 with a client AdamW; deepspeed-offload: ZeRO-1 with DeepSpeed's AdamW on the CPU;
+deepspeed-bf16: ZeRO-2, bf16 parameters over the fp32 master (`trainer/elastic_job.build_deepspeed`),
+each `DeepSpeedAdapter(in_place=True)`.
 
 The environment names the host (SPOTGUARD_NODE) and the rendezvous (SPOTGUARD_RDZV_*); the
 test harness pushes memberships by writing `<out>/membership.json` (what a sidecar would relay).
@@ -50,7 +51,9 @@ from spotguard.trainer.elastic_job import (batch, build_deepspeed, build_for, de
 from state_dump import flatten  # a sibling: the workers run as scripts
 
 NODE = os.environ.get("SPOTGUARD_NODE", "?")
-DEEPSPEED_MODES = {"deepspeed": (2, False), "deepspeed-offload": (1, True)}  # mode -> (ZeRO stage, offload)
+# mode -> (ZeRO stage, offload, bf16)
+DEEPSPEED_MODES = {"deepspeed": (2, False, False), "deepspeed-offload": (1, True, False),
+                   "deepspeed-bf16": (2, False, True)}
 
 
 def parse(argv=None):
@@ -155,9 +158,9 @@ def main(argv=None) -> int:
     if args.mode in DEEPSPEED_MODES:
         from spotguard.hooks.adapters.deepspeed import DeepSpeedAdapter
 
-        stage, offload = DEEPSPEED_MODES[args.mode]
-        adapter = DeepSpeedAdapter(build_deepspeed(stage, offload), checkpoint_dir=args.ckpt, in_place=True,
-                                   config_for=lambda world: deepspeed_config(world, stage, offload))
+        stage, offload, bf16 = DEEPSPEED_MODES[args.mode]
+        adapter = DeepSpeedAdapter(build_deepspeed(stage, offload, bf16), checkpoint_dir=args.ckpt, in_place=True,
+                                   config_for=lambda world: deepspeed_config(world, stage, offload, bf16))
     else:
         build = build_for(args.mode)
         model, optimizer = build()
@@ -224,7 +227,9 @@ def main(argv=None) -> int:
             x, y = batch(step, guard.rank, guard.world_size)
             if args.mode in DEEPSPEED_MODES:  # the engine is made again by a change: read it every step
                 engine = adapter.engine
-                engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+                dtype = next(engine.module.parameters()).dtype
+                prediction = engine(x.to(dtype)).float()
+                engine.backward(torch.nn.functional.mse_loss(prediction, y))
                 engine.step()
             else:
                 adapter.optimizer.zero_grad()
