@@ -307,8 +307,8 @@ class Guard:
         A joiner receives the state of a live peer instead (no storage read, no @on_resume hooks)."""
         if self.view is not None and self.session.owes_state():
             if resizable_adapter(self.adapter) is None:
-                raise RuntimeError("a joiner needs a resizable adapter before resume(): TorchDCPAdapter(..., build=...) "
-                                   "or DeepSpeedAdapter(..., in_place=True)")
+                raise RuntimeError("a joiner needs a resizable adapter before resume(): "
+                                   "TorchDCPAdapter(..., build=...) or DeepSpeedAdapter(..., in_place=True)")
             return self.machine.join()
         start = 0
         if self.adapter is not None:
