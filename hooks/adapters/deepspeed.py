@@ -36,9 +36,9 @@ Contract:
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
-import copy
 import shutil
 import subprocess
 import sys
@@ -171,7 +171,8 @@ class DeepSpeedAdapter(StoreAdapter, ResizableAdapter):
         from spotguard.hooks.adapters.deepspeed_zero import reinitialize
 
         if not self.in_place:
-            raise RuntimeError("this adapter was made without in_place=True: it cannot be resized in place")
+            raise RuntimeError(f"this adapter cannot be resized in place: "
+                               f"{self.in_place_refusal or 'it was made without in_place=True'}")
         self.wait()
         world = dist.get_world_size()
         config = self.config_for(world) if self.config_for is not None else config_at(self.engine, world)
