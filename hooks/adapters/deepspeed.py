@@ -132,6 +132,10 @@ class DeepSpeedAdapter(StoreAdapter, ResizableAdapter):
             if self.in_place_refusal:
                 log.warning("this DeepSpeed job changes membership by restarting: %s", self.in_place_refusal)
         self.in_place = in_place and self.in_place_refusal is None
+        if self.in_place:  # a rebuilt engine's CPU Adam asks for the CPU again: answered from this, kept
+            from spotguard.hooks.elastic.join import keep_cpu_info
+
+            keep_cpu_info(prime=True)
         super().__init__(**kwargs)
 
     # ---- in place ----------------------------------------------------------------------------

@@ -24,7 +24,9 @@ Contract:
   the optimizer made again over the same parameter groups (the client's class, or DeepSpeed's from
   the config), the client LR scheduler re-pointed at it; the old engine is destroyed first
   (its gradient hooks removed, its pinned buffers released) and DeepSpeed's cached process groups
-  of the old group are dropped. Its state is not carried: `collect` / `install` carry it.
+  of the old group are dropped (and py-cpuinfo's answer kept, `join.keep_cpu_info`: DeepSpeed's
+  CPU Adam asks it again at every engine, ~1 s). Its state is not carried: `collect` / `install`
+  carry it.
 """
 from __future__ import annotations
 
@@ -258,6 +260,9 @@ def destroy(engine: Any) -> None:
 def reinitialize(engine: Any, config: dict[str, Any]) -> Any:
     import deepspeed
 
+    from spotguard.hooks.elastic.join import keep_cpu_info
+
+    keep_cpu_info()  # DeepSpeed's CPU Adam asks for the CPU again at each engine: once per process
     module, optimizer = engine.module, engine.optimizer
     groups = _param_groups(optimizer)
     client_optimizer = engine.client_optimizer

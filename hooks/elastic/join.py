@@ -198,13 +198,41 @@ def first_to_form(membership: Membership, node: str, probe: float) -> Membership
 DEEPSPEED_FIRST_ENGINE = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.module_inject.auto_ep_layer",
                           "deepspeed.module_inject.auto_ep_presets.registry", "deepspeed.comm.mori",
                           "deepspeed.ops.triton_ops", "deepspeed.moe.ep_router", "deepspeed.ops.op_builder.all_ops")
+_cpu_info_lock = threading.Lock()
+
+
+def keep_cpu_info(prime: bool = False) -> None:
+    """DeepSpeed's CPU Adam asks py-cpuinfo for the CPU's vendor whenever one is made: a subprocess,
+    about 1 s here, inside an in-place change's pause (a rebuilt engine, a joiner's first one). The
+    CPU does not change within a process: from this call on, `cpuinfo.get_cpu_info` answers from
+    the first answer (a copy of it; callers at once wait for the one in flight). `prime`: ask now,
+    in a background thread. Nothing without py-cpuinfo."""
+    try:
+        import cpuinfo  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    with _cpu_info_lock:
+        if not getattr(cpuinfo.get_cpu_info, "spotguard_kept", False):
+            original = cpuinfo.get_cpu_info
+            answers: list[dict] = []
+
+            def get_cpu_info():
+                with _cpu_info_lock:
+                    if not answers:
+                        answers.append(original())
+                return dict(answers[0])
+
+            get_cpu_info.spotguard_kept = True  # type: ignore[attr-defined]
+            cpuinfo.get_cpu_info = get_cpu_info
+    if prime:
+        threading.Thread(target=cpuinfo.get_cpu_info, name="spotguard-cpu-info", daemon=True).start()
 
 
 def warm_up() -> None:
     """Imports what building and loading a model in a new group needs, before the joiner says it
     is ready: the survivors wait for the joiner only after that (their pause), not for imports.
-    DeepSpeed's first engine's imports too, when the process imported DeepSpeed (nothing of it
-    otherwise)."""
+    DeepSpeed's first engine's imports too, and its CPU Adam's CPU query (`keep_cpu_info`), when
+    the process imported DeepSpeed (nothing of it otherwise)."""
     import importlib
 
     deepspeed = DEEPSPEED_FIRST_ENGINE if "deepspeed" in sys.modules else ()
@@ -216,6 +244,8 @@ def warm_up() -> None:
             importlib.import_module(module)
         except ImportError:  # an optional part missing from this torch build
             pass
+    if deepspeed:
+        keep_cpu_info(prime=True)
 
 
 def announce(ready_file: str | None) -> None:

@@ -2,7 +2,8 @@
 joiner's warm-up leaves its first engine to import. Prints one JSON line:
 {"first_engine_modules": N, "engines": {name: {"resizable": bool, "refusal": str | null}}, "warnings": N,
  "engines_alive": N (DeepSpeed engines still in memory after 3 rebuilds of one in this process),
- "rebuilt_equal": bool (the state after each rebuild equals the state before it)}.
+ "rebuilt_equal": bool (the state after each rebuild equals the state before it),
+ "cpu_info_processes": N (processes py-cpuinfo started for 3 questions once `keep_cpu_info` was called)}.
 
     python deepspeed_support.py PORT [--no-warm-up]
 """
@@ -13,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import subprocess
 import sys
 
 import torch
@@ -71,6 +73,30 @@ def rebuild_three_times(engine) -> tuple[int, bool]:
     return sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()), equal
 
 
+def cpu_info_processes() -> int:
+    """Processes started while py-cpuinfo answers 3 times after `keep_cpu_info` (each answer
+    starts one without it: about 1 s inside a change's pause for DeepSpeed's CPU Adam)."""
+    import cpuinfo
+
+    from spotguard.hooks.elastic.join import keep_cpu_info
+
+    started = [0]
+    popen_init = subprocess.Popen.__init__
+
+    def counting(self, *args, **kwargs):
+        started[0] += 1
+        popen_init(self, *args, **kwargs)
+
+    subprocess.Popen.__init__ = counting  # type: ignore[method-assign]
+    try:
+        keep_cpu_info()
+        answers = [cpuinfo.get_cpu_info() for _ in range(3)]
+    finally:
+        subprocess.Popen.__init__ = popen_init  # type: ignore[method-assign]
+    assert answers[0] == answers[2] and answers[0] is not answers[2]
+    return started[0]
+
+
 class Count(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -98,7 +124,7 @@ def main() -> int:
         engines[name] = {"resizable": adapter.resizable, "refusal": adapter.in_place_refusal}
         adapter.close()
     print(json.dumps({"first_engine_modules": first, "engines": engines, "warnings": counter.count,
-                      "engines_alive": alive, "rebuilt_equal": equal}))
+                      "engines_alive": alive, "rebuilt_equal": equal, "cpu_info_processes": cpu_info_processes()}))
     return 0
 
 
