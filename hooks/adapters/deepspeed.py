@@ -128,14 +128,15 @@ class DeepSpeedAdapter(StoreAdapter, ResizableAdapter):
         if in_place:
             from spotguard.hooks.adapters.deepspeed_zero import facts_of
 
-            self.in_place_refusal = refusal(facts_of(engine))
+            facts = facts_of(engine)
+            self.in_place_refusal = refusal(facts)
             if self.in_place_refusal:
                 log.warning("this DeepSpeed job changes membership by restarting: %s", self.in_place_refusal)
-        self.in_place = in_place and self.in_place_refusal is None
-        if self.in_place:  # a rebuilt engine's CPU Adam asks for the CPU again: answered from this, kept
-            from spotguard.hooks.elastic.join import keep_cpu_info
+            elif "cpuadam" in facts.optimizer.lower():  # a rebuilt CPU Adam asks for the CPU again: kept
+                from spotguard.hooks.elastic.join import keep_cpu_info
 
-            keep_cpu_info(prime=True)
+                keep_cpu_info(prime=True)
+        self.in_place = in_place and self.in_place_refusal is None
         super().__init__(**kwargs)
 
     # ---- in place ----------------------------------------------------------------------------

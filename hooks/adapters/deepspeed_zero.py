@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from spotguard.hooks.adapters.deepspeed_support import EngineFacts
-from spotguard.hooks.elastic.reshard_plan import Layout, ReshardError, held_rows, zero_partition
+from spotguard.hooks.elastic.reshard_plan import Layout, ReshardError, held_rows, piece_size, zero_partition
 from spotguard.hooks.elastic.reshard_state import Shards, jsonable
 
 log = logging.getLogger("spotguard.hooks.adapters.deepspeed")
@@ -106,7 +106,7 @@ def _group_pieces(optimizer: Any, i: int, entries: list[dict[str, Any]], pieces:
     rows = content_rows(optimizer, i)
     layout = Layout((world,), (zero_partition(ALIGN),))
     start, stop = held_rows(layout, rows, rank)
-    size = -(-rows // (world * ALIGN)) * ALIGN
+    size = piece_size(rows, world, ALIGN)
     if fp32.numel() != size:
         raise ReshardError(f"ZeRO group {i}: this rank's fp32 partition holds {fp32.numel()} items, "
                            f"the layout {layout} {size}")

@@ -155,10 +155,15 @@ def _coords(rank: int, mesh: Sequence[int]) -> list[int]:
     return coords[::-1]
 
 
+def piece_size(rows: int, n: int, align: int = 1) -> int:
+    """The rows of each of n pieces over `rows` rows: torch.chunk's (align 1), or a ZeRO partition's
+    (rounded up to a multiple of `align`; the last pieces hold the padding)."""
+    return -(-rows // (n * align)) * align
+
+
 def _piece(rows: int, n: int, k: int, align: int = 1) -> tuple[int, int]:
-    """torch.chunk's piece k of n over `rows` rows (align 1), or a ZeRO partition's (its size
-    rounded up to a multiple of `align`)."""
-    size = -(-rows // (n * align)) * align
+    """Piece k of n over `rows` rows (`piece_size`), without its padding."""
+    size = piece_size(rows, n, align)
     return min(k * size, rows), min((k + 1) * size, rows)
 
 

@@ -3,7 +3,8 @@ joiner's warm-up leaves its first engine to import. Prints one JSON line:
 {"first_engine_modules": N, "engines": {name: {"resizable": bool, "refusal": str | null}}, "warnings": N,
  "engines_alive": N (DeepSpeed engines still in memory after 3 rebuilds of one in this process),
  "rebuilt_equal": bool (the state after each rebuild equals the state before it),
- "cpu_info_processes": N (processes py-cpuinfo started for 3 questions once `keep_cpu_info` was called)}.
+ "cpu_info_processes": 0 or 1 (whether py-cpuinfo started a process for 3 questions once its first
+ answer was kept by `keep_cpu_info`)}.
 
     python deepspeed_support.py PORT [--no-warm-up]
 """
@@ -14,7 +15,6 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 
 import torch
@@ -74,27 +74,22 @@ def rebuild_three_times(engine) -> tuple[int, bool]:
 
 
 def cpu_info_processes() -> int:
-    """Processes started while py-cpuinfo answers 3 times after `keep_cpu_info` (each answer
-    starts one without it: about 1 s inside a change's pause for DeepSpeed's CPU Adam)."""
+    """Whether py-cpuinfo started a process while answering 3 times after `keep_cpu_info` (each
+    answer starts one without it: about 1 s inside a change's pause for DeepSpeed's CPU Adam): 1
+    when the CPU time of this process's waited-for children grew, else 0. The warm-up asked first."""
+    import resource
+
     import cpuinfo
 
     from spotguard.hooks.elastic.join import keep_cpu_info
 
-    started = [0]
-    popen_init = subprocess.Popen.__init__
-
-    def counting(self, *args, **kwargs):
-        started[0] += 1
-        popen_init(self, *args, **kwargs)
-
-    subprocess.Popen.__init__ = counting  # type: ignore[method-assign]
-    try:
-        keep_cpu_info()
-        answers = [cpuinfo.get_cpu_info() for _ in range(3)]
-    finally:
-        subprocess.Popen.__init__ = popen_init  # type: ignore[method-assign]
+    keep_cpu_info()
+    cpuinfo.get_cpu_info()  # the first answer (the warm-up's, or this one)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    answers = [cpuinfo.get_cpu_info() for _ in range(3)]
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert answers[0] == answers[2] and answers[0] is not answers[2]
-    return started[0]
+    return int((after.ru_utime, after.ru_stime) != (before.ru_utime, before.ru_stime))
 
 
 class Count(logging.Handler):
