@@ -13,6 +13,8 @@ Contract of `DeadlineExit.persist(...)`:
    store's commit being all or nothing); its fate is reported as `async_save`;
 3. otherwise the held snapshot is persisted through the adapter's commit protocol, waited for
    until the latest exit time.
+Before each wait the last-resort timer may end (2, 3), the message true in that case is
+written (`why` "async-abandoned" / "persist-late", exit 84).
 `leave(...)` writes the termination message (with `saved_by` "watchdog", `margin_seconds` to the
 deadline, `snapshot_steps`: the steps trained after the saved snapshot), reports to the sidecar
 when one is configured and time allows, waits (`LEAVE_TOGETHER_SECONDS` at most, never past the
@@ -107,6 +109,7 @@ class DeadlineExit:
         async_save = None
         in_flight = engine.in_flight()
         if in_flight is not None:
+            self._account_ahead(notice, deadline, leave_at, progress, why="async-abandoned", async_save="abandoned")
             try:
                 in_flight.result(timeout=max(end - time.time(), 0.0))
                 async_save = "committed"
@@ -119,6 +122,7 @@ class DeadlineExit:
                 async_save = "failed"
         if adapter.snapshot_durable():
             self.leave(notice, deadline, progress, step, started, async_save=async_save)
+        self._account_ahead(notice, deadline, leave_at, progress, why="persist-late", async_save=async_save)
         try:
             _, write = adapter.persist_snapshot_behind(reason="notice", notice=notice)
             write.result(timeout=max(end - time.time(), 0.0))
@@ -146,19 +150,37 @@ class DeadlineExit:
         self.timer.arm(time.monotonic() + max(min(REPORT_SECONDS + LEAVE_TOGETHER_SECONDS + 0.5,
                                                   deadline - time.time() - 0.1), 0.5), code)
         newest = saved if saved is not None else progress.durable
-        step = progress.completed if progress.completed is not None else (newest if newest is not None else -1)
-        extra = departure_account(saved_by, progress.completed if saved is not None else None, saved,
-                                  deadline - time.time())
-        extra.update({k: v for k, v in (("why", why), ("async_save", async_save)) if v is not None})
-        lost = progress.lost_since(newest)
-        write_termination_message(notice.id, step, saved if saved is not None else step, durable,
-                                  steps_lost=lost, extra=extra, exit_code=code)
+        lost, extra = self._write_account(notice, progress, saved, deadline - time.time(), durable, code,
+                                          why=why, async_save=async_save, saved_by=saved_by)
         self._report(notice, newest, durable, time.time() - started, lost, extra)
         self._wait_for_peers(deadline)
         log.warning("deadline watchdog: leaving for notice %s (%s: step %s %s, %d steps lost, %.2fs before the "
                     "deadline): exit %d", notice.id, saved_by, newest, "durable" if durable else "FAILED", lost,
                     deadline - time.time(), code)
         flush_and_exit(code)
+
+    def _account_ahead(self, notice: Notice, deadline: float, leave_at: float, progress: Progress, *, why: str,
+                       async_save: str | None) -> None:
+        """Writes, before a wait the last-resort timer may end, the message that is true if it
+        does: nothing new durable, for reason `why`, `deadline - leave_at` before the deadline
+        (the process cannot write anything once the timer fired; a wait that ends in time is
+        followed by `leave`, which writes the final account over this one)."""
+        self._write_account(notice, progress, None, deadline - leave_at, False, EXIT_CHECKPOINT_FAILED, why=why,
+                            async_save=async_save, saved_by="watchdog")
+
+    @staticmethod
+    def _write_account(notice: Notice, progress: Progress, saved: int | None, seconds_left: float, durable: bool,
+                       code: int, *, why: str | None, async_save: str | None,
+                       saved_by: str) -> tuple[int, dict[str, Any]]:
+        """The termination message of a departure: steps lost and the account's extra fields."""
+        newest = saved if saved is not None else progress.durable
+        step = progress.completed if progress.completed is not None else (newest if newest is not None else -1)
+        extra = departure_account(saved_by, progress.completed if saved is not None else None, saved, seconds_left)
+        extra.update({k: v for k, v in (("why", why), ("async_save", async_save)) if v is not None})
+        lost = progress.lost_since(newest)
+        write_termination_message(notice.id, step, saved if saved is not None else step, durable,
+                                  steps_lost=lost, extra=extra, exit_code=code)
+        return lost, extra
 
     def _wait_for_peers(self, deadline: float) -> None:
         try:

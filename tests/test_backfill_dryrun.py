@@ -40,7 +40,9 @@ async def test_warm_standby_joins_and_is_swapped_back_for_spot_in_place(tmp_path
             await asyncio.sleep(0.2)
 
     def hosts() -> list[list[str]]:
-        return [m.hosts for m in dry.memberships]
+        """Each membership's hosts by name: a membership lists them by pod index, and node-1 holds
+        index 0 when it was Ready first (then od-0 takes index 0: [od-0, node-0], ci on df11f57)."""
+        return [sorted(m.hosts) for m in dry.memberships]
 
     capacity: asyncio.Task | None = None
     try:

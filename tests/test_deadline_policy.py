@@ -2,6 +2,7 @@
 exit timer (hooks/exit_timer.py) in a real process whose main thread holds the GIL in a C call."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -192,6 +193,56 @@ def test_a_watchdog_that_arms_after_the_boundary_departed_keeps_the_boundarys_ac
     """)
     result = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
     assert result.returncode == 7, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("stalls, why", [("in-flight", "async-abandoned"), ("persist", "persist-late")])
+def test_a_watchdog_starved_past_its_latest_exit_leaves_the_true_account(tmp_path, stalls, why):
+    """The watchdog waits for an async save in flight, or for its persist, until its latest exit;
+    its thread then does not run again before the last-resort timer fires (a loaded machine: ci7
+    found the message still the advance "deadline" one). The process ends with 84 and the
+    message says why: written before the wait, since nothing can be written at the timer's exit."""
+    message = tmp_path / "termination-log"
+    script = textwrap.dedent(f"""
+        import os, time
+        from concurrent.futures import Future
+        from datetime import timedelta
+        os.environ["SPOTGUARD_TERMINATION_LOG"] = {str(message)!r}
+        from spotguard.hooks.deadline_claims import LocalClaims
+        from spotguard.hooks.deadline_exit import DeadlineExit, Progress
+        from spotguard.hooks.exit_timer import ExitTimer
+        from spotguard.wire.notice import Notice, now_utc
+
+        class Stalled(Future):  # a wait whose thread is not scheduled again in time
+            def result(self, timeout=None):
+                time.sleep(60)
+
+        class Engine:
+            def in_flight(self):
+                return Stalled() if {stalls!r} == "in-flight" else None
+
+        class Adapter:
+            snapshot_step, snapshot_engine = 6, Engine()
+            def snapshot_durable(self):
+                return False
+            def persist_snapshot_behind(self, **kwargs):
+                return None, Stalled()
+
+        timer = ExitTimer()
+        leave_at = time.time() + 2.0
+        timer.arm(time.monotonic() + 2.0, 84)
+        progress = Progress(completed=7, durable=0, trained=7)
+        now = now_utc()
+        notice = Notice(id="aws.spot:s", kind="reclaim", source="aws.spot", node="n", detected_at=now,
+                        deadline=now + timedelta(seconds=4))
+        claims = LocalClaims()
+        DeadlineExit(Adapter, lambda: claims, timer).persist(6, notice, leave_at + 2.0, leave_at, progress)
+    """)
+    assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 84
+    account = json.loads(message.read_text())
+    assert (account["checkpoint"], account["why"], account["steps_lost"], account["exit_code"]) == \
+        ("failed", why, 7, 84), account
+    assert account.get("async_save") == ("abandoned" if stalls == "in-flight" else None), account
+    assert account["margin_seconds"] == pytest.approx(2.0, abs=0.01)
 
 
 def test_steps_lost_with_no_checkpoint_known_are_the_steps_this_process_trained():

@@ -20,7 +20,8 @@ reached are known exactly. Accounting (`summarize`), from the trainers' event lo
 - a generation keeps the steps from where it started to where the next one resumed; the
   rest of what it computed is lost;
 - a generation's loss is put on a reclaim when a reclaim hit one of its nodes while it was
-  live, otherwise on a rescale (capacity returning: the job restarts to grow);
+  live (until the next one was launched, or until its last event when it finished), otherwise
+  on a rescale (capacity returning: the job restarts to grow);
 - wall time runs from the first `start` event to the `finished` one;
 - goodput (steps) = completed steps per second; goodput (samples) = samples of kept steps
   per second (the elastic job trains on fewer samples per step at a smaller world size, so
@@ -227,10 +228,14 @@ def summarize(mode: str, events: Iterable[dict], generations: list[GenerationRec
 
     reclaims = [i for i in injected if i.kind == "reclaim" and (i.served_at or i.injected_at) <= t_end]
     hit_gens: dict[int, int] = collections.Counter()
+    # A generation that did not finish ran until the next one was launched: its last event may come
+    # before a notice that still hit it (its ranks in a periodic save log nothing: ci on df11f57).
+    until = {g.index: g.ended_at if g.reason == "finished" or nxt is None else nxt.launched_at
+             for g, nxt in zip(generations, [*generations[1:], None])}
     for r in reclaims:  # a hit: a generation using the node ran at some time between its notice and its deadline
         served = r.served_at or r.injected_at
         gone = max(served, r.deadline or served)
-        live = [g for g in generations if g.launched_at <= gone and (g.ended_at is None or served <= g.ended_at)
+        live = [g for g in generations if g.launched_at <= gone and (until[g.index] is None or served <= until[g.index])
                 and r.node in g.nodes]
         if live:
             hit_gens[live[-1].index] += 1
