@@ -62,7 +62,7 @@ def test_a_reclaim_served_while_the_group_saves_silently_hits_it():
     """Generation 0 logged its last step (40) at 2.4 s and was in its periodic save when the notice
     came at 2.63 s; it never logged again (evicted), and generation 1 launched at 11.4 s: the
     reclaim hit generation 0 (ci on df11f57 counted 0 hits: it read the last event as its end). A
-    generation that finished before a notice is not hit by it."""
+    generation that finished or drained before a notice is not hit by it."""
     gens = [GenerationRecord(0, 2, ["node-0", "node-1"], launched_at=-20.0, ended_at=2.4, reason="crashed"),
             GenerationRecord(1, 1, ["node-0"], launched_at=11.4, ended_at=33.0, reason="finished")]
     events = [ev(0.0, "start", 0, 0, global_batch=32), ev(2.4, "step", 0, 40),
@@ -73,6 +73,9 @@ def test_a_reclaim_served_while_the_group_saves_silently_hits_it():
     done = [GenerationRecord(0, 2, ["node-0", "node-1"], launched_at=-20.0, ended_at=2.4, reason="finished")]
     finished = [ev(0.0, "start", 0, 0, global_batch=32), ev(2.4, "finished", 0, 40)]
     assert summarize("periodic", finished, done, injected, total_steps=40).reclaims_hit == 0
+    drained = [GenerationRecord(0, 2, ["node-0", "node-1"], launched_at=-20.0, ended_at=2.4, reason="drained"),
+               gens[1]]  # its ranks left at their drain (2.4 s): a notice after it hit nothing running
+    assert summarize("periodic", events, drained, injected, total_steps=120).reclaims_hit == 0
 
 
 def test_goals_compare_against_ideal_and_baseline():

@@ -20,8 +20,8 @@ reached are known exactly. Accounting (`summarize`), from the trainers' event lo
 - a generation keeps the steps from where it started to where the next one resumed; the
   rest of what it computed is lost;
 - a generation's loss is put on a reclaim when a reclaim hit one of its nodes while it was
-  live (until the next one was launched, or until its last event when it finished), otherwise
-  on a rescale (capacity returning: the job restarts to grow);
+  live (until its last event when it finished or drained, else until the next one was
+  launched), otherwise on a rescale (capacity returning: the job restarts to grow);
 - wall time runs from the first `start` event to the `finished` one;
 - goodput (steps) = completed steps per second; goodput (samples) = samples of kept steps
   per second (the elastic job trains on fewer samples per step at a smaller world size, so
@@ -228,9 +228,10 @@ def summarize(mode: str, events: Iterable[dict], generations: list[GenerationRec
 
     reclaims = [i for i in injected if i.kind == "reclaim" and (i.served_at or i.injected_at) <= t_end]
     hit_gens: dict[int, int] = collections.Counter()
-    # A generation that did not finish ran until the next one was launched: its last event may come
-    # before a notice that still hit it (its ranks in a periodic save log nothing: ci on df11f57).
-    until = {g.index: g.ended_at if g.reason == "finished" or nxt is None else nxt.launched_at
+    # A generation that finished or drained ended with its last event; one that crashed (the
+    # baseline's eviction) may have run on silently until the next one was launched: its ranks in
+    # a periodic save log nothing, and a notice after their last event still hit it (ci, df11f57).
+    until = {g.index: g.ended_at if g.reason in ("finished", "drained") or nxt is None else nxt.launched_at
              for g, nxt in zip(generations, [*generations[1:], None])}
     for r in reclaims:  # a hit: a generation using the node ran at some time between its notice and its deadline
         served = r.served_at or r.injected_at
