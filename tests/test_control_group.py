@@ -43,14 +43,14 @@ def _worker(out: str, rdzv_port: int, ckpt: str) -> None:
     from spotguard.hooks.group_session import process_session
     from spotguard.hooks.guard import Guard
 
-    made = []
-    real_new_group = dist.new_group
+    # Groups made, read from torch's own count (`get_pg_count`: every group it numbered since the
+    # default group was made, that one included; a formation destroys the old default group,
+    # which starts the count again): the groups of the first formation, then those of the second.
+    first: list[int] = []
 
-    def counting(*args, **kwargs):
-        made.append(1)
-        return real_new_group(*args, **kwargs)
+    def made() -> int:
+        return (first[0] if first else 0) + dist.get_pg_count() - 1
 
-    dist.new_group = counting
     dist.init_process_group("gloo")  # torch's own, as a job that is not in place calls it
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -58,7 +58,7 @@ def _worker(out: str, rdzv_port: int, ckpt: str) -> None:
     adapter = TorchDCPAdapter(model, optimizer, checkpoint_dir=ckpt)
     guard.attach(adapter)
     groups = control_group.control_groups()
-    seen = {"groups_made": len(made), "guard_on_control": guard.collectives.group is groups.control,
+    seen = {"groups_made": made(), "guard_on_control": guard.collectives.group is groups.control,
             "adapter_on_checkpoint": adapter._group is groups.checkpoint,
             "distinct": groups.control is not groups.checkpoint}
     model(torch.ones(1, 4)).sum().backward()
@@ -70,15 +70,16 @@ def _worker(out: str, rdzv_port: int, ckpt: str) -> None:
     rank = dist.get_rank()
     session = process_session()
     session.rendezvous = Rendezvous("127.0.0.1", rdzv_port)  # in place from here: a re-form
+    first.append(made())
     session.reform(f"127.0.0.1:{rdzv_port}", "m1/", rank, 2, 60.0)
-    made_by_the_formation = len(made)
+    made_by_the_formation = made()
     seen["made_at_formation"] = made_by_the_formation == 4 and session.groups() is control_group.control_groups()
-    seen["groups_made_after"] = len(made)
+    seen["groups_made_after"] = made()
     adapter._setup_group()
     guard.rejoin()
     after = control_group.control_groups()
     seen["moved"] = (after is not groups and guard.collectives.group is after.control
-                     and adapter._group is after.checkpoint and len(made) == 4)
+                     and adapter._group is after.checkpoint and made() == 4)
     guard.step(2)
     Path(out).write_text(json.dumps(seen))
     guard.close()

@@ -9,8 +9,8 @@ import pytest
 from spotguard.hooks.notice_gate import Action, NoticeGate
 from spotguard.wire import names
 from spotguard.wire.notice import Kind, Notice, Severity
-from spotguard.wire.notice_policy import (DEPARTING_KINDS, HORIZON_SECONDS, Meaning, answered_by_standby, departs,
-                                          next_release, read)
+from spotguard.wire.notice_policy import (DEPARTING_KINDS, HORIZON_SECONDS, Meaning, announces_departure,
+                                          answered_by_standby, departs, next_release, read)
 
 NOW = datetime(2026, 11, 28, 12, 0, tzinfo=UTC)
 
@@ -51,6 +51,14 @@ def test_the_table(kind, lead, advisory, meaning, release_in):
         assert reading.release_at is None
     else:
         assert reading.release_at == NOW + timedelta(seconds=release_in)
+
+
+@pytest.mark.parametrize("kind, lead, advisory, meaning, release_in", TABLE)
+def test_a_notice_announces_a_departure_exactly_when_it_reads_as_one_at_some_time(kind, lead, advisory, meaning,
+                                                                                  release_in):
+    """The readers that follow which nodes are leaving, whenever (the in-place membership view,
+    the sidecar's hostfile), ask `announces_departure`: held or departing in the table."""
+    assert announces_departure(notice(kind, lead, advisory=advisory)) is (meaning is not Meaning.ADVICE)
 
 
 def test_a_held_notice_departs_once_its_release_comes():

@@ -191,8 +191,7 @@ class MembershipView:
             if not plan.survivors or plan.new_world_size < self.min_world_size:
                 return None
             return Change(plan, f"m{membership.generation}/", membership.store, membership.generation, "membership")
-        if notice.kind not in notice_policy.DEPARTING_KINDS or notice.source == names.SUPERVISOR_DRAIN_SOURCE \
-                or notice.advisory:
+        if not notice_policy.announces_departure(notice) or notice.source == names.SUPERVISOR_DRAIN_SOURCE:
             return None
         if notice.node not in self.hosts:
             return None

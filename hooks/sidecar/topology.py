@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from spotguard.hooks.hostfile import ElasticRule, Host, select_hosts, write_hostfile
 from spotguard.wire.membership import Membership
 from spotguard.wire.notice import Notice
-from spotguard.wire.notice_policy import DEPARTING_KINDS
+from spotguard.wire.notice_policy import announces_departure
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,7 @@ class Topology:
 
     async def set_notices(self, notices: Iterable[Notice]) -> None:
         job = self._job_hosts()
-        departing = tuple(sorted({n.node for n in notices if not n.advisory and n.kind in DEPARTING_KINDS
-                                  and n.node in job}))
+        departing = tuple(sorted({n.node for n in notices if announces_departure(n) and n.node in job}))
         if departing != self.departing:
             self.departing = departing
             await self.update()

@@ -60,13 +60,20 @@ class Reading:
         return self.meaning is Meaning.DEPARTURE
 
 
+def announces_departure(notice: Notice) -> bool:
+    """Whether `notice`, by its severity and kind alone, says its node goes (some time): not an
+    advisory, a departing kind. `read` adds the time (held until the horizon) and the kinds a
+    reader acts on; a reader that follows which nodes are leaving, whenever, asks this."""
+    return not notice.advisory and notice.kind in DEPARTING_KINDS
+
+
 def read(notice: Notice, now: datetime, *, horizon_seconds: float = HORIZON_SECONDS,
          departing: Iterable[Kind] = DEPARTING_KINDS) -> Reading:
     """What `notice` means at `now` (module docstring). `departing`: the kinds this reader acts
     on (default every departing kind)."""
     if notice.advisory:
         return Reading(Meaning.ADVICE, why="advisory")
-    if notice.kind not in DEPARTING_KINDS or notice.kind not in frozenset(departing):
+    if not announces_departure(notice) or notice.kind not in frozenset(departing):
         return Reading(Meaning.ADVICE, why="kind")
     if notice.deadline is not None:
         release = notice.deadline - timedelta(seconds=horizon_seconds)
@@ -94,4 +101,4 @@ def answered_by_standby(notice: Notice) -> bool:
     (the supervisor places a replacement for the departing member; the member's ranks may train
     on until it joins: `hooks/replacement_hold.py`). Not a rank's own signal, the supervisor's
     job-wide drain or a pushed membership."""
-    return not notice.advisory and notice.kind in DEPARTING_KINDS and notice.source not in _NOT_FROM_A_NODE
+    return announces_departure(notice) and notice.source not in _NOT_FROM_A_NODE
