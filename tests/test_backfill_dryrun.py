@@ -47,9 +47,11 @@ async def test_warm_standby_joins_and_is_swapped_back_for_spot_in_place(tmp_path
     capacity: asyncio.Task | None = None
     try:
         # The job starts at min (1): whichever node is Ready first trains alone, the other joins.
-        # Only then is node-1 reclaimed, so the group it leaves goes on (a reclaim of a first
-        # group of node-1 alone ended it: node-0 started a second one, ci20 and ci27).
-        await until("both spot nodes trained together", lambda: {"node-0", "node-1"} in map(set, hosts()))
+        # Only once both ranks trained a step together is node-1 reclaimed, so the group it leaves
+        # goes on (a reclaim of a first group of node-1 alone ended it: node-0 started a second
+        # one, ci20 and ci27; a reclaim as soon as the membership of both was published came
+        # before node-0 had joined: the same, ci on 923d249).
+        await until("both spot nodes trained together", lambda: trained_together(dry, {"node-0", "node-1"}))
         await dry.injector.inject_now(ScenarioEvent(at=0.0, kind="reclaim", node="node-1", lead=5.0))
         # carried out once node-1's rank has left (Injector._give_back)
         capacity = asyncio.create_task(dry.injector.inject_now(ScenarioEvent(at=0.0, kind="capacity", node="node-1")))
@@ -94,3 +96,10 @@ def swap_done(dry: BackfillDryRun, since: float) -> tuple[dict, dict] | None:
     joined = [e for e in events if e["event"] == "start" and e["node"] == "node-1" and e.get("joined")]
     left = [p for p in dry.pod_log.snapshot() if p.node == "od-0" and p.finished is not None]
     return (resized[-1], joined[-1]) if resized and joined and left else None
+
+
+def trained_together(dry: BackfillDryRun, nodes: set[str]) -> bool:
+    """Every one of `nodes` logged a step at a world of their number: the join was carried out,
+    not only published."""
+    stepped = {e["node"] for e in dry.events() if e["event"] == "step" and e.get("world_size") == len(nodes)}
+    return nodes <= stepped
