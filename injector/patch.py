@@ -9,6 +9,9 @@ A pod labelled `spotguard.io/inject: "true"` gets:
   checkpoint is durable (it returns at once when no notice is live);
 - with annotations `spotguard.io/hostfile` (and `spotguard.io/deepspeed-config`): the sidecar is
   told to rewrite that DeepSpeed hostfile, and gets the app container's volume holding it;
+- the Guard's notice horizon (`SPOTGUARD_HORIZON_SECONDS`) where an app container sets it: the
+  sidecar gets the same entry, so both hold a notice due further ahead alike (app containers
+  that set it differently are refused, naming the variable);
 - admissible wherever the pod was: the sidecar satisfies Pod Security `restricted` (non-root,
   no privilege escalation, no capabilities, RuntimeDefault seccomp), runs as the app
   containers' user where the pod sets one, and has cpu/memory requests AND limits (quotas on
@@ -94,6 +97,23 @@ def hostfile_wiring(pod: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]
     return args, mounts
 
 
+def shared_env(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The app containers' entries of the settings the sidecar reads alike with the Guard (the
+    notice horizon), as they wrote them (a value or a valueFrom); PodSpecError when two containers
+    set one differently."""
+    found: dict[str, dict[str, Any]] = {}
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for entry in (container or {}).get("env") or []:
+            name = (entry or {}).get("name")
+            if name != names.ENV_HORIZON_SECONDS:
+                continue
+            if name in found and found[name] != entry:
+                raise PodSpecError(f"spec.containers[].env[{name}]: the app containers set it differently; "
+                                   "the sidecar reads it too and needs one value")
+            found[name] = entry
+    return list(found.values())
+
+
 def local_world_size(pod: dict[str, Any]) -> int:
     """Ranks in this pod, for preStop: annotation `spotguard.io/local-world-size`, else the GPUs
     the pod's containers request (at least 1)."""
@@ -143,7 +163,8 @@ def sidecar_security_context(identity: dict[str, int]) -> dict[str, Any]:
 
 
 def sidecar_container(cfg: InjectorConfig, extra_args: Sequence[str] = (), extra_mounts: Sequence[dict] = (),
-                      local_world_size: int = 1, identity: dict[str, int] | None = None) -> dict[str, Any]:
+                      local_world_size: int = 1, identity: dict[str, int] | None = None,
+                      extra_env: Sequence[dict] = ()) -> dict[str, Any]:
     return {
         "name": SIDECAR_NAME,
         "image": cfg.image,
@@ -156,6 +177,7 @@ def sidecar_container(cfg: InjectorConfig, extra_args: Sequence[str] = (), extra
             {"name": names.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": names.ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": names.ENV_LOCAL_WORLD_SIZE, "value": str(local_world_size)},
+            *extra_env,
         ],
         "resources": {"requests": {"cpu": cfg.cpu_request, "memory": cfg.memory_request},
                       "limits": {"cpu": cfg.cpu_limit, "memory": cfg.memory_limit}},
@@ -217,7 +239,7 @@ def build_patch(pod: dict[str, Any], cfg: InjectorConfig) -> list[dict[str, Any]
     except ValueError as exc:
         raise PodSpecError(str(exc)) from None
     sidecar = sidecar_container(cfg, *hostfile_wiring(pod), local_world_size=local_world_size(pod),
-                                identity=app_identity(pod))
+                                identity=app_identity(pod), extra_env=shared_env(pod))
     ops: list[dict[str, Any]] = []
 
     if spec.get("initContainers"):

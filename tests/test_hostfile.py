@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import threading
+from datetime import timedelta
 
 import pytest
 
@@ -15,6 +16,7 @@ from spotguard.config import ConfigError
 from spotguard.hooks.hostfile import (ElasticityError, ElasticRule, Host, HostfileError, elastic_rule_from_config,
                                       parse_hostfile, read_hostfile, select_hosts, write_hostfile)
 from spotguard.hooks.sidecar.service import Sidecar
+from spotguard.hooks.sidecar.topology import Topology
 from spotguard.wire.notice import Kind
 from tests.sidecar_helpers import Publisher, StreamReader, eventually, make_notice, sidecar_config
 
@@ -181,6 +183,66 @@ async def test_the_sidecar_drops_a_noticed_host_and_trims_to_the_elastic_world_s
                 event, data = await guard.next()
                 assert event == "membership" and data["hosts"] == ["h1", "h2", "h3", "h4"] and data["revision"] == 2
                 assert read_hostfile(str(hostfile))[0] == Host("h1", 2)
+
+
+async def test_the_sidecar_keeps_a_held_notices_host_until_its_release(tmp_path):
+    """A maintenance announced an hour ahead reads as held (the Guard's rule, with its horizon):
+    its host stays in the hostfile and in the membership the ranks see until the notice comes
+    within the horizon; then the release timer trims it, with nothing else happening. The
+    sidecar's clock is fixed just before the release until the test moves it past."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("h1 slots=1\nh2 slots=1\n")
+    async with Publisher(node="h1") as pub:
+        config = sidecar_config(tmp_path, pub.url, hostfile=str(hostfile), horizon_seconds=60.0)
+        async with Sidecar(config) as sc:
+            await eventually(lambda: sc.live.complete, what="the agent's complete snapshot")
+            notice = make_notice(node="h1", kind=Kind.MAINTENANCE, deadline_in=3600.0)
+            release = notice.deadline - timedelta(seconds=60)
+            now = [release - timedelta(seconds=0.3)]
+            sc.topology.clock = lambda: now[0]
+            async with StreamReader(sc.url) as guard:
+                assert (await guard.next())[0] == "snapshot"
+                assert (await guard.next())[1]["hosts"] == ["h1", "h2"]
+                await eventually(lambda: pub.connections == 1)
+                pub.add(notice)
+                assert (await guard.next())[0] == "notice"
+                await eventually(lambda: sc.topology.release_at == release, what="the release timer set")
+                assert sc.topology.departing == () and read_hostfile(str(hostfile)) == [Host("h1", 1), Host("h2", 1)]
+                now[0] = release + timedelta(seconds=0.1)
+                assert await guard.next() == ("membership", {"v": 1, "generation": 0, "revision": 1, "hosts": ["h2"],
+                                                             "world_size": 1, "departing": ["h1"]})
+                assert read_hostfile(str(hostfile)) == [Host("h2", 1)]
+                assert sc.topology.release_at is None
+
+
+async def test_a_held_notice_withdrawn_before_its_release_never_trims_its_host(tmp_path):
+    """Withdrawn while held (a maintenance the cloud cancels): the timer stops, and a later look
+    past the old release changes nothing; a held notice of a host outside the job is ignored."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("h1 slots=1\nh2 slots=1\n")
+    events = []
+
+    async def on_membership(data):
+        events.append(data)
+
+    now = [make_notice().detected_at]
+    topology = Topology(on_membership, str(hostfile), [Host("h1", 1), Host("h2", 1)], clock=lambda: now[0])
+    try:
+        await topology.update()
+        held = make_notice(node="h1", kind=Kind.MAINTENANCE, deadline_in=3600.0)
+        elsewhere = make_notice(node="x9", kind=Kind.MAINTENANCE, deadline_in=1800.0, tag="x")
+        await topology.set_notices([held, elsewhere])
+        assert topology.release_at == held.deadline - timedelta(seconds=120) and topology.departing == ()
+        await topology.set_notices([elsewhere])
+        assert topology.release_at is None
+        now[0] = held.deadline
+        await topology.recheck()
+        assert [e["hosts"] for e in events] == [["h1", "h2"]] and topology.rewrites == 0
+        await topology.set_notices([held])  # past its release: a departure at once
+        assert events[-1]["hosts"] == ["h2"] and topology.departing == ("h1",)
+    finally:
+        topology.close()
+    assert read_hostfile(str(hostfile)) == [Host("h2", 1)]
 
 
 async def test_a_malformed_hostfile_stops_the_sidecar_at_start_naming_the_line(tmp_path):

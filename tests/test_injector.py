@@ -215,3 +215,20 @@ async def test_in_place_pod_gets_rendezvous_env_ready_file_and_readiness_probe(w
 def test_a_bad_in_place_annotation_names_it():
     with pytest.raises(PodSpecError, match=r"spotguard\.io/in-place"):
         build_patch(pod(labels={"spotguard.io/inject": "true"}, annotations={"spotguard.io/in-place": "yes"}), CFG)
+
+
+def test_the_sidecar_holds_a_notice_with_the_guards_horizon():
+    """The sidecar trims a hostfile by the notice rule the Guard applies, with the same horizon:
+    it gets the app container's SPOTGUARD_HORIZON_SECONDS entry as written; two app containers
+    that set it differently are refused, naming it."""
+    original = pod(labels={"spotguard.io/inject": "true"})
+    horizon = {"name": "SPOTGUARD_HORIZON_SECONDS", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "h"}}}
+    original["spec"]["containers"][0]["env"].append(horizon)
+    original["spec"]["containers"].append({"name": "logger", "image": "l"})
+    env = build_patch(original, CFG)[0]["value"][0]["env"]
+    assert [e for e in env if e["name"] == "SPOTGUARD_HORIZON_SECONDS"] == [horizon]
+    unset = build_patch(pod(labels={"spotguard.io/inject": "true"}), CFG)[0]["value"][0]["env"]
+    assert not any(e["name"] == "SPOTGUARD_HORIZON_SECONDS" for e in unset)
+    original["spec"]["containers"][1]["env"] = [{"name": "SPOTGUARD_HORIZON_SECONDS", "value": "30"}]
+    with pytest.raises(PodSpecError, match="SPOTGUARD_HORIZON_SECONDS"):
+        build_patch(original, CFG)

@@ -11,6 +11,7 @@ import sys
 import aiohttp
 import pytest
 
+from spotguard.config import ConfigError
 from tests.sidecar_helpers import Publisher, StreamReader, make_notice
 
 
@@ -111,6 +112,13 @@ def test_defaults_come_from_the_pod_environment(monkeypatch, tmp_path):
     assert (config.agent_url, config.listen_host, config.listen_port) == ("http://10.1.2.3:9740", "127.0.0.1", 9741)
     assert (config.agent_token_file, config.podinfo_dir, config.local_world_size) == ("/var/sa/token", "/etc/pi", 4)
     assert (config.pod, config.namespace, config.token_file) == ("job-w-1", "team", str(tmp_path / "t"))
+    assert config.horizon_seconds == 120.0  # the Guard's default
+    monkeypatch.setenv("SPOTGUARD_HORIZON_SECONDS", "30")  # the Guard's variable, copied in by the injector
+    assert build_config(build_parser().parse_args(["sidecar"])).horizon_seconds == 30.0
+    monkeypatch.setenv("SPOTGUARD_HORIZON_SECONDS", "soon")
+    with pytest.raises(ConfigError) as info:
+        build_config(build_parser().parse_args(["sidecar"]))
+    assert info.value.field == "--horizon-seconds (from SPOTGUARD_HORIZON_SECONDS)"
 
 
 async def test_prestop_command_reports_an_unreachable_sidecar(tmp_path):

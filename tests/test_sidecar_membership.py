@@ -158,9 +158,10 @@ async def test_without_a_hostfile_the_membership_is_relayed(tmp_path):
         assert (await guard.next())[0] == "notice"
         assert await guard.next() == ("membership", {"v": 1, "generation": 2, "revision": 1, "hosts": ["a", "b"],
                                                      "world_size": 16, "departing": ["a"]})
+        # The supervisor takes a out: its notice no longer names a host of the job.
         write_annotations(podinfo, [membership_line(3, ["b", "c"], 16)])
         assert await guard.next() == ("membership", {"v": 1, "generation": 3, "revision": 2, "hosts": ["b", "c"],
-                                                     "world_size": 16, "departing": ["a"]})
+                                                     "world_size": 16, "departing": []})
 
 
 async def _events_until_quiet(reader: StreamReader, quiet: float = 0.5) -> list[tuple[str, dict]]:

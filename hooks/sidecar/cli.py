@@ -4,9 +4,11 @@ Defaults come from the environment the pod spec sets (downward API): the agent i
 `http://$SPOTGUARD_NODE_IP:9740` (`status.hostIP`), the token file is $SPOTGUARD_TOKEN_FILE,
 the agent's bearer token $SPOTGUARD_AGENT_TOKEN_FILE, the podinfo volume
 $SPOTGUARD_PODINFO_DIR (else /etc/podinfo), the pod's rank count $SPOTGUARD_LOCAL_WORLD_SIZE,
-the pod name and namespace $SPOTGUARD_POD_NAME / $SPOTGUARD_POD_NAMESPACE. A flag beats its
-variable (`spotguard.config.Layers`); `--listen`, `--hostfile`, `--deepspeed-config` and
-`--log-level` have no variable, and the sidecar reads no config file: the pod spec is its config.
+the pod name and namespace $SPOTGUARD_POD_NAME / $SPOTGUARD_POD_NAMESPACE, the notice horizon
+$SPOTGUARD_HORIZON_SECONDS (the Guard's variable: the injector copies it from the app
+container, so both hold a notice alike). A flag beats its variable (`spotguard.config.Layers`);
+`--listen`, `--hostfile`, `--deepspeed-config` and `--log-level` have no variable, and the
+sidecar reads no config file: the pod spec is its config.
 
 `spotguard sidecar prestop` runs in the trainer container as an `exec` preStop hook (an
 `httpGet` hook would come from the kubelet to the pod IP, not to loopback). It prints the
@@ -27,7 +29,7 @@ import urllib.request
 
 from spotguard.config import ConfigError, Layers, http_url, positive_float, positive_int
 from spotguard.daemon import run_daemon
-from spotguard.wire import names
+from spotguard.wire import names, notice_policy
 
 DEFAULT_LISTEN = f"127.0.0.1:{names.SIDECAR_PORT}"
 DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
@@ -61,6 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--header-timeout", default=None,
                    help="seconds a connection has to send a request's headers, or its body; idle "
                         "keep-alive connections close after it too (default $SPOTGUARD_HEADER_TIMEOUT or 10)")
+    p.add_argument("--horizon-seconds", default=None,
+                   help="a notice due further ahead is held, its host kept in the hostfile, until it is "
+                        "within this many seconds of its deadline: the Guard's setting "
+                        "(default $SPOTGUARD_HORIZON_SECONDS or 120)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
     sub = p.add_subparsers(dest="sidecar_command", metavar="SUBCOMMAND")
@@ -117,6 +123,7 @@ def build_config(args: argparse.Namespace, environ=None):
         pod=layers.value("pod_name") or socket.gethostname(),
         namespace=layers.value("pod_namespace") or _default_namespace(),
         header_timeout=layers.parse("header_timeout", 10, positive_float),
+        horizon_seconds=layers.parse("horizon_seconds", notice_policy.HORIZON_SECONDS, positive_float),
     )
 
 

@@ -28,7 +28,7 @@ from spotguard.hooks.sidecar.reporter import Reporter, ReportPlanner
 from spotguard.hooks.sidecar.server import SidecarAPI
 from spotguard.hooks.sidecar.topology import Topology
 from spotguard.http_server import ServerLimits, start_server
-from spotguard.wire import names
+from spotguard.wire import names, notice_policy
 from spotguard.wire.hook_report import HookReport
 from spotguard.wire.live import Change, LiveSet
 from spotguard.wire.membership import Membership
@@ -60,6 +60,7 @@ class SidecarConfig:
     max_streams: int = 256
     agent_idle_timeout: float = 35.0
     report_give_up: float = 120.0
+    horizon_seconds: float = notice_policy.HORIZON_SECONDS  # the Guard's: a notice further ahead is held
 
 
 def load_topology_inputs(config: SidecarConfig) -> tuple[list[Host] | None, ElasticRule | None]:
@@ -105,7 +106,7 @@ class Sidecar:
         self.planner = ReportPlanner(config.pod, config.namespace)
         self.reporter = Reporter(config.agent_url, config.agent_token_file, give_up_after=config.report_give_up)
         self.relay = Relay(config.agent_url, self._on_relay_change, self.live, idle_timeout=config.agent_idle_timeout)
-        self.topology = Topology(self._on_membership)
+        self.topology = Topology(self._on_membership, horizon_seconds=config.horizon_seconds)
         self.watcher: AnnotationWatcher | None = None
         self.token = ""
         self.url = ""
@@ -116,7 +117,8 @@ class Sidecar:
         cfg = self.config
         hosts, rule = await asyncio.to_thread(load_topology_inputs, cfg)
         if hosts is not None:
-            self.topology = Topology(self._on_membership, cfg.hostfile, hosts, rule)
+            self.topology = Topology(self._on_membership, cfg.hostfile, hosts, rule,
+                                     horizon_seconds=cfg.horizon_seconds)
         self.token = await asyncio.to_thread(write_token, cfg.token_file)
         await self.topology.update()
         api = SidecarAPI(self, cfg.keepalive, max_streams=cfg.max_streams, body_timeout=cfg.header_timeout)
@@ -139,6 +141,7 @@ class Sidecar:
 
     async def stop(self) -> None:
         self.broadcaster.close()
+        self.topology.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

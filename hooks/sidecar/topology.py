@@ -3,8 +3,12 @@ to what the DeepSpeed elasticity config allows; and the hostfile that follows it
 
 Inputs: the hostfile as found at start (the *base*: each host's slots), the latest
 `spotguard.io/membership` annotation (which hosts the supervisor wants, and the world size it
-caps), and the live notices (a notice whose `node` names a host of the job marks it departing;
-`rebalance` is only a risk and an advisory only information: neither departs anybody). Output,
+caps), and the live notices. A notice whose `node` names a host of the job marks it departing
+once it reads as a departure (`notice_policy.read`, the Guard's rule, with the same horizon:
+`SPOTGUARD_HORIZON_SECONDS`, default 120): a maintenance announced an hour ahead is held, so its
+host stays in the hostfile until the notice comes within the horizon (a timer looks again at
+its release; withdrawn before, the host never left); `rebalance` is only a risk and an advisory
+only information: neither departs anybody. Output,
 on every change: the hostfile is rewritten atomically (in a thread) and `on_membership(wire)`
 is called with the event data `{"v": 1, "generation", "revision", "hosts", "world_size", "departing"}`.
 
@@ -30,13 +34,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Any
 from collections.abc import Awaitable, Callable, Iterable
+from datetime import datetime
+from typing import Any
 
 from spotguard.hooks.hostfile import ElasticRule, Host, select_hosts, write_hostfile
+from spotguard.wire import notice_policy
 from spotguard.wire.membership import Membership
-from spotguard.wire.notice import Notice
-from spotguard.wire.notice_policy import announces_departure
+from spotguard.wire.notice import Notice, now_utc
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +50,21 @@ class Topology:
 
     def __init__(self, on_membership: Callable[[dict[str, Any]], Awaitable[None]],
                  hostfile: str | None = None, base_hosts: list[Host] | None = None,
-                 rule: ElasticRule | None = None):
+                 rule: ElasticRule | None = None, horizon_seconds: float = notice_policy.HORIZON_SECONDS,
+                 clock: Callable[[], datetime] = now_utc):
         if (hostfile is None) != (base_hosts is None):
             raise ValueError("hostfile and base_hosts go together")
         self.on_membership = on_membership
         self.hostfile = hostfile
         self.base = list(base_hosts or [])
         self.rule = rule
+        self.horizon_seconds = horizon_seconds
+        self.clock = clock
         self.membership: Membership | None = None
+        self.notices: tuple[Notice, ...] = ()  # the live notices that announce a departure
         self.departing: tuple[str, ...] = ()
+        self.release_at: datetime | None = None  # when a held notice becomes a departure
+        self._release_timer: asyncio.Task | None = None
         self.current: dict[str, Any] | None = None  # the last event's data
         self.revision = -1
         self.written: list[Host] = list(self.base)
@@ -100,14 +111,49 @@ class Topology:
 
     async def set_membership(self, membership: Membership) -> None:
         self.membership = membership
+        self.departing = self._departing_now()
         await self.update()
 
     async def set_notices(self, notices: Iterable[Notice]) -> None:
-        job = self._job_hosts()
-        departing = tuple(sorted({n.node for n in notices if announces_departure(n) and n.node in job}))
+        self.notices = tuple(n for n in notices if notice_policy.announces_departure(n))
+        await self.recheck()
+
+    async def recheck(self) -> None:
+        """Reads the notices again at the clock's time (the release timer calls it)."""
+        departing = self._departing_now()
         if departing != self.departing:
             self.departing = departing
             await self.update()
+
+    def close(self) -> None:
+        """Stops the release timer."""
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._release_timer = None
+
+    def _departing_now(self) -> tuple[str, ...]:
+        """The job's hosts whose notice reads as a departure now; sets the release timer for the
+        earliest held one."""
+        now, job = self.clock(), self._job_hosts()
+        mine = [n for n in self.notices if n.node in job]
+        departing = tuple(sorted({n.node for n in mine
+                                  if notice_policy.departs(n, now, horizon_seconds=self.horizon_seconds)}))
+        release = notice_policy.next_release(mine, now, horizon_seconds=self.horizon_seconds)
+        if release != self.release_at or (release is not None and self._release_timer is None):
+            self.close()
+            self.release_at = release
+            if release is not None:
+                self._release_timer = asyncio.create_task(self._wake((release - now).total_seconds()),
+                                                          name="topology-release")
+        return departing
+
+    async def _wake(self, after_seconds: float) -> None:
+        await asyncio.sleep(max(after_seconds, 0.0))
+        self._release_timer = None
+        try:
+            await self.recheck()
+        except Exception:  # a topology problem must not go unseen, nor end the sidecar
+            log.exception("re-reading the notices at a held notice's release failed")
 
     async def update(self) -> None:
         """Recomputes; rewrites the hostfile and emits an event when the result changed."""
