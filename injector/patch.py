@@ -10,8 +10,9 @@ A pod labelled `spotguard.io/inject: "true"` gets:
 - with annotations `spotguard.io/hostfile` (and `spotguard.io/deepspeed-config`): the sidecar is
   told to rewrite that DeepSpeed hostfile, and gets the app container's volume holding it;
 - the Guard's notice horizon (`SPOTGUARD_HORIZON_SECONDS`) where an app container sets it: the
-  sidecar gets the same entry, so both hold a notice due further ahead alike (app containers
-  that set it differently are refused, naming the variable);
+  sidecar gets the same entry, so both hold a notice due further ahead alike, as the supervisor
+  does (`spotguard.wire.injection.horizon_entry`: set differently, through valueFrom or not
+  seconds > 0, the pod is refused naming the variable);
 - admissible wherever the pod was: the sidecar satisfies Pod Security `restricted` (non-root,
   no privilege escalation, no capabilities, RuntimeDefault seccomp), runs as the app
   containers' user where the pod sets one, and has cpu/memory requests AND limits (quotas on
@@ -31,7 +32,7 @@ from typing import Any
 
 from spotguard.injector import in_place
 from spotguard.wire import names
-from spotguard.wire.injection import SIDECAR_NAME, wants_injection
+from spotguard.wire.injection import SIDECAR_NAME, horizon_entry, wants_injection
 
 SHARED_VOLUME = "spotguard-run"
 PODINFO_VOLUME = "spotguard-podinfo"
@@ -98,20 +99,13 @@ def hostfile_wiring(pod: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]
 
 
 def shared_env(pod: dict[str, Any]) -> list[dict[str, Any]]:
-    """The app containers' entries of the settings the sidecar reads alike with the Guard (the
-    notice horizon), as they wrote them (a value or a valueFrom); PodSpecError when two containers
-    set one differently."""
-    found: dict[str, dict[str, Any]] = {}
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for entry in (container or {}).get("env") or []:
-            name = (entry or {}).get("name")
-            if name != names.ENV_HORIZON_SECONDS:
-                continue
-            if name in found and found[name] != entry:
-                raise PodSpecError(f"spec.containers[].env[{name}]: the app containers set it differently; "
-                                   "the sidecar reads it too and needs one value")
-            found[name] = entry
-    return list(found.values())
+    """The settings the sidecar reads alike with the Guard (the notice horizon), as the app
+    containers set them (`horizon_entry`, the supervisor's reading too); PodSpecError names a bad one."""
+    try:
+        _, entry = horizon_entry(pod.get("spec") or {})
+    except ValueError as exc:
+        raise PodSpecError(str(exc)) from None
+    return [] if entry is None else [entry]
 
 
 def local_world_size(pod: dict[str, Any]) -> int:

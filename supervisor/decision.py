@@ -18,6 +18,7 @@ from spotguard.supervisor.fallback import Fallback
 from spotguard.supervisor.job_notices import NoticeHit
 from spotguard.supervisor.membership_plan import JobPods, MembershipPush
 from spotguard.supervisor.record import Record
+from spotguard.wire.notice_policy import HORIZON_SECONDS
 
 __all__ = ["ELASTIC", "FIXED", "MOVE", "NONE", "RECORD", "RESUME", "SCALE", "SUSPEND", "Context", "Decision",
            "JobState", "NoticeHit", "Policy", "Settings", "decision_key", "earliest"]
@@ -45,6 +46,7 @@ class Policy:
     in_place: bool = False  # spotguard.io/in-place: membership changes in place (elastic only)
     on_demand_max: int | None = None  # spotguard.io/on-demand-max: backfill's cap (None: max)
     start_at_min: bool = False  # spotguard.io/start-at-min: train once min pods are Ready (in place only)
+    horizon_seconds: float = HORIZON_SECONDS  # the Guard's, from the template (wire/injection.horizon_entry)
 
 
 @dataclass(frozen=True)

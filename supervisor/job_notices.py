@@ -70,10 +70,12 @@ def disruption_hits(pods: Iterable[Pod], is_replica: Callable[[Pod], bool]) -> l
 
 
 def read_job(pods: Iterable[Pod], is_replica: Callable[[Pod], bool], notices: Mapping[str, Notice | None],
-             now: datetime) -> JobReading:
-    """See the module docstring. `notices`: known node name -> its notice or None."""
+             now: datetime, horizon_seconds: float = notice_policy.HORIZON_SECONDS) -> JobReading:
+    """See the module docstring. `notices`: known node name -> its notice or None;
+    `horizon_seconds`: the job's (its Guard's) notice horizon."""
     pods = list(pods)
-    departing = frozenset(node for node, notice in notices.items() if notice_policy.departs(notice, now))
+    departing = frozenset(node for node, notice in notices.items()
+                          if notice_policy.departs(notice, now, horizon_seconds=horizon_seconds))
     hits = disruption_hits(pods, is_replica)
     healthy = 0
     for pod in pods:
@@ -82,9 +84,9 @@ def read_job(pods: Iterable[Pod], is_replica: Callable[[Pod], bool], notices: Ma
             continue
         notice = notices[node]
         if node in departing and notice is not None:
-            released = notice_policy.read(notice, notice.detected_at).release_at
+            released = notice_policy.read(notice, notice.detected_at, horizon_seconds=horizon_seconds).release_at
             hits.append(NoticeHit(notice.id, node, notice.kind.value, notice.deadline, released_at=released))
         else:
             healthy += 1
     return JobReading(tuple({h.id: h for h in hits}.values()), healthy, departing,
-                      notice_policy.next_release(notices.values(), now))
+                      notice_policy.next_release(notices.values(), now, horizon_seconds=horizon_seconds))

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import datetime, timedelta
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from spotguard.config import ConfigError
 from spotguard.supervisor import capacity_type, fallback_moves, membership_plan, progress
@@ -38,6 +39,7 @@ from spotguard.supervisor.in_place import wants_in_place
 from spotguard.supervisor.record import CHECKPOINTING, GAVE_UP, RUNNING, SUSPENDED, Record
 from spotguard.supervisor.strategies import strategy_of
 from spotguard.wire import names
+from spotguard.wire.injection import HORIZON_FIELD, horizon_entry
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -83,13 +85,21 @@ def _int_annotation(annotations: Mapping[str, str], name: str) -> int | None:
     return int(text)
 
 
-def parse_policy(annotations: Mapping[str, str] | None, default_max: int, default_min: int | None = None) -> Policy:
+def parse_policy(annotations: Mapping[str, str] | None, default_max: int, default_min: int | None = None,
+                 pod_spec: Mapping[str, Any] | None = None) -> Policy:
     """Validates the job's policy annotations; PolicyError names the first bad annotation.
 
     Defaults: policy `fixed`; max-replicas = `default_max` (the job's full size, from the adapter);
-    min-replicas = `default_min` or 1 (elastic) / max (fixed); max-wait unset = no bound.
+    min-replicas = `default_min` or 1 (elastic) / max (fixed); max-wait unset = no bound. The
+    notice horizon is the one the job's pod template sets for its Guard (`pod_spec`, read by
+    `spotguard.wire.injection.horizon_entry` as the injector reads it for the sidecar; default
+    120 s); a bad one is a PolicyError naming the env entry.
     """
     annotations = annotations or {}
+    try:
+        horizon, _ = horizon_entry(pod_spec or {})
+    except ValueError as exc:
+        raise PolicyError(HORIZON_FIELD, str(exc).removeprefix(f"{HORIZON_FIELD}: ")) from None
     mode = str(annotations.get(names.ANN_POLICY, DEFAULT_POLICY)).strip()
     if mode not in POLICIES:
         raise PolicyError(names.ANN_POLICY, f"expected one of {', '.join(POLICIES)}, got {mode!r}")
@@ -131,7 +141,8 @@ def parse_policy(annotations: Mapping[str, str] | None, default_max: int, defaul
         if on_demand_max > max_replicas:
             raise PolicyError(names.ANN_ON_DEMAND_MAX,
                               f"{on_demand_max} is above {names.ANN_MAX_REPLICAS} ({max_replicas})")
-    return Policy(mode, min_replicas, max_replicas, max_wait, fallback, in_place, on_demand_max, start_at_min)
+    return Policy(mode, min_replicas, max_replicas, max_wait, fallback, in_place, on_demand_max, start_at_min,
+                  horizon)
 
 
 def check_template(policy: Policy, directives: Mapping[str, Mapping], record: Record) -> None:

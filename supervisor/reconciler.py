@@ -73,7 +73,8 @@ class Reconciler:
             log.warning("job %s/%s: unreadable %s (%s); starting a fresh record", key[1], key[2], names.ANN_STATUS, exc)
             record = Record()
         try:
-            policy = parse_policy(annotations, adapter.default_max(obj), adapter.default_min(obj))
+            policy = parse_policy(annotations, adapter.default_max(obj), adapter.default_min(obj),
+                                  adapter.pod_spec(obj))
             check_template(policy, adapter.directives(obj), record)
             check_spare(policy, adapter.replicas(obj), self.placer.wants(policy, obj, adapter))
         except PolicyError as exc:
@@ -153,7 +154,7 @@ class Reconciler:
         at = at or now()
         every = self.cache.pods_of(key)
         notices = self._notices(every, record)
-        reading = read_job(every, adapter.is_replica_pod, notices, at)
+        reading = read_job(every, adapter.is_replica_pod, notices, at, policy.horizon_seconds)
         replicas_now = adapter.replicas(obj)
         suspended = adapter.suspended(obj)
         free = alt = 0

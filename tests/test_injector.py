@@ -217,18 +217,28 @@ def test_a_bad_in_place_annotation_names_it():
         build_patch(pod(labels={"spotguard.io/inject": "true"}, annotations={"spotguard.io/in-place": "yes"}), CFG)
 
 
-def test_the_sidecar_holds_a_notice_with_the_guards_horizon():
+@pytest.mark.parametrize("entries, refused", [
+    ([{"name": "SPOTGUARD_HORIZON_SECONDS", "value": "30"}], None),
+    ([{"name": "SPOTGUARD_HORIZON_SECONDS", "value": "30"}, {"name": "SPOTGUARD_HORIZON_SECONDS", "value": "60"}],
+     "differently"),
+    ([{"name": "SPOTGUARD_HORIZON_SECONDS", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "h"}}}],
+     "as a value"),
+    ([{"name": "SPOTGUARD_HORIZON_SECONDS", "value": "soon"}], "seconds > 0"),
+    ([{"name": "SPOTGUARD_HORIZON_SECONDS", "value": "0"}], "seconds > 0"),
+])
+def test_the_sidecar_holds_a_notice_with_the_guards_horizon(entries, refused):
     """The sidecar trims a hostfile by the notice rule the Guard applies, with the same horizon:
-    it gets the app container's SPOTGUARD_HORIZON_SECONDS entry as written; two app containers
-    that set it differently are refused, naming it."""
+    it gets the app containers' SPOTGUARD_HORIZON_SECONDS entry as written (the supervisor reads
+    the job's template with the same function); a horizon the three could read differently is
+    refused, naming it."""
     original = pod(labels={"spotguard.io/inject": "true"})
-    horizon = {"name": "SPOTGUARD_HORIZON_SECONDS", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "h"}}}
-    original["spec"]["containers"][0]["env"].append(horizon)
-    original["spec"]["containers"].append({"name": "logger", "image": "l"})
+    original["spec"]["containers"][0]["env"].append(entries[0])
+    original["spec"]["containers"].append({"name": "logger", "image": "l", "env": entries[1:]})
+    if refused is not None:
+        with pytest.raises(PodSpecError, match=rf"env\[SPOTGUARD_HORIZON_SECONDS\].*{refused}"):
+            build_patch(original, CFG)
+        return
     env = build_patch(original, CFG)[0]["value"][0]["env"]
-    assert [e for e in env if e["name"] == "SPOTGUARD_HORIZON_SECONDS"] == [horizon]
+    assert [e for e in env if e["name"] == "SPOTGUARD_HORIZON_SECONDS"] == entries
     unset = build_patch(pod(labels={"spotguard.io/inject": "true"}), CFG)[0]["value"][0]["env"]
     assert not any(e["name"] == "SPOTGUARD_HORIZON_SECONDS" for e in unset)
-    original["spec"]["containers"][1]["env"] = [{"name": "SPOTGUARD_HORIZON_SECONDS", "value": "30"}]
-    with pytest.raises(PodSpecError, match="SPOTGUARD_HORIZON_SECONDS"):
-        build_patch(original, CFG)

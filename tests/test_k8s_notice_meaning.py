@@ -40,8 +40,10 @@ from tests.test_node_marker import make_notice
 pytestmark = pytest.mark.k8s
 PORT = "31000"
 ELASTIC, IN_PLACE, FIXED = "elastic", "in-place", "fixed"
+FAR_SIGHTED = "far-sighted"  # elastic, its Guard's horizon set longer in its template
 ANNOTATIONS = {
     ELASTIC: {names.ANN_POLICY: "elastic", names.ANN_MIN_REPLICAS: "1"},
+    FAR_SIGHTED: {names.ANN_POLICY: "elastic", names.ANN_MIN_REPLICAS: "1"},
     IN_PLACE: {names.ANN_POLICY: "elastic", names.ANN_MIN_REPLICAS: "1", names.ANN_IN_PLACE: "true"},
     FIXED: {names.ANN_POLICY: "fixed"},
 }
@@ -50,6 +52,7 @@ ANNOTATIONS = {
 # seen, take ~1 s (each test checks that they came before the release).
 HELD_FOR = 10.0
 DUE_IN = 15.0  # a maintenance within the horizon, due at once: its deadline this far off
+FAR_HORIZON = HORIZON_SECONDS + 600.0
 
 
 def _job(name: str, pool: str) -> dict:
@@ -58,6 +61,8 @@ def _job(name: str, pool: str) -> dict:
         {"labelSelector": {"matchLabels": {"job-name": name}}, "topologyKey": "kubernetes.io/hostname"}]}}
     container = {"name": "train", "image": "train:1", "env": [{"name": names.ENV_RDZV_PORT, "value": PORT}],
                  "resources": {"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}}
+    if name == FAR_SIGHTED:
+        container["env"].append({"name": names.ENV_HORIZON_SECONDS, "value": f"{FAR_HORIZON:g}"})
     template = {"spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0, "nodeSelector": {POOL: pool},
                          "affinity": spread, "containers": [container]}}
     return {"apiVersion": "batch/v1", "kind": "Job",
@@ -282,6 +287,33 @@ async def test_a_maintenance_beyond_the_horizon_changes_nothing_until_its_releas
         fixed = await asyncio.to_thread(world.record, FIXED)
         assert fixed["checkpoint_deadline"] and fixed["awaiting"] == {notice.id: n0}
         assert not (await asyncio.to_thread(world.job, FIXED))["spec"]["suspend"]
+    finally:
+        await _end(run)
+    assert not refusals(caplog)
+
+
+async def test_each_job_holds_a_notice_for_the_horizon_its_guard_has(control_plane, k8s_namespace, caplog):
+    """Two elastic jobs on the same nodes; one's template sets SPOTGUARD_HORIZON_SECONDS longer
+    (as its Guard and its sidecar read it). A maintenance due beyond the default horizon, within
+    the longer one, is a departure at once for that job (it scales to its survivors) and held
+    for the other until its release."""
+    caplog.set_level(logging.INFO)
+    run = await _run(control_plane, k8s_namespace, (ELASTIC, FAR_SIGHTED))
+    world = run.world
+    try:
+        n0 = world.nodes[0]
+        notice = make_notice(Kind.MAINTENANCE, HORIZON_SECONDS + HELD_FOR, "m", node=n0)
+        await run.agents[n0].mark(notice)
+        await asyncio.to_thread(wait_until, lambda: world.job(FAR_SIGHTED)["spec"]["parallelism"] == 2, 60,
+                                "the far-sighted job scaled to its 2 survivors")
+        release = _release(notice)
+        assert datetime.now(UTC) < release, "too slow here: the far-sighted job acted after the default release"
+        await run.passes()
+        assert all(FAR_SIGHTED in change for change in run.changes.before(release)), run.changes.before(release)
+        await asyncio.to_thread(wait_until, lambda: world.job(ELASTIC)["spec"]["parallelism"] == 2, 60,
+                                "the other job scaled, after the release")
+        record = await asyncio.to_thread(world.record, ELASTIC)
+        assert datetime.fromisoformat(record["decided_at"].replace("Z", "+00:00")) >= release, record
     finally:
         await _end(run)
     assert not refusals(caplog)

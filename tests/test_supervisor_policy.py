@@ -299,3 +299,32 @@ def test_a_released_notice_says_since_when_it_departs():
     reading = read_job([_replica("a", "n0"), _replica("b", "n1")], lambda p: True, notices,
                        T0 + timedelta(seconds=500))
     assert {h.id: h.released_at for h in reading.hits} == {"n": T0 + timedelta(seconds=480), "r": None}
+
+
+def test_the_job_reads_notices_with_the_horizon_its_guard_has():
+    """The job's pod template sets SPOTGUARD_HORIZON_SECONDS for its Guard: the supervisor reads
+    the job's notices with that horizon (the same function gives the sidecar its copy), so a
+    maintenance 200 s ahead is a departure under a 300 s horizon and held under the default; a
+    horizon the parts could read differently makes the policy invalid, naming the env entry."""
+    def spec(*entries):
+        env = [{"name": "SPOTGUARD_HORIZON_SECONDS", **e} for e in entries]
+        return {"containers": [{"name": "trainer", "env": env}]}
+
+    assert parse_policy({}, 4).horizon_seconds == 120.0
+    policy = parse_policy({}, 4, pod_spec=spec({"value": "300"}))
+    assert policy.horizon_seconds == 300.0
+    pods = [_replica("a", "n0"), _replica("b", "n1")]
+    notices = {"n0": _notice("maintenance", 200.0), "n1": None}
+    held = read_job(pods, lambda p: True, notices, T0)
+    assert held.departing == frozenset() and held.release_at == T0 + timedelta(seconds=80)
+    departs = read_job(pods, lambda p: True, notices, T0, policy.horizon_seconds)
+    assert departs.departing == {"n0"} and departs.healthy == 1 and departs.release_at is None
+    assert departs.hits[0].released_at is None  # under its horizon it departed from its detection
+    for bad in ({"value": "0"}, {"value": "soon"}, {"valueFrom": {"configMapKeyRef": {"name": "c", "key": "h"}}}):
+        with pytest.raises(PolicyError) as info:
+            parse_policy({}, 4, pod_spec=spec(bad))
+        assert info.value.field == "spec.containers[].env[SPOTGUARD_HORIZON_SECONDS]"
+    two = {"containers": [{"env": [{"name": "SPOTGUARD_HORIZON_SECONDS", "value": "30"}]},
+                          {"env": [{"name": "SPOTGUARD_HORIZON_SECONDS", "value": "60"}]}]}
+    with pytest.raises(PolicyError, match="differently"):
+        parse_policy({}, 4, pod_spec=two)

@@ -27,6 +27,8 @@ image's CPU settings (`DS_ACCELERATOR=cpu`, `OMP_NUM_THREADS=1`) are in the temp
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 
 from spotguard.processes import free_port
@@ -144,6 +146,9 @@ def _pod_template(scenario: Scenario, shape: JobShape) -> dict:
                 "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": GRACE_SECONDS,
                          **_placement(shape.backfill), "containers": [container],
                          "volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": CLAIM}}]}}
+    if os.environ.get(names.ENV_HORIZON_SECONDS):  # the ranks inherit it (bench/goodput.py --horizon): the
+        # template says it too, so the supervisor and the sidecar read notices with the Guard's horizon
+        container["env"].append({"name": names.ENV_HORIZON_SECONDS, "value": os.environ[names.ENV_HORIZON_SECONDS]})
     if scenario.in_place:  # the injector adds the in-place environment, the ready file and its probe
         template["metadata"]["annotations"][names.ANN_IN_PLACE] = "true"
     else:  # the ranks' node, as memberships and notices name it (the injector adds it in place)

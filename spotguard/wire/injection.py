@@ -1,7 +1,9 @@
 """Whether a pod asked for the spotguard sidecar and whether it has it: one answer for the
 injector, which adds the sidecar at admission (injector/patch.py), and for the supervisor, which
 warns about a pod admitted without it while the injector was not ready (the webhook's
-failurePolicy is Ignore: supervisor/sidecar_watch.py).
+failurePolicy is Ignore: supervisor/sidecar_watch.py). And the job's notice horizon as its pod
+spec sets it for the Guard: one reading for the injector, which hands it to the sidecar, and for
+the supervisor, which reads the job's notices with it (`horizon_entry`).
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from spotguard.wire import names
+from spotguard.wire.notice_policy import HORIZON_SECONDS
 
 SIDECAR_NAME = "spotguard-sidecar"
 # The namespaces the webhook's namespaceSelector leaves out (daemonset/base/injector/webhook.yaml):
@@ -26,3 +29,35 @@ def wants_injection(pod: Mapping[str, Any]) -> bool:
         return False
     spec = pod.get("spec") or {}
     return not any(c.get("name") == SIDECAR_NAME for c in (spec.get("initContainers") or []))
+
+
+HORIZON_FIELD = f"spec.containers[].env[{names.ENV_HORIZON_SECONDS}]"
+
+
+def horizon_entry(pod_spec: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(horizon seconds, its env entry) as the app containers of `pod_spec` set
+    `SPOTGUARD_HORIZON_SECONDS` for the Guard; (HORIZON_SECONDS, None) when none sets it.
+    ValueError naming HORIZON_FIELD when two containers set it differently, when it is set
+    through `valueFrom` (the supervisor reads the job's template, not the pod's ConfigMaps or
+    Secrets), or when its value is not seconds > 0."""
+    found: dict[str, Any] | None = None
+    for container in pod_spec.get("containers") or []:
+        for entry in (container or {}).get("env") or []:
+            if (entry or {}).get("name") != names.ENV_HORIZON_SECONDS:
+                continue
+            if found is not None and found != entry:
+                raise ValueError(f"{HORIZON_FIELD}: the app containers set it differently; the Guard, the "
+                                 "sidecar and the supervisor need one value")
+            found = entry
+    if found is None:
+        return HORIZON_SECONDS, None
+    if "value" not in found or "valueFrom" in found:
+        raise ValueError(f"{HORIZON_FIELD}: set it as a value (the supervisor reads the job's template, "
+                         "not a ConfigMap or Secret)")
+    try:
+        seconds = float(str(found["value"]).strip())
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{HORIZON_FIELD}: expected seconds > 0, got {found['value']!r}")
+    return seconds, dict(found)
