@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 def valid_policy(obj: Mapping[str, Any], adapter: JobAdapter) -> bool:
     """Whether the job's policy annotations parse (the reconciler's own test)."""
     try:
-        parse_policy(annotations_of(obj), adapter.default_max(obj), adapter.default_min(obj), adapter.pod_spec(obj))
+        parse_policy(annotations_of(obj), adapter.default_max(obj), adapter.default_min(obj),
+                     {"containers": adapter.app_containers(obj)})
     except PolicyError:
         return False
     return True

@@ -328,3 +328,22 @@ def test_the_job_reads_notices_with_the_horizon_its_guard_has():
                           {"env": [{"name": "SPOTGUARD_HORIZON_SECONDS", "value": "60"}]}]}
     with pytest.raises(PolicyError, match="differently"):
         parse_policy({}, 4, pod_spec=two)
+
+
+def test_every_role_of_a_pytorchjob_must_hold_notices_alike():
+    """A PyTorchJob's Master runs a Guard too: its template's horizon is read with the Workers'
+    (JobAdapter.app_containers), and a Master that sets another one makes the policy invalid."""
+    from spotguard.supervisor.jobs.pytorch import PyTorchJobAdapter
+
+    def role(value):
+        env = [] if value is None else [{"name": "SPOTGUARD_HORIZON_SECONDS", "value": value}]
+        return {"replicas": 1, "template": {"spec": {"containers": [{"name": "pytorch", "env": env}]}}}
+
+    def policy(master, worker):
+        job = {"spec": {"pytorchReplicaSpecs": {"Master": role(master), "Worker": role(worker)}}}
+        return parse_policy({}, 4, pod_spec={"containers": PyTorchJobAdapter().app_containers(job)})
+
+    assert policy("300", "300").horizon_seconds == 300.0
+    assert policy(None, "300").horizon_seconds == 300.0  # a container that sets none (a logger) is not read
+    with pytest.raises(PolicyError, match="differently"):
+        policy("30", "300")
