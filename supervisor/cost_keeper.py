@@ -38,7 +38,7 @@ def valid_policy(obj: Mapping[str, Any], adapter: JobAdapter) -> bool:
     """Whether the job's policy annotations parse (the reconciler's own test)."""
     try:
         parse_policy(annotations_of(obj), adapter.default_max(obj), adapter.default_min(obj),
-                     {"containers": adapter.app_containers(obj)})
+                     adapter.role_pod_specs(obj))
     except PolicyError:
         return False
     return True

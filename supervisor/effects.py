@@ -107,11 +107,11 @@ class JobEffects:
         return True
 
     async def report_invalid(self, key: JobKey, obj: Mapping[str, Any], adapter: JobAdapter, exc: PolicyError) -> None:
-        """A Warning Event naming the bad annotation, once per distinct problem."""
+        """A Warning Event naming the bad annotation (or pod template entry), once per distinct problem."""
         text = f"{exc.field}: {exc.message}"
         if self._reported_invalid.get(key) == text:
             return
-        message = f"invalid policy annotation {exc.field}: {exc.message}; the job is left untouched"
+        message = f"invalid policy {exc.setting} {exc.field}: {exc.message}; the job is left untouched"
         ok = await self.create_event(obj, adapter.resource, key=decision_key("invalid", meta(obj).get("uid", ""), text),
                                      reason=names.EVENT_INVALID_POLICY, message=message, event_type="Warning",
                                      action="Validate")

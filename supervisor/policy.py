@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from datetime import datetime, timedelta
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from spotguard.config import ConfigError
@@ -39,7 +39,7 @@ from spotguard.supervisor.in_place import wants_in_place
 from spotguard.supervisor.record import CHECKPOINTING, GAVE_UP, RUNNING, SUSPENDED, Record
 from spotguard.supervisor.strategies import strategy_of
 from spotguard.wire import names
-from spotguard.wire.injection import HORIZON_FIELD, horizon_entry
+from spotguard.wire.injection import HORIZON_FIELD, job_horizon
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -72,7 +72,13 @@ DEFAULT_POLICY = FIXED
 
 
 class PolicyError(ConfigError):
-    """A policy annotation is invalid. `field` is the annotation's full name."""
+    """A policy setting is invalid. `field` is the annotation's full name, or the pod template's
+    env entry (the notice horizon)."""
+
+    @property
+    def setting(self) -> str:
+        """What the field is, for messages: "annotation" or "pod template entry"."""
+        return "annotation" if self.field.startswith(names.PREFIX) else "pod template entry"
 
 
 def _int_annotation(annotations: Mapping[str, str], name: str) -> int | None:
@@ -86,18 +92,18 @@ def _int_annotation(annotations: Mapping[str, str], name: str) -> int | None:
 
 
 def parse_policy(annotations: Mapping[str, str] | None, default_max: int, default_min: int | None = None,
-                 pod_spec: Mapping[str, Any] | None = None) -> Policy:
+                 pod_specs: Sequence[Mapping[str, Any]] = ()) -> Policy:
     """Validates the job's policy annotations; PolicyError names the first bad annotation.
 
     Defaults: policy `fixed`; max-replicas = `default_max` (the job's full size, from the adapter);
     min-replicas = `default_min` or 1 (elastic) / max (fixed); max-wait unset = no bound. The
-    notice horizon is the one the job's pod template sets for its Guard (`pod_spec`, read by
-    `spotguard.wire.injection.horizon_entry` as the injector reads it for the sidecar; default
-    120 s); a bad one is a PolicyError naming the env entry.
+    notice horizon is the one the job's pod roles set for their Guards (`pod_specs`, one per
+    role, read by `spotguard.wire.injection.job_horizon`, each as the injector reads it for the
+    sidecar; default 120 s); a bad one, or roles that differ, is a PolicyError naming the env entry.
     """
     annotations = annotations or {}
     try:
-        horizon, _ = horizon_entry(pod_spec or {})
+        horizon = job_horizon(pod_specs)
     except ValueError as exc:
         raise PolicyError(HORIZON_FIELD, str(exc).removeprefix(f"{HORIZON_FIELD}: ")) from None
     mode = str(annotations.get(names.ANN_POLICY, DEFAULT_POLICY)).strip()

@@ -74,7 +74,7 @@ class Reconciler:
             record = Record()
         try:
             policy = parse_policy(annotations, adapter.default_max(obj), adapter.default_min(obj),
-                                  {"containers": adapter.app_containers(obj)})
+                                  adapter.role_pod_specs(obj))
             check_template(policy, adapter.directives(obj), record)
             check_spare(policy, adapter.replicas(obj), self.placer.wants(policy, obj, adapter))
         except PolicyError as exc:

@@ -194,10 +194,11 @@ def job_row(obj: Mapping[str, Any], adapter: JobAdapter) -> JobRow:
     problem = ""
     policy: Policy | None = None
     try:
-        policy = parse_policy(annotations, adapter.default_max(obj), adapter.default_min(obj))
+        policy = parse_policy(annotations, adapter.default_max(obj), adapter.default_min(obj),
+                              adapter.role_pod_specs(obj))
         policy_text = policy.mode + ("/in-place" if policy.in_place else "") + ("+fallback" if policy.fallback else "")
     except PolicyError as exc:
-        policy_text, problem = INVALID, f"invalid policy annotation {exc}"
+        policy_text, problem = INVALID, f"invalid policy {exc.setting} {exc}"
     status_text = annotations.get(names.ANN_STATUS)
     record: Record | None
     try:

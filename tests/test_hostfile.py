@@ -243,6 +243,12 @@ async def test_a_held_notice_withdrawn_before_its_release_never_trims_its_host(t
     finally:
         topology.close()
     assert read_hostfile(str(hostfile)) == [Host("h2", 1)]
+    # closed (the sidecar stopping): a held notice sets no timer, nothing is written or said
+    now[0] = held.detected_at
+    await topology.set_notices([make_notice(node="h2", kind=Kind.MAINTENANCE, deadline_in=3600.0, tag="late")])
+    await topology.set_notices([])
+    assert topology._release_timer is None and len(events) == 2
+    assert read_hostfile(str(hostfile)) == [Host("h2", 1)]
 
 
 async def test_a_malformed_hostfile_stops_the_sidecar_at_start_naming_the_line(tmp_path):

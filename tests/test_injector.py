@@ -242,3 +242,10 @@ def test_the_sidecar_holds_a_notice_with_the_guards_horizon(entries, refused):
     assert [e for e in env if e["name"] == "SPOTGUARD_HORIZON_SECONDS"] == entries
     unset = build_patch(pod(labels={"spotguard.io/inject": "true"}), CFG)[0]["value"][0]["env"]
     assert not any(e["name"] == "SPOTGUARD_HORIZON_SECONDS" for e in unset)
+
+
+def test_an_empty_horizon_is_unset_as_the_guard_reads_it():
+    original = pod(labels={"spotguard.io/inject": "true"})
+    original["spec"]["containers"][0]["env"].append({"name": "SPOTGUARD_HORIZON_SECONDS", "value": ""})
+    env = build_patch(original, CFG)[0]["value"][0]["env"]
+    assert not any(e["name"] == "SPOTGUARD_HORIZON_SECONDS" for e in env)

@@ -160,6 +160,20 @@ def test_the_table_says_why_a_policy_is_invalid_on_stderr(capsys):
                    "expected a whole number >= 1, got 'two'"]
 
 
+def test_a_job_whose_horizon_the_supervisor_refuses_shows_invalid(capsys):
+    """`status` reads the policy as the reconciler does, the pod template's horizon included: a
+    job the supervisor leaves untouched for it is not shown as a running policy."""
+    bad = batch_job("far", elastic(None))
+    bad["spec"]["template"]["spec"]["containers"][0]["env"] = [
+        {"name": "SPOTGUARD_HORIZON_SECONDS", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "h"}}}]
+    row = job_row(bad, BY_KIND["Job"])
+    warn_problems([row])
+    err = capsys.readouterr().err.splitlines()
+    assert row.policy == "invalid" and len(err) == 1, (row, err)
+    assert err[0].startswith("spotguard status: warning: Job train/far: invalid policy pod template entry "
+                             "spec.containers[].env[SPOTGUARD_HORIZON_SECONDS]: set it as a value")
+
+
 def test_table_json_and_yaml():
     rows = [job_row(batch_job("llm", elastic(RECORD, **{names.ANN_STEPS_LOST: "7"})), BY_KIND["Job"]),
             job_row(batch_job("fresh", {}), BY_KIND["Job"])]

@@ -311,7 +311,7 @@ def test_the_job_reads_notices_with_the_horizon_its_guard_has():
         return {"containers": [{"name": "trainer", "env": env}]}
 
     assert parse_policy({}, 4).horizon_seconds == 120.0
-    policy = parse_policy({}, 4, pod_spec=spec({"value": "300"}))
+    policy = parse_policy({}, 4, pod_specs=[spec({"value": "300"})])
     assert policy.horizon_seconds == 300.0
     pods = [_replica("a", "n0"), _replica("b", "n1")]
     notices = {"n0": _notice("maintenance", 200.0), "n1": None}
@@ -322,28 +322,42 @@ def test_the_job_reads_notices_with_the_horizon_its_guard_has():
     assert departs.hits[0].released_at is None  # under its horizon it departed from its detection
     for bad in ({"value": "0"}, {"value": "soon"}, {"valueFrom": {"configMapKeyRef": {"name": "c", "key": "h"}}}):
         with pytest.raises(PolicyError) as info:
-            parse_policy({}, 4, pod_spec=spec(bad))
+            parse_policy({}, 4, pod_specs=[spec(bad)])
         assert info.value.field == "spec.containers[].env[SPOTGUARD_HORIZON_SECONDS]"
+    empty = parse_policy({}, 4, pod_specs=[spec({"value": ""})])
+    assert empty.horizon_seconds == 120.0  # empty: unset, as the Guard reads it
     two = {"containers": [{"env": [{"name": "SPOTGUARD_HORIZON_SECONDS", "value": "30"}]},
                           {"env": [{"name": "SPOTGUARD_HORIZON_SECONDS", "value": "60"}]}]}
     with pytest.raises(PolicyError, match="differently"):
-        parse_policy({}, 4, pod_spec=two)
+        parse_policy({}, 4, pod_specs=[two])
 
 
 def test_every_role_of_a_pytorchjob_must_hold_notices_alike():
     """A PyTorchJob's Master runs a Guard too: its template's horizon is read with the Workers'
-    (JobAdapter.app_containers), and a Master that sets another one makes the policy invalid."""
+    (JobAdapter.role_pod_specs), and a Master that holds notices by another one (set otherwise,
+    or not set while the Workers set one) makes the policy invalid; a container that sets none
+    inside one pod (a logger) is not read."""
     from spotguard.supervisor.jobs.pytorch import PyTorchJobAdapter
 
     def role(value):
         env = [] if value is None else [{"name": "SPOTGUARD_HORIZON_SECONDS", "value": value}]
-        return {"replicas": 1, "template": {"spec": {"containers": [{"name": "pytorch", "env": env}]}}}
+        return {"replicas": 1, "template": {"spec": {"containers": [{"name": "pytorch", "env": env},
+                                                                    {"name": "logger", "image": "l"}]}}}
 
     def policy(master, worker):
         job = {"spec": {"pytorchReplicaSpecs": {"Master": role(master), "Worker": role(worker)}}}
-        return parse_policy({}, 4, pod_spec={"containers": PyTorchJobAdapter().app_containers(job)})
+        return parse_policy({}, 4, pod_specs=PyTorchJobAdapter().role_pod_specs(job))
 
     assert policy("300", "300").horizon_seconds == 300.0
-    assert policy(None, "300").horizon_seconds == 300.0  # a container that sets none (a logger) is not read
-    with pytest.raises(PolicyError, match="differently"):
-        policy("30", "300")
+    assert policy(None, None).horizon_seconds == 120.0
+    for master, worker in (("30", "300"), (None, "300")):
+        with pytest.raises(PolicyError, match="different horizons"):
+            policy(master, worker)
+
+
+def test_a_horizon_beyond_the_calendar_reads_every_notice_as_due():
+    """A horizon too large for a date (1e12 s) makes a notice a departure, never an
+    OverflowError in the gate, the sidecar or the supervisor's pass."""
+    from spotguard.wire.notice_policy import read
+
+    assert read(_notice("maintenance", 600.0), T0, horizon_seconds=1e12).departs

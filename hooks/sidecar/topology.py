@@ -4,8 +4,9 @@ to what the DeepSpeed elasticity config allows; and the hostfile that follows it
 Inputs: the hostfile as found at start (the *base*: each host's slots), the latest
 `spotguard.io/membership` annotation (which hosts the supervisor wants, and the world size it
 caps), and the live notices. A notice whose `node` names a host of the job marks it departing
-once it reads as a departure (`notice_policy.read`, the Guard's rule, with the same horizon:
-`SPOTGUARD_HORIZON_SECONDS`, default 120): a maintenance announced an hour ahead is held, so its
+once it reads as a departure (`notice_policy.read` with the Guard's horizon,
+`SPOTGUARD_HORIZON_SECONDS`, default 120; the Guard's `act_on` narrowing and its replacement
+hold are its own): a maintenance announced an hour ahead is held, so its
 host stays in the hostfile until the notice comes within the horizon (a timer looks again at
 its release; withdrawn before, the host never left); `rebalance` is only a risk and an advisory
 only information: neither departs anybody. Output,
@@ -65,6 +66,7 @@ class Topology:
         self.departing: tuple[str, ...] = ()
         self.release_at: datetime | None = None  # when a held notice becomes a departure
         self._release_timer: asyncio.Task | None = None
+        self._closed = False
         self.current: dict[str, Any] | None = None  # the last event's data
         self.revision = -1
         self.written: list[Host] = list(self.base)
@@ -126,7 +128,11 @@ class Topology:
             await self.update()
 
     def close(self) -> None:
-        """Stops the release timer."""
+        """Stops the release timer for good: a recheck already running changes nothing more."""
+        self._closed = True
+        self._stop_timer()
+
+    def _stop_timer(self) -> None:
         if self._release_timer is not None:
             self._release_timer.cancel()
             self._release_timer = None
@@ -140,9 +146,9 @@ class Topology:
                                   if notice_policy.departs(n, now, horizon_seconds=self.horizon_seconds)}))
         release = notice_policy.next_release(mine, now, horizon_seconds=self.horizon_seconds)
         if release != self.release_at or (release is not None and self._release_timer is None):
-            self.close()
+            self._stop_timer()
             self.release_at = release
-            if release is not None:
+            if release is not None and not self._closed:
                 self._release_timer = asyncio.create_task(self._wake((release - now).total_seconds()),
                                                           name="topology-release")
         return departing
@@ -156,8 +162,11 @@ class Topology:
             log.exception("re-reading the notices at a held notice's release failed")
 
     async def update(self) -> None:
-        """Recomputes; rewrites the hostfile and emits an event when the result changed."""
+        """Recomputes; rewrites the hostfile and emits an event when the result changed (nothing
+        once closed)."""
         async with self._lock:
+            if self._closed:
+                return
             kept, data = self.effective()
             if data is None:
                 return

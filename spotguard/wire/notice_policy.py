@@ -76,7 +76,10 @@ def read(notice: Notice, now: datetime, *, horizon_seconds: float = HORIZON_SECO
     if not announces_departure(notice) or notice.kind not in frozenset(departing):
         return Reading(Meaning.ADVICE, why="kind")
     if notice.deadline is not None:
-        release = notice.deadline - timedelta(seconds=horizon_seconds)
+        try:
+            release = notice.deadline - timedelta(seconds=horizon_seconds)
+        except OverflowError:  # a horizon beyond the calendar: every notice is within it
+            return Reading(Meaning.DEPARTURE)
         if now < release:
             return Reading(Meaning.HELD, release_at=release)
     return Reading(Meaning.DEPARTURE)

@@ -44,10 +44,10 @@ class JobAdapter(ABC):
     def pod_spec(self, obj: Mapping[str, Any]) -> Mapping[str, Any]:
         """The pod spec of one replica (requests, nodeSelector, tolerations)."""
 
-    def app_containers(self, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-        """The containers of every pod role the job makes (each role runs a Guard): where the
+    def role_pod_specs(self, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        """The pod spec of every pod role the job makes (each role runs a Guard): where the
         settings the job's pods must share are read (the notice horizon)."""
-        return list(self.pod_spec(obj).get("containers") or [])
+        return [self.pod_spec(obj)]
 
     def is_replica_pod(self, pod: Mapping[str, Any]) -> bool:
         """Whether a pod owned by the job counts as one of its scalable replicas."""

@@ -56,10 +56,10 @@ class PyTorchJobAdapter(JobAdapter):
     def pod_spec(self, obj: Mapping[str, Any]) -> Mapping[str, Any]:
         return (_worker(obj).get("template") or {}).get("spec") or {}
 
-    def app_containers(self, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    def role_pod_specs(self, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
         specs = (obj.get("spec") or {}).get("pytorchReplicaSpecs") or {}
-        return [c for _, spec in sorted(specs.items()) if isinstance(spec, Mapping)
-                for c in (((spec.get("template") or {}).get("spec") or {}).get("containers") or [])]
+        return [((spec.get("template") or {}).get("spec") or {}) for _, spec in sorted(specs.items())
+                if isinstance(spec, Mapping)]
 
     def is_replica_pod(self, pod: Mapping[str, Any]) -> bool:
         labels = (pod.get("metadata") or {}).get("labels") or {}
