@@ -4,10 +4,10 @@ The marker is a level-triggered reconciler. `notify(live)` records the desired s
 of live notices) and wakes it; the latest state wins, whatever came before. Each pass reads the
 Node and, only where it differs, patches it to:
 - annotation `spotguard.io/notice`: the wire JSON of the live notice the supervisor must see
-  (node_marks.marked_notice: a departure at that moment first, per spotguard.wire.notice_policy,
-  so a GPU fault without a deadline is not hidden behind a maintenance beyond the horizon; then
-  the most urgent: earliest deadline, none sorts last, ties by detection time, then id); absent
-  when none is live;
+  (node_marks.marked_notice: the first to depart whatever a job's horizon, per
+  `spotguard.wire.notice_policy.departure_order`: a departing kind before a risk or an advisory;
+  among them no deadline (any moment) first, then the earliest deadline; ties by detection time,
+  then id); absent when none is live;
 - taint `spotguard.io/reclaim=<kind of that notice>:NoSchedule`: the taint list is patched as
   a WHOLE list (other taints kept as the server returned them) in a strategic-merge patch that
   carries the Node's resourceVersion, so a concurrent change makes the API server answer 409:

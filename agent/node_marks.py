@@ -14,7 +14,6 @@ from datetime import datetime
 from typing import Any
 
 from spotguard.wire import names, notice_policy
-from spotguard.wire.urgency import urgency_key
 from spotguard.wire.notice import Kind, Notice, NoticeFormatError, format_time
 
 
@@ -57,7 +56,7 @@ def plan_marks(node: dict, desired: list[Notice] | None, *, mine: set[str], cord
     boot_id = ((node.get("status") or {}).get("nodeInfo") or {}).get("bootID") or None
     current_text = annotations.get(names.ANN_NOTICE)
     current = parse_notice(current_text)
-    urgent = marked_notice(desired or (), now)
+    urgent = marked_notice(desired or ())
 
     if urgent is not None:
         want_marked = True
@@ -111,11 +110,12 @@ def plan_marks(node: dict, desired: list[Notice] | None, *, mine: set[str], cord
     return MarkPlan(patch=patch, marked=mark.id if mark is not None else None)
 
 
-def marked_notice(notices: Iterable[Notice], now: datetime) -> Notice | None:
-    """The notice the Node's mark shows: a departure at `now` first (notice_policy: a GPU fault
-    with no deadline outranks a maintenance beyond the horizon, which the supervisor holds), then
-    the urgency order (earliest deadline first). None when there is none."""
-    return min(notices, key=lambda n: (not notice_policy.departs(n, now), urgency_key(n)), default=None)
+def marked_notice(notices: Iterable[Notice]) -> Notice | None:
+    """The notice the Node's mark shows: the first to depart whatever a job's horizon
+    (`notice_policy.departure_order`: a GPU fault with no deadline outranks a maintenance an hour
+    out, and a maintenance outranks an advisory due sooner, so a job whose horizon reaches the
+    maintenance sees it). None when there is none."""
+    return min(notices, key=notice_policy.departure_order, default=None)
 
 
 def our_taints(taints: list[dict]) -> list[dict]:

@@ -4,6 +4,7 @@ down mid-notice, cordon, and the restart / maintenance-reboot rules."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from datetime import timedelta
 
@@ -492,20 +493,24 @@ async def test_an_advisory_posts_one_warning_event_and_never_marks(cluster):
         await marker.stop()
 
 
-def test_the_mark_shows_a_departure_before_a_notice_held_beyond_the_horizon():
-    """The supervisor reads the one marked notice: a GPU fault (no deadline: any moment) must not
-    hide behind a maintenance an hour out, which notice_policy holds (the plain urgency order,
-    earliest deadline first, would mark the maintenance)."""
+def test_the_mark_shows_the_first_to_depart_whatever_the_jobs_horizon():
+    """The supervisor reads the one marked notice, each job with its own horizon: a GPU fault
+    (no deadline: any moment) must not hide behind a maintenance an hour out (the plain urgency
+    order, earliest deadline first, would mark the maintenance), and a maintenance 300 s out not
+    behind an advisory due in 50 s (a job whose horizon is 600 s departs on the maintenance)."""
     from spotguard.agent.node_marks import marked_notice, plan_marks
 
     fault = make_notice(Kind.GPU_FAULT, None, "g", source="nvml")
     maintenance = make_notice(Kind.MAINTENANCE, 3600, "m", source="aws.maintenance")
     rebalance = make_notice(Kind.REBALANCE, None, "r", source="aws.rebalance")
+    soon = make_notice(Kind.MAINTENANCE, 300, "s", source="aws.maintenance")
+    advisory = dataclasses.replace(make_notice(Kind.RECLAIM, 50, "a"), severity=Severity.ADVISORY)
     now = now_utc()
     assert most_urgent([fault, maintenance]) is maintenance
-    assert marked_notice([maintenance, fault], now) is fault
-    assert marked_notice([rebalance, maintenance], now) is maintenance  # neither departs: the urgency order
-    assert marked_notice([], now) is None
+    assert marked_notice([maintenance, fault]) is fault
+    assert marked_notice([rebalance, maintenance]) is maintenance
+    assert marked_notice([advisory, soon]) is soon and marked_notice([soon, maintenance]) is soon
+    assert marked_notice([]) is None
     plan = plan_marks({"metadata": {"name": NODE}, "spec": {}}, [maintenance, fault], mine=set(), cordon=False,
                       grace_left=0.0, now=now)
     assert plan.marked == fault.id and plan.patch["spec"]["taints"][0]["value"] == "gpu-fault"

@@ -105,3 +105,31 @@ def test_the_guards_gate_reads_through_the_policy(kind, lead, advisory, meaning,
 
 def test_departing_kinds_are_the_gates_default():
     assert NoticeGate().act_on == DEPARTING_KINDS
+
+
+def test_the_departure_order_puts_first_what_departs_first_under_any_horizon():
+    """For every horizon, the first notice in `departure_order` departs no later than any other
+    of the set (a notice that never departs, an advisory or a risk, comes after every departing one)."""
+    from spotguard.wire.notice_policy import departure_order, read
+
+    t0 = datetime(2026, 11, 29, tzinfo=UTC)
+
+    def notice(kind, lead, advisory=False, tag="x"):
+        return Notice(id=f"s:{tag}", kind=kind, source="s", node="n", detected_at=t0,
+                      deadline=None if lead is None else t0 + timedelta(seconds=lead),
+                      severity=Severity.ADVISORY if advisory else Severity.ACT)
+
+    notices = [notice(Kind.MAINTENANCE, 3600, tag="m1"), notice(Kind.MAINTENANCE, 300, tag="m2"),
+               notice(Kind.RECLAIM, 50, advisory=True, tag="adv"), notice(Kind.REBALANCE, None, tag="r"),
+               notice(Kind.GPU_FAULT, None, tag="g"), notice(Kind.RECLAIM, 120, tag="rc")]
+
+    def departs_at(n, horizon):  # the first second from t0 at which n reads as a departure (None: never)
+        return next((s for s in range(0, 4000, 10)
+                     if read(n, t0 + timedelta(seconds=s), horizon_seconds=horizon).departs), None)
+
+    for subset in (notices, notices[:3], notices[1:4], [notices[0], notices[2]], notices[2:4]):
+        first = min(subset, key=departure_order)
+        for horizon in (30.0, 120.0, 600.0, 7200.0):
+            times = [departs_at(n, horizon) for n in subset]
+            soonest = min((t for t in times if t is not None), default=None)
+            assert departs_at(first, horizon) == soonest, (first.id, horizon, [n.id for n in subset])

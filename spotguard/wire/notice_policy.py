@@ -85,6 +85,17 @@ def read(notice: Notice, now: datetime, *, horizon_seconds: float = HORIZON_SECO
     return Reading(Meaning.DEPARTURE)
 
 
+def departure_order(notice: Notice) -> tuple[bool, bool, datetime, datetime, str]:
+    """A sort key, soonest to depart first, whatever the reader's horizon: a notice that
+    announces a departure before one that does not; among those, one without a deadline (any
+    moment) first, then the earliest deadline (under any horizon it is released first); ties by
+    detection time, then id. Where one notice must stand for a node (the Node's mark), the first
+    in this order is a departure for every job that reads any of them as one."""
+    far = datetime.max.replace(tzinfo=notice.detected_at.tzinfo)
+    return (not announces_departure(notice), notice.deadline is not None, notice.deadline or far,
+            notice.detected_at, notice.id)
+
+
 def departs(notice: Notice | None, now: datetime, *, horizon_seconds: float = HORIZON_SECONDS) -> bool:
     """True when `notice` (None: no notice) reads as a departure at `now`."""
     return notice is not None and read(notice, now, horizon_seconds=horizon_seconds).departs

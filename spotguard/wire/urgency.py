@@ -1,5 +1,6 @@
-"""The one urgency order of notices, used wherever notices are ranked (agent table, node
-marker, sidecar live set, preStop).
+"""The one urgency order of notices, used wherever notices are ranked (agent table, sidecar
+live set, preStop). The Node's mark, which stands for every job on the node, ranks by
+`notice_policy.departure_order` instead (a departing kind before an advisory due sooner).
 
 Most urgent first: the earliest deadline first, notices without a deadline last; ties broken
 by detection time, then by id, so the order is total and the same on every node and hop.
