@@ -10,6 +10,8 @@ import random
 import signal
 import socket
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -47,23 +49,57 @@ def _ephemeral_low() -> int | None:
     return low if low > LOWEST_PORT + PORT_TRIES else None
 
 
+PORT_CLAIMS = os.path.join(tempfile.gettempdir(), "spotguard-port-claims")
+PORT_CLAIM_SECONDS = 300.0  # how long a port handed out stays away from every other caller
+
+
+def _claim(port: int) -> bool:
+    """Claims `port` for this caller across processes (a file per port, created exclusively,
+    taken over once older than PORT_CLAIM_SECONDS); True where claims cannot be kept at all."""
+    try:
+        os.makedirs(PORT_CLAIMS, mode=0o1777, exist_ok=True)
+    except OSError:
+        return True
+    path = os.path.join(PORT_CLAIMS, str(port))
+    for _ in range(2):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return True
+        except FileExistsError:
+            try:
+                if time.time() - os.stat(path).st_mtime < PORT_CLAIM_SECONDS:
+                    return False
+                os.unlink(path)  # stale: whoever unlinks and creates first has it
+            except OSError:
+                continue
+        except OSError:
+            return True
+    return False
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, for a server started next.
 
     Taken below the kernel's ephemeral range where it is known: a port from that range (what
     binding port 0 gives) can be taken, between this call and the server's bind, as the local
     end of any outgoing connection (gloo opens many), and the server then fails with
-    EADDRINUSE. Elsewhere, or when no port below the range is free, the kernel's choice."""
+    EADDRINUSE. A port handed out is claimed for PORT_CLAIM_SECONDS in a folder every process
+    of this machine shares, so two callers (two test runs at once) never get the same one while
+    the first may still be starting its server. Elsewhere, or when no port below the range is
+    free, the kernel's choice."""
     low = _ephemeral_low()
     candidates = random.sample(range(LOWEST_PORT, low), min(PORT_TRIES, low - LOWEST_PORT)) if low else []
-    for port in [*candidates, 0]:
+    for port in candidates:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return s.getsockname()[1]
-    raise OSError("no free TCP port on 127.0.0.1")
+        if _claim(port):
+            return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def flush_and_exit(code: int) -> NoReturn:

@@ -1,5 +1,6 @@
 """spotguard.processes.free_port: a port a server can still bind, below the kernel's ephemeral
-range where that range is known (the ports outgoing connections take their local end from)."""
+range where that range is known (the ports outgoing connections take their local end from), and
+never the same one to two callers of the machine while it is claimed."""
 from __future__ import annotations
 
 import socket
@@ -7,6 +8,15 @@ import socket
 import pytest
 
 from spotguard import processes
+
+
+@pytest.fixture(autouse=True)
+def own_claims(tmp_path, monkeypatch):
+    """Each test keeps its port claims in a folder of its own (the machine's is shared by every
+    test run on it)."""
+    folder = tmp_path / "claims"
+    monkeypatch.setattr(processes, "PORT_CLAIMS", str(folder))
+    return folder
 
 
 def _bindable(port: int) -> bool:
@@ -57,3 +67,35 @@ def test_a_taken_candidate_is_skipped(tmp_path, monkeypatch):
     finally:
         for s in held:
             s.close()
+
+
+def test_a_claimed_port_goes_to_no_other_caller_until_its_claim_is_stale(tmp_path, monkeypatch, own_claims):
+    """Two test runs at once (ci: EADDRINUSE when both started a server on one port): among 24
+    ports, each caller gets one no other caller holds a claim on; once every port is claimed the
+    kernel chooses; a claim older than PORT_CLAIM_SECONDS is taken over."""
+    import os
+    import subprocess
+    import sys
+
+    low = processes.LOWEST_PORT + processes.PORT_TRIES + 1
+    candidates = [p for p in range(processes.LOWEST_PORT, low) if _bindable(p)][:24]
+    monkeypatch.setattr(processes.random, "sample", lambda population, k: list(candidates))
+    monkeypatch.setattr(processes, "_ephemeral_low", lambda: low)
+    script = (f"import random; from spotguard import processes; processes.PORT_CLAIMS = {str(own_claims)!r}; "
+              f"processes._ephemeral_low = lambda: {low}; random.sample = lambda p, k: {candidates!r}; "
+              "print(processes.free_port())")
+    other = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                               timeout=60).stdout)
+    mine = [processes.free_port() for _ in range(len(candidates) - 1)]
+    assert sorted([other, *mine]) == sorted(candidates)  # every one once, across two processes
+    assert processes.free_port() not in candidates  # all claimed: the kernel's choice
+    stale = os.path.join(own_claims, str(other))
+    os.utime(stale, (0, 0))
+    assert processes.free_port() == other
+
+
+def test_without_a_writable_claims_folder_ports_are_still_given(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setattr(processes, "PORT_CLAIMS", str(blocker / "claims"))
+    assert _bindable(processes.free_port())
