@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -45,6 +44,7 @@ from spotguard.hooks.adapters.torch_dcp import TorchDCPAdapter
 from spotguard.hooks.elastic import elastic_process, init_process_group
 from spotguard.hooks.group_session import Timeouts
 from spotguard.hooks.guard import Guard
+from spotguard.processes import flush_and_exit
 from spotguard.wire.notice import Kind, Notice, now_utc
 from spotguard.trainer.elastic_job import (batch, build_deepspeed, build_for, deepspeed_config, membership_reader,
                                            watch_memberships)
@@ -263,4 +263,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # past torch's and DeepSpeed's C++ teardown at interpreter exit, which aborted a DeepSpeed
+    # offload rank after its work was done ("terminate called without an active exception", -6)
+    flush_and_exit(main())
