@@ -70,28 +70,30 @@ def test_a_taken_candidate_is_skipped(tmp_path, monkeypatch):
 
 
 def test_a_claimed_port_goes_to_no_other_caller_until_its_claim_is_stale(tmp_path, monkeypatch, own_claims):
-    """Two test runs at once (ci: EADDRINUSE when both started a server on one port): among 24
-    ports, each caller gets one no other caller holds a claim on; once every port is claimed the
-    kernel chooses; a claim older than PORT_CLAIM_SECONDS is taken over."""
+    """Two test runs at once (ci: EADDRINUSE when both started a server on one port): with 66
+    ports below the range, two processes taking 20 each never get one twice; once every port
+    there is claimed the kernel chooses; a claim older than PORT_CLAIM_SECONDS is taken over."""
     import os
     import subprocess
     import sys
 
-    low = processes.LOWEST_PORT + processes.PORT_TRIES + 1
-    candidates = [p for p in range(processes.LOWEST_PORT, low) if _bindable(p)][:24]
-    monkeypatch.setattr(processes.random, "sample", lambda population, k: list(candidates))
-    monkeypatch.setattr(processes, "_ephemeral_low", lambda: low)
-    script = (f"import random; from spotguard import processes; processes.PORT_CLAIMS = {str(own_claims)!r}; "
-              f"processes._ephemeral_low = lambda: {low}; random.sample = lambda p, k: {candidates!r}; "
-              "print(processes.free_port())")
-    other = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                               timeout=60).stdout)
-    mine = [processes.free_port() for _ in range(len(candidates) - 1)]
-    assert sorted([other, *mine]) == sorted(candidates)  # every one once, across two processes
-    assert processes.free_port() not in candidates  # all claimed: the kernel's choice
-    stale = os.path.join(own_claims, str(other))
-    os.utime(stale, (0, 0))
-    assert processes.free_port() == other
+    low = processes.LOWEST_PORT + processes.PORT_TRIES + 2
+    range_file = tmp_path / "ip_local_port_range"
+    range_file.write_text(f"{low} 60999")
+    monkeypatch.setattr(processes, "EPHEMERAL_RANGE_FILE", str(range_file))
+    script = (f"from spotguard import processes; processes.PORT_CLAIMS = {str(own_claims)!r}; "
+              f"processes.EPHEMERAL_RANGE_FILE = {str(range_file)!r}; "
+              "print(' '.join(str(processes.free_port()) for _ in range(20)))")
+    other = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    mine = [processes.free_port() for _ in range(20)]
+    theirs = [int(p) for p in other.communicate(timeout=60)[0].split()]
+    below = [p for p in mine + theirs if p < low]
+    assert len(set(below)) == len(below) and len(below) >= 38, (mine, theirs)  # the odd port may be in use
+    rest = [processes.free_port() for _ in range(low - processes.LOWEST_PORT)]
+    assert rest[-1] >= low  # every port below the range claimed: the kernel's choice
+    stale = next(p for p in below if _bindable(p))
+    os.utime(os.path.join(own_claims, str(stale)), (0, 0))
+    assert processes.free_port() == stale
 
 
 def test_without_a_writable_claims_folder_ports_are_still_given(tmp_path, monkeypatch):
