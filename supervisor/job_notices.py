@@ -74,8 +74,7 @@ def read_job(pods: Iterable[Pod], is_replica: Callable[[Pod], bool], notices: Ma
     """See the module docstring. `notices`: known node name -> its notice or None;
     `horizon_seconds`: the job's (its Guard's) notice horizon."""
     pods = list(pods)
-    departing = frozenset(node for node, notice in notices.items()
-                          if notice_policy.departs(notice, now, horizon_seconds=horizon_seconds))
+    departing = notice_policy.departing_nodes(notices.items(), now, horizon_seconds=horizon_seconds)
     hits = disruption_hits(pods, is_replica)
     healthy = 0
     for pod in pods:

@@ -142,8 +142,8 @@ class Topology:
         earliest held one."""
         now, job = self.clock(), self._job_hosts()
         mine = [n for n in self.notices if n.node in job]
-        departing = tuple(sorted({n.node for n in mine
-                                  if notice_policy.departs(n, now, horizon_seconds=self.horizon_seconds)}))
+        departing = tuple(sorted(notice_policy.departing_nodes(((n.node, n) for n in mine), now,
+                                                               horizon_seconds=self.horizon_seconds)))
         release = notice_policy.next_release(mine, now, horizon_seconds=self.horizon_seconds)
         if release != self.release_at or (release is not None and self._release_timer is None):
             self._stop_timer()

@@ -101,6 +101,13 @@ def departs(notice: Notice | None, now: datetime, *, horizon_seconds: float = HO
     return notice is not None and read(notice, now, horizon_seconds=horizon_seconds).departs
 
 
+def departing_nodes(noticed: Iterable[tuple[str, Notice | None]], now: datetime, *,
+                    horizon_seconds: float = HORIZON_SECONDS) -> frozenset[str]:
+    """Who is leaving: the nodes of `noticed`, (node, its notice or None) pairs, whose notice
+    reads as a departure at `now` (the supervisor's job reading and the sidecar's hostfile)."""
+    return frozenset(node for node, notice in noticed if departs(notice, now, horizon_seconds=horizon_seconds))
+
+
 def next_release(notices: Iterable[Notice | None], now: datetime, *,
                  horizon_seconds: float = HORIZON_SECONDS) -> datetime | None:
     """The earliest time one of `notices` held at `now` becomes a departure (None: none held):
