@@ -27,11 +27,10 @@ import time
 
 from spotguard.trainer.nodes import SimulatedNode
 from spotguard.trainer.report import InjectedEvent
-from spotguard.trainer.scenario import ScenarioEvent
+from spotguard.trainer.scenario import TAKING_KINDS, ScenarioEvent
 
 log = logging.getLogger("spotguard.dryrun")
 NOTICE_ID_WAIT = 30.0  # seconds the dry-run looks for an injected notice in its node's agent
-TAKING_KINDS = ("reclaim", "gpu-fault")  # a node these hit is out until a capacity event replaces it
 
 
 class Injector:

@@ -35,6 +35,7 @@ from typing import Any
 from collections.abc import Iterable
 
 from spotguard.trainer.changes import Change, job_changes
+from spotguard.trainer.scenario import TAKING_KINDS
 from spotguard.wire.notice import Kind
 
 NOTICE_KINDS = frozenset(kind.value for kind in Kind)  # a scenario event that is a notice (not capacity, cancel)
@@ -474,8 +475,8 @@ def render_text(report: dict) -> str:
         if chain:
             out.append("    " + " -> ".join(chain))
         facts = []
-        if e["kind"] in ("maintenance", "rebalance", "cancel") and "agreed" not in e:
-            facts.append("no drain: training went on")
+        if e["kind"] not in (*TAKING_KINDS, "capacity") and not e.keys() & {"agreed", "drained", "saved_by"}:
+            facts.append("no drain: training went on")  # the node stayed, and no rank left for the notice
         if e.get("not_reached"):
             facts.append(f"not reached: {e['not_reached']}")
         if e.get("ranks_missing"):

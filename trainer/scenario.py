@@ -59,6 +59,9 @@ REFERENCE_TRAINER_FRAMEWORKS = ("ddp", "fsdp2", "deepspeed")
 MEMBERSHIP_PATHS = ("in-place", "restart")
 POLICIES = ("elastic", "fixed")
 EVENT_KINDS = ("reclaim", "rebalance", "maintenance", "cancel", "gpu-fault", "capacity")
+# The events whose node the simulated cloud takes (out until a capacity event replaces it); what
+# a notice means to the ranks and the supervisor is spotguard.wire.notice_policy's, not this.
+TAKING_KINDS = ("reclaim", "gpu-fault")
 DEFAULT_LEAD = {"aws": 120.0, "gcp": 30.0, "azure": 30.0, "alibaba": 120.0}
 
 DEFAULT_SCENARIO = """\
