@@ -30,6 +30,10 @@ Contract (`DeadlineWatchdog`, made and driven by the Guard):
   run; when a watchdog claimed first, the main thread waits here while the watchdog leaves.
   `answered()`: that agreed step answered the notice and this rank stays (an in-place change's
   survivor): the notice is disarmed for good.
+- `departing()`: this rank's departure (`hooks/machine/departure.py`) writes its own account now:
+  from then on the watchdog arms nothing, acts on nothing and neither writes nor empties the
+  termination message (a notice learned from the store after the departure wrote would replace
+  the true account with a "failed" one, and its withdrawal would erase it); the timer stays.
 - `close(exit_code)`: the Guard closes; the timer is re-armed with the rank's own exit code, so
   a process that hangs on its way out still leaves with it, or cancelled (None); the thread is
   joined (`CLOSE_JOIN` at most) and its descriptors closed. Only a Guard that ends its process
@@ -85,7 +89,7 @@ class DeadlineWatchdog:
         self.notice: Notice | None = None
         self._armed_for: str | None = None
         self._armed_at = self._leave_at = 0.0
-        self._acting = self._boundary_owns = False
+        self._acting = self._boundary_owns = self._departed = False
         self._withdrawn: set[str] = set()
         self._arming = threading.RLock()  # a disarm never lands between the message and the timer
         self._from_store: str | None = None  # the id of an armed notice this rank learned from the store alone
@@ -128,7 +132,7 @@ class DeadlineWatchdog:
         acts on it already: the rank is leaving then); `share`: withdrawn from the store too."""
         with self._arming:
             self._withdrawn.add(notice_id)
-            if self.notice is None or self.notice.id != notice_id or self._acting:
+            if self.notice is None or self.notice.id != notice_id or self._acting or self._departed:
                 return
             self.notice = None
             self.dense.stop()
@@ -139,6 +143,11 @@ class DeadlineWatchdog:
                 self._armed_for = None
                 self.timer.cancel()
                 clear_termination_message()
+
+    def departing(self) -> None:
+        """See the module docstring."""
+        with self._arming:
+            self._departed = True
 
     def completed(self, step: int) -> None:
         self.progress.complete(step)
@@ -191,6 +200,8 @@ class DeadlineWatchdog:
                 log.exception("deadline watchdog: poll failed")
 
     def _look(self) -> None:
+        if self._departed:
+            return
         self._pick_up_signal()
         if self.notice is None:
             shared = self.claims().shared_notice()
@@ -246,7 +257,7 @@ class DeadlineWatchdog:
         the timer left the timer armed and the rank exited 84 at a withdrawn notice. False: the
         notice was withdrawn first."""
         with self._arming:
-            if notice.id in self._withdrawn or self.notice is not notice:
+            if self._departed or notice.id in self._withdrawn or self.notice is not notice:
                 return False
             self._armed_for, self._armed_at = notice.id, time.time()
             self._leave_at = leave_by(deadline, self._armed_at)
@@ -307,8 +318,7 @@ class DeadlineWatchdog:
         if trap is None:
             return
         for signum in data:
-            if signum in trap.signals and trap.received is None:
-                trap.received = (signum, time.time())
+            trap.wakeup(signum)
 
     def _pick_up_signal(self) -> None:
         trap = self.trap

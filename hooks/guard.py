@@ -180,7 +180,8 @@ class Guard:
                          if self.sidecar_url else None)
         departure = (ExitProcess(self.close, self.session.leave, hard_exit) if exit_on_drain else ReturnToLoop())
         effects = Effects(lambda: self.adapter, lambda: self.collectives, self.rejoin, self.gate.answered, self.close,
-                          self.hooks, self.reporter, self.save_margin_seconds)
+                          self.hooks, self.reporter, self.save_margin_seconds,
+                          lambda: self.deadline.departing() if self.deadline is not None else None)
         in_place = in_place_enabled() if in_place is None else in_place
         self.machine = AgreedStepMachine(self.session, effects, MembershipView.from_env() if in_place else None,
                                          departure)

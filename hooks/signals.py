@@ -4,8 +4,15 @@ Contract:
 - `SignalTrap.install()` replaces the handlers of its signals (main thread only; elsewhere it
   logs and installs nothing) and supersedes `early_exit`'s handler for good; `uninstall()` puts
   the previous handlers back.
-- The handler only records (signal number, wall time) in one attribute: no I/O, no locks, no
-  allocation beyond a tuple. The first signal wins until `take()` consumes it.
+- The handler only records (signal number, wall time) in one attribute: no I/O, no allocation
+  beyond a tuple, one lock held for a few assignments. The first signal wins until `take()`
+  consumes it.
+- `wakeup(signum)`: the deadline watchdog read `signum` from the signal wakeup fd, which the
+  interpreter writes before the handler runs (the main thread may be blocked in C and run no
+  handler yet). Both see the same deliveries, so each path counts them and only the first to see
+  a delivery records it: a handler that ran (and a `take()` that consumed it) before the watchdog
+  read its byte leaves nothing behind, where recording it again made a second notice, with its
+  own id and a later deadline, for a signal that came once.
 - `take()` (called from the training loop, never from the handler) turns the recorded signal
   into a `Notice(kind=drain, source="signal", deadline=received + grace_seconds)`; the id is
   stable for one delivery, so the same signal never makes two notices. `peek()` is the same
@@ -48,6 +55,9 @@ class SignalTrap:
         self.signals = tuple(dict.fromkeys(int(s) for s in signals))
         self.node = node or node_name()
         self.received: tuple[int, float] | None = None
+        self._seen = {"handler": 0, "wakeup": 0}  # deliveries each path saw
+        self._recorded = 0  # deliveries recorded (by whichever path saw each first)
+        self._counting = threading.RLock()  # RLock: a handler may run inside another's count
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def install(self) -> bool:
@@ -68,8 +78,21 @@ class SignalTrap:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:  # signal handler signature
-        if self.received is None:
-            self.received = (signum, time.time())
+        self._count(signum, "handler")
+
+    def wakeup(self, signum: int) -> None:
+        """See the module docstring (the deadline watchdog's thread)."""
+        if signum in self.signals:
+            self._count(signum, "wakeup")
+
+    def _count(self, signum: int, path: str) -> None:
+        with self._counting:
+            self._seen[path] += 1
+            if self._seen[path] <= self._recorded:  # the other path saw this delivery first
+                return
+            self._recorded = self._seen[path]
+            if self.received is None:
+                self.received = (signum, time.time())
 
     def take(self) -> Notice | None:
         """The drain notice for the recorded signal (once), or None when none arrived."""

@@ -9,7 +9,8 @@
    object store (the newest step known there);
 2. when the checkpoint is durable: the `@on_drain` hooks `hook(step, notice)` (a failure is
    logged, the rank leaves anyway) and, for a notice's checkpoint, the `drained` report;
-3. the termination message for the supervisor (`termination_message`), for every outcome; it and
+3. the termination message for the supervisor (`termination_message`), for every outcome (the
+   deadline watchdog was told first, `Effects.departing`, and writes none after it); it and
    the `drained` report say `saved_by` "boundary" (the deadline watchdog says "watchdog"),
    `snapshot_steps` and `margin_seconds` (to the notice's deadline, when it has one);
 4. the `Departure`: `ExitProcess` closes the Guard, leaves the groups (no last agreement: the
@@ -50,6 +51,7 @@ def depart(record: StepRecord, checkpoint: Checkpoint | None, effects: Effects, 
     """See the module docstring."""
     notice = record.notice
     assert notice is not None, "a joiner never departs: it raises"
+    effects.departing()
     steps_lost, tier, object_step = record.steps_lost, record.saved.tier if record.saved else None, None
     if record.ok and tier == "local" and checkpoint is not None:
         tier, steps_lost, object_step = settle_upload(record, effects)

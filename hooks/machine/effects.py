@@ -7,7 +7,9 @@ never itself).
   `attach`, a re-form), `rejoin()` (after a re-form, collective over the new group: the Guard's
   collectives, agreement and reporter on it), `answered(notice_id)` (the notice gate: a re-sent
   copy of a notice this step's checkpoint answers never drains again), `close()` (listener,
-  signals, adapter, before the process leaves), the hook reporter and the save margin.
+  signals, adapter, before the process leaves), the hook reporter, the save margin and
+  `departing()` (a rank's departure is about to write its termination message: the deadline
+  watchdog stops writing it).
 """
 from __future__ import annotations
 
@@ -49,3 +51,4 @@ class Effects:
     hooks: Hooks
     reporter: HookReporter | None = None
     save_margin_seconds: float = 1.0
+    departing: Callable[[], None] = lambda: None
