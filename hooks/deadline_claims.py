@@ -5,8 +5,8 @@ A watchdog must work while the main thread is blocked in a collective, so it nev
 a group training uses. It talks through the key-value store of the default group (torch's
 `TCPStore`: each call is a request to the store's server, made with the GIL released):
 - `publish(notice)` / `shared_notice()` / `withdraw(notice_id)`: the first rank that learns of a
-  notice publishes it (a withdrawal empties it); every other rank's watchdog picks it up on its
-  next poll (a notice reaches one pod's ranks
+  notice publishes it (a withdrawal empties it, and the next notice, this rank's or another's,
+  is published in its place); every other rank's watchdog picks it up on its next poll (a notice reaches one pod's ranks
   only: the other pods' ranks learn the deadline here, before any agreement).
 - `claim(value)`: one atomic `compare_set` on one key: the first claim of the job wins and every
   later one returns the winner, so a boundary's agreed save (`BOUNDARY`) and a watchdog's persist
@@ -138,7 +138,6 @@ class StoreClaims:
 
     def __init__(self, store: Any, rank: int, world_size: int):
         self.store, self.rank, self.world_size = store, rank, world_size
-        self._published = False
 
     @classmethod
     def for_default_group(cls) -> Claims:
@@ -160,9 +159,7 @@ class StoreClaims:
         return self.store.get(PREFIX + key).decode()
 
     def publish(self, notice: Notice) -> None:
-        if not self._published:
-            self.store.compare_set(PREFIX + "notice", "", json.dumps(notice.to_wire()))
-            self._published = True
+        self.store.compare_set(PREFIX + "notice", "", json.dumps(notice.to_wire()))
 
     def shared_notice(self) -> Notice | None:
         text = self._get("notice")

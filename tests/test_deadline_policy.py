@@ -8,11 +8,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
-from spotguard.hooks.deadline_claims import LocalClaims, claimed_step, persist_claim
+from spotguard.hooks.deadline_claims import LocalClaims, StoreClaims, claimed_step, persist_claim
 from spotguard.hooks.deadline_exit import Progress
+from spotguard.wire.notice import Notice, now_utc
 from spotguard.hooks.deadline_policy import (BOUNDARY_SECONDS, DEFAULT_PERSIST, EXIT_RESERVE, FINISH_SECONDS, MIN_LEAD,
                                              Plan, act_at, leave_by, new_work, not_before, plan)
 
@@ -289,6 +292,28 @@ def test_a_notice_learned_from_the_store_is_disarmed_when_its_rank_withdraws_it(
     """)
     assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 7
     assert message.read_text() == ""
+
+
+def test_a_notice_after_a_withdrawn_one_reaches_the_other_ranks():
+    """A rank's notice is withdrawn (a canceled maintenance), then a reclaim comes to the same
+    rank in the same formation: the reclaim is published too (a real TCPStore), so the other
+    ranks' watchdogs learn its deadline while their main threads are busy. It was not: a rank
+    published once per formation, and the others never learned of the second notice."""
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    mine, theirs = StoreClaims(store, 0, 2), StoreClaims(store, 1, 2)
+    now = now_utc()
+
+    def notice(nid: str, seconds: float) -> Notice:
+        return Notice(id=nid, kind="reclaim", source="aws.spot", node="n1", detected_at=now,
+                      deadline=now + timedelta(seconds=seconds))
+
+    theirs.publish(notice("aws.spot:maintenance", 3600))
+    mine.publish(notice("aws.spot:mine", 60))  # the first notice stays the shared one
+    assert mine.shared_notice().id == "aws.spot:maintenance"
+    theirs.withdraw("aws.spot:maintenance")
+    assert mine.shared_notice() is None
+    theirs.publish(notice("aws.spot:reclaim", 120))
+    assert mine.shared_notice().id == "aws.spot:reclaim"
 
 
 @pytest.mark.parametrize("steps, expected", [(0, 83), (1, -signal.SIGTERM)])

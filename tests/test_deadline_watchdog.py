@@ -134,6 +134,52 @@ def test_a_sidecar_notice_during_a_long_step_is_answered_by_the_watchdog(tmp_pat
         assert ("checkpoint-durable", "watchdog", 6) in phases and ("drained", "watchdog", 6) in phases, phases
 
 
+def test_a_reclaim_after_a_withdrawn_notice_reaches_every_rank_during_a_long_step(tmp_path):
+    """The same node twice in one long step: a notice reaches rank 1 (rank 0 learns it through the
+    store: its advance message names it), is withdrawn (rank 0 empties its message), then a
+    reclaim comes to rank 1. Rank 0 learns the reclaim through the store too, both persist the
+    snapshot of step 6 and leave with 83 before the deadline. A rank published once per
+    formation: rank 0 never learned the reclaim and could not persist with rank 1."""
+    ckpt, out, token = tmp_path / "ckpt", tmp_path / "twice", tmp_path / "token"
+    rank0_message = tmp_path / "term-twice-0"
+
+    def rank0_says(run: Run, predicate) -> None:
+        end = time.monotonic() + LONG_WAIT
+        while not predicate(rank0_message.read_text() if rank0_message.exists() else ""):
+            assert all(p.poll() is None for p in run.procs) and time.monotonic() < end, run.tail()
+            time.sleep(0.02)
+
+    with SidecarStub() as stub:
+        token.write_text(stub.token)
+        env = term_env(tmp_path, "twice")
+        env[1].update(SPOTGUARD_SIDECAR_URL=stub.url, SPOTGUARD_TOKEN_FILE=str(token))
+        args = ["--mode", "ddp", "--ckpt", str(ckpt), "--out", str(out), "--steps", "1000", *SNAPSHOT,
+                "--hold-at", "7", "--hold-rank", "1", "--no-compare"]
+        with Run(2, args, out / "logs", rank_env=env) as run:
+            wait_for_files([out / "holding-1"], run)
+            end = time.monotonic() + 30
+            while stub.connections < 1 and time.monotonic() < end:
+                time.sleep(0.02)
+            now = now_utc()
+            stub.push("notice", Notice(id="aws.spot:first", kind="reclaim", source="aws.spot", node="n1",
+                                       detected_at=now, deadline=now + timedelta(seconds=60)).to_wire())
+            rank0_says(run, lambda text: "aws.spot:first" in text)
+            stub.push("withdrawn", {"v": 1, "withdrawn": "aws.spot:first", "source": "aws.spot", "node": "n1",
+                                    "reason": "canceled"})
+            rank0_says(run, lambda text: text == "")
+            now, grace = now_utc(), 8.0
+            sent = time.monotonic()
+            stub.push("notice", Notice(id="aws.spot:second", kind="reclaim", source="aws.spot", node="n1",
+                                       detected_at=now, deadline=now + timedelta(seconds=grace)).to_wire())
+            codes = run.wait(grace + 60)
+            took = time.monotonic() - sent
+        assert codes == [83, 83], run.tail()
+        assert took < grace, took
+        assert checkpoints(ckpt) == ["step-000000006-notice"]
+        assert [(m["notice_id"], m["saved_by"], m["checkpoint"]) for m in messages(tmp_path, "twice")] == [
+            ("aws.spot:second", "watchdog", "durable")] * 2
+
+
 def test_a_notice_while_the_model_is_built_leaves_with_83_at_once(tmp_path):
     args = ["--mode", "ddp", "--ckpt", str(tmp_path / "ckpt"), "--steps", "5", "--hold-build"]
     codes, took, grace, run = signalled_run(tmp_path, "build", args, 30, ["building-0", "building-1"],
