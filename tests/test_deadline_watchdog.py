@@ -11,9 +11,11 @@ notice's deadline.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -106,11 +108,14 @@ def test_a_long_step_past_the_deadline_persists_the_snapshot_and_every_rank_leav
     assert_same_state(load_state(resumed / "state-resume.pt"), reference)
 
 
-def test_a_sidecar_notice_during_a_long_step_is_answered_by_the_watchdog(tmp_path):
-    ckpt, out, token = tmp_path / "ckpt", tmp_path / "side", tmp_path / "token"
+@contextlib.contextmanager
+def long_step_with_sidecar(tmp_path: Path, tag: str) -> Iterator[tuple[SidecarStub, Run]]:
+    """2 DDP ranks (snapshots every 2 steps) with rank 1 holding step 7 for good and connected to a
+    sidecar stub; yields once rank 1 holds and its Guard listens."""
+    ckpt, out, token = tmp_path / "ckpt", tmp_path / tag, tmp_path / "token"
     with SidecarStub() as stub:
         token.write_text(stub.token)
-        env = term_env(tmp_path, "side")
+        env = term_env(tmp_path, tag)
         env[1].update(SPOTGUARD_SIDECAR_URL=stub.url, SPOTGUARD_TOKEN_FILE=str(token))
         args = ["--mode", "ddp", "--ckpt", str(ckpt), "--out", str(out), "--steps", "1000", *SNAPSHOT,
                 "--hold-at", "7", "--hold-rank", "1", "--no-compare"]
@@ -119,19 +124,35 @@ def test_a_sidecar_notice_during_a_long_step_is_answered_by_the_watchdog(tmp_pat
             end = time.monotonic() + 30
             while stub.connections < 1 and time.monotonic() < end:
                 time.sleep(0.02)
-            now, grace = now_utc(), 8.0
-            sent = time.monotonic()
-            stub.push("notice", Notice(id="aws.spot:long-step", kind="reclaim", source="aws.spot", node="n1",
-                                       detected_at=now, deadline=now + timedelta(seconds=grace)).to_wire())
-            codes = run.wait(grace + 60)
-            took = time.monotonic() - sent
-        assert codes == [83, 83], run.tail()
-        assert took < grace, took
-        assert checkpoints(ckpt) == ["step-000000006-notice"]
-        assert all(m["saved_by"] == "watchdog" and m["notice_id"] == "aws.spot:long-step"
-                   for m in messages(tmp_path, "side"))
-        phases = [(r["phase"], r.get("saved_by"), r["step"]) for r in stub.reports]
-        assert ("checkpoint-durable", "watchdog", 6) in phases and ("drained", "watchdog", 6) in phases, phases
+            yield stub, run
+
+
+def reclaim(nid: str, seconds: float) -> dict:
+    now = now_utc()
+    return Notice(id=nid, kind="reclaim", source="aws.spot", node="n1", detected_at=now,
+                  deadline=now + timedelta(seconds=seconds)).to_wire()
+
+
+def persisted_by_the_watchdog(tmp_path: Path, tag: str, stub: SidecarStub, run: Run, nid: str) -> list[dict]:
+    """Pushes reclaim `nid` (8 s) to rank 1: both ranks leave with 83 before its deadline, the
+    snapshot of step 6 the one checkpoint; returns their termination messages."""
+    grace = 8.0
+    sent = time.monotonic()
+    stub.push("notice", reclaim(nid, grace))
+    codes = run.wait(grace + 60)
+    took = time.monotonic() - sent
+    assert codes == [83, 83], run.tail()
+    assert took < grace, took
+    assert checkpoints(tmp_path / "ckpt") == ["step-000000006-notice"]
+    return messages(tmp_path, tag)
+
+
+def test_a_sidecar_notice_during_a_long_step_is_answered_by_the_watchdog(tmp_path):
+    with long_step_with_sidecar(tmp_path, "side") as (stub, run):
+        answers = persisted_by_the_watchdog(tmp_path, "side", stub, run, "aws.spot:long-step")
+    assert all(m["saved_by"] == "watchdog" and m["notice_id"] == "aws.spot:long-step" for m in answers)
+    phases = [(r["phase"], r.get("saved_by"), r["step"]) for r in stub.reports]
+    assert ("checkpoint-durable", "watchdog", 6) in phases and ("drained", "watchdog", 6) in phases, phases
 
 
 def test_a_reclaim_after_a_withdrawn_notice_reaches_every_rank_during_a_long_step(tmp_path):
@@ -140,44 +161,23 @@ def test_a_reclaim_after_a_withdrawn_notice_reaches_every_rank_during_a_long_ste
     reclaim comes to rank 1. Rank 0 learns the reclaim through the store too, both persist the
     snapshot of step 6 and leave with 83 before the deadline. A rank published once per
     formation: rank 0 never learned the reclaim and could not persist with rank 1."""
-    ckpt, out, token = tmp_path / "ckpt", tmp_path / "twice", tmp_path / "token"
     rank0_message = tmp_path / "term-twice-0"
 
-    def rank0_says(run: Run, predicate) -> None:
+    def rank0_says(run: Run, predicate: Callable[[str], bool]) -> None:
         end = time.monotonic() + LONG_WAIT
         while not predicate(rank0_message.read_text() if rank0_message.exists() else ""):
             assert all(p.poll() is None for p in run.procs) and time.monotonic() < end, run.tail()
             time.sleep(0.02)
 
-    with SidecarStub() as stub:
-        token.write_text(stub.token)
-        env = term_env(tmp_path, "twice")
-        env[1].update(SPOTGUARD_SIDECAR_URL=stub.url, SPOTGUARD_TOKEN_FILE=str(token))
-        args = ["--mode", "ddp", "--ckpt", str(ckpt), "--out", str(out), "--steps", "1000", *SNAPSHOT,
-                "--hold-at", "7", "--hold-rank", "1", "--no-compare"]
-        with Run(2, args, out / "logs", rank_env=env) as run:
-            wait_for_files([out / "holding-1"], run)
-            end = time.monotonic() + 30
-            while stub.connections < 1 and time.monotonic() < end:
-                time.sleep(0.02)
-            now = now_utc()
-            stub.push("notice", Notice(id="aws.spot:first", kind="reclaim", source="aws.spot", node="n1",
-                                       detected_at=now, deadline=now + timedelta(seconds=60)).to_wire())
-            rank0_says(run, lambda text: "aws.spot:first" in text)
-            stub.push("withdrawn", {"v": 1, "withdrawn": "aws.spot:first", "source": "aws.spot", "node": "n1",
-                                    "reason": "canceled"})
-            rank0_says(run, lambda text: text == "")
-            now, grace = now_utc(), 8.0
-            sent = time.monotonic()
-            stub.push("notice", Notice(id="aws.spot:second", kind="reclaim", source="aws.spot", node="n1",
-                                       detected_at=now, deadline=now + timedelta(seconds=grace)).to_wire())
-            codes = run.wait(grace + 60)
-            took = time.monotonic() - sent
-        assert codes == [83, 83], run.tail()
-        assert took < grace, took
-        assert checkpoints(ckpt) == ["step-000000006-notice"]
-        assert [(m["notice_id"], m["saved_by"], m["checkpoint"]) for m in messages(tmp_path, "twice")] == [
-            ("aws.spot:second", "watchdog", "durable")] * 2
+    with long_step_with_sidecar(tmp_path, "twice") as (stub, run):
+        stub.push("notice", reclaim("aws.spot:first", 60))
+        rank0_says(run, lambda text: "aws.spot:first" in text)
+        stub.push("withdrawn", {"v": 1, "withdrawn": "aws.spot:first", "source": "aws.spot", "node": "n1",
+                                "reason": "canceled"})
+        rank0_says(run, lambda text: text == "")
+        answers = persisted_by_the_watchdog(tmp_path, "twice", stub, run, "aws.spot:second")
+    assert [(m["notice_id"], m["saved_by"], m["checkpoint"]) for m in answers] == [
+        ("aws.spot:second", "watchdog", "durable")] * 2
 
 
 def test_a_notice_while_the_model_is_built_leaves_with_83_at_once(tmp_path):
