@@ -6,8 +6,9 @@ a group training uses. It talks through the key-value store of the default group
 `TCPStore`: each call is a request to the store's server, made with the GIL released):
 - `publish(notice)` / `shared_notice()` / `withdraw(notice_id)`: the first rank that learns of a
   notice publishes it (a withdrawal empties it, and the next notice, this rank's or another's,
-  is published in its place); every other rank's watchdog picks it up on its next poll (a notice reaches one pod's ranks
-  only: the other pods' ranks learn the deadline here, before any agreement).
+  is published in its place); every other rank's watchdog picks it up on its next poll (a
+  notice reaches one pod's ranks only: the other pods' ranks learn the deadline here, before
+  any agreement).
 - `claim(value)`: one atomic `compare_set` on one key: the first claim of the job wins and every
   later one returns the winner, so a boundary's agreed save (`BOUNDARY`) and a watchdog's persist
   (`persist_claim(step)`) or departure (`LEAVE`) never both run, whatever the order in which the
