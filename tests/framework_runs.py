@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -58,9 +57,7 @@ def interrupted_run(framework: str, tmp_path: Path, ckpt: Path, out: Path, deliv
             if stub is None:
                 run.procs[-1].send_signal(signal.SIGTERM)
             else:
-                deadline = time.monotonic() + 30
-                while stub.connections < 1 and time.monotonic() < deadline:
-                    time.sleep(0.02)
+                stub.wait_for_connection(run.procs)
                 stub.push("notice", notice(f"aws.spot:{framework}"))
             return run.wait(300), stub, run.tail()
     finally:

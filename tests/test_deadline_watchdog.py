@@ -121,9 +121,7 @@ def long_step_with_sidecar(tmp_path: Path, tag: str) -> Iterator[tuple[SidecarSt
                 "--hold-at", "7", "--hold-rank", "1", "--no-compare"]
         with Run(2, args, out / "logs", rank_env=env) as run:
             wait_for_files([out / "holding-1"], run)
-            end = time.monotonic() + 30
-            while stub.connections < 1 and time.monotonic() < end:
-                time.sleep(0.02)
+            stub.wait_for_connection(run.procs)
             yield stub, run
 
 

@@ -88,7 +88,9 @@ def run_ranks(world: int, args: list[str], log_dir: Path, timeout: float = 120, 
         return codes, run.tail()
 
 
-def wait_for_progress(out: Path, rank: int, step: int, timeout: float = 60, procs=()) -> None:
+def wait_for_progress(out: Path, rank: int, step: int, timeout: float = 240, procs=()) -> None:
+    """Until rank `rank` finished step `step`; raises AssertionError when one of `procs` exited
+    first or after `timeout` (only a loaded machine takes minutes to import torch and start)."""
     deadline = time.monotonic() + timeout
     path = out / f"progress-{rank}"
     while time.monotonic() < deadline:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import threading
+import time
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -89,6 +92,17 @@ class SidecarStub:
         return web.json_response({"ok": True})
 
     # ---- called from the test thread -------------------------------------------------------
+    def wait_for_connection(self, procs: Sequence[subprocess.Popen] = (), timeout: float = 240) -> None:
+        """Until a Guard's stream is connected (a notice pushed before would reach nobody); raises
+        AssertionError when one of `procs` exited first or after `timeout` (a loaded machine only)."""
+        end = time.monotonic() + timeout
+        while self.connections < 1:
+            if any(p.poll() is not None for p in procs):
+                raise AssertionError("a rank exited before its Guard connected to the sidecar")
+            if time.monotonic() > end:
+                raise AssertionError(f"no Guard connected to the sidecar in {timeout}s")
+            time.sleep(0.02)
+
     def push_raw(self, frame: bytes) -> None:
         def put() -> None:
             for queue in self._queues:
