@@ -5,8 +5,9 @@ is doing (a 40 s evaluation pass, a first compile, a collective waiting on a pee
 Contract (`DeadlineWatchdog`, made and driven by the Guard):
 - `arm(notice)` (any thread): a notice with a deadline the Guard acts on or holds and that makes
   this rank leave (`concerns`: in place, a notice naming another host changes the group
-  instead); the earliest deadline wins. `disarm(notice_id)`: withdrawn (never armed again; the timer cancelled and the
-  termination message written in advance emptied, unless the watchdog is acting already). A
+  instead); the earliest deadline wins. `disarm(notice_id)`: withdrawn (the timer cancelled and
+  the termination message written in advance emptied, unless the watchdog is acting already;
+  armed again only when offered again or published again: `_may_arm_again`). A
   SIGTERM is seen the moment it arrives (the signal's wakeup fd, read by this thread: the main
   thread need not run Python for it), and a notice another rank published through the store
   (`deadline_claims`) within one poll; withdrawn there (by the rank whose notice it was), it is
@@ -90,7 +91,7 @@ class DeadlineWatchdog:
         self._armed_for: str | None = None
         self._armed_at = self._leave_at = 0.0
         self._acting = self._boundary_owns = self._departed = False
-        self._withdrawn: set[str] = set()
+        self._withdrawn: dict[str, bool] = {}  # withdrawn id -> the store has shown it gone since
         self._arming = threading.RLock()  # a disarm never lands between the message and the timer
         self._from_store: str | None = None  # the id of an armed notice this rank learned from the store alone
         self._stop = threading.Event()
@@ -111,9 +112,9 @@ class DeadlineWatchdog:
         return self._claims
 
     # ---- what the Guard tells it ------------------------------------------------------------------
-    def arm(self, notice: Notice) -> None:
+    def arm(self, notice: Notice, *, from_store: bool = False) -> None:
         current = self.notice
-        if notice.deadline is None or notice.id in self._withdrawn or not self.concerns(notice):
+        if notice.deadline is None or not self.concerns(notice) or not self._may_arm_again(notice.id, from_store):
             return
         if current is not None and current.deadline is not None and current.deadline <= notice.deadline:
             return
@@ -127,11 +128,25 @@ class DeadlineWatchdog:
         if self.notice is not None:
             self.disarm(self.notice.id, share=False)
 
+    def _may_arm_again(self, notice_id: str, from_store: bool) -> bool:
+        """A withdrawn id is armed again when the Guard offers it again (its gate acts on a withdrawn
+        id offered again: a GPU fault read from a counter that cleared and came back), or when the
+        store published it again after this rank saw it gone there (a peer's Guard acts on it):
+        never on a copy the store still held from before its withdrawal."""
+        with self._arming:
+            seen_gone = self._withdrawn.get(notice_id)
+            if seen_gone is None:
+                return True
+            if from_store and not seen_gone:
+                return False
+            del self._withdrawn[notice_id]
+            return True
+
     def disarm(self, notice_id: str, share: bool = True) -> None:
         """A withdrawn notice: no last-resort exit, no termination message (unless the watchdog
         acts on it already: the rank is leaving then); `share`: withdrawn from the store too."""
         with self._arming:
-            self._withdrawn.add(notice_id)
+            self._withdrawn[notice_id] = False
             if self.notice is None or self.notice.id != notice_id or self._acting or self._departed:
                 return
             self.notice = None
@@ -205,13 +220,15 @@ class DeadlineWatchdog:
         self._pick_up_signal()
         if self.notice is None:
             shared = self.claims().shared_notice()
+            self._saw_in_store(shared)
             if shared is not None:
-                self.arm(shared)
+                self.arm(shared, from_store=True)
                 self._from_store = shared.id if self.notice is shared else None
         elif self._from_store == self.notice.id and not self._acting:
             shared = self.claims().shared_notice()
             if shared is None or shared.id != self.notice.id:  # withdrawn by the rank that published it
                 self.disarm(self.notice.id, share=False)
+                self._saw_in_store(shared)
                 return
         notice = self.notice
         if notice is None or notice.deadline is None:
@@ -250,6 +267,12 @@ class DeadlineWatchdog:
         if step is not None:
             self.exit.hold_process()
             self.exit.persist(step, notice, deadline, self._leave_at, self.progress)
+
+    def _saw_in_store(self, shared: Notice | None) -> None:
+        with self._arming:
+            for nid in self._withdrawn:
+                if shared is None or shared.id != nid:
+                    self._withdrawn[nid] = True
 
     def _arm_last_resort(self, notice: Notice, deadline: float) -> bool:
         """Publishes `notice`, writes its termination message and arms the timer, all or nothing

@@ -113,8 +113,9 @@ def test_a_cancelled_exit_timer_never_fires():
 
 def test_a_withdrawn_notice_disarms_the_last_resort_and_empties_the_message(tmp_path):
     """Armed (the message written in advance, the timer set for 5 s on), then withdrawn: the
-    process outlives the timer's time with its own exit status and an empty message; a resent
-    copy of the withdrawn notice does not arm it again. The withdrawal comes while the watchdog
+    process outlives the timer's time with its own exit status and an empty message (a copy
+    offered again after the withdrawal is armed again, as the Guard's gate acts on it again:
+    the test below). The withdrawal comes while the watchdog
     is between writing the message and arming the timer (held there for a second): the timer it
     then arms is cancelled too (it fired at 5 s, exit 84, before arming was made atomic)."""
     message = tmp_path / "termination-log"
@@ -141,7 +142,6 @@ def test_a_withdrawn_notice_disarms_the_last_resort_and_empties_the_message(tmp_
             assert time.monotonic() < end
             time.sleep(0.02)
         watchdog.disarm("aws.spot:w")
-        watchdog.arm(notice)
         time.sleep(6.5)
         raise SystemExit(7)
     """)
@@ -314,6 +314,56 @@ def test_a_notice_after_a_withdrawn_one_reaches_the_other_ranks():
     assert mine.shared_notice() is None
     theirs.publish(notice("aws.spot:reclaim", 120))
     assert mine.shared_notice().id == "aws.spot:reclaim"
+
+
+def test_a_withdrawn_notice_that_comes_back_is_armed_again_and_a_stale_copy_is_not(tmp_path):
+    """A GPU fault read from a counter clears (withdrawn) and comes back with the same id. The
+    Guard's gate acts on it again, so the watchdog arms it again: when the store publishes it
+    again after this rank saw it gone there (a peer's Guard acts on it), and when this rank's
+    Guard offers it again. It was never armed again, so a long step in the second fault had no
+    last resort and the other ranks could not persist with its rank. A real TCPStore; the
+    watchdog's thread is not started, so the test decides when it looks."""
+    message = tmp_path / "termination-log"
+    script = textwrap.dedent(f"""
+        import os
+        from datetime import timedelta
+        os.environ["SPOTGUARD_TERMINATION_LOG"] = {str(message)!r}
+        import torch.distributed as dist
+        from spotguard.hooks.deadline_claims import StoreClaims
+        from spotguard.hooks.deadline_watchdog import DeadlineWatchdog
+        from spotguard.wire.notice import Notice, now_utc
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+        mine, theirs = StoreClaims(store, 0, 2), StoreClaims(store, 1, 2)
+        watchdog = DeadlineWatchdog(lambda: None, 1.0, claims=lambda: mine)
+        watchdog.completed(5)  # new work, no snapshot: it waits for the latest safe moment, minutes away
+        now = now_utc()
+        fault = Notice(id="gpu:xid-79", kind="gpu-fault", source="gpu", node="n1", detected_at=now,
+                       deadline=now + timedelta(seconds=600))
+        def armed():
+            return watchdog.notice is not None and watchdog.notice.id == fault.id
+        theirs.publish(fault)
+        watchdog._look()
+        assert armed() and "gpu:xid-79" in open({str(message)!r}).read(), "not armed from the store"
+        theirs.withdraw(fault.id)
+        watchdog._look()
+        assert not armed() and open({str(message)!r}).read() == "", "not disarmed"
+        theirs.publish(fault)  # the fault came back on the peer
+        watchdog._look()
+        assert armed(), "a notice published again was not armed again"
+        watchdog.disarm(fault.id, share=False)  # withdrawn here first: the store's copy is stale
+        watchdog._look()
+        assert not armed(), "armed from a copy the store held from before the withdrawal"
+        watchdog.arm(fault)
+        watchdog.disarm(fault.id)  # this rank's Guard: withdrawn (and from the store)
+        watchdog._look()
+        assert not armed() and mine.shared_notice() is None
+        watchdog.arm(fault)  # this rank's Guard offers it again
+        assert armed(), "a notice offered again was not armed again"
+        watchdog.close()
+        os._exit(7)  # the TCPStore server's C++ thread can abort an ordinary interpreter exit
+    """)
+    result = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    assert result.returncode == 7, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("steps, expected", [(0, 83), (1, -signal.SIGTERM)])
