@@ -34,7 +34,12 @@ Contract (`DeadlineWatchdog`, made and driven by the Guard):
 - `departing()`: this rank's departure (`hooks/machine/departure.py`) writes its own account now:
   from then on the watchdog arms nothing, acts on nothing and neither writes nor empties the
   termination message (a notice learned from the store after the departure wrote would replace
-  the true account with a "failed" one, and its withdrawal would erase it); the timer stays.
+  the true account with a "failed" one, and its withdrawal would erase it); the timer stays. A
+  departure no boundary claim answered, with a notice armed, claims the answer first.
+- The store holds the notices the ranks act on: a rank publishes only a notice its own Guard or
+  signal armed (one learned there may have been withdrawn since its rank read it), withdraws
+  a withdrawn notice from the store whether or not it is armed, and publishes its armed notice
+  again when the store is empty (the one that held it was withdrawn).
 - `close(exit_code)`: the Guard closes; the timer is re-armed with the rank's own exit code, so
   a process that hangs on its way out still leaves with it, or cancelled (None); the thread is
   joined (`CLOSE_JOIN` at most) and its descriptors closed. Only a Guard that ends its process
@@ -92,6 +97,7 @@ class DeadlineWatchdog:
         self._armed_at = self._leave_at = 0.0
         self._acting = self._boundary_owns = self._departed = False
         self._withdrawn: dict[str, bool] = {}  # withdrawn id -> the store has shown it gone since
+        self._answered: set[str] = set()
         self._arming = threading.RLock()  # a disarm never lands between the message and the timer
         self._from_store: str | None = None  # the id of an armed notice this rank learned from the store alone
         self._stop = threading.Event()
@@ -123,10 +129,13 @@ class DeadlineWatchdog:
 
     def answered(self) -> None:
         """The agreed step answered the armed notice and this rank stays (an in-place change): as
-        `disarm`, for the notice armed now."""
+        `disarm`, for the notice armed now, and never armed again (the Guard's gate ignores an
+        answered id too)."""
         self._boundary_owns = False
-        if self.notice is not None:
-            self.disarm(self.notice.id, share=False)
+        notice = self.notice
+        if notice is not None:
+            self._answered.add(notice.id)
+            self.disarm(notice.id, share=False)
 
     def _may_arm_again(self, notice_id: str, from_store: bool) -> bool:
         """A withdrawn id is armed again when the Guard offers it again (its gate acts on a withdrawn
@@ -134,6 +143,8 @@ class DeadlineWatchdog:
         store published it again after this rank saw it gone there (a peer's Guard acts on it):
         never on a copy the store still held from before its withdrawal."""
         with self._arming:
+            if notice_id in self._answered:
+                return False
             seen_gone = self._withdrawn.get(notice_id)
             if seen_gone is None:
                 return True
@@ -147,22 +158,28 @@ class DeadlineWatchdog:
         acts on it already: the rank is leaving then); `share`: withdrawn from the store too."""
         with self._arming:
             self._withdrawn[notice_id] = False
+            if share and not self._departed:  # armed or not (one with a later deadline never was)
+                with contextlib.suppress(Exception):
+                    self.claims().withdraw(notice_id)
             if self.notice is None or self.notice.id != notice_id or self._acting or self._departed:
                 return
             self.notice = None
             self.dense.stop()
-            if share:
-                with contextlib.suppress(Exception):
-                    self.claims().withdraw(notice_id)
             if self._armed_for == notice_id:
                 self._armed_for = None
                 self.timer.cancel()
                 clear_termination_message()
 
     def departing(self) -> None:
-        """See the module docstring."""
+        """See the module docstring. A departure that no boundary claim answers (a membership
+        change, a failed change's end) while a notice is armed claims the answer now: the
+        watchdog then stands down, or, when it claimed first, this call waits for good while the
+        watchdog ends the process (`claim_boundary`)."""
         with self._arming:
             self._departed = True
+            contested = self._armed_for is not None and not self._boundary_owns
+        if contested:
+            self.claim_boundary()
 
     def completed(self, step: int) -> None:
         self.progress.complete(step)
@@ -224,12 +241,16 @@ class DeadlineWatchdog:
             if shared is not None:
                 self.arm(shared, from_store=True)
                 self._from_store = shared.id if self.notice is shared else None
-        elif self._from_store == self.notice.id and not self._acting:
+        elif not self._acting:
             shared = self.claims().shared_notice()
-            if shared is None or shared.id != self.notice.id:  # withdrawn by the rank that published it
-                self.disarm(self.notice.id, share=False)
+            if self._from_store == self.notice.id and (shared is None or shared.id != self.notice.id):
+                self.disarm(self.notice.id, share=False)  # withdrawn by the rank that published it
                 self._saw_in_store(shared)
                 return
+            self._saw_in_store(shared)
+            if self._from_store != self.notice.id and shared is None and self._armed_for == self.notice.id:
+                with contextlib.suppress(Exception):  # the notice that held the store was withdrawn
+                    self.claims().publish(self.notice)
         notice = self.notice
         if notice is None or notice.deadline is None:
             return
@@ -284,8 +305,9 @@ class DeadlineWatchdog:
                 return False
             self._armed_for, self._armed_at = notice.id, time.time()
             self._leave_at = leave_by(deadline, self._armed_at)
-            with contextlib.suppress(Exception):
-                self.claims().publish(notice)
+            if self._from_store != notice.id:  # never one learned there: its rank may have withdrawn it since
+                with contextlib.suppress(Exception):
+                    self.claims().publish(notice)
             completed = self.progress.completed if self.progress.completed is not None else -1
             write_termination_message(notice.id, completed, completed, False,
                                       steps_lost=self.progress.lost_since(self.progress.durable),

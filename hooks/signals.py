@@ -9,10 +9,15 @@ Contract:
   consumes it.
 - `wakeup(signum)`: the deadline watchdog read `signum` from the signal wakeup fd, which the
   interpreter writes before the handler runs (the main thread may be blocked in C and run no
-  handler yet). Both see the same deliveries, so each path counts them and only the first to see
-  a delivery records it: a handler that ran (and a `take()` that consumed it) before the watchdog
-  read its byte leaves nothing behind, where recording it again made a second notice, with its
-  own id and a later deadline, for a signal that came once.
+  handler yet). Each path counts the deliveries it saw and only the first to see a delivery
+  records it: a handler that ran (and a `take()` that consumed it) before the watchdog read its
+  byte leaves nothing behind, where recording it again made a second notice, with its own id
+  and a later deadline, for a signal that came once. The counts can drift apart: the
+  interpreter runs the handler once for deliveries that arrive together (the fd gets a byte
+  for each), and a signal in the instant between the trap's installation and the watchdog
+  taking the fd has no byte. Then, for every later delivery, only the path that is behind
+  records it: late by one read of the fd, or, the wakeup fd behind, only once the main thread
+  runs Python again.
 - `take()` (called from the training loop, never from the handler) turns the recorded signal
   into a `Notice(kind=drain, source="signal", deadline=received + grace_seconds)`; the id is
   stable for one delivery, so the same signal never makes two notices. `peek()` is the same

@@ -353,12 +353,95 @@ def test_a_withdrawn_notice_that_comes_back_is_armed_again_and_a_stale_copy_is_n
         watchdog.disarm(fault.id, share=False)  # withdrawn here first: the store's copy is stale
         watchdog._look()
         assert not armed(), "armed from a copy the store held from before the withdrawal"
-        watchdog.arm(fault)
+        watchdog.arm(fault)  # this rank's Guard offers it again, the store's copy still the stale one
+        watchdog._look()
+        assert armed() and "gpu:xid-79" in open({str(message)!r}).read(), "offered again, not armed again"
         watchdog.disarm(fault.id)  # this rank's Guard: withdrawn (and from the store)
         watchdog._look()
         assert not armed() and mine.shared_notice() is None
-        watchdog.arm(fault)  # this rank's Guard offers it again
+        watchdog.arm(fault)
         assert armed(), "a notice offered again was not armed again"
+        watchdog.answered()  # an in-place change answered it here: never again, as the gate ignores it
+        theirs.publish(fault)
+        watchdog._look()
+        watchdog.arm(fault)
+        assert not armed(), "an answered notice was armed again"
+        watchdog.close()
+        os._exit(7)  # the TCPStore server's C++ thread can abort an ordinary interpreter exit
+    """)
+    result = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    assert result.returncode == 7, result.stderr[-3000:]
+
+
+def test_the_store_holds_the_notices_this_rank_acts_on_and_none_it_withdrew(tmp_path):
+    """Three orders of notices and withdrawals through a real TCPStore (the watchdogs' threads
+    are not started: the test decides when each looks; a subprocess, as arming sets a real
+    exit timer):
+    1. a notice learned from the store is never published back: its rank withdrew it between
+       this rank's read and its arming (the read withdraws it here), and the store stays empty;
+    2. a rank arms its own notice B with an earlier deadline than its A, which holds the store;
+       A is withdrawn (and from the store, though not armed any more), so B goes in its place;
+    3. a departing rank with an armed notice claims the answer (the watchdog stands down), and
+       a withdrawal after its account neither erases it nor disarms its last resort."""
+    message = tmp_path / "termination-log"
+    script = textwrap.dedent(f"""
+        import json, os
+        from datetime import timedelta
+        os.environ["SPOTGUARD_TERMINATION_LOG"] = {str(message)!r}
+        import torch.distributed as dist
+        from spotguard.hooks.deadline_claims import StoreClaims
+        from spotguard.hooks.deadline_watchdog import DeadlineWatchdog
+        from spotguard.hooks.termination_message import write_termination_message
+        from spotguard.wire.notice import Notice, now_utc
+        now = now_utc()
+        def notice(nid, seconds):
+            return Notice(id=nid, kind="reclaim", source="aws.spot", node="n1", detected_at=now,
+                          deadline=now + timedelta(seconds=seconds))
+        def text():
+            return open({str(message)!r}).read() if os.path.exists({str(message)!r}) else ""
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+        theirs = StoreClaims(store, 1, 2)
+
+        class WithdrawnAfterRead(StoreClaims):
+            def shared_notice(self):
+                shared = super().shared_notice()
+                if shared is not None:
+                    theirs.withdraw(shared.id)
+                return shared
+
+        # 1.
+        mine = WithdrawnAfterRead(store, 0, 2)
+        late = DeadlineWatchdog(lambda: None, 1.0, claims=lambda: mine)
+        late.completed(5)
+        theirs.publish(notice("aws.spot:theirs", 600))
+        late._look()
+        assert StoreClaims(store, 0, 2).shared_notice() is None, "a store-learned notice was published back"
+        late._look()
+        assert late.notice is None
+        late.close()
+
+        # 2.
+        claims = StoreClaims(store, 0, 2)
+        watchdog = DeadlineWatchdog(lambda: None, 1.0, claims=lambda: claims)
+        watchdog.completed(5)
+        watchdog.arm(notice("aws.spot:a", 600))
+        watchdog._look()
+        watchdog.arm(notice("aws.spot:b", 300))
+        watchdog._look()
+        assert watchdog.notice.id == "aws.spot:b" and theirs.shared_notice().id == "aws.spot:a"
+        watchdog.disarm("aws.spot:a")
+        watchdog._look()
+        assert theirs.shared_notice().id == "aws.spot:b", "the notice acted on never reached the store"
+
+        # 3.
+        watchdog.departing()
+        assert claims.winner() == "boundary"
+        write_termination_message("aws.spot:b", 9, 9, True, steps_lost=0, durable_tier="object", exit_code=83)
+        account = text()
+        theirs.withdraw("aws.spot:b")
+        watchdog._look()
+        watchdog.disarm("aws.spot:b")
+        assert text() == account and watchdog._armed_for == "aws.spot:b", "the departure's account was erased"
         watchdog.close()
         os._exit(7)  # the TCPStore server's C++ thread can abort an ordinary interpreter exit
     """)
