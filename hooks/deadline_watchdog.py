@@ -7,7 +7,7 @@ Contract (`DeadlineWatchdog`, made and driven by the Guard):
   this rank leave (`concerns`: in place, a notice naming another host changes the group
   instead); the earliest deadline wins. `disarm(notice_id)`: withdrawn (the timer cancelled and
   the termination message written in advance emptied, unless the watchdog is acting already;
-  armed again only when offered again or published again: `_may_arm_again`). A
+  armed again only when offered again or published again: `Rearming`). A
   SIGTERM is seen the moment it arrives (the signal's wakeup fd, read by this thread: the main
   thread need not run Python for it), and a notice another rank published through the store
   (`deadline_claims`) within one poll; withdrawn there (by the rank whose notice it was), it is
@@ -29,17 +29,19 @@ Contract (`DeadlineWatchdog`, made and driven by the Guard):
   path never ends.
 - `claim_boundary()` (main thread, at an agreed step on a notice): True when the agreed save may
   run; when a watchdog claimed first, the main thread waits here while the watchdog leaves.
-  `answered()`: that agreed step answered the notice and this rank stays (an in-place change's
-  survivor): the notice is disarmed for good.
-- `departing()`: this rank's departure (`hooks/machine/departure.py`) writes its own account now:
-  from then on the watchdog arms nothing, acts on nothing and neither writes nor empties the
-  termination message (a notice learned from the store after the departure wrote would replace
-  the true account with a "failed" one, and its withdrawal would erase it); the timer stays. A
-  departure no boundary claim answered, with a notice armed, claims the answer first.
+  `answered(notice_id)`: that agreed step answered the notice and this rank stays (an in-place
+  change's survivor): the notice is disarmed for good.
+- `departing()`: this rank's departure (`hooks/machine/departure.py`) is about to write its own
+  account: from then on the watchdog arms nothing, acts on nothing and neither writes nor
+  empties the termination message (a notice learned from the store after the departure wrote
+  would replace the true account with a "failed" one, and its withdrawal would erase it); the
+  timer stays. A departure no boundary claim answered, with a notice armed, claims the answer
+  first (a watchdog's claim won: this rank's watchdog follows it and ends the process).
 - The store holds the notices the ranks act on: a rank publishes only a notice its own Guard or
-  signal armed (one learned there may have been withdrawn since its rank read it), withdraws
-  a withdrawn notice from the store whether or not it is armed, and publishes its armed notice
-  again when the store is empty (the one that held it was withdrawn).
+  signal armed (one learned there may have been withdrawn since its rank read it); a rank that
+  published a notice withdraws it there when its Guard withdraws it, armed or not (replaced by
+  one with an earlier deadline), and then publishes its armed notice in its place, all under
+  one lock with its arming (a withdrawal never lands between a read and a publish).
 - `close(exit_code)`: the Guard closes; the timer is re-armed with the rank's own exit code, so
   a process that hangs on its way out still leaves with it, or cancelled (None); the thread is
   joined (`CLOSE_JOIN` at most) and its descriptors closed. Only a Guard that ends its process
@@ -96,8 +98,8 @@ class DeadlineWatchdog:
         self._armed_for: str | None = None
         self._armed_at = self._leave_at = 0.0
         self._acting = self._boundary_owns = self._departed = False
-        self._withdrawn: dict[str, bool] = {}  # withdrawn id -> the store has shown it gone since
-        self._answered: set[str] = set()
+        self._rearming = Rearming()  # under `_arming`
+        self._published: set[str] = set()  # ids this rank put in the store (only it withdraws them there)
         self._arming = threading.RLock()  # a disarm never lands between the message and the timer
         self._from_store: str | None = None  # the id of an armed notice this rank learned from the store alone
         self._stop = threading.Event()
@@ -120,66 +122,71 @@ class DeadlineWatchdog:
     # ---- what the Guard tells it ------------------------------------------------------------------
     def arm(self, notice: Notice, *, from_store: bool = False) -> None:
         current = self.notice
-        if notice.deadline is None or not self.concerns(notice) or not self._may_arm_again(notice.id, from_store):
+        if notice.deadline is None or not self.concerns(notice):
             return
+        with self._arming:
+            if not self._rearming.may_arm(notice.id, from_store):
+                return
+            if not from_store and self._from_store == notice.id:
+                self._from_store = None  # this rank's Guard acts on it too: its own withdrawal decides
         if current is not None and current.deadline is not None and current.deadline <= notice.deadline:
             return
         self.notice = notice
         os.write(self._wake_w, b"a")
 
-    def answered(self) -> None:
-        """The agreed step answered the armed notice and this rank stays (an in-place change): as
-        `disarm`, for the notice armed now, and never armed again (the Guard's gate ignores an
+    def answered(self, notice_id: str | None = None) -> None:
+        """The agreed step answered notice `notice_id` (None: the one armed now) and this rank stays
+        (an in-place change): as `disarm`, and never armed again (the Guard's gate ignores an
         answered id too)."""
         self._boundary_owns = False
         notice = self.notice
-        if notice is not None:
-            self._answered.add(notice.id)
-            self.disarm(notice.id, share=False)
-
-    def _may_arm_again(self, notice_id: str, from_store: bool) -> bool:
-        """A withdrawn id is armed again when the Guard offers it again (its gate acts on a withdrawn
-        id offered again: a GPU fault read from a counter that cleared and came back), or when the
-        store published it again after this rank saw it gone there (a peer's Guard acts on it):
-        never on a copy the store still held from before its withdrawal."""
-        with self._arming:
-            if notice_id in self._answered:
-                return False
-            seen_gone = self._withdrawn.get(notice_id)
-            if seen_gone is None:
-                return True
-            if from_store and not seen_gone:
-                return False
-            del self._withdrawn[notice_id]
-            return True
+        notice_id = notice_id if notice_id is not None else notice.id if notice is not None else None
+        if notice_id is not None:
+            with self._arming:
+                self._rearming.answered.add(notice_id)
+            self.disarm(notice_id, share=False)
 
     def disarm(self, notice_id: str, share: bool = True) -> None:
         """A withdrawn notice: no last-resort exit, no termination message (unless the watchdog
         acts on it already: the rank is leaving then); `share`: withdrawn from the store too."""
         with self._arming:
-            self._withdrawn[notice_id] = False
-            if share and not self._departed:  # armed or not (one with a later deadline never was)
-                with contextlib.suppress(Exception):
-                    self.claims().withdraw(notice_id)
-            if self.notice is None or self.notice.id != notice_id or self._acting or self._departed:
+            self._rearming.withdrawn[notice_id] = False
+            if self._acting or self._departed:
                 return
-            self.notice = None
-            self.dense.stop()
+            if self.notice is not None and self.notice.id == notice_id:
+                self.notice = None
+                self.dense.stop()
             if self._armed_for == notice_id:
                 self._armed_for = None
                 self.timer.cancel()
                 clear_termination_message()
+            if share and notice_id in self._published:  # armed or not (replaced by an earlier one)
+                self._published.discard(notice_id)
+                with contextlib.suppress(Exception):
+                    self.claims().withdraw(notice_id)
+                    self._publish_own()  # the notice it kept out of the store goes in its place
+
+    def _publish_own(self) -> None:
+        """Under `_arming`: publishes the armed notice when this rank's Guard or signal armed it
+        (one learned from the store may have been withdrawn there since its rank read it)."""
+        notice = self.notice
+        if notice is not None and self._armed_for == notice.id and self._from_store != notice.id:
+            self.claims().publish(notice)
+            self._published.add(notice.id)
 
     def departing(self) -> None:
-        """See the module docstring. A departure that no boundary claim answers (a membership
-        change, a failed change's end) while a notice is armed claims the answer now: the
-        watchdog then stands down, or, when it claimed first, this call waits for good while the
-        watchdog ends the process (`claim_boundary`)."""
+        """See the module docstring. A departure that no boundary claim answered (a membership
+        change, a failed change's end) while a notice is armed claims the answer first: the
+        watchdog then stands down; when a watchdog's claim won (this rank's or a peer's), this
+        call waits for good (`claim_boundary`) while this rank's watchdog, not departed, follows
+        that claim and ends the process."""
+        with self._arming:
+            if self._armed_for is None or self._boundary_owns:
+                self._departed = True
+                return
+        self.claim_boundary()
         with self._arming:
             self._departed = True
-            contested = self._armed_for is not None and not self._boundary_owns
-        if contested:
-            self.claim_boundary()
 
     def completed(self, step: int) -> None:
         self.progress.complete(step)
@@ -241,16 +248,13 @@ class DeadlineWatchdog:
             if shared is not None:
                 self.arm(shared, from_store=True)
                 self._from_store = shared.id if self.notice is shared else None
-        elif not self._acting:
+        elif self._from_store == self.notice.id and not self._acting:
+            armed = self.notice
             shared = self.claims().shared_notice()
-            if self._from_store == self.notice.id and (shared is None or shared.id != self.notice.id):
-                self.disarm(self.notice.id, share=False)  # withdrawn by the rank that published it
+            if shared is None or shared.id != armed.id:  # withdrawn by the rank that published it
+                self.disarm(armed.id, share=False)
                 self._saw_in_store(shared)
                 return
-            self._saw_in_store(shared)
-            if self._from_store != self.notice.id and shared is None and self._armed_for == self.notice.id:
-                with contextlib.suppress(Exception):  # the notice that held the store was withdrawn
-                    self.claims().publish(self.notice)
         notice = self.notice
         if notice is None or notice.deadline is None:
             return
@@ -291,9 +295,7 @@ class DeadlineWatchdog:
 
     def _saw_in_store(self, shared: Notice | None) -> None:
         with self._arming:
-            for nid in self._withdrawn:
-                if shared is None or shared.id != nid:
-                    self._withdrawn[nid] = True
+            self._rearming.saw_in_store(shared.id if shared is not None else None)
 
     def _arm_last_resort(self, notice: Notice, deadline: float) -> bool:
         """Publishes `notice`, writes its termination message and arms the timer, all or nothing
@@ -301,13 +303,12 @@ class DeadlineWatchdog:
         the timer left the timer armed and the rank exited 84 at a withdrawn notice. False: the
         notice was withdrawn first."""
         with self._arming:
-            if self._departed or notice.id in self._withdrawn or self.notice is not notice:
+            if self._departed or notice.id in self._rearming.withdrawn or self.notice is not notice:
                 return False
             self._armed_for, self._armed_at = notice.id, time.time()
             self._leave_at = leave_by(deadline, self._armed_at)
-            if self._from_store != notice.id:  # never one learned there: its rank may have withdrawn it since
-                with contextlib.suppress(Exception):
-                    self.claims().publish(notice)
+            with contextlib.suppress(Exception):
+                self._publish_own()
             completed = self.progress.completed if self.progress.completed is not None else -1
             write_termination_message(notice.id, completed, completed, False,
                                       steps_lost=self.progress.lost_since(self.progress.durable),
@@ -371,6 +372,35 @@ class DeadlineWatchdog:
             notice = trap.peek()
             if notice is not None:
                 self.arm(notice)
+
+
+class Rearming:
+    """Which notice ids a watchdog may arm again (its caller holds its lock). A withdrawn id
+    (`withdrawn`: id -> the store has shown it gone since) is armed again when the Guard offers
+    it again (its gate acts on a withdrawn id offered again: a GPU fault read from a counter
+    that cleared and came back keeps its id), or when the store publishes it again after this
+    rank saw it gone there (a peer's Guard acts on it): never on a copy the store still held
+    from before its withdrawal. An `answered` id never again (the gate ignores it too)."""
+
+    def __init__(self) -> None:
+        self.withdrawn: dict[str, bool] = {}
+        self.answered: set[str] = set()
+
+    def may_arm(self, notice_id: str, from_store: bool) -> bool:
+        if notice_id in self.answered:
+            return False
+        seen_gone = self.withdrawn.get(notice_id)
+        if seen_gone is None:
+            return True
+        if from_store and not seen_gone:
+            return False
+        del self.withdrawn[notice_id]
+        return True
+
+    def saw_in_store(self, shared_id: str | None) -> None:
+        for nid in self.withdrawn:
+            if nid != shared_id:
+                self.withdrawn[nid] = True
 
 
 def watchdog_enabled(env: dict[str, str] | None = None) -> bool:

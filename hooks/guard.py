@@ -190,11 +190,12 @@ class Guard:
         self._trap: SignalTrap | None = None
         if install_signals:
             self._trap = SignalTrap(self.grace_seconds, (signal_module.SIGTERM, *extra_signals))
-            self._trap.install()
         self.deadline = (DeadlineWatchdog(lambda: self.adapter, self.save_margin_seconds, self._trap, self.reporter,
                                           step_seconds=lambda: self._step_seconds, concerns=self._makes_this_rank_leave,
                                           snapshot_every=self.snapshot_every).start()
                          if exit_on_drain and hard_exit and install_signals and watchdog_enabled() else None)
+        if self._trap is not None:  # after the watchdog took the wakeup fd: both see every delivery
+            self._trap.install()
         self._dense = self.deadline.dense if self.deadline is not None else None  # denser snapshots on a notice
         self._orphan_watch = OrphanWatch.from_env(self.grace_seconds)
         if self._orphan_watch is not None:
@@ -406,7 +407,8 @@ class Guard:
                 self.deadline.claim_boundary()  # blocks for good when the deadline watchdog answers it
             result = self.machine.run(step, verdict)  # a rank that leaves does not return
             if verdict.on_notice and self.deadline is not None:
-                self.deadline.answered()  # this rank stays: an in-place change answered the notice
+                agreed = result.resize or result.drain  # this rank stays: an in-place change answered it
+                self.deadline.answered(agreed.notice.id if agreed is not None and agreed.notice else None)
             return result
         dense, every = self._dense, self.snapshot_every  # dense.grid is set only while a notice is armed
         if every and self.adapter is not None and (

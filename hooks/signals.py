@@ -12,12 +12,11 @@ Contract:
   handler yet). Each path counts the deliveries it saw and only the first to see a delivery
   records it: a handler that ran (and a `take()` that consumed it) before the watchdog read its
   byte leaves nothing behind, where recording it again made a second notice, with its own id
-  and a later deadline, for a signal that came once. The counts can drift apart: the
-  interpreter runs the handler once for deliveries that arrive together (the fd gets a byte
-  for each), and a signal in the instant between the trap's installation and the watchdog
-  taking the fd has no byte. Then, for every later delivery, only the path that is behind
-  records it: late by one read of the fd, or, the wakeup fd behind, only once the main thread
-  runs Python again.
+  and a later deadline, for a signal that came once. The Guard installs the trap after the
+  watchdog took the fd, so both see every delivery from the start. The counts drift only when
+  the interpreter runs the handler once for deliveries that arrive together (the fd gets a byte
+  for each): the wakeup count is then ahead, and later deliveries are recorded when the
+  watchdog reads their bytes (at once: its thread waits on the fd), not by the handler.
 - `take()` (called from the training loop, never from the handler) turns the recorded signal
   into a `Notice(kind=drain, source="signal", deadline=received + grace_seconds)`; the id is
   stable for one delivery, so the same signal never makes two notices. `peek()` is the same

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 from datetime import timedelta
 
 import pytest
@@ -316,6 +318,25 @@ def test_a_notice_after_a_withdrawn_one_reaches_the_other_ranks():
     assert mine.shared_notice().id == "aws.spot:reclaim"
 
 
+def store_script(message: Path, body: str) -> str:
+    """A script for a subprocess (arming sets a real exit timer): the termination message at
+    `message`, a real TCPStore, this rank's claims `mine` and a peer's `theirs` on it, `now`;
+    then `body`."""
+    return textwrap.dedent(f"""
+        import json, os, time
+        from datetime import timedelta
+        os.environ["SPOTGUARD_TERMINATION_LOG"] = {str(message)!r}
+        import torch.distributed as dist
+        from spotguard.hooks.deadline_claims import LEAVE, StoreClaims
+        from spotguard.hooks.deadline_watchdog import DeadlineWatchdog
+        from spotguard.hooks.termination_message import write_termination_message
+        from spotguard.wire.notice import Notice, now_utc
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+        mine, theirs = StoreClaims(store, 0, 2), StoreClaims(store, 1, 2)
+        now = now_utc()
+    """) + textwrap.dedent(body)
+
+
 def test_a_withdrawn_notice_that_comes_back_is_armed_again_and_a_stale_copy_is_not(tmp_path):
     """A GPU fault read from a counter clears (withdrawn) and comes back with the same id. The
     Guard's gate acts on it again, so the watchdog arms it again: when the store publishes it
@@ -324,19 +345,9 @@ def test_a_withdrawn_notice_that_comes_back_is_armed_again_and_a_stale_copy_is_n
     last resort and the other ranks could not persist with its rank. A real TCPStore; the
     watchdog's thread is not started, so the test decides when it looks."""
     message = tmp_path / "termination-log"
-    script = textwrap.dedent(f"""
-        import os
-        from datetime import timedelta
-        os.environ["SPOTGUARD_TERMINATION_LOG"] = {str(message)!r}
-        import torch.distributed as dist
-        from spotguard.hooks.deadline_claims import StoreClaims
-        from spotguard.hooks.deadline_watchdog import DeadlineWatchdog
-        from spotguard.wire.notice import Notice, now_utc
-        store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
-        mine, theirs = StoreClaims(store, 0, 2), StoreClaims(store, 1, 2)
+    script = store_script(message, f"""
         watchdog = DeadlineWatchdog(lambda: None, 1.0, claims=lambda: mine)
         watchdog.completed(5)  # new work, no snapshot: it waits for the latest safe moment, minutes away
-        now = now_utc()
         fault = Notice(id="gpu:xid-79", kind="gpu-fault", source="gpu", node="n1", detected_at=now,
                        deadline=now + timedelta(seconds=600))
         def armed():
@@ -384,24 +395,12 @@ def test_the_store_holds_the_notices_this_rank_acts_on_and_none_it_withdrew(tmp_
     3. a departing rank with an armed notice claims the answer (the watchdog stands down), and
        a withdrawal after its account neither erases it nor disarms its last resort."""
     message = tmp_path / "termination-log"
-    script = textwrap.dedent(f"""
-        import json, os
-        from datetime import timedelta
-        os.environ["SPOTGUARD_TERMINATION_LOG"] = {str(message)!r}
-        import torch.distributed as dist
-        from spotguard.hooks.deadline_claims import StoreClaims
-        from spotguard.hooks.deadline_watchdog import DeadlineWatchdog
-        from spotguard.hooks.termination_message import write_termination_message
-        from spotguard.wire.notice import Notice, now_utc
-        now = now_utc()
+    script = store_script(message, f"""
         def notice(nid, seconds):
             return Notice(id=nid, kind="reclaim", source="aws.spot", node="n1", detected_at=now,
                           deadline=now + timedelta(seconds=seconds))
         def text():
             return open({str(message)!r}).read() if os.path.exists({str(message)!r}) else ""
-        store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
-        theirs = StoreClaims(store, 1, 2)
-
         class WithdrawnAfterRead(StoreClaims):
             def shared_notice(self):
                 shared = super().shared_notice()
@@ -447,6 +446,36 @@ def test_the_store_holds_the_notices_this_rank_acts_on_and_none_it_withdrew(tmp_
     """)
     result = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
     assert result.returncode == 7, result.stderr[-3000:]
+
+
+def test_a_departure_that_loses_the_claim_to_a_peers_watchdog_leaves_by_that_claim(tmp_path):
+    """A rank departs without a boundary claim (a membership change) while its watchdog holds a
+    notice, and a peer's watchdog has already claimed LEAVE: the departure waits, and this rank's
+    watchdog follows the peer's claim and ends the process with 83 and its account at once. It
+    used to stop the watchdog first: nothing acted, and the last-resort timer ended the process
+    with 84 at the notice's latest exit. A real TCPStore; the watchdog's thread runs."""
+    message = tmp_path / "termination-log"
+    script = store_script(message, """
+        watchdog = DeadlineWatchdog(lambda: None, 1.0, claims=lambda: mine)
+        watchdog.completed(5)
+        watchdog.resumed(6)  # step 5 is durable: nothing new to save
+        watchdog.arm(Notice(id="aws.spot:held", kind="reclaim", source="aws.spot", node="n1", detected_at=now,
+                            deadline=now + timedelta(seconds=20)))
+        watchdog._look()  # armed: its timer would end the process with 84 about 19 s from now
+        assert theirs.claim(LEAVE) == LEAVE  # a peer's watchdog claimed first
+        watchdog._sleep(0)  # the arm's wake-up read: the thread's first look comes a poll after the departure
+        watchdog.start()
+        watchdog.departing()  # waits for good; the watchdog's thread ends the process
+        os._exit(9)
+    """)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    took = time.monotonic() - started
+    assert result.returncode == 83, result.stderr[-3000:]
+    account = json.loads(message.read_text())
+    assert (account["notice_id"], account["saved_by"], account["checkpoint"]) == (
+        "aws.spot:held", "nothing-new", "durable"), account
+    assert took < 15, took  # not the timer's 84 at about 19 s
 
 
 @pytest.mark.parametrize("steps, expected", [(0, 83), (1, -signal.SIGTERM)])

@@ -29,10 +29,10 @@ from spotguard.wire.notice import Kind, Notice, now_utc
 def trapped():
     """A trap installed on SIGUSR1 and a watchdog holding the wakeup fd (thread not started)."""
     trap = SignalTrap(30.0, (signal.SIGUSR1,), node="n1")
-    trap.install()
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     claims = StoreClaims(store, 0, 2)  # the store a peer's watchdog publishes its notice in
     watchdog = DeadlineWatchdog(lambda: None, 1.0, trap, claims=lambda: claims)
+    trap.install()  # as the Guard does: after the watchdog took the wakeup fd
     assert watchdog._signal_fd is not None, "another wakeup fd holder: the test would prove nothing"
     yield trap, watchdog, claims
     watchdog.close()
