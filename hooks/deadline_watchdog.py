@@ -29,7 +29,7 @@ Contract (`DeadlineWatchdog`, made and driven by the Guard):
   path never ends.
 - `claim_boundary()` (main thread, at an agreed step on a notice): True when the agreed save may
   run; when a watchdog claimed first, the main thread waits here while the watchdog leaves.
-  `answered(notice_id)`: that agreed step answered the notice and this rank stays (an in-place
+  `answered(agreed)`: that agreed step answered the notice and this rank stays (an in-place
   change's survivor): the notice is disarmed for good.
 - `departing()`: this rank's departure (`hooks/machine/departure.py`) is about to write its own
   account: from then on the watchdog arms nothing, acts on nothing and neither writes nor
@@ -134,13 +134,13 @@ class DeadlineWatchdog:
         self.notice = notice
         os.write(self._wake_w, b"a")
 
-    def answered(self, notice_id: str | None = None) -> None:
-        """The agreed step answered notice `notice_id` (None: the one armed now) and this rank stays
+    def answered(self, agreed: Notice | None = None) -> None:
+        """The agreed step answered notice `agreed` (None: the one armed now) and this rank stays
         (an in-place change): as `disarm`, and never armed again (the Guard's gate ignores an
         answered id too)."""
         self._boundary_owns = False
-        notice = self.notice
-        notice_id = notice_id if notice_id is not None else notice.id if notice is not None else None
+        notice = agreed if agreed is not None else self.notice
+        notice_id = notice.id if notice is not None else None
         if notice_id is not None:
             with self._arming:
                 self._rearming.answered.add(notice_id)

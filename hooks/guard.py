@@ -377,10 +377,10 @@ class Guard:
         if self.deadline is not None:
             self.deadline.disarm(notice_id)
         for where in self.gate.withdraw(notice_id):
-            if where == "held":
-                log.warning("notice %s withdrawn while held: training continues", notice_id)
-            else:
-                log.warning("notice %s withdrawn before the ranks agreed on it: training continues", notice_id)
+            log.warning("notice %s withdrawn %s: training continues", notice_id,
+                        "while held" if where == "held" else "before the ranks agreed on it")
+        if self.deadline is not None and self.gate.pending is not None:
+            self.deadline.arm(self.gate.pending)  # the notice that waited behind it
 
     # ---- the step boundary ----------------------------------------------------------------
     def step(self, step: int) -> StepResult:
@@ -407,8 +407,7 @@ class Guard:
                 self.deadline.claim_boundary()  # blocks for good when the deadline watchdog answers it
             result = self.machine.run(step, verdict)  # a rank that leaves does not return
             if verdict.on_notice and self.deadline is not None:
-                agreed = result.resize or result.drain  # this rank stays: an in-place change answered it
-                self.deadline.answered(agreed.notice.id if agreed is not None and agreed.notice else None)
+                self.deadline.answered(getattr(result.resize or result.drain, "notice", None))  # this rank stays
             return result
         dense, every = self._dense, self.snapshot_every  # dense.grid is set only while a notice is armed
         if every and self.adapter is not None and (

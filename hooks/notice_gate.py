@@ -16,13 +16,16 @@ Contract:
   until `release_due` reaches that time, or a withdrawal drops it; every copy offered again is
   asked again and its release time never moves later: a copy for which `hold` gives None, e.g.
   no replacement is coming any more, is acted on; a notice the horizon releases is asked too);
-  ACT otherwise: it becomes `pending` when nothing is pending, when it updates the pending
-  notice (same id), or when its deadline is earlier (no deadline counts as infinitely late).
+  ACT otherwise: it joins the notices to act on (a copy with the same id replaces the one kept),
+  and `pending` is the most urgent of them: the earliest deadline (no deadline counts as
+  infinitely late; a tie keeps the one that came first). The others wait behind it: withdrawn,
+  the next becomes `pending` (a later notice dropped then would never come again: the stream
+  sends a notice once).
 - `release_due(now)` offers the held notices whose deadline has come within the horizon, or
   whose hold's release time has come (those are acted on, never held again), and returns them.
-- `withdraw(notice_id)` drops a held or pending notice (one the ranks have not agreed on yet);
-  it returns where it was found ("held", "pending"; empty when nowhere).
-- `answered(notice_id)` marks an id answered and clears it when pending.
+- `withdraw(notice_id)` drops a held notice or one to act on (the ranks have not agreed on it
+  yet); it returns where it was found ("held", "pending"; empty when nowhere).
+- `answered(notice_id)` marks an id answered and drops it from the notices to act on.
 """
 from __future__ import annotations
 
@@ -71,7 +74,8 @@ class NoticeGate:
         self.horizon_seconds = horizon_seconds
         self.hold = hold
         self._lock = threading.Lock()
-        self._pending: Notice | None = None
+        self._acting: dict[str, Notice] = {}  # the notices to act on, in the order they came
+        self._pending: Notice | None = None  # the most urgent of them
         self._held: dict[str, Notice] = {}
         self._release: dict[str, float] = {}  # id -> release time of a notice held for its replacement
         self._answered: set[str] = set()
@@ -114,9 +118,8 @@ class NoticeGate:
                     return Decision(Action.HOLD, "replacement", left, release)
             self._held.pop(notice.id, None)
             self._release.pop(notice.id, None)
-            current = self._pending
-            if current is None or current.id == notice.id or deadline_ts(notice) < deadline_ts(current):
-                self._pending = notice
+            self._acting[notice.id] = notice
+            self._settle()
         return Decision(Action.ACT, "", left)
 
     def release_due(self, now: datetime) -> list[Notice]:
@@ -136,13 +139,17 @@ class NoticeGate:
             self._release.pop(notice_id, None)
             if self._held.pop(notice_id, None) is not None:
                 found.append("held")
-            if self._pending is not None and self._pending.id == notice_id:
-                self._pending = None
+            if self._acting.pop(notice_id, None) is not None:
+                self._settle()
                 found.append("pending")
         return tuple(found)
 
     def answered(self, notice_id: str) -> None:
         self._answered.add(notice_id)
         with self._lock:
-            if self._pending is not None and self._pending.id == notice_id:
-                self._pending = None
+            if self._acting.pop(notice_id, None) is not None:
+                self._settle()
+
+    def _settle(self) -> None:
+        """Under the lock: `pending` is the most urgent notice to act on (a tie: the first)."""
+        self._pending = min(self._acting.values(), key=deadline_ts, default=None)

@@ -62,8 +62,28 @@ def test_gate_keeps_the_most_urgent_notice():
     assert gate.pending.id == "soon"
     gate.offer(notice("none", seconds=None), NOW)  # no deadline: the least urgent of all
     assert gate.pending.id == "soon"
-    gate.offer(notice("soon", seconds=110), NOW)  # an update of the pending notice replaces it
-    assert gate.pending.deadline == NOW + timedelta(seconds=110)
+    gate.offer(notice("soon", seconds=110), NOW)  # an update replaces it: "late" is now the most urgent
+    assert gate.pending.id == "late"
+    gate.withdraw("late")
+    gate.withdraw("later")
+    assert (gate.pending.id, gate.pending.deadline) == ("soon", NOW + timedelta(seconds=110))
+
+
+def test_gate_a_later_notice_waits_behind_the_pending_one_and_follows_it():
+    """Two notices to act on (a reclaim, then a maintenance due later, on the same node): the
+    earlier is withdrawn, or answered by a change this rank stays through, and the later one is
+    pending next. It was dropped when it came: the stream sends a notice once, so it never came
+    back, and its deadline passed unanswered."""
+    gate = NoticeGate()
+    gate.offer(notice("reclaim", seconds=30), NOW)
+    gate.offer(notice("maintenance", seconds=100, kind="maintenance"), NOW)
+    gate.offer(notice("gpu", seconds=110, kind="gpu-fault"), NOW)
+    assert gate.pending.id == "reclaim"
+    assert gate.withdraw("reclaim") == ("pending",)
+    assert gate.pending.id == "maintenance"
+    gate.answered("maintenance")
+    assert gate.pending.id == "gpu"
+    assert gate.withdraw("gpu") == ("pending",) and gate.pending is None
 
 
 def test_gate_holds_beyond_the_horizon_and_releases_when_due():
