@@ -84,9 +84,9 @@ class DeadlineWatchdog:
     def __init__(self, adapter: Callable[[], Any], margin: float, trap: SignalTrap | None = None,
                  reporter: HookReporter | None = None, claims: Callable[[], Claims] | None = None,
                  step_seconds: Callable[[], float] = lambda: 0.0, concerns: Callable[[Notice], bool] = lambda n: True,
-                 snapshot_every: int = 0):
+                 snapshot_every: int = 0, answered: Callable[[str], bool] = lambda notice_id: False):
         self.adapter, self.margin, self.trap, self.step_seconds = adapter, margin, trap, step_seconds
-        self.concerns, self.snapshot_every = concerns, snapshot_every
+        self.concerns, self.snapshot_every, self.is_answered = concerns, snapshot_every, answered
         self.progress = Progress()
         self.timer = ExitTimer()
         self._claims_for = claims or StoreClaims.for_default_group
@@ -122,7 +122,7 @@ class DeadlineWatchdog:
     # ---- what the Guard tells it ------------------------------------------------------------------
     def arm(self, notice: Notice, *, from_store: bool = False) -> None:
         current = self.notice
-        if notice.deadline is None or not self.concerns(notice):
+        if notice.deadline is None or not self.concerns(notice) or self.is_answered(notice.id):
             return
         with self._arming:
             if not self._rearming.may_arm(notice.id, from_store):
@@ -136,21 +136,18 @@ class DeadlineWatchdog:
 
     def answered(self, agreed: Notice | None = None) -> None:
         """The agreed step answered notice `agreed` (None: the one armed now) and this rank stays
-        (an in-place change): as `disarm`, and never armed again (the Guard's gate ignores an
-        answered id too)."""
+        (an in-place change): as `disarm`; never armed again, as the Guard's gate, which `answered`
+        (the constructor's) asks, marked it answered."""
         self._boundary_owns = False
         notice = agreed if agreed is not None else self.notice
-        notice_id = notice.id if notice is not None else None
-        if notice_id is not None:
-            with self._arming:
-                self._rearming.answered.add(notice_id)
-            self.disarm(notice_id, share=False)
+        if notice is not None:
+            self.disarm(notice.id, share=False)
 
     def disarm(self, notice_id: str, share: bool = True) -> None:
         """A withdrawn notice: no last-resort exit, no termination message (unless the watchdog
         acts on it already: the rank is leaving then); `share`: withdrawn from the store too."""
         with self._arming:
-            self._rearming.withdrawn[notice_id] = False
+            self._rearming.withdraw(notice_id)
             if self._acting or self._departed:
                 return
             if self.notice is not None and self.notice.id == notice_id:
@@ -303,7 +300,7 @@ class DeadlineWatchdog:
         the timer left the timer armed and the rank exited 84 at a withdrawn notice. False: the
         notice was withdrawn first."""
         with self._arming:
-            if self._departed or notice.id in self._rearming.withdrawn or self.notice is not notice:
+            if self._departed or self._rearming.is_withdrawn(notice.id) or self.notice is not notice:
                 return False
             self._armed_for, self._armed_at = notice.id, time.time()
             self._leave_at = leave_by(deadline, self._armed_at)
@@ -380,15 +377,18 @@ class Rearming:
     it again (its gate acts on a withdrawn id offered again: a GPU fault read from a counter
     that cleared and came back keeps its id), or when the store publishes it again after this
     rank saw it gone there (a peer's Guard acts on it): never on a copy the store still held
-    from before its withdrawal. An `answered` id never again (the gate ignores it too)."""
+    from before its withdrawal. (An answered id: the Guard's gate says, `answered`.)"""
 
     def __init__(self) -> None:
         self.withdrawn: dict[str, bool] = {}
-        self.answered: set[str] = set()
+
+    def withdraw(self, notice_id: str) -> None:
+        self.withdrawn[notice_id] = False
+
+    def is_withdrawn(self, notice_id: str) -> bool:
+        return notice_id in self.withdrawn
 
     def may_arm(self, notice_id: str, from_store: bool) -> bool:
-        if notice_id in self.answered:
-            return False
         seen_gone = self.withdrawn.get(notice_id)
         if seen_gone is None:
             return True

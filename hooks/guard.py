@@ -192,7 +192,7 @@ class Guard:
             self._trap = SignalTrap(self.grace_seconds, (signal_module.SIGTERM, *extra_signals))
         self.deadline = (DeadlineWatchdog(lambda: self.adapter, self.save_margin_seconds, self._trap, self.reporter,
                                           step_seconds=lambda: self._step_seconds, concerns=self._makes_this_rank_leave,
-                                          snapshot_every=self.snapshot_every).start()
+                                          snapshot_every=self.snapshot_every, answered=self.gate.is_answered).start()
                          if exit_on_drain and hard_exit and install_signals and watchdog_enabled() else None)
         if self._trap is not None:  # after the watchdog took the wakeup fd: both see every delivery
             self._trap.install()

@@ -25,7 +25,8 @@ Contract:
   whose hold's release time has come (those are acted on, never held again), and returns them.
 - `withdraw(notice_id)` drops a held notice or one to act on (the ranks have not agreed on it
   yet); it returns where it was found ("held", "pending"; empty when nowhere).
-- `answered(notice_id)` marks an id answered and drops it from the notices to act on.
+- `answered(notice_id)` marks an id answered and drops it from the notices to act on;
+  `is_answered(notice_id)` says whether it was (the deadline watchdog asks the same).
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ class NoticeGate:
         reading = notice_policy.read(notice, now, horizon_seconds=self.horizon_seconds, departing=self.act_on)
         if reading.meaning is notice_policy.Meaning.ADVICE:
             return Decision(Action.IGNORE, reading.why)
-        if notice.id in self._answered:
+        if self.is_answered(notice.id):
             return Decision(Action.IGNORE, "answered")
         left = notice.seconds_left(now)
         release = self.hold(notice, now) if may_hold and self.hold is not None else None
@@ -143,6 +144,10 @@ class NoticeGate:
                 self._settle()
                 found.append("pending")
         return tuple(found)
+
+    def is_answered(self, notice_id: str) -> bool:
+        """Whether an agreed step answered `notice_id` (the deadline watchdog asks too)."""
+        return notice_id in self._answered
 
     def answered(self, notice_id: str) -> None:
         self._answered.add(notice_id)

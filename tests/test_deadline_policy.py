@@ -346,7 +346,9 @@ def test_a_withdrawn_notice_that_comes_back_is_armed_again_and_a_stale_copy_is_n
     watchdog's thread is not started, so the test decides when it looks."""
     message = tmp_path / "termination-log"
     script = store_script(message, f"""
-        watchdog = DeadlineWatchdog(lambda: None, 1.0, claims=lambda: mine)
+        from spotguard.hooks.notice_gate import NoticeGate
+        gate = NoticeGate()  # the Guard's: its answered ids are never armed
+        watchdog = DeadlineWatchdog(lambda: None, 1.0, claims=lambda: mine, answered=gate.is_answered)
         watchdog.completed(5)  # new work, no snapshot: it waits for the latest safe moment, minutes away
         fault = Notice(id="gpu:xid-79", kind="gpu-fault", source="gpu", node="n1", detected_at=now,
                        deadline=now + timedelta(seconds=600))
@@ -372,7 +374,8 @@ def test_a_withdrawn_notice_that_comes_back_is_armed_again_and_a_stale_copy_is_n
         assert not armed() and mine.shared_notice() is None
         watchdog.arm(fault)
         assert armed(), "a notice offered again was not armed again"
-        watchdog.answered()  # an in-place change answered it here: never again, as the gate ignores it
+        gate.answered(fault.id)  # an in-place change answered it here (the checkpoint marks the gate)
+        watchdog.answered(fault)  # and this rank stays: never again, as the gate ignores it
         theirs.publish(fault)
         watchdog._look()
         watchdog.arm(fault)
