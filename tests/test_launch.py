@@ -192,7 +192,10 @@ def test_workers_get_sigterm_when_the_launcher_dies(tmp_path):
         launch.proc.kill()
         launch.proc.wait(TIMEOUT)
         wait_for(lambda: launch.signals(0) and launch.signals(1), "the parent-death signal")
-        assert launch.signals(0) == launch.signals(1) == ["SIGTERM"]
+        # SIGTERM, and nothing else; possibly more than once: the kernel sends the parent-death
+        # signal at each reparenting, and a killed launcher's threads exit one by one, so a worker
+        # can be handed to a sibling thread (one SIGTERM) before init (another)
+        assert {*launch.signals(0)} == {*launch.signals(1)} == {"SIGTERM"}, (launch.signals(0), launch.signals(1))
 
 
 @pytest.mark.parametrize("session", [[], ["--same-session"]], ids=["own-session", "same-session"])
