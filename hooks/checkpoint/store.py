@@ -42,6 +42,7 @@ from typing import Any
 from spotguard.config import ConfigError, positive_int
 
 from . import fsutil
+from .direct_file import direct_io_enabled
 from .derived import DerivedCopies, derived_areas
 from .locks import WriterLock, live_tags_reaping_dead, store_lock
 from .manifest import (LATEST, MANIFEST, MANIFEST_VERSION, PENDING_PREFIX, REPLACED_PREFIX, TAG_RE, TRASH_PREFIX,
@@ -103,6 +104,7 @@ class CheckpointStore(Store):
     def __init__(self, root: str | os.PathLike, keep_last: int = 3, *, clean: bool = True,
                  on_part: PartFinished | None = None):
         self.keep_last = positive_int("keep_last", keep_last)
+        direct_io_enabled()  # SPOTGUARD_DIRECT_IO checked now, not at the first save
         if not str(root):
             raise ConfigError("checkpoint_root", "must not be empty")
         self._root = Path(root).absolute()

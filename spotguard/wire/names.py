@@ -101,6 +101,7 @@ MEMBERSHIP_SOURCE = "spotguard.membership"  # source of the Guard's internal not
 ANN_IN_PLACE = PREFIX + "in-place"  # "true": the elastic policy changes membership in place
 ANN_START_AT_MIN = PREFIX + "start-at-min"  # "true": an in-place job starts once min-replicas pods are Ready
 ENV_START_AT_MIN = "SPOTGUARD_START_AT_MIN"  # "1": the first group is the supervisor's first membership
+ENV_DIRECT_IO = "SPOTGUARD_DIRECT_IO"  # "0": checkpoint files go through the page cache (default: O_DIRECT)
 RDZV_PORT = 29411  # default rendezvous port of a training pod
 
 # ---- Exit codes of a rank that drained after a notice (docs/protocols.md, "Guard") -----------
