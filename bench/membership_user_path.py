@@ -25,9 +25,10 @@ stopped. Every survivor's RSS is sampled from outside every `--period` seconds (
   its start to its first step completed, less the median step of the relaunched job: a lower
   bound of the restart path (its drain's checkpoint and exit are not counted). Goal: change /
   relaunch <= 0.2.
-The change's phases on the slowest survivor (its Guard's record: agreed, decided, checkpointed,
-handover beside the write, durable, left, formed, rebuilt, transferred, committed) and the load of
-the machine (1-minute load average, cores) are printed with the figures.
+The change's phases on the slowest survivor, in the order reached (its Guard's record: agreed,
+decided, checkpointed, handover beside the write, left, formed, rebuilt, transferred, then durable:
+the checkpoint commits through the old formation's store while the survivors re-form; committed)
+and the load of the machine (1-minute load average, cores) are printed with the figures.
 """
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ Contract:
   (`leave()`), forms the new default group of the rendezvous backend at `prefix` on the store at
   `store_address` (served by this process for rank 0), then its control groups; raises
   `ReformError` when it is not complete within `timeout`. Only an in-place session (made with a
-  `Rendezvous`) re-forms.
+  `Rendezvous`) re-forms. `meeting` is then (store_address, prefix) until the formation is left:
+  where a save that must outlive the group coordinates (`machine.checkpoint`).
 - `leave()`: this formation's groups are gone, without a last agreement (NCCL: the stream
   synchronised and the communicators aborted; gloo: destroyed). Idempotent; a rank that failed
   its part never votes again after it. Safe to call from another thread.
@@ -97,6 +98,7 @@ class GroupSession:
         self.state_received = False  # a joiner received its state from a live peer
         self._torch_default: timedelta | None = None  # torch's own default while a bound replaces it
         self._formation: tuple[Any, ControlGroups] | None = None  # (the default group, its gloo groups)
+        self.meeting: tuple[str, str] | None = None  # (store address, prefix) of the in-place formation
         self._collectives: tuple[Any, Collectives] | None = None  # (the group they run on, the collectives)
         self._lock = threading.Lock()
 
@@ -173,13 +175,14 @@ class GroupSession:
             raise ReformError(f"forming {prefix} (rank {rank} of {world_size}) on {store_address} failed: {exc}") \
                 from exc
         rendezvous.mark_live(prefix if rank == 0 else None)
+        self.meeting = (store_address, prefix)
 
     def leave(self) -> None:
         """See the module docstring."""
         import torch.distributed as dist
 
         with self._lock:
-            self._formation, self._collectives = None, None
+            self._formation, self._collectives, self.meeting = None, None, None
             if not (dist.is_available() and dist.is_initialized()):
                 return
             if self.rendezvous is not None and self.rendezvous.backend == "nccl":

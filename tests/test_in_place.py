@@ -47,6 +47,7 @@ class ShrinkThenGrow:
 
 RELAUNCHED = ("fsdp2", "deepspeed", "deepspeed-offload", "deepspeed-bf16")  # checked against a real relaunch
 SHARDED = RELAUNCHED  # a rank's share of the state changes with the world size
+AHEAD = ("ddp", "fsdp2")  # TorchDCPAdapter: a shrink's checkpoint commits through the old store (writes_over_channel)
 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp2", "deepspeed", "deepspeed-offload", "deepspeed-bf16"])
@@ -77,6 +78,14 @@ def test_shrink_in_place_when_the_store_host_leaves(shrink_then_grow, tmp_path):
         shrink = hosts.changes(host)[0]
         assert (shrink["outcome"], shrink["step"], shrink["world"]) == ("in-place", step, 2), shrink
         assert hosts.pid(host) == shrink["pid"] == run.pids[host]  # the same process trained on
+        phases = list(shrink["phases"])  # in the order reached
+        if hosts.mode in AHEAD:  # the survivors formed, rebuilt and received while the checkpoint committed
+            assert phases.index("left") < phases.index("formed") < phases.index("transferred") \
+                < phases.index("durable") < phases.index("committed"), phases
+        else:
+            assert phases.index("durable") < phases.index("left"), phases
+    leaver = list(hosts.changes("a")[0]["phases"])
+    assert leaver.index("durable") < leaver.index("departed") and hosts.changes("a")[0]["durable"], leaver
     assert [hosts.changes(h)[0]["new_rank"] for h in ("b", "c")] == [0, 1]
     assert checkpoint_steps(run.shrink_ckpt) == [step]  # the notice path still wrote the agreed step
     if hosts.mode in RELAUNCHED:  # a real relaunch of 2 ranks: FSDP2 reshards the 3 ranks' checkpoint as it
@@ -168,6 +177,27 @@ def test_shrink_falls_back_when_a_survivor_fails_after_forming(mode, phase, tmp_
     else:
         assert_durable(hosts, step, hosts.state("handover"))
     assert_same_state(hosts.state("save"), hosts.state("handover"))
+
+
+def test_a_leaving_store_host_that_dies_during_an_ahead_shrink_fails_the_checkpoint_on_every_survivor(tmp_path):
+    """DDP (ahead: the checkpoint commits through a's store while b and c re-form): a, the old
+    group's rank 0 serving that store, dies at the end of its hand-over. The survivors lose the
+    store mid-write: their checkpoint of the step fails alike, nothing of it becomes visible, and
+    both depart 84 after they formed the new group (no wait on a's store past the failure)."""
+    args = (*LONG, "--signal-at", "3", "--signal-node", "a")
+    env = {**FAST_FALLBACK, "FAIL_AT": "handover", "FAIL_NODE": "a", "FAIL_HOW": "exit"}
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", args, env=env) as hosts:
+        hosts.start(["a", "b", "c"])
+        codes = hosts.wait(["a", "b", "c"], timeout=240)
+    assert codes == {"a": 1, "b": 84, "c": 84}, hosts.tail()
+    changes = [hosts.changes(h)[0] for h in ("b", "c")]
+    assert [(c["outcome"], c["durable"]) for c in changes] == [("fallback", False)] * 2, changes
+    for change in changes:
+        assert "left" in change["phases"] and "NotDurable" in change["error"], change
+        assert change["phases"]["fallback"] - change["phases"]["handover"] < 2 * 3.0, change  # FAST_FALLBACK's 3 s
+    assert checkpoint_steps(hosts.ckpt) == []  # complete or invisible
+    for host in ("b", "c"):
+        assert hosts.termination(host)["checkpoint"] == "failed"
 
 
 GROW_FAULTS = {

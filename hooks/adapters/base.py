@@ -55,6 +55,7 @@ from collections.abc import Callable
 from spotguard.hooks.adapters.store import (CheckpointFailed, CheckpointInfo, PartTimes, PendingCheckpoint, Snapshot,
                                              SnapshotEngine, Store, open_store)
 from spotguard.hooks.checkpoint.commit import CollectiveCommit, Vote, reraise_interrupts
+from spotguard.hooks.checkpoint.store_channel import StoreChannel
 from spotguard.wire.notice import Notice
 
 if TYPE_CHECKING:
@@ -216,6 +217,8 @@ def checkpoint_tag(adapter: Any, step: int, reason: str) -> str:
 class StoreAdapter:
     """Base of the framework adapters; see the module docstring."""
 
+    writes_over_channel = False  # its write can coordinate through a StoreChannel (`_write_state_over`)
+
     def __init__(self, *, checkpoint_dir: str | os.PathLike | None = None, store: Store | None = None,
                  keep_last: int = 3, extra_state: Callable[[], dict[str, Any]] | None = None,
                  data: DataPosition | None = None):
@@ -271,6 +274,10 @@ class StoreAdapter:
         """This rank's files of `state`, a tree over the engine's buffers."""
         raise NotImplementedError
 
+    def _write_state_over(self, pending: PendingCheckpoint, state: Any, channel: StoreChannel) -> None:
+        """`_write_state` with its coordination through `channel`, no group (`writes_over_channel`)."""
+        raise NotImplementedError
+
     def _load(self, info: CheckpointInfo) -> None:
         raise NotImplementedError
 
@@ -297,23 +304,30 @@ class StoreAdapter:
         return snap
 
     def _persist(self, snap: Snapshot | None, step: int, reason: str, notice: Notice | None, *,
-                 snapshot: bool, failure: BaseException | None = None) -> Future:
+                 snapshot: bool, failure: BaseException | None = None, channel: StoreChannel | None = None) -> Future:
         """The engine's background persist of `snap` through the commit protocol (a Future of the
         CheckpointInfo on rank 0, None elsewhere). With `failure` (this rank could not take the
-        snapshot) every rank still runs the protocol, so all of them learn that this checkpoint failed."""
+        snapshot) every rank still runs the protocol, so all of them learn that this checkpoint failed.
+        With `channel` the ranks coordinate through it (the write and the commit), not the group:
+        everything the write needs of the group is bound now, so it may outlive the group."""
         extra = snap.extra if snap is not None else {}
+        world_size, rank, extra_metadata = self.world_size, self.rank, self._metadata_extra()
+        protocol = self._commit if channel is None else CollectiveCommit(self.store, channel)
 
         def write(pending: PendingCheckpoint) -> None:
             if failure is not None or snap is None:
-                raise CheckpointFailed(f"rank {self.rank}: no snapshot of step {step}") from failure
-            self._write_state(pending, snap.state)
+                raise CheckpointFailed(f"rank {rank}: no snapshot of step {step}") from failure
+            if channel is None:
+                self._write_state(pending, snap.state)
+            else:
+                self._write_state_over(pending, snap.state, channel)
 
         def metadata() -> dict[str, Any]:
             return {"step": step, "reason": reason, "notice_id": notice.id if notice else None,
-                    "world_size": self.world_size, "snapshot": snapshot, "extra": extra, **self._metadata_extra()}
+                    "world_size": world_size, "snapshot": snapshot, "extra": extra, **extra_metadata}
 
         def commit(_state: Any = None) -> CheckpointInfo | None:
-            info = self._commit.run(self._tag(step, reason), write, metadata, after_commit=self._after_commit)
+            info = protocol.run(self._tag(step, reason), write, metadata, after_commit=self._after_commit)
             self.last_info = info
             return info
 
@@ -321,7 +335,7 @@ class StoreAdapter:
             return self.snapshot_engine.submit(commit)
         return self.snapshot_engine.persist(snap, commit)
 
-    def _fresh(self, step: int, reason: str, notice: Notice | None) -> Future:
+    def _fresh(self, step: int, reason: str, notice: Notice | None, channel: StoreChannel | None = None) -> Future:
         """Snapshot now, persist in the background: the Future of the commit."""
         self.wait()
         try:
@@ -331,7 +345,7 @@ class StoreAdapter:
             reraise_interrupts(exc)
             log.exception("rank %d could not copy the state of step %d", self.rank, step)
             snap, failure = None, exc
-        return self._persist(snap, step, reason, notice, snapshot=False, failure=failure)
+        return self._persist(snap, step, reason, notice, snapshot=False, failure=failure, channel=channel)
 
     def prepare(self) -> None:
         """Allocates the snapshot buffers now (a copy of the current state, not a checkpoint), on
@@ -357,12 +371,14 @@ class StoreAdapter:
         self.save_seconds.append(time.monotonic() - t0)
         return info
 
-    def save_behind(self, step: int, *, reason: str = "periodic", notice: Notice | None = None) -> Future:
+    def save_behind(self, step: int, *, reason: str = "periodic", notice: Notice | None = None,
+                    channel: StoreChannel | None = None) -> Future:
         """Collective: `save`, but returns once the state is copied (the stall); the Future is done
         when the commit is (its result the CheckpointInfo; CheckpointFailed on every rank when any
-        rank failed)."""
+        rank failed). With `channel` (an adapter whose `writes_over_channel`) the write and its
+        commit coordinate through it and may outlive the current group."""
         t0 = time.monotonic()
-        future = self._fresh(step, reason, notice)
+        future = self._fresh(step, reason, notice, channel)
 
         def timed(finished: Future) -> None:
             if finished.exception() is None:
@@ -371,12 +387,14 @@ class StoreAdapter:
         future.add_done_callback(timed)
         return future
 
-    def persist_snapshot_behind(self, *, reason: str = "notice", notice: Notice | None = None) -> tuple[int, Future]:
-        """`persist_snapshot`, returning at once: (the held snapshot's step, the Future of its commit)."""
+    def persist_snapshot_behind(self, *, reason: str = "notice", notice: Notice | None = None,
+                                channel: StoreChannel | None = None) -> tuple[int, Future]:
+        """`persist_snapshot`, returning at once: (the held snapshot's step, the Future of its commit);
+        `channel` as in `save_behind`."""
         snap = self._snapshot
         if self.snapshot_step is None or snap is None or not snap.valid:
             raise CheckpointFailed("no snapshot to persist")
-        return snap.step, self._persist(snap, snap.step, reason, notice, snapshot=True)
+        return snap.step, self._persist(snap, snap.step, reason, notice, snapshot=True, channel=channel)
 
     def save_async(self, step: int, *, reason: str = "periodic") -> None:
         """Collective: copies the state now; persists and commits it in the background. The next

@@ -22,7 +22,10 @@ Contract:
   by spotguard), so a persist in flight never mixes with training's or the Guard's collectives.
   `save_async(step)` copies now and commits in the background (one in flight; the next save or
   snapshot waits for it). A notice's `save()` is the same copy, then
-  waits until the commit: durable when it returns.
+  waits until the commit: durable when it returns. An in-place change's checkpoint coordinates
+  through a `StoreChannel` on the old formation's store instead (`writes_over_channel`,
+  `checkpoint.dcp_over_channel`: DCP's protocol, the same files), so the survivors leave the old
+  group, form the new one and rebuild while it commits.
 - `gradient_carrier()` is the model when it is DDP and `piggyback` is on: the Guard then carries
   its agreement inside the model's gradient all_reduce.
 - In place (`build=` given: a function that makes a fresh `(model, optimizer)` for the CURRENT
@@ -52,6 +55,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from spotguard.hooks.adapters.base import ResizableAdapter, StoreAdapter
 from spotguard.hooks.adapters.dcp_state import StateCapture
 from spotguard.hooks.checkpoint.dcp import StoreDcpReader, StoreDcpWriter
+from spotguard.hooks.checkpoint.dcp_over_channel import save_over_channel
+from spotguard.hooks.checkpoint.store_channel import StoreChannel
 from spotguard.hooks.checkpoint.types import CheckpointInfo, PendingCheckpoint
 from spotguard.hooks.elastic.reshard_state import Shards, collect, install
 
@@ -74,6 +79,8 @@ def _shard_like(mine: Any, full: Any) -> Any:
 
 class TorchDCPAdapter(StoreAdapter, ResizableAdapter):
     """Checkpoints a DDP or FSDP2 model and its optimizer with DCP through the store."""
+
+    writes_over_channel = True  # DCP's protocol runs through a StoreChannel too (dcp_over_channel)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, piggyback: bool = True,
                  build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None, **kwargs):
@@ -132,8 +139,7 @@ class TorchDCPAdapter(StoreAdapter, ResizableAdapter):
         collectives move to the new formation's checkpoint group."""
         if self.build is None:
             raise RuntimeError("this adapter was made without build=: it cannot be resized in place")
-        self.wait()
-        self.model, self.optimizer = self.build()
+        self.model, self.optimizer = self.build()  # a write in flight reads its own snapshot, bound to its channel
         self._snapshot, self.snapshot_step = None, None
         self.prepared = False  # another shard: the buffers are re-sized at the next step boundary
         self._setup_group()
@@ -151,6 +157,9 @@ class TorchDCPAdapter(StoreAdapter, ResizableAdapter):
 
     def _write_state(self, pending: PendingCheckpoint, state: dict[str, Any]) -> None:
         dcp.save(state, storage_writer=StoreDcpWriter(pending), process_group=self._group)
+
+    def _write_state_over(self, pending: PendingCheckpoint, state: dict[str, Any], channel: StoreChannel) -> None:
+        save_over_channel(state, StoreDcpWriter(pending), channel)
 
     def _load(self, info: CheckpointInfo) -> None:
         state = self.state()

@@ -14,7 +14,8 @@ Contract:
 - `address` is "host:port" of this process's store (whether or not it serves yet).
 - `serve(timeout)`: this process's store, started on first use; `store_at(address, leader,
   timeout)`: the store a formation meets at (this process's own when it leads), a client waiting
-  at most `timeout` for it; both raise `ReformError`.
+  at most `timeout` for it; both raise `ReformError`. `open_client(address, timeout)`: a client
+  of its own (a thread that blocks on the store must not share one).
 - Liveness: once a group is formed, its leader (rank 0, which serves the store) sets `LIVE_KEY`
   (unprefixed) in its store to the group's prefix, and keeps it as long as it leads a group
   there (`mark_live(None)` removes it when this process forms a group it does not lead).
@@ -89,13 +90,7 @@ class Rendezvous:
     def store_at(self, address: str, leader: bool, timeout: float) -> Any:
         if leader:
             return self.serve(timeout)
-        from torch.distributed import TCPStore
-
-        host, port = split_address(address)
-        try:
-            client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
-        except Exception as exc:
-            raise ReformError(f"cannot reach the rendezvous store at {address}: {exc}") from exc
+        client = open_client(address, timeout)
         self._clients = [client]  # the previous formation's client goes with its group
         return client
 
@@ -110,6 +105,19 @@ class Rendezvous:
                 self._server.delete_key(LIVE_KEY)
         except Exception as exc:  # the store is this process's own: nothing should fail here
             log.warning("liveness key of %s not updated: %s", self.address, exc)
+
+
+def open_client(address: str, timeout: float) -> Any:
+    """A new client connection to the store at `address` ("host:port"), waiting at most `timeout`
+    to connect; raises `ReformError`. One client's calls wait for each other, so a thread that
+    blocks on the store (a save's channel) needs its own."""
+    from torch.distributed import TCPStore
+
+    host, port = split_address(address)
+    try:
+        return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+    except Exception as exc:
+        raise ReformError(f"cannot reach the rendezvous store at {address}: {exc}") from exc
 
 
 def live_group(address: str, timeout: float) -> str | None:

@@ -19,6 +19,14 @@ side of a shrink, a grow's survivors).
 - `abandon(limit)`: a failed walk's end (its groups may be broken): waits at most `limit` for the
   write alone, never a collective, never a hook, and records it (durable when the write's own
   commit protocol said so, on every rank alike). After `finish`, both return its `Saved`.
+With `channel` (a `StoreChannel` on the old formation's store, for an adapter whose
+`writes_over_channel`) the write and its commit run through it, never a group: the save outlives
+the group it started on. `hooks_now()` (collective, on that group, right after `start`) runs the
+`@on_reclaim` hooks and their vote while the group is there; `finish(limit, linger)` then waits
+for the write alone (its commit protocol tells every rank the same outcome) and may run after
+this rank formed another group, as may `abandon` (the same then); `linger`: how long it waits,
+after a durable write, for every rank to be done with the channel (the old formation's rank 0
+serves the store the others still read, and may be about to exit).
 A SystemExit or KeyboardInterrupt inside a save or hook propagates; anything else fails it.
 """
 from __future__ import annotations
@@ -29,6 +37,7 @@ from concurrent.futures import Future
 
 from spotguard.hooks import save_decision
 from spotguard.hooks.adapters.base import CheckpointAdapter, checkpoint_tag, done_future, reraise_interrupts
+from spotguard.hooks.checkpoint.store_channel import StoreChannel
 from spotguard.hooks.checkpoint.types import TieredStore
 from spotguard.hooks.machine.effects import Effects
 from spotguard.hooks.machine.model import Saved
@@ -40,8 +49,11 @@ log = logging.getLogger("spotguard.hooks.guard")
 class Checkpoint:
     """See the module docstring."""
 
-    def __init__(self, effects: Effects, step: int, notice: Notice, for_notice: bool):
+    def __init__(self, effects: Effects, step: int, notice: Notice, for_notice: bool,
+                 channel: StoreChannel | None = None):
         self.effects, self.step, self.notice, self.for_notice = effects, step, notice, for_notice
+        self.channel = channel
+        self._hooks_ok: bool | None = None  # the hooks' vote, when `hooks_now` ran it
         self.saved_step, self.used_snapshot = step, False
         self.started_at, self._t0 = time.time(), time.monotonic()
         self.write: Future | None = None
@@ -58,13 +70,19 @@ class Checkpoint:
             failed.set_exception(exc)
             self.write = failed
 
-    def finish(self, limit: float) -> Saved:
+    def finish(self, limit: float, linger: float = 0.0) -> Saved:
         """See the module docstring."""
         if self.saved is not None:
             return self.saved
         ok = self._written(limit)
-        if ok:
+        if ok and self._hooks_ok is None:
             ok = self.effects.collectives().all_ok(self._reclaim_hooks() if self.for_notice else True)
+        elif self._hooks_ok is not None:
+            ok = ok and self._hooks_ok
+        if self.channel is not None and ok:
+            self.channel.close(linger)
+        elif self.channel is not None:  # the write in flight gives up now instead of at each of its waits
+            self.channel.abort(f"rank {self.channel.rank} gave up on the checkpoint of step {self.saved_step}")
         self.saved = self._record(ok)
         if self.for_notice:
             extra: dict = {"steps_lost": self.step - self.saved_step, "saved_step": self.saved_step}
@@ -73,8 +91,16 @@ class Checkpoint:
             self.report("checkpoint-durable" if ok else "failed", self.saved.seconds, **extra)
         return self.saved
 
+    def hooks_now(self) -> None:
+        """Collective on the current group: the `@on_reclaim` hooks and their vote now, while the
+        write runs (for a checkpoint whose `finish` comes after this group is gone)."""
+        ok = self._reclaim_hooks() if self.for_notice else True
+        self._hooks_ok = self.effects.collectives().all_ok(ok)
+
     def abandon(self, limit: float) -> Saved:
         """See the module docstring."""
+        if self.saved is None and self._hooks_ok is not None:  # nothing left to vote on: as `finish`
+            return self.finish(limit)
         if self.saved is None:
             self.saved = self._record(self.write is not None and self._written(limit))
         return self.saved
@@ -95,14 +121,15 @@ class Checkpoint:
             if not self.effects.hooks.reclaim:
                 log.warning("notice %s: no adapter and no @on_reclaim hook, nothing was saved", notice.id)
             return step, False, done_future(lambda: None)
+        over = {"channel": self.channel} if self.channel is not None else {}
         if not self.for_notice:
-            return step, False, adapter.save_behind(step, reason="membership", notice=notice)
+            return step, False, adapter.save_behind(step, reason="membership", notice=notice, **over)
         if self._use_snapshot(adapter):
-            saved_step, write = adapter.persist_snapshot_behind(reason="notice", notice=notice)
+            saved_step, write = adapter.persist_snapshot_behind(reason="notice", notice=notice, **over)
             log.warning("deadline too close for a fresh save: persisted the in-memory snapshot of step %d "
                         "(agreed at step %d, %d steps lost)", saved_step, step, step - saved_step)
             return saved_step, True, write
-        return step, False, adapter.save_behind(step, reason="notice", notice=notice)
+        return step, False, adapter.save_behind(step, reason="notice", notice=notice, **over)
 
     def _use_snapshot(self, adapter: CheckpointAdapter) -> bool:
         """The save decision's vote; skipped (a fresh save, no collective) for an adapter whose

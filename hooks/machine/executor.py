@@ -40,7 +40,7 @@ from spotguard.hooks.step_result import CONTINUED, Happened, StepResult
 
 log = logging.getLogger("spotguard.hooks.elastic")
 
-CHANGE_ROLES = frozenset({Role.STAYING, Role.LEAVING, Role.JOINING})
+CHANGE_ROLES = frozenset({Role.STAYING, Role.STAYING_AHEAD, Role.LEAVING, Role.JOINING})
 
 
 class ChangeExpired(RuntimeError):

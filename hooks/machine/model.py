@@ -5,7 +5,8 @@ and the one record of an agreed step (what it saved, and for a change, what beca
   -> transferred -> committed -> departed, in the order `machine.table.TABLE` walks them.
   `CHANGE_PHASES` are the ones of an in-place change (what `@guard.on_resize_phase` hooks see).
 - `Role`: what a rank does at this step, decided in `decided` (the settle vote included):
-  every rank drains, it stays in the new group, it leaves, it joins a running group (in
+  every rank drains, it stays in the new group (ahead: it forms the new group while the
+  checkpoint of the agreed step commits through the old formation's store), it leaves, it joins a running group (in
   `resume()`), the membership asked nothing (settled), or its walk failed (only the departure is
   left). `Role.outcome` is where a completed walk ends, `Role.failed` where a failed one does.
 - `Outcome`: continue ("in-place": training goes on in the new group), settled, leave, fallback,
@@ -56,6 +57,7 @@ class Role(enum.Enum):
     UNDECIDED = "not decided yet"
     DRAINING = "every rank drains"
     STAYING = "stays in the new group"
+    STAYING_AHEAD = "stays in the new group, formed while its checkpoint commits"
     LEAVING = "leaves the group"
     JOINING = "joins a running group"
     SETTLED = "nothing to change"
@@ -73,9 +75,11 @@ class Role(enum.Enum):
 
 
 _SUCCESS = {Role.UNDECIDED: Outcome.DRAIN, Role.DRAINING: Outcome.DRAIN, Role.STAYING: Outcome.CONTINUE,
+            Role.STAYING_AHEAD: Outcome.CONTINUE,
             Role.LEAVING: Outcome.LEAVE, Role.JOINING: Outcome.CONTINUE, Role.SETTLED: Outcome.SETTLED,
             Role.FAILED: Outcome.FALLBACK}
 _FAILURE = {Role.UNDECIDED: Outcome.DRAIN, Role.DRAINING: Outcome.DRAIN, Role.STAYING: Outcome.FALLBACK,
+            Role.STAYING_AHEAD: Outcome.FALLBACK,
             Role.LEAVING: Outcome.LEAVE, Role.JOINING: Outcome.FALLBACK, Role.SETTLED: Outcome.DRAIN,
             Role.FAILED: Outcome.FALLBACK}
 

@@ -3,11 +3,16 @@ runs it, for every walk (a drain, either side of an in-place change, a joiner), 
 
     agreed -> decided -> checkpointed -> [handover] -> durable -> [left -> formed -> rebuilt ->
     transferred -> committed] -> departed
+    a staying rank ahead: ... handover -> left -> formed -> rebuilt -> transferred -> durable -> committed
 
 `TABLE` rows: (phase, action, who, on_error). `who` is the set of roles that run the row (the
 role is taken in `decided`): a drain walks checkpointed -> durable -> departed; a leaving rank
 checkpointed -> handover -> durable -> left -> departed; a staying rank every row of the change
-and no departure; a joiner (in `resume()`) transferred -> committed; a settled membership stops
+and no departure, `durable` after `transferred` when it is ahead (`Role.STAYING_AHEAD`: the
+adapter `writes_over_channel` and the session is in place, so the change's checkpoint coordinates
+through a `StoreChannel` on the old formation's store, not the old groups, and commits while the
+survivors leave, form, rebuild and receive: the pause is paced by the transfer, not the write);
+a joiner (in `resume()`) transferred -> committed; a settled membership stops
 after `decided`. `on_error`: `End.DEPART` (the rank's failed outcome, `Role.failed`: fallback,
 leave or drain, then the departure, the one row a failed walk still runs) or `End.RAISE` (the
 agreement's own broadcast: as any training collective; a joiner's rows raise too, it holds
@@ -31,9 +36,16 @@ What each phase does:
   waits on it once per collective) counts as failed then. It is the last collective on the old
   groups, so a leaving rank never leaves before its part is committed. A change in which someone
   leaves does not go on without a durable checkpoint (`Resize.requires_durable`): every rank
-  departs, 84; a grow goes on, not durable. The write cannot run past `left`: its commit
-  protocol runs on the old formation's checkpoint group, the only one that holds every part of
-  the agreed step.
+  departs, 84; a grow goes on, not durable. A write on the old groups cannot run past `left`:
+  its commit protocol runs on the old formation's checkpoint group, the only one that holds
+  every part of the agreed step. Ahead (a shrink only: a grow's checkpoint is its fallback),
+  the write and its commit run through the channel instead and the @on_reclaim hooks and their
+  vote run in `checkpointed`, on the old group: a leaving rank still reaches `durable` before it
+  departs (and lingers until every rank read the outcome: it may serve the store), a staying
+  rank reaches it after `transferred`, so a shrink still learns the checkpoint is durable before
+  anyone leaves for good and before the new group commits; a change whose checkpoint failed
+  departs, 84, as before. The price: a peer that dies before its part is committed now costs
+  the checkpoint while the new group forms too, not only while the old one waits for it.
 - `left` (a change): the old groups are gone (`GroupSession.leave`, no last agreement).
 - `formed` (staying): the new default group at the change's prefix (`GroupSession.reform`) on the
   first survivor's store, or on the store the membership names when its leader is a joiner.
@@ -52,12 +64,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from spotguard.hooks.adapters.base import ResizableAdapter, resizable_adapter
 from spotguard.hooks.agreement.base import Verdict
 from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, MembershipView
+from spotguard.hooks.checkpoint.store_channel import StoreChannel
+from spotguard.hooks.elastic.rendezvous import open_client
 from spotguard.hooks.elastic.transfer import HeldState, hand_over, load, receive
 from spotguard.hooks.group_session import GroupSession
 from spotguard.hooks.machine.checkpoint import Checkpoint
@@ -101,6 +115,7 @@ class Walk:
     checkpoint: Checkpoint | None = None
     held: HeldState | None = None
     store: str = ""  # "host:port" of the new group's leader's store
+    ahead: bool = False  # the change's checkpoint commits through the old formation's store (`writes_ahead`)
     limit: float = 0.0  # the seconds this row may still take: to the deadline (the executor sets it)
     peer_limit: float = 0.0  # the seconds any one wait of this row on a peer may take (likewise)
 
@@ -190,27 +205,54 @@ def take(walk: Walk, decision: Decision) -> None:
             plan.new_world_size
         record.new_rank = plan.new_rank(record.old_rank)
         record.joiners = len(plan.joining_hosts) * plan.procs_per_host
-        walk.role = Role.STAYING if record.new_rank is not None else Role.LEAVING
+        walk.ahead = writes_ahead(walk)
+        staying = Role.STAYING_AHEAD if walk.ahead else Role.STAYING
+        walk.role = staying if record.new_rank is not None else Role.LEAVING
         if notice.source == MEMBERSHIP_SOURCE and walk.view is not None:
             walk.view.adopt(change.generation)
     record.outcome = walk.role.outcome
 
 
+def writes_ahead(walk: Walk) -> bool:
+    """Whether this change's checkpoint commits through the old formation's store: a shrink (a
+    grow's checkpoint is its fallback, so it is durable before anything is risked) of an adapter
+    that `writes_over_channel`, in place. Every rank decides alike: the decision, the adapter's
+    class and the session's kind are the same on all of them."""
+    adapter = resizable_adapter(walk.adapter)
+    return (walk.resize().requires_durable and bool(getattr(adapter, "writes_over_channel", False))
+            and walk.session.meeting is not None)
+
+
+def save_estimate(walk: Walk) -> float:
+    adapter = walk.adapter
+    return (adapter.estimate_save_seconds() if adapter is not None else None) or 0.0
+
+
 def start_checkpoint(walk: Walk) -> None:
     assert walk.notice is not None
     for_notice = not isinstance(walk.decision, Resize) or walk.decision.for_notice
-    walk.checkpoint = Checkpoint(walk.effects, walk.step, walk.notice, for_notice)
+    channel = None
+    if walk.ahead:
+        assert walk.session.meeting is not None
+        address, prefix = walk.session.meeting
+        timeout = walk.session.timeouts.reform + save_estimate(walk)
+        store = dist_prefix_store(prefix, open_client(address, timeout))
+        channel = StoreChannel(store, f"spotguard/save/{walk.notice.id}/{walk.step}/", walk.record.old_rank,
+                               walk.record.old_world_size, timeout)
+    walk.checkpoint = Checkpoint(walk.effects, walk.step, walk.notice, for_notice, channel)
     walk.checkpoint.start()
+    if walk.ahead:  # on the group of the agreed step, which is gone by `durable`
+        walk.checkpoint.hooks_now()
 
 
 def finish_checkpoint(walk: Walk) -> None:
     assert walk.checkpoint is not None
-    wait = walk.limit
+    wait, linger = walk.limit, 0.0
     if walk.role is not Role.DRAINING:  # a change: one wait on a peer beyond what a save takes here
-        adapter = walk.adapter
-        estimate = adapter.estimate_save_seconds() if adapter is not None else None
-        wait = min(wait, walk.peer_limit + (estimate or 0.0))
-    saved = walk.record.saved = walk.checkpoint.finish(wait)
+        wait = min(wait, walk.peer_limit + save_estimate(walk))
+    if walk.role is not Role.STAYING_AHEAD and walk.record.old_rank == 0:  # it serves the old store and exits
+        linger = walk.peer_limit
+    saved = walk.record.saved = walk.checkpoint.finish(wait, linger)
     if not saved.durable and isinstance(walk.decision, Resize) and walk.decision.requires_durable:
         raise NotDurable(f"the checkpoint of step {walk.step} failed: every rank departs")
 
@@ -228,6 +270,12 @@ def hand_over_state(walk: Walk) -> None:
     if old_rank == first:
         rendezvous.serve(walk.session.timeouts.reform)
     walk.store = survivor_store if plan.leader_old_rank is not None else change.store
+
+
+def dist_prefix_store(prefix: str, store: Any) -> Any:
+    import torch.distributed as dist
+
+    return dist.PrefixStore(prefix, store)
 
 
 def leave_old_groups(walk: Walk) -> None:
@@ -267,10 +315,12 @@ def depart_now(walk: Walk) -> None:
 
 # ---- the table ------------------------------------------------------------------------------------
 OLD = frozenset({Role.UNDECIDED})
-SAVING = frozenset({Role.DRAINING, Role.STAYING, Role.LEAVING})
-CHANGING = frozenset({Role.STAYING, Role.LEAVING})
-STAYING = frozenset({Role.STAYING})
-NEW = frozenset({Role.STAYING, Role.JOINING})
+SAVING = frozenset({Role.DRAINING, Role.STAYING, Role.STAYING_AHEAD, Role.LEAVING})
+DURABLE_IN_OLD = frozenset({Role.DRAINING, Role.STAYING, Role.LEAVING})
+CHANGING = frozenset({Role.STAYING, Role.STAYING_AHEAD, Role.LEAVING})
+STAYING = frozenset({Role.STAYING, Role.STAYING_AHEAD})
+AHEAD = frozenset({Role.STAYING_AHEAD})
+NEW = frozenset({Role.STAYING, Role.STAYING_AHEAD, Role.JOINING})
 DEPARTING = frozenset({Role.DRAINING, Role.LEAVING, Role.FAILED})
 
 
@@ -288,11 +338,12 @@ TABLE: tuple[Row, ...] = (
     Row(Phase.DECIDED, decide_and_vote, OLD, End.DEPART),
     Row(Phase.CHECKPOINTED, start_checkpoint, SAVING, End.DEPART),
     Row(Phase.HANDOVER, hand_over_state, CHANGING, End.DEPART),  # while the write runs behind
-    Row(Phase.DURABLE, finish_checkpoint, SAVING, End.DEPART),
+    Row(Phase.DURABLE, finish_checkpoint, DURABLE_IN_OLD, End.DEPART),
     Row(Phase.LEFT, leave_old_groups, CHANGING, End.DEPART),
     Row(Phase.FORMED, form_new_group, STAYING, End.DEPART),
     Row(Phase.REBUILT, rebuild, STAYING, End.DEPART),
     Row(Phase.TRANSFERRED, transfer_state, NEW, End.DEPART),
+    Row(Phase.DURABLE, finish_checkpoint, AHEAD, End.DEPART),  # the write committed behind the new group
     Row(Phase.COMMITTED, commit, NEW, End.DEPART),
     Row(Phase.DEPARTED, depart_now, DEPARTING, End.RAISE),
 )

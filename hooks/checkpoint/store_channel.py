@@ -1,0 +1,133 @@
+"""The ranks of one save talking through a c10d store instead of a process group, so the save
+outlives the group it was started on: an in-place change's survivors leave the old group and form
+the new one while the write of the agreed step commits behind them (machine/table.py).
+
+Contract: `StoreChannel(store, prefix, rank, world_size, timeout)`; every rank of the save makes
+one with the same `prefix` (unique to the save: the agreed notice and step) and calls the same
+operations in the same order, as with collectives. Each operation is a round of keys
+`<prefix><n>/<name>/<rank>` on `store` (the old formation's store, which its leader serves for its
+process's lifetime); a wait on a peer lasts at most `timeout` seconds and raises
+`ChannelError` (so does a store that stopped answering: its host left).
+- `all_ok(ok)` and `max(values)`: the `Vote` the commit protocol (commit.py) takes.
+- `gather(payload)`: rank 0 gets every rank's bytes (in rank order), the others None;
+  `broadcast(payload)`: every rank gets rank 0's bytes. `ERROR` payloads (`error_payload`) carry
+  a rank's failure, so a failure on one rank raises on all of them instead of a timeout.
+- `close(linger)`: this rank is done with the channel; with `linger` > 0 it waits (at most
+  `linger` seconds) until every rank is, for the rank whose process serves the store and is
+  about to exit: the store must answer until its peers read their last round.
+- A failed operation breaks the channel: every later one raises at once (the ranks are out of
+  step). `abort(why)` breaks it from another thread: a wait in progress ends within `ABORT_SLICE`.
+Payloads are pickled by the callers that need objects (DCP plans, as DCP's own collectives do):
+the peers are the job's own ranks.
+"""
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+ERROR = b"\x00spotguard-error\x00"
+ABORT_SLICE = 0.25  # seconds: how soon a wait notices `abort`
+
+
+class ChannelError(RuntimeError):
+    """A peer did not answer within the channel's timeout, or the store is gone."""
+
+
+class PeerFailed(RuntimeError):
+    """A peer reported its failure through the channel."""
+
+
+def error_payload(exc: BaseException) -> bytes:
+    return ERROR + f"{type(exc).__name__}: {exc}".encode(errors="replace")
+
+
+def raise_if_error(payload: bytes, rank: int) -> bytes:
+    if payload.startswith(ERROR):
+        raise PeerFailed(f"rank {rank}: {payload[len(ERROR):].decode(errors='replace')}")
+    return payload
+
+
+class StoreChannel:
+    """See the module docstring."""
+
+    def __init__(self, store: Any, prefix: str, rank: int, world_size: int, timeout: float):
+        self.store, self.prefix = store, prefix
+        self.rank, self.world_size = rank, world_size
+        self.timeout = timedelta(seconds=max(timeout, 0.001))
+        self._round = 0
+        self._broken = ""  # why the channel failed: every later operation fails at once (peers are out of step)
+
+    # ---- the Vote of the commit protocol ----------------------------------------------------
+    def all_ok(self, ok: bool) -> bool:
+        return all(value == b"1" for value in self._exchange("ok", b"1" if ok else b"0"))
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        count = len(values)
+        rows = [struct.unpack(f"<{count}d", raw) for raw in self._exchange("max", struct.pack(f"<{count}d", *values))]
+        return [max(column) for column in zip(*rows, strict=True)] if rows else list(values)
+
+    # ---- DCP's coordination ------------------------------------------------------------------
+    def gather(self, name: str, payload: bytes) -> list[bytes] | None:
+        keys = self._next(name)
+        self._call(self.store.set, keys[self.rank], payload)
+        if self.rank != 0:
+            return None
+        return self._read(keys)
+
+    def broadcast(self, name: str, payload: bytes = b"") -> bytes:
+        keys = self._next(name)
+        if self.rank == 0:
+            self._call(self.store.set, keys[0], payload)
+            return payload
+        return self._read(keys[:1])[0]
+
+    def close(self, linger: float = 0.0) -> None:
+        """See the module docstring. Never raises: a peer that is gone cannot read anyway."""
+        try:
+            if self._call(self.store.add, f"{self.prefix}closed", 1) >= self.world_size:
+                self._call(self.store.set, f"{self.prefix}all-closed", b"1")
+            if linger > 0:
+                self._call(self.store.wait, [f"{self.prefix}all-closed"], timedelta(seconds=linger))
+        except ChannelError:
+            pass
+
+    # ---- the rounds --------------------------------------------------------------------------
+    def _next(self, name: str) -> list[str]:
+        self._round += 1
+        return [f"{self.prefix}{self._round}/{name}/{rank}" for rank in range(self.world_size)]
+
+    def _exchange(self, name: str, payload: bytes) -> list[bytes]:
+        keys = self._next(name)
+        self._call(self.store.set, keys[self.rank], payload)
+        return self._read(keys)
+
+    def _read(self, keys: list[str]) -> list[bytes]:
+        until = time.monotonic() + self.timeout.total_seconds()
+        while not self._call(self.store.check, keys):
+            left = until - time.monotonic()
+            if left <= 0:
+                self._broken = f"no answer within {self.timeout.total_seconds():.1f}s for {keys}"
+                raise ChannelError(f"save channel {self.prefix!r} (rank {self.rank} of {self.world_size}): "
+                                   f"{self._broken}")
+            try:  # in slices, so `abort` from another thread ends the wait
+                self.store.wait(keys, timedelta(seconds=min(left, ABORT_SLICE)))
+            except Exception:  # a slice's timeout; the loop's check tells the rest
+                pass
+        return [bytes(self._call(self.store.get, key)) for key in keys]
+
+    def abort(self, why: str) -> None:
+        """Every wait of this channel, in any thread, ends with `ChannelError` (at once, or within
+        `ABORT_SLICE`), and so does every later operation: this rank gave up on the save."""
+        self._broken = self._broken or why
+
+    def _call(self, operation: Any, *args: Any) -> Any:
+        if self._broken:
+            raise ChannelError(f"save channel {self.prefix!r} (rank {self.rank} of {self.world_size}): {self._broken}")
+        try:
+            return operation(*args)
+        except Exception as exc:  # c10d raises DistStoreError / RuntimeError for a timeout or a lost store
+            self._broken = f"{exc}"
+            raise ChannelError(f"save channel {self.prefix!r} (rank {self.rank} of {self.world_size}): {exc}") from exc
