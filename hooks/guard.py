@@ -268,7 +268,8 @@ class Guard:
 
     # ---- registration ---------------------------------------------------------------------
     def on_reclaim(self, fn: Callable) -> Callable:
-        """Decorator: `fn(step, notice)` runs on every rank at the agreed step (the checkpoint)."""
+        """Decorator: `fn(step, notice)` on every rank at the agreed step, on its group: after the write
+        is durable, or while it commits in an in-place shrink ahead (machine/table.py)."""
         self.hooks.reclaim.append(fn)
         return fn
 

@@ -69,6 +69,16 @@ def test_a_rank_that_never_takes_part_makes_the_others_give_up_after_the_timeout
     assert not (tmp_path / "channel" / ".metadata").exists()
 
 
+def test_a_rank_that_gives_up_before_the_first_round_fails_the_others_at_once(tmp_path):
+    """Rank 1 aborts its channel before any round (a copy that failed): ranks 0 and 2 end with
+    `PeerFailed` naming why (their channel timeout is 600 s: only the store's word ends them)."""
+    results = run(tmp_path, "early")
+    for rank in (0, 2):
+        assert not results[rank]["ok"] and "PeerFailed" in results[rank]["error"], results
+        assert "snapshot of the step failed" in results[rank]["error"], results
+    assert not (tmp_path / "channel" / ".metadata").exists()
+
+
 @pytest.mark.parametrize("payloads", [[b"1", b"1"], [b"1", b"0"]])
 def test_the_vote_over_a_store_in_one_process(payloads):
     """The channel's rounds on a real TCPStore, two ranks played by two threads."""
@@ -87,7 +97,9 @@ def test_the_vote_over_a_store_in_one_process(payloads):
         channel = StoreChannel(clients[r], "v/", r, 2, 20.0)
         answers[r] = (channel.all_ok(payloads[r] == b"1"), channel.max([float(r), -float(r)]),
                       channel.broadcast("b", b"from-0" if r == 0 else b""))
-        channel.close(linger=20.0 if r == 0 else 0.0)
+        channel.close()
+        if r == 0:
+            assert channel.wait_closed(20.0)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for thread in threads:

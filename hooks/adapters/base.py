@@ -312,22 +312,33 @@ class StoreAdapter:
         everything the write needs of the group is bound now, so it may outlive the group."""
         extra = snap.extra if snap is not None else {}
         world_size, rank, extra_metadata = self.world_size, self.rank, self._metadata_extra()
+        if channel is not None:  # a persist in flight runs on the group the caller is about to leave
+            self.snapshot_engine.wait()
         protocol = self._commit if channel is None else CollectiveCommit(self.store, channel)
 
         def write(pending: PendingCheckpoint) -> None:
-            if failure is not None or snap is None:
-                raise CheckpointFailed(f"rank {rank}: no snapshot of step {step}") from failure
-            if channel is None:
-                self._write_state(pending, snap.state)
-            else:
-                self._write_state_over(pending, snap.state, channel)
+            try:
+                if failure is not None or snap is None:
+                    raise CheckpointFailed(f"rank {rank}: no snapshot of step {step}") from failure
+                if channel is None:
+                    self._write_state(pending, snap.state)
+                else:
+                    self._write_state_over(pending, snap.state, channel)
+            except BaseException as exc:  # the peers wait in the write's rounds: they learn it now
+                if channel is not None:
+                    channel.abort(f"its part of step {step} failed: {type(exc).__name__}: {exc}")
+                raise
 
         def metadata() -> dict[str, Any]:
             return {"step": step, "reason": reason, "notice_id": notice.id if notice else None,
                     "world_size": world_size, "snapshot": snapshot, "extra": extra, **extra_metadata}
 
         def commit(_state: Any = None) -> CheckpointInfo | None:
-            info = protocol.run(self._tag(step, reason), write, metadata, after_commit=self._after_commit)
+            try:
+                info = protocol.run(self._tag(step, reason), write, metadata, after_commit=self._after_commit)
+            finally:
+                if channel is not None:  # its last round read: the store's host may go
+                    channel.close()
             self.last_info = info
             return info
 

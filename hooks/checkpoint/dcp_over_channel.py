@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from .store_channel import StoreChannel, error_payload, raise_if_error
+from .store_channel import ERROR, StoreChannel, error_payload, raise_if_error
 
 T = TypeVar("T")
 
@@ -58,8 +58,13 @@ def save_over_channel(state_dict: dict[str, Any], writer: StorageWriter, channel
 
 def _reduce_scatter(channel: StoreChannel, name: str, local: Callable[[], Any],
                     combine: Callable[[list[Any]], list[Any]]) -> Any:
-    """Every rank's `local()` to rank 0, `combine` there, each rank's element back."""
-    return pickle.loads(_coordinated(channel, name, local, combine))[channel.rank]
+    """Every rank's `local()` to rank 0, `combine` there, each rank's element back (its own only)."""
+    payloads = channel.gather(name, _attempt(local))
+    answers = None
+    if payloads is not None:
+        combined = _attempt(lambda: [pickle.dumps(plan) for plan in combine(_loaded(payloads))])
+        answers = pickle.loads(combined) if not combined.startswith(ERROR) else [combined] * channel.world_size
+    return pickle.loads(raise_if_error(channel.scatter(name + "-answer", answers), 0))
 
 
 def _all_reduce(channel: StoreChannel, name: str, local: Callable[[], Any], combine: Callable[[list[Any]], T]) -> T:
@@ -74,14 +79,20 @@ def _coordinated(channel: StoreChannel, name: str, local: Callable[[], Any],
     payloads = channel.gather(name, _attempt(local))
     answer = b""
     if payloads is not None:
-        answer = _attempt(lambda: combine([pickle.loads(raise_if_error(payload, rank))
-                                           for rank, payload in enumerate(payloads)]))
+        answer = _attempt(lambda: combine(_loaded(payloads)))
     return raise_if_error(channel.broadcast(name + "-answer", answer), 0)
+
+
+def _loaded(payloads: list[bytes]) -> list[Any]:
+    """Every rank's object; `PeerFailed` for the first rank that sent its failure instead."""
+    return [pickle.loads(raise_if_error(payload, rank)) for rank, payload in enumerate(payloads)]
 
 
 def _attempt(make: Callable[[], Any]) -> bytes:
     """`make()` pickled, or its failure as an error payload (SystemExit and KeyboardInterrupt propagate)."""
     try:
         return pickle.dumps(make())
-    except Exception as exc:
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
         return error_payload(exc)

@@ -98,12 +98,13 @@ class SequentialFile:
 
     def _drain(self, length: int) -> None:
         """Writes the bounce buffer's first `length` bytes (a whole number of blocks unless direct
-        I/O was refused); a refusal at the first write turns O_DIRECT off for this file."""
+        I/O was refused); a refusal (at the first write, or at the padded tail of a file system
+        whose direct I/O wants more than `BLOCK`) turns O_DIRECT off for this file."""
         assert self._view is not None
         try:
             _write_all(self.fd, self._view[:length])
-        except OSError as exc:
-            if exc.errno not in _REFUSED or os.lseek(self.fd, 0, os.SEEK_CUR) != 0:
+        except OSError as exc:  # a refused write wrote nothing: the same bytes again, buffered
+            if exc.errno not in _REFUSED:
                 raise
             fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             _write_all(self.fd, self._view[:length])
@@ -127,8 +128,14 @@ def sequential_file(path: Path | str, *, direct: bool | None = None) -> Iterator
         except OSError as exc:
             if exc.errno not in _REFUSED:
                 raise
-    bounce = _take() if fd >= 0 else None
-    if fd < 0:
+    bounce = None
+    if fd >= 0:
+        try:
+            bounce = _take()
+        except BaseException:
+            os.close(fd)
+            raise
+    else:
         fd = os.open(path, flags, 0o644)
     file = SequentialFile(fd, memoryview(bounce) if bounce is not None else None)
     try:
@@ -160,4 +167,5 @@ def _give_back(bounce: mmap.mmap) -> None:
         if len(_pool) < POOL_KEPT:
             _pool.append(bounce)
             return
-    bounce.close()
+    with contextlib.suppress(BufferError):  # a traceback still holds a view: the collector frees it later
+        bounce.close()

@@ -10,18 +10,21 @@ process's lifetime); a wait on a peer lasts at most `timeout` seconds and raises
 `ChannelError` (so does a store that stopped answering: its host left).
 - `all_ok(ok)` and `max(values)`: the `Vote` the commit protocol (commit.py) takes.
 - `gather(payload)`: rank 0 gets every rank's bytes (in rank order), the others None;
-  `broadcast(payload)`: every rank gets rank 0's bytes. `ERROR` payloads (`error_payload`) carry
-  a rank's failure, so a failure on one rank raises on all of them instead of a timeout.
-- `close(linger)`: this rank is done with the channel; with `linger` > 0 it waits (at most
-  `linger` seconds) until every rank is, for the rank whose process serves the store and is
-  about to exit: the store must answer until its peers read their last round.
+  `broadcast(payload)`: every rank gets rank 0's bytes; `scatter(payloads)`: each rank its own of
+  rank 0's. `ERROR` payloads (`error_payload`) carry a rank's failure, so a failure on one rank
+  raises on all of them instead of a timeout.
+- `close()`: this rank read its last round (its write thread calls it once the commit protocol
+  ended); `wait_closed(linger)`: the old formation's rank 0, which serves the store and may be
+  about to exit, waits until every rank closed, so the store answers until its peers read.
 - A failed operation breaks the channel: every later one raises at once (the ranks are out of
-  step). `abort(why)` breaks it from another thread: a wait in progress ends within `ABORT_SLICE`.
+  step). `abort(why)` breaks it from any thread (a wait in progress ends within `ABORT_SLICE`)
+  and tells the peers: their waits end with `PeerFailed`, not after the timeout.
 Payloads are pickled by the callers that need objects (DCP plans, as DCP's own collectives do):
 the peers are the job's own ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 from collections.abc import Sequence
@@ -84,15 +87,41 @@ class StoreChannel:
             return payload
         return self._read(keys[:1])[0]
 
-    def close(self, linger: float = 0.0) -> None:
-        """See the module docstring. Never raises: a peer that is gone cannot read anyway."""
+    def scatter(self, name: str, payloads: list[bytes] | None) -> bytes:
+        """Rank 0's `payloads[r]` to each rank r (the others pass None)."""
+        keys = self._next(name)
+        if self.rank == 0:
+            assert payloads is not None and len(payloads) == self.world_size
+            for key, payload in zip(keys, payloads, strict=True):
+                self._call(self.store.set, key, payload)
+            return payloads[0]
+        return self._read(keys[self.rank:self.rank + 1])[0]
+
+    def close(self) -> None:
+        """This rank is done with the channel (its last round read). Never raises."""
         try:
             if self._call(self.store.add, f"{self.prefix}closed", 1) >= self.world_size:
                 self._call(self.store.set, f"{self.prefix}all-closed", b"1")
-            if linger > 0:
-                self._call(self.store.wait, [f"{self.prefix}all-closed"], timedelta(seconds=linger))
         except ChannelError:
             pass
+
+    def wait_closed(self, linger: float) -> bool:
+        """Waits at most `linger` seconds until every rank closed; whether they did. Never raises."""
+        try:
+            self.store.wait([f"{self.prefix}all-closed"], timedelta(seconds=max(linger, 0.001)))
+            return True
+        except Exception:  # the time passed, or the store is gone: nobody is left to read
+            return False
+
+    def abort(self, why: str) -> None:
+        """This rank gives up on the save: every wait of this channel, in any thread, ends with
+        `ChannelError` (at once, or within `ABORT_SLICE`), so does every later operation, and the
+        peers' waits end with `PeerFailed` (the reason is left in the store for them)."""
+        if self._broken:
+            return
+        self._broken = why
+        with contextlib.suppress(Exception):  # best effort: a store that is gone fails their waits anyway
+            self.store.set(f"{self.prefix}failed", f"rank {self.rank}: {why}")
 
     # ---- the rounds --------------------------------------------------------------------------
     def _next(self, name: str) -> list[str]:
@@ -107,6 +136,10 @@ class StoreChannel:
     def _read(self, keys: list[str]) -> list[bytes]:
         until = time.monotonic() + self.timeout.total_seconds()
         while not self._call(self.store.check, keys):
+            if self._call(self.store.check, [f"{self.prefix}failed"]):
+                failed = bytes(self._call(self.store.get, f"{self.prefix}failed")).decode(errors="replace")
+                self._broken = f"a peer gave up: {failed}"
+                raise PeerFailed(self._broken)
             left = until - time.monotonic()
             if left <= 0:
                 self._broken = f"no answer within {self.timeout.total_seconds():.1f}s for {keys}"
@@ -117,11 +150,6 @@ class StoreChannel:
             except Exception:  # a slice's timeout; the loop's check tells the rest
                 pass
         return [bytes(self._call(self.store.get, key)) for key in keys]
-
-    def abort(self, why: str) -> None:
-        """Every wait of this channel, in any thread, ends with `ChannelError` (at once, or within
-        `ABORT_SLICE`), and so does every later operation: this rank gave up on the save."""
-        self._broken = self._broken or why
 
     def _call(self, operation: Any, *args: Any) -> Any:
         if self._broken:

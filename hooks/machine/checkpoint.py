@@ -25,8 +25,9 @@ the group it started on. `hooks_now()` (collective, on that group, right after `
 `@on_reclaim` hooks and their vote while the group is there; `finish(limit, linger)` then waits
 for the write alone (its commit protocol tells every rank the same outcome) and may run after
 this rank formed another group, as may `abandon` (the same then); `linger`: how long it waits,
-after a durable write, for every rank to be done with the channel (the old formation's rank 0
-serves the store the others still read, and may be about to exit).
+after a durable write, until every rank's write read its last round of the channel (the old
+formation's rank 0 serves the store, and may be about to exit). A write this rank gives up on
+aborts the channel: the peers' waits end at once.
 A SystemExit or KeyboardInterrupt inside a save or hook propagates; anything else fails it.
 """
 from __future__ import annotations
@@ -79,10 +80,10 @@ class Checkpoint:
             ok = self.effects.collectives().all_ok(self._reclaim_hooks() if self.for_notice else True)
         elif self._hooks_ok is not None:
             ok = ok and self._hooks_ok
-        if self.channel is not None and ok:
-            self.channel.close(linger)
-        elif self.channel is not None:  # the write in flight gives up now instead of at each of its waits
-            self.channel.abort(f"rank {self.channel.rank} gave up on the checkpoint of step {self.saved_step}")
+        if self.channel is not None and ok and linger > 0:
+            self.channel.wait_closed(linger)
+        elif self.channel is not None and not ok:  # the write in flight gives up now, and tells the peers
+            self.channel.abort(f"gave up on the checkpoint of step {self.saved_step}")
         self.saved = self._record(ok)
         if self.for_notice:
             extra: dict = {"steps_lost": self.step - self.saved_step, "saved_step": self.saved_step}
@@ -103,6 +104,8 @@ class Checkpoint:
             return self.finish(limit)
         if self.saved is None:
             self.saved = self._record(self.write is not None and self._written(limit))
+            if self.channel is not None and not self.saved.durable:
+                self.channel.abort(f"abandoned the checkpoint of step {self.saved_step}")
         return self.saved
 
     def report(self, phase: str, seconds: float, **extra: object) -> None:

@@ -87,6 +87,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("spotguard.hooks.elastic")
 
 
+LINGER_MARGIN = 2.0  # seconds of a notice the rank serving the old store keeps for its own departure
+
+
 class End(enum.Enum):
     DEPART = "the rank's failed outcome (fallback, leave, drain), then the departure"
     RAISE = "the exception propagates (the groups abandoned first)"
@@ -251,7 +254,8 @@ def finish_checkpoint(walk: Walk) -> None:
     if walk.role is not Role.DRAINING:  # a change: one wait on a peer beyond what a save takes here
         wait = min(wait, walk.peer_limit + save_estimate(walk))
     if walk.role is not Role.STAYING_AHEAD and walk.record.old_rank == 0:  # it serves the old store and exits
-        linger = walk.peer_limit
+        left = walk.notice.seconds_left() if walk.notice is not None else None
+        linger = walk.peer_limit if left is None else max(0.0, min(walk.peer_limit, left - LINGER_MARGIN))
     saved = walk.record.saved = walk.checkpoint.finish(wait, linger)
     if not saved.durable and isinstance(walk.decision, Resize) and walk.decision.requires_durable:
         raise NotDurable(f"the checkpoint of step {walk.step} failed: every rank departs")

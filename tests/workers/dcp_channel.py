@@ -7,6 +7,8 @@ saved by `dcp.save` on the group, then the group destroyed, then the same state 
 - ok: both saves; the test compares them.
 - fail: rank 1's storage writer raises in its write: every rank must raise.
 - silent: rank 2 never takes part: the others must give up after the channel's timeout.
+- early: rank 1 gives up before the first round (its copy failed): the others must learn it
+  from the store (PeerFailed), not from the timeout.
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ def main() -> None:
         dcp.save(state, storage_writer=FileSystemWriter(args.out / "group", single_file_per_rank=True),
                  process_group=dist.group.WORLD)
     dist.destroy_process_group()  # from here on there is no group: only the store
-    timeout = SILENT_TIMEOUT if args.mode == "silent" else TIMEOUT
+    timeout = SILENT_TIMEOUT if args.mode == "silent" else (600.0 if args.mode == "early" else TIMEOUT)
     channel = StoreChannel(store, "save/1/", args.rank, args.world, timeout)
     if args.mode == "silent" and args.rank == 2:
         os._exit(0)
@@ -74,13 +76,17 @@ def main() -> None:
         writer = FailingWriter(args.out / "channel", single_file_per_rank=True)
     t0 = time.monotonic()
     try:
+        if args.mode == "early" and args.rank == 1:  # as a rank whose copy failed: no round taken
+            channel.abort("its snapshot of the step failed")
         metadata = save_over_channel(state, writer, channel)
         result.update(ok=True, metadata=metadata is not None)
     except Exception as exc:
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
     result["seconds"] = time.monotonic() - t0
     (args.out / f"result-{args.rank}.json").write_text(json.dumps(result))
-    channel.close(linger=TIMEOUT if args.rank == 0 else 0.0)  # rank 0 serves the store
+    channel.close()
+    if args.rank == 0:  # it serves the store: the others read their last round first
+        channel.wait_closed(TIMEOUT)
     os._exit(0)
 
 
