@@ -108,6 +108,8 @@ def test_the_vote_over_a_store_in_one_process(payloads):
         thread.join(60)
     expected_ok = all(p == b"1" for p in payloads)
     assert answers == {r: (expected_ok, [1.0, 0.0], b"from-0") for r in (0, 1)}
+    # the rounds' keys deleted by the last to close: "closed", "all-closed" and the store's own key stay
+    assert server.num_keys() == 2 + 1
 
 
 def test_abort_ends_a_wait_in_another_thread_and_every_later_operation():

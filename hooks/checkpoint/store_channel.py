@@ -14,7 +14,8 @@ process's lifetime); a wait on a peer lasts at most `timeout` seconds and raises
   rank 0's. `ERROR` payloads (`error_payload`) carry a rank's failure, so a failure on one rank
   raises on all of them instead of a timeout.
 - `close()`: this rank read its last round (its write thread calls it once the commit protocol
-  ended); `wait_closed(linger)`: the old formation's rank 0, which serves the store and may be
+  ended); the last rank to close deletes the rounds' keys (two small keys stay);
+  `wait_closed(linger)`: the old formation's rank 0, which serves the store and may be
   about to exit, waits until every rank closed, so the store answers until its peers read.
 - A failed operation breaks the channel: every later one raises at once (the ranks are out of
   step). `abort(why)` breaks it from any thread (a wait in progress ends within `ABORT_SLICE`)
@@ -61,6 +62,7 @@ class StoreChannel:
         self.rank, self.world_size = rank, world_size
         self.timeout = timedelta(seconds=max(timeout, 0.001))
         self._round = 0
+        self._keys: list[str] = []  # every round's keys: the last rank to close deletes them
         self._broken = ""  # why the channel failed: every later operation fails at once (peers are out of step)
 
     # ---- the Vote of the commit protocol ----------------------------------------------------
@@ -102,7 +104,9 @@ class StoreChannel:
         try:
             if self._call(self.store.add, f"{self.prefix}closed", 1) >= self.world_size:
                 self._call(self.store.set, f"{self.prefix}all-closed", b"1")
-        except ChannelError:
+                for key in self._keys:  # the last to close: every rank read its rounds
+                    self.store.delete_key(key)
+        except Exception:  # a store that is gone has nothing left to read or delete
             pass
 
     def wait_closed(self, linger: float) -> bool:
@@ -126,7 +130,9 @@ class StoreChannel:
     # ---- the rounds --------------------------------------------------------------------------
     def _next(self, name: str) -> list[str]:
         self._round += 1
-        return [f"{self.prefix}{self._round}/{name}/{rank}" for rank in range(self.world_size)]
+        keys = [f"{self.prefix}{self._round}/{name}/{rank}" for rank in range(self.world_size)]
+        self._keys += keys
+        return keys
 
     def _exchange(self, name: str, payload: bytes) -> list[bytes]:
         keys = self._next(name)
