@@ -14,8 +14,9 @@ Contract, on every rank of a change:
    (`ReshardError` naming tensor and placement), or its state or the extras are not JSON, or
    `SPOTGUARD_RESHARD_BUCKET_MB` is not a positive number, every rank raises here, before any byte moved,
    and the change falls back to the checkpoint it wrote. Then each staying rank allocates its new
-   pieces and copies the rows it keeps, and the leaving ranks send their rows to the staying ranks
-   (they are gone before the new group forms), and the rows a joiner needs that only they hold
+   pieces and copies the rows it keeps (in a thread, beside the receive: the two fill disjoint
+   rows), and the leaving ranks send their rows to the staying ranks (they are gone before the
+   new group forms), and the rows a joiner needs that only they hold
    (a replacement of hosts) to the staying rank that relays them (`plan.relays`). Returns the
    `HeldState` a staying rank carries into the new group (a leaving rank drops it).
 2. `receive(collectives, adapter, held)` in the NEW group (`held` None on a joiner): the lowest
@@ -35,6 +36,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +118,9 @@ def _model_pieces(adapter: Any) -> dict[str, Any]:
             if entry["name"].startswith(("model/", "buffer/"))}
 
 
+_keepers = ThreadPoolExecutor(1, thread_name_prefix="spotguard-reshard-keep")
+
+
 def hand_over(collectives: Collectives, adapter: Any, step: int, extra: dict[str, Any], reform: Any) -> HeldState:
     """Step 1 of the module docstring (old group)."""
     if gathering(adapter):
@@ -138,13 +143,22 @@ def hand_over(collectives: Collectives, adapter: Any, step: int, extra: dict[str
     held = HeldState(step, None, extra, shards.manifest, reform.old_world_size, survivors,
                      dict(enumerate(shards.pieces)), plan=plan)
     new_rank = survivors.get(me)
+    keeping: Future | None = None
     if new_rank is not None:
         _allocate(held, new_rank, shards.device)
-        copy_keeps(plan, [k for k in plan.keeps if k.old_rank == me], held.sources, held.targets)
+        keeps = [k for k in plan.keeps if k.old_rank == me]  # rows the leavers' moves never touch: beside them
+        keeping = _keepers.submit(copy_keeps, plan, keeps, held.sources, held.targets)
     old_of = {new: old for old, new in survivors.items()}
     from_leavers = [m for m in plan.moves if plan.leaves(m.src)]
-    held.sent_bytes = run_moves(plan, from_leavers, me, lambda old: old, lambda new: old_of[new], held.sources,
-                                held.targets, bucket)
+    try:
+        held.sent_bytes = run_moves(plan, from_leavers, me, lambda old: old, lambda new: old_of[new], held.sources,
+                                    held.targets, bucket)
+    except BaseException:
+        if keeping is not None:
+            keeping.exception()  # the copy ends before its rows are given up; the moves' error is the one raised
+        raise
+    if keeping is not None:
+        keeping.result()
     if plan.relays:  # a joiner's rows that only leaving ranks hold: to a staying rank now
         entries = shards.manifest["entries"]
         held.relayed = {i: empty_piece(entries[r.tensor], r.stop - r.start, shards.device)

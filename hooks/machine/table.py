@@ -269,10 +269,10 @@ def hand_over_state(walk: Walk) -> None:
     # The first survivor (in target order) serves the new group's store unless its leader
     # is a joiner (whose store the membership names).
     first = plan.first_survivor_old_rank
+    if old_rank == first:  # listening before anyone learns the address: a refused connect backs off ~0.6 s
+        rendezvous.serve(walk.session.timeouts.reform)
     survivor_store = walk.collectives.broadcast_bytes(rendezvous.address.encode() if old_rank == first else b"",
                                                       first).decode()
-    if old_rank == first:
-        rendezvous.serve(walk.session.timeouts.reform)
     walk.store = survivor_store if plan.leader_old_rank is not None else change.store
 
 
