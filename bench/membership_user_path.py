@@ -140,7 +140,8 @@ def run_in_place(args: argparse.Namespace, root: Path) -> dict:
         sampler.join()
         codes = {"a": procs["a"].wait(timeout=args.timeout)}
         for host, pid in pids.items():  # nothing is saved after the change: stopping them loses nothing measured
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may have gone already with the store's host
+                os.kill(pid, signal.SIGKILL)
             procs[host].wait(timeout=args.timeout)
     finally:
         for proc in procs.values():
