@@ -151,6 +151,7 @@ class ScriptedCollectives(Collectives):
 
     def __init__(self, rank: int, world: int, script: Script, notice: Notice | None, hosts: tuple[str, ...]):
         self.rank, self.world_size, self.script, self.notice, self.hosts = rank, world, script, notice, hosts
+        self.rendezvous: ScriptedRendezvous | None = None
 
     def _collective(self) -> None:
         if self.script.here("peer-lost"):
@@ -159,6 +160,8 @@ class ScriptedCollectives(Collectives):
     def broadcast_bytes(self, payload: bytes, src: int) -> bytes:
         self._collective()
         if src == self.rank:
+            if self.rendezvous is not None and payload == ScriptedRendezvous.address.encode():
+                self.rendezvous.events.append(f"sent:{payload.decode()}")
             return payload
         if self.script.now == "transferred":  # a joiner: the survivor's state
             return pack(HeldState(11, {"model": {"w": 2.0}, "optim": {}}, {"data_pos": 9}))
@@ -180,8 +183,11 @@ class ScriptedCollectives(Collectives):
 class ScriptedRendezvous:
     address, backend, local_rank = "127.0.0.1:29400", "gloo", 0
 
+    def __init__(self) -> None:
+        self.events: list[str] = []  # "serve", and "sent:<address>" for a broadcast of this rank's address
+
     def serve(self, timeout: float) -> None:
-        pass
+        self.events.append("serve")
 
     def mark_live(self, prefix) -> None:
         pass
@@ -336,6 +342,7 @@ def scene(role: str, script: Script, write: Future | None = None) -> Scene:
         notice = Notice("n-1", Kind.RECLAIM, "test", "z", now_utc(), now_utc() + timedelta(seconds=60))
     session, adapter = ScriptedSession(script), ScriptedAdapter(script)
     collectives = ScriptedCollectives(rank, len(old), script, notice, after)
+    collectives.rendezvous = session.rendezvous  # type: ignore[assignment]
     view = None
     if role != "drain":
         view = MembershipView(node)
@@ -437,6 +444,9 @@ def test_a_survivor_hands_over_and_forms_on_the_first_survivors_store():
     assert made.session.formed == ("127.0.0.1:29400", "s5-2/", 0, 2)
     assert made.session.leaves == ["left"] and made.adapter.rebuilt == 1
     assert made.machine.view.hosts == ("b", "c")
+    # the first survivor listens before anyone learns where: a client refused by a store that is not
+    # listening yet backs off 0.3-0.7 s, and every rank's `formed` waited for it
+    assert made.session.rendezvous.events == ["serve", "sent:127.0.0.1:29400"]
 
 
 def test_a_grow_forms_on_the_store_the_membership_names_and_shares_the_state():
