@@ -200,6 +200,28 @@ def test_a_leaving_store_host_that_dies_during_an_ahead_shrink_fails_the_checkpo
         assert hosts.termination(host)["checkpoint"] == "failed"
 
 
+def test_a_survivor_dying_while_an_ahead_checkpoint_commits_leaves_one_truth_on_every_rank(tmp_path):
+    """DDP (ahead): c dies (exit 1, its write thread with it) once the group of b and c formed,
+    while the agreed step's checkpoint may still be committing through a's store. Whether its part
+    was committed before it died decides the checkpoint: a and b depart with the same code and
+    say the same in their termination messages, and the store holds the step complete (what the
+    old group held) or not at all."""
+    args = (*LONG, "--signal-at", "3", "--signal-node", "a")
+    env = {**FAST_FALLBACK, "FAIL_AT": "formed", "FAIL_NODE": "c", "FAIL_HOW": "exit"}
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", args, env=env) as hosts:
+        hosts.start(["a", "b", "c"])
+        codes = hosts.wait(["a", "b", "c"], timeout=240)
+    assert codes["c"] == 1 and codes["a"] == codes["b"] and codes["a"] in (83, 84), hosts.tail()
+    a, b = hosts.changes("a")[0], hosts.changes("b")[0]
+    assert (a["outcome"], b["outcome"]) == ("leave", "fallback") and a["durable"] == b["durable"], (a, b)
+    for host, change in (("a", a), ("b", b)):
+        assert hosts.termination(host)["checkpoint"] == ("durable" if change["durable"] else "failed")
+    if a["durable"]:
+        assert_durable(hosts, a["step"], hosts.state("handover"))
+    else:
+        assert checkpoint_steps(hosts.ckpt) == []
+
+
 GROW_FAULTS = {
     "joiner-dies-after-forming": ({"FAIL_AT": "formed-joiner", "FAIL_NODE": "d", "FAIL_HOW": "exit"}, True),
     "store-host-raises-at-transferred": ({"FAIL_AT": "transferred", "FAIL_NODE": "b"}, True),

@@ -8,7 +8,8 @@ operations in the same order, as with collectives. Each operation is a round of 
 `<prefix><n>/<name>/<rank>` on `store` (the old formation's store, which its leader serves for its
 process's lifetime); a wait on a peer lasts at most `timeout` seconds and raises
 `ChannelError` (so does a store that stopped answering: its host left).
-- `all_ok(ok)` and `max(values)`: the `Vote` the commit protocol (commit.py) takes.
+- `all_ok(ok)` and `max(values)`: the `Vote` the commit protocol (commit.py) takes;
+  `rank0_says(ok)`: rank 0's word on every rank (the commit's outcome).
 - `gather(payload)`: rank 0 gets every rank's bytes (in rank order), the others None;
   `broadcast(payload)`: every rank gets rank 0's bytes; `scatter(payloads)`: each rank its own of
   rank 0's. `ERROR` payloads (`error_payload`) carry a rank's failure, so a failure on one rank
@@ -73,6 +74,10 @@ class StoreChannel:
         count = len(values)
         rows = [struct.unpack(f"<{count}d", raw) for raw in self._exchange("max", struct.pack(f"<{count}d", *values))]
         return [max(column) for column in zip(*rows, strict=True)] if rows else list(values)
+
+    def rank0_says(self, ok: bool) -> bool:
+        """Rank 0's `ok` on every rank (the commit's outcome: commit.py, step 5)."""
+        return self.broadcast("rank0", b"1" if ok else b"0") == b"1"
 
     # ---- DCP's coordination ------------------------------------------------------------------
     def gather(self, name: str, payload: bytes) -> list[bytes] | None:
