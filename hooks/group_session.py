@@ -27,8 +27,9 @@ Contract:
   (`leave()`), forms the new default group of the rendezvous backend at `prefix` on the store at
   `store_address` (served by this process for rank 0), then its control groups; raises
   `ReformError` when it is not complete within `timeout`. Only an in-place session (made with a
-  `Rendezvous`) re-forms. `meeting` is then (store_address, prefix) until the formation is left:
-  where a save that must outlive the group coordinates (`machine.checkpoint`).
+  `Rendezvous`) re-forms. `meeting` is then (store_address, prefix) until the formation is left,
+  and `meeting_store(timeout)` a client of its own there, at the prefix: where a save that must
+  outlive the groups coordinates (`machine.table`).
 - `leave()`: this formation's groups are gone, without a last agreement (NCCL: the stream
   synchronised and the communicators aborted; gloo: destroyed). Idempotent; a rank that failed
   its part never votes again after it. Safe to call from another thread.
@@ -176,6 +177,18 @@ class GroupSession:
                 from exc
         rendezvous.mark_live(prefix if rank == 0 else None)
         self.meeting = (store_address, prefix)
+
+    def meeting_store(self, timeout: float) -> Any:
+        """A client of its own (connected within `timeout`) to the current formation's store, at
+        its prefix: what a save that must outlive the formation's groups coordinates through."""
+        import torch.distributed as dist
+
+        from spotguard.hooks.elastic.rendezvous import open_client
+
+        if self.meeting is None:
+            raise RuntimeError("no in-place formation: nothing to meet at")
+        address, prefix = self.meeting
+        return dist.PrefixStore(prefix, open_client(address, timeout))
 
     def leave(self) -> None:
         """See the module docstring."""

@@ -2,6 +2,7 @@
 
 Contract: every rank calls the same methods in the same order. `max(values)` is the element-wise
 maximum over the ranks; `all_ok(ok)` is True on every rank when every rank passed True;
+`rank0_says(ok)` is rank 0's `ok` on every rank;
 `broadcast_bytes(payload, src)` returns `src`'s payload on every rank; `gather_strings(value)`
 is every rank's string by rank. The base class `Collectives` (a process alone) answers with its
 own input. Collectives never destroy their group: the process's `group_session.GroupSession`
@@ -28,6 +29,11 @@ class Collectives:
 
     def all_ok(self, ok: bool) -> bool:
         return ok
+
+    def rank0_says(self, ok: bool) -> bool:
+        """Rank 0's `ok` on every rank (the others' argument is not read): an `all_ok` in which
+        only rank 0 can say no."""
+        return self.all_ok(ok if self.rank == 0 else True)
 
     def broadcast_bytes(self, payload: bytes, src: int) -> bytes:
         return payload

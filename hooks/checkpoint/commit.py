@@ -10,10 +10,10 @@ A save, on every rank of a group in the same order (`CollectiveCommit.run`):
 3. `vote.all_ok`: every rank learns whether every part is written;
 4. on rank 0, `commit_parts`, no collective: the store checks every rank's part manifest and
    commits (manifest, rename, `latest`), then `after_commit(info)` runs there;
-5. `vote.all_ok`: every rank learns the commit's outcome (a vote with `rank0_says(ok)`, the
-   store channel, takes rank 0's word alone: the commit is rank 0's, so a rank that dies after
-   step 3, while a change's survivors go on, cannot make the others report a visible checkpoint
-   as failed).
+5. `vote.rank0_says`: every rank learns the commit's outcome, rank 0's word (on a group, an
+   `all_ok` only rank 0 can say no in; through a store channel rank 0's key alone, so a rank that
+   dies after step 3, while a change's survivors go on, cannot make the others report a visible
+   checkpoint as failed).
 A failure anywhere raises `CheckpointFailed` on every rank (so no rank waits for a commit that will
 not come) and leaves the previous checkpoint the newest; a rank's part of a failed save is closed
 (the next open's cleanup removes it). SystemExit and KeyboardInterrupt propagate at once.
@@ -53,6 +53,10 @@ class Vote(Protocol):
 
     def max(self, values: Sequence[float]) -> list[float]:
         """The element-wise maximum over the ranks, on every rank."""
+        ...
+
+    def rank0_says(self, ok: bool) -> bool:
+        """Rank 0's `ok` on every rank."""
         ...
 
 
@@ -124,8 +128,7 @@ class CollectiveCommit:
                     reraise_interrupts(exc)
                     log.exception("commit of checkpoint %s failed", tag)
                     committed = False
-            learn = getattr(self.vote, "rank0_says", None)  # rank 0's word alone: a peer dead now cannot undo it
-            if not (learn(committed) if learn is not None else self.vote.all_ok(committed)):
+            if not self.vote.rank0_says(committed):
                 raise CheckpointFailed(f"checkpoint {tag}: commit failed")
             return info
         finally:

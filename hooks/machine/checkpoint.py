@@ -45,6 +45,7 @@ from spotguard.hooks.machine.model import Saved
 from spotguard.wire.notice import Notice
 
 log = logging.getLogger("spotguard.hooks.guard")
+_warned_early_hooks: list[bool] = []  # the timing of @on_reclaim in an ahead shrink is said once per process
 
 
 class Checkpoint:
@@ -76,10 +77,10 @@ class Checkpoint:
         if self.saved is not None:
             return self.saved
         ok = self._written(limit)
-        if ok and self._hooks_ok is None:
-            ok = self.effects.collectives().all_ok(self._reclaim_hooks() if self.for_notice else True)
-        elif self._hooks_ok is not None:
+        if self._hooks_ok is not None:  # voted in `hooks_now`, on the group that is gone by now
             ok = ok and self._hooks_ok
+        elif ok:
+            ok = self.effects.collectives().all_ok(self._reclaim_hooks() if self.for_notice else True)
         if self.channel is not None and ok and linger > 0:
             self.channel.wait_closed(linger)
         elif self.channel is not None and not ok:  # the write in flight gives up now, and tells the peers
@@ -95,6 +96,11 @@ class Checkpoint:
     def hooks_now(self) -> None:
         """Collective on the current group: the `@on_reclaim` hooks and their vote now, while the
         write runs (for a checkpoint whose `finish` comes after this group is gone)."""
+        if self.for_notice and self.effects.hooks.reclaim and not _warned_early_hooks:
+            _warned_early_hooks.append(True)
+            log.warning("@on_reclaim hooks run while this in-place shrink's checkpoint still commits (it outlives "
+                        "the old group, the hooks run on it); work that needs the checkpoint durable belongs in "
+                        "@on_drain (the leaving ranks) or @on_resize (the staying ones)")
         ok = self._reclaim_hooks() if self.for_notice else True
         self._hooks_ok = self.effects.collectives().all_ok(ok)
 

@@ -64,14 +64,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from spotguard.hooks.adapters.base import ResizableAdapter, resizable_adapter
 from spotguard.hooks.agreement.base import Verdict
 from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, MembershipView
 from spotguard.hooks.checkpoint.store_channel import StoreChannel
-from spotguard.hooks.elastic.rendezvous import open_client
 from spotguard.hooks.elastic.transfer import HeldState, hand_over, load, receive
 from spotguard.hooks.group_session import GroupSession
 from spotguard.hooks.machine.checkpoint import Checkpoint
@@ -236,12 +235,9 @@ def start_checkpoint(walk: Walk) -> None:
     for_notice = not isinstance(walk.decision, Resize) or walk.decision.for_notice
     channel = None
     if walk.ahead:
-        assert walk.session.meeting is not None
-        address, prefix = walk.session.meeting
         timeout = walk.session.timeouts.reform + save_estimate(walk)
-        store = dist_prefix_store(prefix, open_client(address, timeout))
-        channel = StoreChannel(store, f"spotguard/save/{walk.notice.id}/{walk.step}/", walk.record.old_rank,
-                               walk.record.old_world_size, timeout)
+        channel = StoreChannel(walk.session.meeting_store(timeout), f"spotguard/save/{walk.notice.id}/{walk.step}/",
+                               walk.record.old_rank, walk.record.old_world_size, timeout)
     walk.checkpoint = Checkpoint(walk.effects, walk.step, walk.notice, for_notice, channel)
     walk.checkpoint.start()
     if walk.ahead:  # on the group of the agreed step, which is gone by `durable`
@@ -274,12 +270,6 @@ def hand_over_state(walk: Walk) -> None:
     survivor_store = walk.collectives.broadcast_bytes(rendezvous.address.encode() if old_rank == first else b"",
                                                       first).decode()
     walk.store = survivor_store if plan.leader_old_rank is not None else change.store
-
-
-def dist_prefix_store(prefix: str, store: Any) -> Any:
-    import torch.distributed as dist
-
-    return dist.PrefixStore(prefix, store)
 
 
 def leave_old_groups(walk: Walk) -> None:
