@@ -11,14 +11,17 @@ host stays in the hostfile until the notice comes within the horizon (a timer lo
 its release; withdrawn before, the host never left); `rebalance` is only a risk and an advisory
 only information: neither departs anybody. Output,
 on every change: the hostfile is rewritten atomically (in a thread) and `on_membership(wire)`
-is called with the event data `{"v": 1, "generation", "revision", "hosts", "world_size", "departing"}`.
+is called with the event data `{"v": 1, "generation", "revision", "hosts", "world_size",
+"departing"}` and, with a membership, its other fields as the supervisor wrote them (`store`,
+`start`, `standby`, `first`, `drain`): an in-place Guard needs them to re-form or join.
 
 Rules:
 - candidate hosts: the membership's hosts in its order (all base hosts before any membership);
   a host the base does not list gets the slots the base hosts share, or is skipped (logged)
   when their slots differ;
-- kept hosts: `select_hosts` over the candidates without departing hosts, capped by the
-  membership's world_size (when > 0) and the elasticity rule; slots are never changed;
+- kept hosts: `hostfile.group_after` (the rule the in-place Guard re-forms by) over the
+  candidates without departing hosts, capped by the membership's world_size (when > 0) and the
+  elasticity rule; slots are never changed;
 - when nothing fits (e.g. fewer slots left than elasticity's min_gpus), the hostfile is left as
   it is and the event says world_size 0 with no hosts;
 - `generation` of the event is the supervisor's membership generation (0 before it wrote one),
@@ -39,7 +42,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from typing import Any
 
-from spotguard.hooks.hostfile import ElasticRule, Host, select_hosts, write_hostfile
+from spotguard.hooks.hostfile import ElasticRule, Host, group_after, write_hostfile
 from spotguard.wire import notice_policy
 from spotguard.wire.membership import Membership
 from spotguard.wire.notice import Notice, now_utc
@@ -104,11 +107,10 @@ class Topology:
                 return None, None
             return None, {**self.membership.to_wire(), "departing": list(self.departing)}
         cap = self.membership.world_size if self.membership is not None and self.membership.world_size > 0 else None
-        survivors = [h for h in self._candidates() if h.name not in self.departing]
-        kept = select_hosts(survivors, cap=cap, rule=self.rule)
-        generation = self.membership.generation if self.membership is not None else 0
-        data = {"v": 1, "generation": generation, "hosts": [h.name for h in kept],
-                "world_size": sum(h.slots for h in kept), "departing": list(self.departing)}
+        kept = group_after(self._candidates(), self.departing, cap=cap, rule=self.rule)
+        base = self.membership.to_wire() if self.membership is not None else {"v": 1, "generation": 0}
+        data = {**base, "hosts": [h.name for h in kept], "world_size": sum(h.slots for h in kept),
+                "departing": list(self.departing)}
         return kept, data
 
     async def set_membership(self, membership: Membership) -> None:
