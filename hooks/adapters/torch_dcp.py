@@ -40,7 +40,9 @@ Contract:
   (`ResizableAdapter` declares all of them) instead of
   the full state: no rank then holds more than its old and new pieces. A `build` that makes the
   model on the meta device and materialises only the shards (`to_empty` after `fully_shard`)
-  keeps the rebuild from allocating the whole model too: its values are overwritten anyway.
+  keeps the rebuild from allocating the whole model too: its values are overwritten anyway, and
+  `rebuild()` skips the random fills `build` makes on them (`elastic/overwritten_init.py`; a
+  build that keeps a random tensor elsewhere is built again with its initialisation).
 """
 from __future__ import annotations
 
@@ -58,7 +60,9 @@ from spotguard.hooks.checkpoint.dcp import StoreDcpReader, StoreDcpWriter
 from spotguard.hooks.checkpoint.dcp_over_channel import save_over_channel
 from spotguard.hooks.checkpoint.store_channel import StoreChannel
 from spotguard.hooks.checkpoint.types import CheckpointInfo, PendingCheckpoint
+from spotguard.hooks.elastic.overwritten_init import skipping_random_init
 from spotguard.hooks.elastic.reshard_state import Shards, collect, install
+from spotguard.hooks.elastic.transfer import gathering
 
 log = logging.getLogger("spotguard.hooks.adapters.dcp")
 
@@ -139,7 +143,9 @@ class TorchDCPAdapter(StoreAdapter, ResizableAdapter):
         collectives move to the new formation's checkpoint group."""
         if self.build is None:
             raise RuntimeError("this adapter was made without build=: it cannot be resized in place")
-        self.model, self.optimizer = self.build()  # a write in flight reads its own snapshot, bound to its channel
+        # A write in flight reads its own snapshot, bound to its channel. The shard transfer
+        # overwrites every parameter and buffer: the build's random fills are skipped.
+        self.model, self.optimizer = self.build() if gathering(self) else skipping_random_init(self.build)
         self._snapshot, self.snapshot_step = None, None
         self.prepared = False  # another shard: the buffers are re-sized at the next step boundary
         self._setup_group()
