@@ -282,5 +282,10 @@ def group_after(hosts: Sequence[Host], departing: Collection[str] = (), *, cap: 
                 rule: ElasticRule | None = None) -> list[Host]:
     """The hosts that form the group: `hosts` in their order without the `departing` ones, trimmed
     by `select_hosts` to the largest slot total <= `cap` that `rule` allows. [] when nothing fits
-    (every rank leaves). Trimming may leave out hosts that were not departing: they leave too."""
-    return select_hosts([h for h in hosts if h.name not in departing], cap=cap, rule=rule)
+    (every rank leaves). Trimming may leave out hosts that were not departing: they leave too.
+    Which hosts a trim keeps does not depend on the order they are listed in (the sidecar lists
+    the hostfile's or the membership's order, the Guard its ranks'): `select_hosts` prefers them
+    by name."""
+    candidates = [h for h in hosts if h.name not in departing]
+    kept = {h.name for h in select_hosts(sorted(candidates, key=lambda h: h.name), cap=cap, rule=rule)}
+    return [h for h in candidates if h.name in kept]

@@ -17,7 +17,7 @@ import pytest
 from spotguard.config import ConfigError
 from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, MembershipView
 from spotguard.hooks.hostfile import Host, group_after, read_hostfile
-from spotguard.hooks.machine.decide import Drain, Resize, decide
+from spotguard.hooks.machine.decide import Drain, Resize, Settle, decide
 from spotguard.hooks.sidecar.service import Sidecar
 from spotguard.wire import names
 from spotguard.wire.membership import Membership
@@ -97,18 +97,19 @@ async def test_the_hostfile_names_the_group_the_guard_forms(tmp_path, name):
                     event, data = await stream.next()
                     assert event == "membership"
                     view.offer(data)
-                if case.membership is not None:
+                    assert data["hostfile"] == [h.name for h in read_hostfile(str(hostfile))]  # it says the truth
+                if case.membership is not None:  # the supervisor's, as every pod of the job sees it
+                    assert (data["hosts"], data["store"]) == (list(case.membership), "10.0.0.9:29411")
                     notice = view.pending_notice()
-                    if case.expect is None:  # trimmed back to the group's own hosts: nothing to change
-                        assert notice is None and data["hosts"] == list(case.hosts)
-                        assert read_hostfile(str(hostfile)) == before
-                        return
                     assert notice is not None and notice.source == MEMBERSHIP_SOURCE
-                    assert data["store"] == "10.0.0.9:29411"  # kept beside the trimmed hosts: joiners need it
                 decision = decide(notice, 7, view, True)
     written = read_hostfile(str(hostfile))
     if case.expect is None:
-        assert isinstance(decision, Drain) and written == before
+        if case.membership is not None:  # trimmed back to the group's own hosts: nothing to change
+            assert isinstance(decision, Settle) and decision.generation == 5, decision
+        else:
+            assert isinstance(decision, Drain), decision
+        assert written == before
         return
     assert isinstance(decision, Resize), decision
     plan = decision.change.plan
@@ -117,11 +118,15 @@ async def test_the_hostfile_names_the_group_the_guard_forms(tmp_path, name):
     assert set(plan.leaving_hosts) == set(case.hosts) - set(case.expect)
 
 
-def test_group_after_is_select_hosts_without_the_departing():
+def test_group_after_is_select_hosts_without_the_departing_whatever_the_order():
     hosts = [Host("a", 2), Host("b", 1), Host("c", 1), Host("d", 2)]
     assert group_after(hosts, {"b"}) == [Host("a", 2), Host("c", 1), Host("d", 2)]
     assert group_after(hosts, {"a"}, cap=3) == [Host("b", 1), Host("d", 2)]
     assert group_after(hosts, set(h.name for h in hosts)) == []
+    # The sidecar lists the hostfile's order, the Guard its ranks': a trim keeps the same hosts.
+    same = [Host(n, 1) for n in ("w0", "w1", "w2", "w3")]
+    for order in (same, same[::-1], [same[2], same[0], same[3], same[1]]):
+        assert [h.name for h in group_after(order, {"w1"}, cap=2)] == [h.name for h in order if h.name in ("w0", "w2")]
 
 
 @pytest.mark.parametrize("text, field", [
@@ -136,3 +141,44 @@ def test_a_bad_deepspeed_config_stops_the_view_naming_the_variable(tmp_path, tex
     assert raised.value.field == names.ENV_DEEPSPEED_CONFIG and field in str(raised.value)
     with pytest.raises(ConfigError, match="cannot read"):
         MembershipView.from_env({names.ENV_DEEPSPEED_CONFIG: str(tmp_path / "missing.json")})
+
+
+def test_a_joiner_reads_its_rank_and_world_from_the_hosts_the_rule_keeps(tmp_path):
+    """A joiner (and a first group, through `first`) takes its rank from the membership trimmed as
+    the survivors trim it; a membership the rule trims it out of does not list it."""
+    from spotguard.hooks.elastic.join import wait_for_membership
+
+    (tmp_path / "ds.json").write_text(json.dumps({"elasticity": ONE_TWO_FOUR}))
+    env = {names.ENV_NODE: "w3", "LOCAL_WORLD_SIZE": "1", names.ENV_DEEPSPEED_CONFIG: str(tmp_path / "ds.json")}
+    view = MembershipView.from_env(env)
+    first = Membership(1, ("w0", "w1", "w2"), 3, store="10.0.0.9:1", start=True)
+    three = Membership(2, ("w0", "w1", "w3"), 3, store="10.0.0.9:1", first=first)
+    four = Membership(3, ("w0", "w1", "w2", "w3"), 4, store="10.0.0.9:1")
+    assert view.trimmed(three).hosts == ("w0", "w1") and view.trimmed(three).first.hosts == ("w0", "w1")
+    offered = iter([three.to_wire(), four.to_wire()])
+    got = wait_for_membership("w3", lambda: next(offered), timeout=5, trim=view.trimmed)
+    assert (got.generation, got.hosts, got.world_size) == (3, four.hosts, 4)  # 3 of w0, w1, w3 never listed w3
+    assert MembershipView("w3").trimmed(three) is three  # no rule: as written
+
+
+class Gathered:
+    """A group's `gather_strings` as every rank's string would come back."""
+
+    def __init__(self, strings):
+        self.strings = strings
+
+    def gather_strings(self, value):
+        return list(self.strings)
+
+
+def test_ranks_that_read_different_rules_take_rank_0s(tmp_path, caplog):
+    (tmp_path / "ds.json").write_text(json.dumps({"elasticity": ONE_TWO_FOUR}))
+    with_rule = MembershipView.from_env({names.ENV_NODE: "a", names.ENV_DEEPSPEED_CONFIG: str(tmp_path / "ds.json")})
+    rule = ",".join(map(str, (with_rule.rule.batch_size, *with_rule.rule.world_sizes)))
+    without = MembershipView("b")
+    with caplog.at_level("ERROR", logger="spotguard.hooks.elastic"):
+        assert without.learn_hosts(Gathered([f"a\t{rule}", "b\t"])) == ("a", "b")
+    assert without.rule == with_rule.rule and "different elasticity rules" in caplog.text
+    assert with_rule.learn_hosts(Gathered(["b\t", f"a\t{rule}"])) == ("b", "a") and with_rule.rule is None
+    agreeing = MembershipView("c")
+    assert agreeing.learn_hosts(Gathered(["c\t", "d\t"])) == ("c", "d") and agreeing.rule is None

@@ -35,12 +35,15 @@ Contract (all methods but `offer` run on the training thread):
   DeepSpeed hostfile by, each host with `procs_per_host` slots, under the elasticity rule of
   `SPOTGUARD_DEEPSPEED_CONFIG` (`rule`; none without it): a shrink to a world size the rule
   does not allow trims to the largest one it allows (the hosts trimmed leave with the noticed
-  one, as the hostfile drops them), and a membership's hosts are trimmed alike; nothing allowed
-  (or fewer than `min_world_size` ranks): every rank drains. A bad config stops `from_env` with
-  a ConfigError naming the variable.
+  one, as the hostfile drops them), and a membership's hosts are trimmed alike (`trimmed`, which
+  a joiner and a first group read their rank and world from; one trimmed to the group's own
+  hosts is `Settled`); nothing allowed (or fewer than `min_world_size` ranks): every rank drains.
+  `learn_hosts` also gathers every rank's rule: ranks that read different configs take rank 0's
+  (logged once). A bad config stops `from_env` with a ConfigError naming the variable.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -114,8 +117,17 @@ class MembershipView:
                    positive_int(names.ENV_MIN_WORLD_SIZE, env.get(names.ENV_MIN_WORLD_SIZE) or 1), rule)
 
     def learn_hosts(self, collectives: Collectives) -> tuple[str, ...]:
-        by_rank = collectives.gather_strings(self.node)
-        self.hosts = tuple(by_rank[i] for i in range(0, len(by_rank), self.procs_per_host))
+        rule = "" if self.rule is None else ",".join(map(str, (self.rule.batch_size, *self.rule.world_sizes)))
+        by_rank = [text.partition("\t") for text in collectives.gather_strings(f"{self.node}\t{rule}")]
+        self.hosts = tuple(by_rank[i][0] for i in range(0, len(by_rank), self.procs_per_host))
+        rules = [rank[2] for rank in by_rank]
+        if any(other != rules[0] for other in rules):
+            if self.formations == 0:
+                log.error("the ranks read different elasticity rules (batch size, world sizes: %s): every rank "
+                          "takes rank 0's; give every pod the same %s",
+                          " / ".join(sorted(set(rules), key=rules.index)) or "none", names.ENV_DEEPSPEED_CONFIG)
+            numbers = [int(n) for n in rules[0].split(",")] if rules[0] else []
+            self.rule = ElasticRule(numbers[0], tuple(numbers[1:])) if numbers else None
         self.formations += 1
         return self.hosts
 
@@ -206,6 +218,8 @@ class MembershipView:
             target = self._group_of(membership.hosts, ())
             if target is None:
                 return None
+            if set(target) == set(self.hosts):
+                return Settled(membership.generation, "the elasticity rule keeps the group's own hosts of it")
             plan = ReformPlan.make(self.hosts, target, self.procs_per_host)
             if not plan.survivors:
                 return None
@@ -222,6 +236,17 @@ class MembershipView:
         # from the others'): one agreement per step, and steps only grow in a process's life.
         return Change(plan, f"s{step}-{len(target)}/", "", -1, notice.kind.value)
 
+
+    def trimmed(self, membership: Membership) -> Membership:
+        """`membership` with the hosts `group_after` keeps of it under the rule, its `first` alike
+        (a joiner's and a first group's rank and world come from these: the survivors re-form to
+        the same hosts); itself without a rule."""
+        if self.rule is None:
+            return membership
+        kept = tuple(h.name for h in group_after([Host(h, self.procs_per_host) for h in membership.hosts], (),
+                                                 rule=self.rule))
+        first = self.trimmed(membership.first) if membership.first is not None else None
+        return dataclasses.replace(membership, hosts=kept, world_size=len(kept) * self.procs_per_host, first=first)
 
     def _group_of(self, hosts: tuple[str, ...], departing: tuple[str, ...]) -> tuple[str, ...] | None:
         """`hostfile.group_after` over `hosts`, `procs_per_host` slots each, under the rule; None

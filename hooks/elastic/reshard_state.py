@@ -17,8 +17,9 @@ Contract:
   copied), and makes the rest the optimizer's state (the pieces themselves, no copy; DTensors on
   their parameter's mesh), with the optimizer's non-tensor state and hyperparameters from the
   manifest. Raises `ReshardError` naming the tensor when the rebuilt model's piece has another
-  shape than the plan's, or `ValueError` naming the field when the optimizer holds state that is
-  not JSON-able.
+  shape than the plan's or when the rebuilt model has a parameter or buffer the manifest lacks
+  (checked before any piece is taken), or `ValueError` naming the field when the optimizer holds
+  state that is not JSON-able.
 """
 from __future__ import annotations
 
@@ -147,6 +148,9 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, manifest: 
 
     params = _named_parameters(model)
     live = {f"model/{n}": p for n, p in params.items()} | {f"buffer/{n}": b for n, b in _named_buffers(model).items()}
+    unwritten = sorted(set(live) - {entry["name"] for entry in manifest["entries"]})
+    if unwritten:  # the rebuild skipped their initialisation (overwritten_init): never trained on as they are
+        raise ReshardError(f"the rebuilt model holds {', '.join(unwritten)[:300]}, which the old group did not hold")
     state: dict[str, dict[str, Any]] = {}
     with torch.no_grad():
         for index, entry in enumerate(manifest["entries"]):
