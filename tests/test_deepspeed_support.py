@@ -79,6 +79,10 @@ def test_real_engines_are_checked_at_start_and_a_refusal_is_logged_once(tmp_path
     # An engine made again in the same process (3 times) releases the one before (DeepSpeed #7204:
     # the module's forward hooks kept every old engine, and its buffers, alive) and keeps the state.
     assert out["engines_alive"] == 1 and out["rebuilt_equal"], out
+    # The loss scaler's fields (cur_scale, cur_iter, last_overflow_iter, cur_hysteresis), set to
+    # values of their own before each rebuild, are the new engine's: fp32 here (no fp16 on a CPU),
+    # through the manifest fp16's dynamic scaler would go through.
+    assert out["scaler_carried"], out
     # DeepSpeed's CPU Adam asks py-cpuinfo at every engine, which starts a process each time (~1 s in
     # a change's pause); once the first answer is kept, three more questions start none.
     assert out["cpu_info_processes"] == 0, out

@@ -3,6 +3,8 @@ joiner's warm-up leaves its first engine to import. Prints one JSON line:
 {"first_engine_modules": N, "engines": {name: {"resizable": bool, "refusal": str | null}}, "warnings": N,
  "engines_alive": N (DeepSpeed engines still in memory after 3 rebuilds of one in this process),
  "rebuilt_equal": bool (the state after each rebuild equals the state before it),
+ "scaler_carried": bool (the loss scaler's fields, set to values of their own before each rebuild,
+ are the new engine's after it: fp32 here, so the mechanism fp16's dynamic scaler goes through),
  "cpu_info_processes": 0 or 1 (whether py-cpuinfo started a process for 3 questions once its first
  answer was kept by `keep_cpu_info`)}.
 
@@ -46,17 +48,23 @@ def engine_for(zero: dict, optimizer: str):
     return deepspeed.initialize(model=model, optimizer=opt, config=config)[0]
 
 
-def rebuild_three_times(engine) -> tuple[int, bool]:
+def rebuild_three_times(engine) -> tuple[int, bool, bool]:
     """What a survivor does in a change, three times at world size 1: the partitions collected,
     the group formed again, the engine made again (`reinitialize`) and the state installed, one step
     trained. (DeepSpeed engines alive afterwards, whether each rebuild kept the state exactly)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    equal = True
+    from spotguard.hooks.adapters.deepspeed_zero import SCALER_FIELDS
+
+    equal = carried = True
     for step in range(3):
         x, y = batch(step, 0, 1)
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         engine.step()
+        scaler = {"cur_scale": 2.0 ** (step + 1), "cur_iter": 40 + step, "last_overflow_iter": 30 + step,
+                  "cur_hysteresis": 2}
+        for key in SCALER_FIELDS:
+            setattr(engine.optimizer.loss_scaler, key, scaler[key])
         shards = collect(engine)
         before = [piece.clone() for piece in shards.pieces]
         manifest, pieces = shards.manifest, {i: piece.clone() for i, piece in enumerate(shards.pieces)}
@@ -69,8 +77,10 @@ def rebuild_three_times(engine) -> tuple[int, bool]:
         engine = reinitialize(engine, config_at(engine, 1))
         install(engine, manifest, pieces)
         equal = equal and all(a.equal(b) for a, b in zip(before, collect(engine).pieces))
+        carried = carried and {k: getattr(engine.optimizer.loss_scaler, k, None) for k in SCALER_FIELDS} == scaler
+        engine.optimizer.loss_scaler.cur_scale = 1.0  # the next step trains unscaled, as fp32 does
     gc.collect()
-    return sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()), equal
+    return sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()), equal, carried
 
 
 def cpu_info_processes() -> int:
@@ -110,7 +120,7 @@ def main() -> int:
     before = set(sys.modules)
     built = [build_deepspeed(2, False)]
     first = len(set(sys.modules) - before)
-    alive, equal = rebuild_three_times(built.pop())  # the only reference to the first engine
+    alive, equal, carried = rebuild_three_times(built.pop())  # the only reference to the first engine
     counter = Count()
     logging.getLogger("spotguard.hooks.adapters.deepspeed").addHandler(counter)
     engines = {}
@@ -119,7 +129,8 @@ def main() -> int:
         engines[name] = {"resizable": adapter.resizable, "refusal": adapter.in_place_refusal}
         adapter.close()
     print(json.dumps({"first_engine_modules": first, "engines": engines, "warnings": counter.count,
-                      "engines_alive": alive, "rebuilt_equal": equal, "cpu_info_processes": cpu_info_processes()}))
+                      "engines_alive": alive, "rebuilt_equal": equal, "scaler_carried": carried,
+                      "cpu_info_processes": cpu_info_processes()}))
     return 0
 
 
