@@ -42,7 +42,7 @@ Contract:
   model on the meta device and materialises only the shards (`to_empty` after `fully_shard`)
   keeps the rebuild from allocating the whole model too: its values are overwritten anyway, and
   `rebuild()` skips the random fills `build` makes on them (`elastic/overwritten_init.py`; a
-  build that keeps a random tensor elsewhere is built again with its initialisation).
+  module tensor it skipped and the build keeps outside the model fails the change).
 """
 from __future__ import annotations
 

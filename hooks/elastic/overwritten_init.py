@@ -118,7 +118,7 @@ def skipping_random_init(build: Callable[[], Any]) -> Any:
     with _learning_state(mode), mode:
         result = build()
     kept = _state_storages(result)
-    stray = [p for p in mode.skipped if p not in kept and mode.state[p].expired() is False]
+    stray = [p for p in mode.skipped - kept if not mode.state[p].expired()]
     if stray:
         raise ReshardError(f"build() keeps {len(stray)} tensor(s) of its modules outside the model it returns, "
                            "initialised at random (skipped: the transfer writes only the model's): the change "
