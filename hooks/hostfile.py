@@ -9,7 +9,10 @@ directory, fsync, rename over the old name, fsync the directory.
 Elasticity: DeepSpeed 0.19 removed its `elasticity` module (the config block now raises), so
 `ElasticRule` implements the documented v0.1 rule itself; see its docstring. `select_hosts`
 keeps every kept host's `slots=` unchanged and trims whole hosts to the largest allowed world
-size.
+size. `group_after` is the one rule for which hosts form the group after a change: the sidecar's
+hostfile (`hooks/sidecar/topology.py`) and the in-place Guard's re-formation
+(`hooks/elastic/membership_view.py`) both call it, so the file a relaunch reads names the hosts
+the group in place formed with.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import reduce
 from typing import Any
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 _LINE = re.compile(r"^(?P<host>[^\s#=]+)\s+slots\s*=\s*(?P<slots>\d+)\s*(?:#.*)?$")
 
@@ -273,3 +276,16 @@ def select_hosts(hosts: Sequence[Host], *, cap: int | None = None,
         if target == 0:
             break
     return kept
+
+
+def group_after(hosts: Sequence[Host], departing: Collection[str] = (), *, cap: int | None = None,
+                rule: ElasticRule | None = None) -> list[Host]:
+    """The hosts that form the group: `hosts` in their order without the `departing` ones, trimmed
+    by `select_hosts` to the largest slot total <= `cap` that `rule` allows. [] when nothing fits
+    (every rank leaves). Trimming may leave out hosts that were not departing: they leave too.
+    Which hosts a trim keeps does not depend on the order they are listed in (the sidecar lists
+    the hostfile's or the membership's order, the Guard its ranks'): `select_hosts` prefers them
+    by name."""
+    candidates = [h for h in hosts if h.name not in departing]
+    kept = {h.name for h in select_hosts(sorted(candidates, key=lambda h: h.name), cap=cap, rule=rule)}
+    return [h for h in candidates if h.name in kept]

@@ -8,6 +8,9 @@ Every regular container gets, unless it sets the variable itself:
 - `SPOTGUARD_RDZV_PORT`: the pod's port (the first container's literal value, else
   `names.RDZV_PORT`; the supervisor reads the same value for the membership's `store`);
   `SPOTGUARD_RDZV_HOST` = `status.podIP` and `SPOTGUARD_NODE` = `spec.nodeName` (downward API);
+- `SPOTGUARD_DEEPSPEED_CONFIG` = the `spotguard.io/deepspeed-config` annotation's path, when the
+  pod has it: the Guard re-forms by the same elasticity rule the sidecar trims the hostfile by
+  (`hooks/hostfile.group_after`);
 - `SPOTGUARD_READY_FILE` in a small writable in-memory volume of its own (`READY_DIR`; the
   sidecar's shared volume stays read-only for the app), and a `readinessProbe`
   `test -f <ready file>` when it has none. The trainer creates the file once it trains or, as a
@@ -57,6 +60,9 @@ def container_env(pod: dict[str, Any], container: dict[str, Any]) -> list[dict[s
         {"name": names.ENV_NODE, "valueFrom": _field("spec.nodeName")},
         {"name": names.ENV_READY_FILE, "value": READY_FILE},
     ]
+    config = ((pod.get("metadata") or {}).get("annotations") or {}).get(names.ANN_DEEPSPEED_CONFIG)
+    if config:
+        wanted.append({"name": names.ENV_DEEPSPEED_CONFIG, "value": str(config)})
     have = {e.get("name") for e in container.get("env") or []}
     return [e for e in wanted if e["name"] not in have]
 

@@ -166,22 +166,23 @@ async def test_the_sidecar_drops_a_noticed_host_and_trims_to_the_elastic_world_s
                 assert (await guard.next())[0] == "snapshot"
                 assert await guard.next() == ("membership", {"v": 1, "generation": 0, "revision": 0,
                                                              "hosts": ["h1", "h2", "h3", "h4"],
-                                                             "world_size": 6, "departing": []})
+                                                             "world_size": 6, "departing": [],
+                                                             "hostfile": ["h1", "h2", "h3", "h4"]})
                 assert sc.topology.rewrites == 0  # 6 was allowed: the file was left alone
                 await eventually(lambda: pub.connections == 1)
                 notice = make_notice(node="h1")
                 pub.add(notice)
                 assert (await guard.next())[0] == "notice"
                 assert await guard.next() == ("membership", {"v": 1, "generation": 0, "revision": 1,
-                                                             "hosts": ["h2", "h3"],
-                                                             "world_size": 3, "departing": ["h1"]})
+                                                             "hosts": ["h1", "h2", "h3", "h4"], "world_size": 6,
+                                                             "departing": ["h1"], "hostfile": ["h2", "h3"]})
                 assert read_hostfile(str(hostfile)) == [Host("h2", 2), Host("h3", 1)]
                 pub.add(make_notice(node="h1", kind=Kind.REBALANCE, tag="r"))  # a risk only: nobody departs
                 assert (await guard.next())[0] == "notice"
                 pub.withdraw(notice)
                 assert (await guard.next())[0] == "withdrawn"
                 event, data = await guard.next()
-                assert event == "membership" and data["hosts"] == ["h1", "h2", "h3", "h4"] and data["revision"] == 2
+                assert event == "membership" and data["hostfile"] == ["h1", "h2", "h3", "h4"] and data["revision"] == 2
                 assert read_hostfile(str(hostfile))[0] == Host("h1", 2)
 
 
@@ -202,15 +203,16 @@ async def test_the_sidecar_keeps_a_held_notices_host_until_its_release(tmp_path)
             sc.topology.clock = lambda: now[0]
             async with StreamReader(sc.url) as guard:
                 assert (await guard.next())[0] == "snapshot"
-                assert (await guard.next())[1]["hosts"] == ["h1", "h2"]
+                assert (await guard.next())[1]["hostfile"] == ["h1", "h2"]
                 await eventually(lambda: pub.connections == 1)
                 pub.add(notice)
                 assert (await guard.next())[0] == "notice"
                 await eventually(lambda: sc.topology.release_at == release, what="the release timer set")
                 assert sc.topology.departing == () and read_hostfile(str(hostfile)) == [Host("h1", 1), Host("h2", 1)]
                 now[0] = release + timedelta(seconds=0.1)
-                assert await guard.next() == ("membership", {"v": 1, "generation": 0, "revision": 1, "hosts": ["h2"],
-                                                             "world_size": 1, "departing": ["h1"]})
+                assert await guard.next() == ("membership", {"v": 1, "generation": 0, "revision": 1,
+                                                             "hosts": ["h1", "h2"], "world_size": 2,
+                                                             "departing": ["h1"], "hostfile": ["h2"]})
                 assert read_hostfile(str(hostfile)) == [Host("h2", 1)]
                 assert sc.topology.release_at is None
 
@@ -237,9 +239,9 @@ async def test_a_held_notice_withdrawn_before_its_release_never_trims_its_host(t
         assert topology.release_at is None
         now[0] = held.deadline
         await topology.recheck()
-        assert [e["hosts"] for e in events] == [["h1", "h2"]] and topology.rewrites == 0
+        assert [e["hostfile"] for e in events] == [["h1", "h2"]] and topology.rewrites == 0
         await topology.set_notices([held])  # past its release: a departure at once
-        assert events[-1]["hosts"] == ["h2"] and topology.departing == ("h1",)
+        assert events[-1]["hostfile"] == ["h2"] and topology.departing == ("h1",)
     finally:
         topology.close()
     assert read_hostfile(str(hostfile)) == [Host("h2", 1)]

@@ -222,6 +222,31 @@ def test_a_survivor_dying_while_an_ahead_checkpoint_commits_leaves_one_truth_on_
         assert checkpoint_steps(hosts.ckpt) == []
 
 
+def test_a_shrink_keeps_to_the_world_sizes_the_deepspeed_elasticity_rule_allows(tmp_path):
+    """DDP on a, b, c, d with `SPOTGUARD_DEEPSPEED_CONFIG` allowing world sizes 1, 2 and 4 (the
+    sidecar trims the hostfile by the same file and the same `group_after`): d's SIGTERM cannot
+    leave 3, so c leaves with d (both 83, the agreed step durable) and a and b re-form a group of
+    2 in their processes, what the hostfile would name for a relaunch."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"elasticity": {"enabled": True, "max_train_batch_size": 32,
+                                                 "micro_batch_sizes": [4, 8], "min_gpus": 1, "max_gpus": 4}}))
+    args = (*LONG, "--signal-at", "3", "--signal-node", "d", "--stop-after", "1", "--tail", "2")
+    env = {"SPOTGUARD_REFORM_TIMEOUT": "20", "SPOTGUARD_DEEPSPEED_CONFIG": str(config)}
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", args, env=env) as hosts:
+        hosts.start(["a", "b", "c", "d"])
+        codes = hosts.wait(["a", "b", "c", "d"], timeout=240)
+    assert codes == {"a": 0, "b": 0, "c": 83, "d": 83}, hosts.tail()
+    step = hosts.changes("d")[0]["step"]
+    for host in ("c", "d"):
+        change = hosts.changes(host)[0]
+        assert (change["outcome"], change["step"], change["durable"]) == ("leave", step, True), change
+        assert hosts.termination(host)["checkpoint"] == "durable"
+    for host, rank in (("a", 0), ("b", 1)):
+        change = hosts.changes(host)[0]
+        assert (change["outcome"], change["world"], change["new_rank"]) == ("in-place", 2, rank), change
+    assert checkpoint_steps(hosts.ckpt)[0] == step
+
+
 GROW_FAULTS = {
     "joiner-dies-after-forming": ({"FAIL_AT": "formed-joiner", "FAIL_NODE": "d", "FAIL_HOW": "exit"}, True),
     "store-host-raises-at-transferred": ({"FAIL_AT": "transferred", "FAIL_NODE": "b"}, True),

@@ -212,6 +212,22 @@ async def test_in_place_pod_gets_rendezvous_env_ready_file_and_readiness_probe(w
     assert "readinessProbe" not in trainer and "SPOTGUARD_IN_PLACE" not in {e["name"] for e in trainer["env"]}
 
 
+async def test_an_in_place_pod_with_a_deepspeed_config_gives_the_guard_the_sidecars_elasticity_rule(webhook):
+    """The sidecar trims the hostfile by the config's elasticity rule; the Guard re-forms by the same
+    file (`SPOTGUARD_DEEPSPEED_CONFIG`), so both call `group_after` with one rule. A pod that is
+    not in place gets no such variable (nothing re-forms there)."""
+    annotations = {"spotguard.io/hostfile": "/work/hostfile", "spotguard.io/deepspeed-config": "/work/ds.json"}
+    for in_place_value, expected in (("true", "/work/ds.json"), ("false", None)):
+        original = pod(labels={"spotguard.io/inject": "true"},
+                       annotations={**annotations, "spotguard.io/in-place": in_place_value})
+        original["spec"]["containers"][0]["volumeMounts"] = [{"name": "work", "mountPath": "/work"}]
+        _, answer = await webhook(review(original))
+        out = applied(original, answer)
+        assert "--deepspeed-config=/work/ds.json" in out["spec"]["initContainers"][0]["args"]
+        env = {e["name"]: e.get("value") for e in out["spec"]["containers"][0]["env"]}
+        assert env.get("SPOTGUARD_DEEPSPEED_CONFIG") == expected
+
+
 def test_a_bad_in_place_annotation_names_it():
     with pytest.raises(PodSpecError, match=r"spotguard\.io/in-place"):
         build_patch(pod(labels={"spotguard.io/inject": "true"}, annotations={"spotguard.io/in-place": "yes"}), CFG)

@@ -103,11 +103,11 @@ async def test_a_membership_change_rewrites_the_hostfile_and_emits_an_event(tmp_
             running_sidecar(tmp_path, pub.url, hostfile=str(hostfile), podinfo_dir=str(podinfo)) as sc, \
             StreamReader(sc.url) as guard:
         assert (await guard.next())[0] == "snapshot"
-        assert (await guard.next())[1]["hosts"] == ["w0", "w1", "w2"]
+        assert (await guard.next())[1]["hostfile"] == ["w0", "w1", "w2"]
 
         write_annotations(podinfo, ['app="trainer"', membership_line(5, ["w1", "w0"], 4)])
         assert await guard.next() == ("membership", {"v": 1, "generation": 5, "revision": 1, "hosts": ["w1", "w0"],
-                                                     "world_size": 4, "departing": []})
+                                                     "world_size": 4, "departing": [], "hostfile": ["w1", "w0"]})
         assert read_hostfile(str(hostfile)) == [Host("w1", 2), Host("w0", 2)]
 
         # A malformed file is ignored: no event, the hostfile stays, the watcher keeps going.
@@ -120,18 +120,19 @@ async def test_a_membership_change_rewrites_the_hostfile_and_emits_an_event(tmp_
         # Growth: a host the hostfile never listed gets the slots all the others share.
         write_annotations(podinfo, [membership_line(6, ["w0", "w1", "w2", "w3"], 8)])
         event, data = await guard.next()
-        assert event == "membership" and data["hosts"] == ["w0", "w1", "w2", "w3"] and data["generation"] == 6
+        assert event == "membership" and data["hostfile"] == ["w0", "w1", "w2", "w3"] and data["generation"] == 6
         assert read_hostfile(str(hostfile))[-1] == Host("w3", 2)
 
-        # A notice for this node (a host of the job) removes it on top of the membership. The
-        # generation stays the supervisor's: the other pods of the job, which had no notice, see
-        # 6 too, and the in-place Guard takes the generation as the re-formation's identity.
+        # A notice for this node (a host of the job) removes it from the hostfile on top of the
+        # membership. The event's membership stays the supervisor's (hosts and generation): the
+        # other pods of the job, which had no notice, see the same, and the in-place Guard takes
+        # the generation as the re-formation's identity.
         await eventually(lambda: pub.connections == 1)
         pub.add(make_notice(node="w2"))
         assert (await guard.next())[0] == "notice"
         assert await guard.next() == ("membership", {"v": 1, "generation": 6, "revision": 3,
-                                                     "hosts": ["w0", "w1", "w3"], "world_size": 6,
-                                                     "departing": ["w2"]})
+                                                     "hosts": ["w0", "w1", "w2", "w3"], "world_size": 8,
+                                                     "departing": ["w2"], "hostfile": ["w0", "w1", "w3"]})
         assert [h.name for h in read_hostfile(str(hostfile))] == ["w0", "w1", "w3"]
         # The membership reaches late subscribers too.
         async with StreamReader(sc.url) as late:

@@ -105,7 +105,8 @@ def init_process_group(backend: str = "gloo", *, memberships: Callable[[], dict 
         return
     if env.get(names.ENV_JOIN, "") not in ("0", "1") and env.get(names.ENV_SIDECAR_URL) and memberships is None:
         found = first_membership(env[names.ENV_SIDECAR_URL], timeouts.on_connect)
-        node = MembershipView.from_env().node
+        view = MembershipView.from_env()
+        found, node = (view.trimmed(found) if found is not None else None), view.node
         if found is not None and found.store and found.hosts and node not in found.hosts:
             live = live_group(found.store, timeouts.live_probe)
             if live is None:
@@ -127,7 +128,7 @@ def init_process_group(backend: str = "gloo", *, memberships: Callable[[], dict 
     view = MembershipView.from_env()
     warm_up()
     announce(env.get(names.ENV_READY_FILE))
-    membership = wait_for_membership(view.node, memberships, join_timeout)
+    membership = wait_for_membership(view.node, memberships, join_timeout, trim=view.trimmed)
     rank = membership.hosts.index(view.node) * view.procs_per_host + view.local_rank
     world = len(membership.hosts) * view.procs_per_host
     log.warning("joining membership %d as rank %d of %d (store %s)", membership.generation, rank, world,
@@ -155,7 +156,7 @@ def start_at_min(session: GroupSession, memberships: Callable[[], dict | None] |
     warm_up()
     announce(env.get(names.ENV_READY_FILE))
     newer = -1 if before is None else before.generation
-    membership = wait_for_membership(view.node, memberships, timeout, newer_than=newer)
+    membership = wait_for_membership(view.node, memberships, timeout, newer_than=newer, trim=view.trimmed)
     if not membership.start:
         first = first_to_form(membership, view.node, session.timeouts.live_probe)
         if first is not None:
@@ -298,16 +299,21 @@ def first_membership(url: str, timeout: float) -> Membership | None:
 
 
 def wait_for_membership(node: str, memberships: Callable[[], dict | None] | None, timeout: float,
-                        newer_than: int = -1) -> Membership:
+                        newer_than: int = -1, trim: Callable[[Membership], Membership] = lambda m: m) -> Membership:
     """The first membership listing `node` with a store, of a generation above `newer_than`, from
-    `memberships` or the sidecar stream."""
-    listed = _lists(node, newer_than)
+    `memberships` or the sidecar stream, as `trim` makes it (`MembershipView.trimmed`: the hosts
+    the elasticity rule keeps)."""
+    lists = _lists(node, newer_than)
+
+    def listed(membership: Membership) -> bool:
+        return lists(trim(membership))
+
     if memberships is not None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = _membership(memberships())
             if found is not None and listed(found):
-                return found
+                return trim(found)
             time.sleep(0.05)
         raise TimeoutError(f"no membership listed {node} within {timeout:.0f}s")
     url = os.environ.get(names.ENV_SIDECAR_URL)
@@ -316,4 +322,4 @@ def wait_for_membership(node: str, memberships: Callable[[], dict | None] | None
     found = sidecar_membership(url, timeout, listed)
     if found is None:
         raise TimeoutError(f"no membership listed {node} within {timeout:.0f}s")
-    return found
+    return trim(found)

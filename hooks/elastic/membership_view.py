@@ -31,18 +31,29 @@ Contract (all methods but `offer` run on the training thread):
   or a signal-borne drain names one host, which leaves while the others stay, when at least
   `min_world_size` ranks stay; a supervisor drain (the whole job) and notices naming no host of
   the group drain everyone.
+- Which hosts form the new group is `hostfile.group_after`, the rule the sidecar writes the
+  DeepSpeed hostfile by, each host with `procs_per_host` slots, under the elasticity rule of
+  `SPOTGUARD_DEEPSPEED_CONFIG` (`rule`; none without it): a shrink to a world size the rule
+  does not allow trims to the largest one it allows (the hosts trimmed leave with the noticed
+  one, as the hostfile drops them), and a membership's hosts are trimmed alike (`trimmed`, which
+  a joiner and a first group read their rank and world from; one trimmed to the group's own
+  hosts is `Settled`); nothing allowed (or fewer than `min_world_size` ranks): every rank drains.
+  `learn_hosts` also gathers every rank's rule: ranks that read different configs take rank 0's
+  (logged once). A bad config stops `from_env` with a ConfigError naming the variable.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import threading
 from dataclasses import dataclass
 
-from spotguard.config import positive_int
+from spotguard.config import ConfigError, positive_int
 from spotguard.hooks.agreement.collectives import Collectives
 from spotguard.hooks.elastic.plan import ReformPlan
+from spotguard.hooks.hostfile import ElasticityError, ElasticRule, Host, elastic_rule_from_config, group_after
 from spotguard.wire import names, notice_policy
 from spotguard.wire.membership import Membership, MembershipFormatError
 from spotguard.wire.notice import Kind, Notice, now_utc
@@ -78,9 +89,11 @@ class Settled:
 class MembershipView:
     """See the module docstring."""
 
-    def __init__(self, node: str, local_rank: int = 0, procs_per_host: int = 1, min_world_size: int = 1):
+    def __init__(self, node: str, local_rank: int = 0, procs_per_host: int = 1, min_world_size: int = 1,
+                 rule: ElasticRule | None = None):
         self.node, self.local_rank, self.procs_per_host = node, local_rank, procs_per_host
         self.min_world_size = min_world_size
+        self.rule = rule
         self.hosts: tuple[str, ...] = ()
         self.generation = -1
         self.formations = 0
@@ -93,13 +106,28 @@ class MembershipView:
     def from_env(cls, env: dict[str, str] | None = None) -> MembershipView:
         env = dict(os.environ if env is None else env)
         node = env.get(names.ENV_NODE) or env.get("NODE_NAME") or env.get("HOSTNAME") or "localhost"
+        rule = None
+        if config := env.get(names.ENV_DEEPSPEED_CONFIG):
+            try:
+                rule = elastic_rule_from_config(config)
+            except ElasticityError as exc:
+                raise ConfigError(names.ENV_DEEPSPEED_CONFIG, str(exc)) from None
         return cls(node, positive_int("LOCAL_RANK", env.get("LOCAL_RANK") or 0, allow_zero=True),
                    positive_int("LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE") or 1),
-                   positive_int(names.ENV_MIN_WORLD_SIZE, env.get(names.ENV_MIN_WORLD_SIZE) or 1))
+                   positive_int(names.ENV_MIN_WORLD_SIZE, env.get(names.ENV_MIN_WORLD_SIZE) or 1), rule)
 
     def learn_hosts(self, collectives: Collectives) -> tuple[str, ...]:
-        by_rank = collectives.gather_strings(self.node)
-        self.hosts = tuple(by_rank[i] for i in range(0, len(by_rank), self.procs_per_host))
+        rule = "" if self.rule is None else ",".join(map(str, (self.rule.batch_size, *self.rule.world_sizes)))
+        by_rank = [text.partition("\t") for text in collectives.gather_strings(f"{self.node}\t{rule}")]
+        self.hosts = tuple(by_rank[i][0] for i in range(0, len(by_rank), self.procs_per_host))
+        rules = [rank[2] for rank in by_rank]
+        if any(other != rules[0] for other in rules):
+            if self.formations == 0:
+                log.error("the ranks read different elasticity rules (batch size, world sizes: %s): every rank "
+                          "takes rank 0's; give every pod the same %s",
+                          " / ".join(sorted(set(rules), key=rules.index)) or "none", names.ENV_DEEPSPEED_CONFIG)
+            numbers = [int(n) for n in rules[0].split(",")] if rules[0] else []
+            self.rule = ElasticRule(numbers[0], tuple(numbers[1:])) if numbers else None
         self.formations += 1
         return self.hosts
 
@@ -187,21 +215,54 @@ class MembershipView:
             if settled is not None:
                 return settled
             membership = Membership.from_json(str(notice.detail.get("membership", "")))
-            plan = ReformPlan.make(self.hosts, membership.hosts, self.procs_per_host)
-            if not plan.survivors or plan.new_world_size < self.min_world_size:
+            target = self._group_of(membership.hosts, ())
+            if target is None:
+                return None
+            if set(target) == set(self.hosts):
+                return Settled(membership.generation, "the elasticity rule keeps the group's own hosts of it")
+            plan = ReformPlan.make(self.hosts, target, self.procs_per_host)
+            if not plan.survivors:
                 return None
             return Change(plan, f"m{membership.generation}/", membership.store, membership.generation, "membership")
         if not notice_policy.announces_departure(notice) or notice.source == names.SUPERVISOR_DRAIN_SOURCE:
             return None
         if notice.node not in self.hosts:
             return None
-        target = tuple(h for h in self.hosts if h != notice.node)
-        if not target or len(target) * self.procs_per_host < self.min_world_size:
+        target = self._group_of(self.hosts, (notice.node,))
+        if target is None:
             return None
         plan = ReformPlan.make(self.hosts, target, self.procs_per_host)
         # Every rank of the group computes the same prefix (a joiner's formation count differs
         # from the others'): one agreement per step, and steps only grow in a process's life.
         return Change(plan, f"s{step}-{len(target)}/", "", -1, notice.kind.value)
+
+
+    def trimmed(self, membership: Membership) -> Membership:
+        """`membership` with the hosts `group_after` keeps of it under the rule, its `first` alike
+        (a joiner's and a first group's rank and world come from these: the survivors re-form to
+        the same hosts); itself without a rule."""
+        if self.rule is None:
+            return membership
+        kept = tuple(h.name for h in group_after([Host(h, self.procs_per_host) for h in membership.hosts], (),
+                                                 rule=self.rule))
+        first = self.trimmed(membership.first) if membership.first is not None else None
+        return dataclasses.replace(membership, hosts=kept, world_size=len(kept) * self.procs_per_host, first=first)
+
+    def _group_of(self, hosts: tuple[str, ...], departing: tuple[str, ...]) -> tuple[str, ...] | None:
+        """`hostfile.group_after` over `hosts`, `procs_per_host` slots each, under the rule; None
+        when nothing fits or fewer than `min_world_size` ranks would stay (module docstring)."""
+        kept = tuple(h.name for h in group_after([Host(h, self.procs_per_host) for h in hosts], departing,
+                                                 rule=self.rule))
+        allowed = ", ".join(map(str, self.rule.world_sizes)) if self.rule is not None else ""
+        if not kept or len(kept) * self.procs_per_host < self.min_world_size:
+            if self.rule is not None and not kept:
+                log.warning("no world size the elasticity rule allows (%s) fits hosts %s less %s: every rank drains",
+                            allowed, ", ".join(hosts), ", ".join(departing) or "none")
+            return None
+        if trimmed := [h for h in hosts if h not in kept and h not in departing]:
+            log.warning("the elasticity rule allows world sizes %s: %s leave(s) the group too, as the hostfile "
+                        "drops them", allowed, ", ".join(trimmed))
+        return kept
 
 
 def membership_summary(change: Change) -> str:

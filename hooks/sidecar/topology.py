@@ -11,24 +11,30 @@ host stays in the hostfile until the notice comes within the horizon (a timer lo
 its release; withdrawn before, the host never left); `rebalance` is only a risk and an advisory
 only information: neither departs anybody. Output,
 on every change: the hostfile is rewritten atomically (in a thread) and `on_membership(wire)`
-is called with the event data `{"v": 1, "generation", "revision", "hosts", "world_size", "departing"}`.
+is called with the event data: the membership as the supervisor wrote it (`{"v": 1,
+"generation", "hosts", "world_size"}` and its `store`, `start`, `standby`, `first`, `drain`;
+before one, generation 0 with the base hosts and their slots), `revision`, `departing` and
+`hostfile` (the hosts written). Every pod of a job sees the same membership under one generation
+(a sidecar hears only its own node's notices, so what it writes may differ for a while); an
+in-place Guard applies `group_after` with the same rule to the hosts it agreed on.
 
 Rules:
 - candidate hosts: the membership's hosts in its order (all base hosts before any membership);
   a host the base does not list gets the slots the base hosts share, or is skipped (logged)
   when their slots differ;
-- kept hosts: `select_hosts` over the candidates without departing hosts, capped by the
-  membership's world_size (when > 0) and the elasticity rule; slots are never changed;
+- kept hosts: `hostfile.group_after` (the rule the in-place Guard re-forms by) over the
+  candidates without departing hosts, capped by the membership's world_size (when > 0) and the
+  elasticity rule; slots are never changed;
 - when nothing fits (e.g. fewer slots left than elasticity's min_gpus), the hostfile is left as
-  it is and the event says world_size 0 with no hosts;
+  it is and the event's `hostfile` is empty;
 - `generation` of the event is the supervisor's membership generation (0 before it wrote one),
   never a number of this sidecar's own: every pod of the job sees the same generation for the
   same membership, and the in-place Guard uses it as the re-formation's identity (its store
   prefix, the agreement's membership field). A notice that only changes `departing` keeps it.
 - `revision` counts this sidecar's events: strictly increasing (a notice, a membership, a
   withdrawal that changes the result each add one).
-Without a hostfile, only the membership annotation is relayed (departing hosts are listed but
-no slots are known, so hosts and world_size are the supervisor's).
+Without a hostfile, only the membership annotation is relayed, with `departing` and no
+`hostfile` (nothing is emitted before a membership).
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from typing import Any
 
-from spotguard.hooks.hostfile import ElasticRule, Host, select_hosts, write_hostfile
+from spotguard.hooks.hostfile import ElasticRule, Host, group_after, write_hostfile
 from spotguard.wire import notice_policy
 from spotguard.wire.membership import Membership
 from spotguard.wire.notice import Notice, now_utc
@@ -104,12 +110,13 @@ class Topology:
                 return None, None
             return None, {**self.membership.to_wire(), "departing": list(self.departing)}
         cap = self.membership.world_size if self.membership is not None and self.membership.world_size > 0 else None
-        survivors = [h for h in self._candidates() if h.name not in self.departing]
-        kept = select_hosts(survivors, cap=cap, rule=self.rule)
-        generation = self.membership.generation if self.membership is not None else 0
-        data = {"v": 1, "generation": generation, "hosts": [h.name for h in kept],
-                "world_size": sum(h.slots for h in kept), "departing": list(self.departing)}
-        return kept, data
+        kept = group_after(self._candidates(), self.departing, cap=cap, rule=self.rule)
+        if self.membership is not None:
+            data = self.membership.to_wire()
+        else:
+            data = {"v": 1, "generation": 0, "hosts": [h.name for h in self.base],
+                    "world_size": sum(h.slots for h in self.base)}
+        return kept, {**data, "departing": list(self.departing), "hostfile": [h.name for h in kept]}
 
     async def set_membership(self, membership: Membership) -> None:
         self.membership = membership

@@ -93,6 +93,7 @@ ENV_REFORM_TIMEOUT = "SPOTGUARD_REFORM_TIMEOUT"  # seconds a change waits on a p
 ENV_CHANGE_TIMEOUT = "SPOTGUARD_CHANGE_TIMEOUT"  # seconds a whole change may last (default 3 x the above)
 ENV_DURABLE_TIMEOUT = "SPOTGUARD_DURABLE_TIMEOUT"  # seconds a rank waits for its checkpoint's durable write
 ENV_MIN_WORLD_SIZE = "SPOTGUARD_MIN_WORLD_SIZE"  # fewer survivors than this: everyone drains instead
+ENV_DEEPSPEED_CONFIG = "SPOTGUARD_DEEPSPEED_CONFIG"  # Guard: the DeepSpeed config whose elasticity bounds the world
 ENV_LAUNCHER_PID = "SPOTGUARD_LAUNCHER_PID"  # the launcher's pid: a worker it no longer parents leaves
 ENV_DEADLINE_WATCHDOG = "SPOTGUARD_DEADLINE_WATCHDOG"  # "0": no deadline watchdog in the Guard
 SIGNAL_SOURCE = "signal"  # source of the drain notice a rank makes of SIGTERM (hooks/signals.py)
