@@ -222,29 +222,65 @@ def test_a_survivor_dying_while_an_ahead_checkpoint_commits_leaves_one_truth_on_
         assert checkpoint_steps(hosts.ckpt) == []
 
 
-def test_a_shrink_keeps_to_the_world_sizes_the_deepspeed_elasticity_rule_allows(tmp_path):
+@pytest.mark.parametrize("noticed, trimmed, stay", [("d", "c", ("a", "b")), ("a", "d", ("b", "c"))],
+                         ids=["last-host-noticed", "rank-0-and-store-host-noticed"])
+def test_a_shrink_keeps_to_the_world_sizes_the_deepspeed_elasticity_rule_allows(tmp_path, noticed, trimmed, stay):
     """DDP on a, b, c, d with `SPOTGUARD_DEEPSPEED_CONFIG` allowing world sizes 1, 2 and 4 (the
-    sidecar trims the hostfile by the same file and the same `group_after`): d's SIGTERM cannot
-    leave 3, so c leaves with d (both 83, the agreed step durable) and a and b re-form a group of
-    2 in their processes, what the hostfile would name for a relaunch."""
+    sidecar trims the hostfile by the same file and the same `group_after`, which keeps the first
+    hosts by name): a SIGTERM on one host cannot leave 3, so one more host leaves with it (both 83,
+    the agreed step durable) and the other two re-form a group of 2 in their processes, what the
+    hostfile would name for a relaunch. Also when the noticed host is rank 0's, the one whose
+    store the group met on."""
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"elasticity": {"enabled": True, "max_train_batch_size": 32,
                                                  "micro_batch_sizes": [4, 8], "min_gpus": 1, "max_gpus": 4}}))
-    args = (*LONG, "--signal-at", "3", "--signal-node", "d", "--stop-after", "1", "--tail", "2")
+    args = (*LONG, "--signal-at", "3", "--signal-node", noticed, "--stop-after", "1", "--tail", "2")
     env = {"SPOTGUARD_REFORM_TIMEOUT": "20", "SPOTGUARD_DEEPSPEED_CONFIG": str(config)}
     with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", args, env=env) as hosts:
         hosts.start(["a", "b", "c", "d"])
         codes = hosts.wait(["a", "b", "c", "d"], timeout=240)
-    assert codes == {"a": 0, "b": 0, "c": 83, "d": 83}, hosts.tail()
-    step = hosts.changes("d")[0]["step"]
-    for host in ("c", "d"):
+    assert codes == {**{h: 0 for h in stay}, noticed: 83, trimmed: 83}, hosts.tail()
+    step = hosts.changes(noticed)[0]["step"]
+    for host in (noticed, trimmed):
         change = hosts.changes(host)[0]
         assert (change["outcome"], change["step"], change["durable"]) == ("leave", step, True), change
         assert hosts.termination(host)["checkpoint"] == "durable"
-    for host, rank in (("a", 0), ("b", 1)):
+    for rank, host in enumerate(stay):
         change = hosts.changes(host)[0]
         assert (change["outcome"], change["world"], change["new_rank"]) == ("in-place", 2, rank), change
     assert checkpoint_steps(hosts.ckpt)[0] == step
+
+
+def test_a_grow_to_a_size_the_elasticity_rule_forbids_waits_for_one_it_allows(tmp_path):
+    """a, b train under a rule allowing world sizes 1, 2 and 4. c joins and the supervisor's
+    membership lists a, b, c: 3 is not allowed, so a and b keep their group of 2 (the membership
+    needs no change) and c, trimmed out as they trim it, keeps waiting. d joins; the membership of
+    all four is allowed: c and d join from the live peers in one change and the four train."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"elasticity": {"enabled": True, "max_train_batch_size": 32,
+                                                 "micro_batch_sizes": [4, 8], "min_gpus": 1, "max_gpus": 4}}))
+    env = {"SPOTGUARD_REFORM_TIMEOUT": "20", "SPOTGUARD_DEEPSPEED_CONFIG": str(config)}
+    args = (*LONG, "--stop-after", "1", "--tail", "3")
+    with Hosts(tmp_path / "run", "ddp", tmp_path / "ckpt", args, env=env) as hosts:
+        hosts.start(["a", "b"])
+        hosts.join("c")
+        hosts.wait_for("ready-c", timeout=240)
+        hosts.push(1, ["a", "b", "c"])
+        settled = "membership 1 needs no change (the elasticity rule keeps the group's own hosts of it)"
+        hosts.wait_until(lambda: all(settled in hosts.log(h) for h in ("a", "b")), "a and b to settle membership 1")
+        step = max(hosts.progress(h) for h in ("a", "b"))
+        hosts.wait_until(lambda: min(hosts.progress(h) for h in ("a", "b")) >= step + 3, "a and b to train on")
+        assert hosts.procs["c"].poll() is None and hosts.progress("c") == -1, hosts.tail()  # c still waits
+        hosts.join("d")
+        hosts.wait_for("ready-d", timeout=240)
+        hosts.push(2, ["a", "b", "c", "d"])
+        codes = hosts.wait(["a", "b", "c", "d"], timeout=240)
+    assert codes == {"a": 0, "b": 0, "c": 0, "d": 0}, hosts.tail()
+    grow = [hosts.changes(h) for h in ("a", "b")]
+    assert [[(c["outcome"], c["world"], c["new_rank"]) for c in changes] for changes in grow] == \
+        [[("in-place", 4, 0)], [("in-place", 4, 1)]], grow
+    joined = grow[0][0]["step"]
+    assert [hosts.progress(h) for h in ("a", "b", "c", "d")] == [joined + 3] * 4
 
 
 GROW_FAULTS = {
