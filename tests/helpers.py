@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from spotguard.agent.sources.base import Source
@@ -56,6 +57,16 @@ def drain_once(adapter: Any, notice: Notice, step: int, *, collectives: Any = No
     return machine.run(step, Verdict(notice, deadline_ts(notice), 0)).drain
 
 
+def dumped_stacks(run_dir: Path, lines: int = 120) -> dict[str, str]:
+    """The end of each pod log of a dry-run that holds a stack dump (a rank still running at its
+    node's death: `trainer.reaper.dump_stacks`), by file name."""
+    from spotguard.trainer.dryrun import STACK_DUMP
+
+    logs = sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() else []
+    texts = {path.name: path.read_text(errors="replace") for path in logs}
+    return {name: "\n".join(text.splitlines()[-lines:]) for name, text in texts.items() if STACK_DUMP.search(text)}
+
+
 async def passing_dry_run(scenario: Any, run_dir: Any, time_limit: float = 300.0) -> dict:
     """Runs `scenario` as a dry-run and returns its report, once no process it started is left
     (15 s at most for them to go) and it passed: finished, no problem, every step trained."""
@@ -70,6 +81,7 @@ async def passing_dry_run(scenario: Any, run_dir: Any, time_limit: float = 300.0
     while marked(dry.marker) and time.monotonic() < until:
         await asyncio.sleep(0.2)
     assert marked(dry.marker) == []
-    assert report["ok"] and report["status"] == "finished", (report["status"], report["problems"])
+    assert report["ok"] and report["status"] == "finished", (report["status"], report["problems"],
+                                                             dumped_stacks(Path(run_dir)))
     assert report["steps_completed"] == scenario.steps
     return report

@@ -5,12 +5,16 @@ Each test runs `spotguard dry-run` as a user would and asserts on its JSON repor
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from spotguard.trainer.dryrun import STACK_DUMP
+from spotguard.trainer.reaper import DUMP_WAIT
 
 pytestmark = pytest.mark.slow
 
@@ -89,11 +93,17 @@ def test_a_rank_still_training_at_its_deadline_fails_the_run_and_no_worker_of_it
     assert code == 1 and not report["ok"], (report["problems"], output[-3000:])
     missed = [p for p in report["problems"] if p.startswith("node-1 reached its deadline with its rank still training")]
     assert missed, report["problems"]
+    # Where it was: the rank wrote its threads' stacks to its pod's log before the kill, and the problem says so.
+    pod = re.search(r"\(pod (\S+), step", missed[0]).group(1)
+    assert missed[0].endswith(f"its threads' stacks then: logs/{pod}.log"), missed[0]
+    dump = (tmp_path / "run" / "logs" / f"{pod}.log").read_text()
+    assert STACK_DUMP.search(dump) and 'trainer/train.py", line' in dump, dump[-2000:]
     events = [json.loads(line) for path in (tmp_path / "run" / "events").glob("*.jsonl")
               for line in path.read_text().splitlines() if line.strip()]
     started = min(e["t"] for e in events if e["event"] == "start")
     deadline = started + report["timeline"][0]["deadline"]
-    late = [e for e in events if e.get("node") == "node-1" and e["event"] == "step" and e["t"] > deadline + 1.0]
+    late = [e for e in events if e.get("node") == "node-1" and e["event"] == "step"
+            and e["t"] > deadline + 1.0 + DUMP_WAIT]  # the node's death waits for the dump
     assert late == [], f"node-1 trained on past its deadline: {late[:3]}"
     assert "reached its deadline" in output
 

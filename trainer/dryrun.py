@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +54,9 @@ log = logging.getLogger("spotguard.dryrun")
 FRAMEWORK_SCRIPTS = {"hf": "spotguard.trainer.train_hf", "accelerate": "spotguard.trainer.train_accelerate",
                      "lightning": "spotguard.trainer.train_lightning"}
 FINISHED_GRACE = 15.0  # seconds a container may outlast the ranks that finished training
+STACKS_DUMPED_TO = "logs/{pod}.log"  # under the run directory: the pod's log (cluster/pod_runner.py)
+# A thread's header in a faulthandler dump (a C++ exception's "(most recent call first)" is not one).
+STACK_DUMP = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$", re.M)
 
 
 class DryRun:
@@ -227,7 +231,8 @@ class DryRun:
         """A node died at its deadline: a pod of it whose rank was still training missed it. A rank
         that logged its drain (or finished) did not; nor did one that wrote its departure (its
         termination message: trainer.departures) before the deadline and whose process was gone
-        by then (its launcher may still have been exiting: torchrun's rendezvous shutdown)."""
+        by then (its launcher may still have been exiting: torchrun's rendezvous shutdown). The
+        problem names the pod's log when its processes wrote their threads' stacks there first."""
         deadline = max((i.deadline for i in self.injected if i.node == node and i.deadline is not None
                         and i.deadline <= time.time()), default=time.time())
         written = {m.pod: m.written_at for m in read_messages(self.run_dir / "pods", self.pod_log.snapshot())}
@@ -238,9 +243,19 @@ class DryRun:
                 continue
             if last.get("pid") in (None, *pids) or written.get(pod, deadline) >= deadline:
                 step = max((e.get("step", 0) for e in mine), default=0)
+                dumped = self._stacks_dumped(pod)
+                stacks = f"; its threads' stacks then: {STACKS_DUMPED_TO.format(pod=pod)}" if dumped else ""
                 self.problems.append(f"{node} reached its deadline with its rank still training (pod {pod}, step "
-                                     f"{step}): every process of it was killed")
+                                     f"{step}): every process of it was killed{stacks}")
                 log.warning(self.problems[-1])
+
+    def _stacks_dumped(self, pod: str) -> bool:
+        """Whether the pod's log holds a stack dump (`reaper.dump_stacks` at its node's death)."""
+        try:
+            text = (self.run_dir / STACKS_DUMPED_TO.format(pod=pod)).read_text(errors="replace")
+        except OSError:
+            return False
+        return STACK_DUMP.search(text) is not None
 
     async def _stop_everything(self, player: asyncio.Task | None) -> None:
         """Ends every task and process this run started (shielded: it finishes even if the

@@ -7,12 +7,16 @@ process tree or a process group no longer does. Only processes of this user whos
 carries this run's token are signalled, each by its PID. The local kubelet marks each pod's
 processes the same way (`POD_ENV=<pod uid>`) and `kill_marked` ends a pod's processes all at
 once, as a container runtime kills a container's cgroup: the workers of a launcher included.
+`dump_stacks` asks a pod's processes that catch SIGUSR1 (the reference trainer's `faulthandler`)
+for the stacks of their threads first, so a rank found still running at its node's death says
+where it was.
 """
 from __future__ import annotations
 
 import os
 import secrets
 import signal
+import time
 
 import psutil
 
@@ -56,6 +60,34 @@ def _send(proc: psutil.Process, sig: int) -> None:
         proc.send_signal(sig)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         pass
+
+
+DUMP_SIGNAL = signal.SIGUSR1
+DUMP_WAIT = 0.3  # seconds for the dumps to be written (faulthandler writes from its signal handler)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (Linux: /proc/<pid>/status, SigCgt)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+    return bool(caught >> (sig - 1) & 1)
+
+
+def dump_stacks(token: str, env_name: str) -> list[int]:
+    """Sends DUMP_SIGNAL to each process marked `env_name=token` that catches it, and waits
+    DUMP_WAIT once when any did; the PIDs signalled (a process without a handler is left alone:
+    the signal would end it). Blocking: call it in a thread from async code."""
+    asked = []
+    for proc in marked(token, env_name):
+        if catches(proc.pid, DUMP_SIGNAL):
+            _send(proc, DUMP_SIGNAL)
+            asked.append(proc.pid)
+    if asked:
+        time.sleep(DUMP_WAIT)
+    return asked
 
 
 def kill_marked(token: str, env_name: str, rounds: int = 5) -> list[int]:

@@ -21,15 +21,19 @@
   `--exit-on-drain` lets the Guard end the process, as users' scripts do, which runs the deadline
   watchdog: a notice whose deadline comes before the next step boundary (`--long-step S:T`: step S
   takes T seconds) is answered by persisting the held snapshot, and the process ends from the
-  watchdog's thread (its termination message is the account of it: no events).
+  watchdog's thread (its termination message is the account of it: no events);
+- SIGUSR1 writes the stack of every thread to stderr (`faulthandler`) and training goes on: the
+  dry-run sends it to a rank still running when its node dies (`trainer.reaper.dump_stacks`).
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -376,6 +380,7 @@ def make_guard(args: argparse.Namespace, adapter: Any) -> Guard | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if not args.no_guard:  # before anything is built: its import answers a notice meanwhile (hooks/early_exit.py)
         import spotguard.hooks.guard  # noqa: F401
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

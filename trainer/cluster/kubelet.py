@@ -5,8 +5,9 @@ one `nvidia.com/gpu`, the given labels, a fresh `bootID`) and follows the pods b
 new one gets a `PodRunner` (pod_runner.py: sidecar, downward-API file, the container as a local
 process, status), a deleted one is terminated within its grace period, the readiness probe runs
 every `probe_period` seconds. `die()`: the instance is gone (a reclaim at its deadline): every
-process of every pod is killed at once and the kubelet writes nothing more (the cluster then
-deletes the Node and fails its pods, as the pod garbage collector does). `stop(grace)`: the end
+process of every pod is killed at once (those of a running container that can first write their
+threads' stacks to its log do, `reaper.dump_stacks`) and the kubelet writes nothing more (the
+cluster then deletes the Node and fails its pods, as the pod garbage collector does). `stop(grace)`: the end
 of the dry-run: every pod's container gets SIGTERM, then after `grace` seconds is killed.
 
 `LaunchEpochs` numbers the job's launches for the trainers' event logs (`SPOTGUARD_GENERATION`):
@@ -145,6 +146,7 @@ class Kubelet:
         for runner in self.pods.values():
             runner.dead = True
         runners = list(self.pods.values())
+        await asyncio.gather(*(r.dump_stacks() for r in runners if r.name in running))
         killed = await asyncio.gather(*(r.kill() for r in runners))
         await asyncio.gather(*(r.done.wait() for r in runners))
         return {r.name: pids for r, pids in zip(runners, killed) if r.name in running}

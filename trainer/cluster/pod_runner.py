@@ -39,7 +39,7 @@ from spotguard.processes import die_with_parent
 from spotguard.trainer.cluster import container as spec
 from spotguard.trainer.cluster.kube import rfc3339
 from spotguard.trainer.cluster.sidecar import PortMap, sidecar_config, sidecar_container, write_service_account_tokens
-from spotguard.trainer.reaper import POD_ENV, kill_marked
+from spotguard.trainer.reaper import POD_ENV, dump_stacks, kill_marked
 from spotguard.wire import names
 
 if TYPE_CHECKING:
@@ -145,6 +145,10 @@ class PodRunner:
             done.kill()
         except OSError as exc:
             log.warning("pod %s: its preStop hook did not run: %s", self.name, exc)
+
+    async def dump_stacks(self) -> list[int]:
+        """The pod's processes that can say where their threads are do so in its log (PIDs)."""
+        return await asyncio.to_thread(dump_stacks, self.uid, POD_ENV)
 
     async def kill(self) -> list[int]:
         """Every process of the pod, killed now (PIDs)."""
