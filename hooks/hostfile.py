@@ -283,9 +283,12 @@ def group_after(hosts: Sequence[Host], departing: Collection[str] = (), *, cap: 
     """The hosts that form the group: `hosts` in their order without the `departing` ones, trimmed
     by `select_hosts` to the largest slot total <= `cap` that `rule` allows. [] when nothing fits
     (every rank leaves). Trimming may leave out hosts that were not departing: they leave too.
-    Which hosts a trim keeps does not depend on the order they are listed in (the sidecar lists
-    the hostfile's or the membership's order, the Guard its ranks'): `select_hosts` prefers them
-    by name."""
+    A trim keeps the hosts listed first (`select_hosts`' preference), so the order is part of the
+    input: the supervisor's membership lists the store's host first and the job's members before
+    its joiners (`supervisor/in_place.py`), the sidecar passes the membership's order and the
+    Guard its ranks', which is the order of the membership they formed from. With equal slots a
+    trim therefore never drops the first host (whose store a joiner meets the group at) and drops
+    joiners before members."""
     candidates = [h for h in hosts if h.name not in departing]
-    kept = {h.name for h in select_hosts(sorted(candidates, key=lambda h: h.name), cap=cap, rule=rule)}
+    kept = {h.name for h in select_hosts(candidates, cap=cap, rule=rule)}
     return [h for h in candidates if h.name in kept]

@@ -16,7 +16,7 @@ import pytest
 
 from spotguard.config import ConfigError
 from spotguard.hooks.elastic.membership_view import MEMBERSHIP_SOURCE, MembershipView
-from spotguard.hooks.hostfile import Host, group_after, read_hostfile
+from spotguard.hooks.hostfile import ElasticRule, Host, group_after, read_hostfile
 from spotguard.hooks.machine.decide import Drain, Resize, Settle, decide
 from spotguard.hooks.sidecar.service import Sidecar
 from spotguard.wire import names
@@ -118,15 +118,41 @@ async def test_the_hostfile_names_the_group_the_guard_forms(tmp_path, name):
     assert set(plan.leaving_hosts) == set(case.hosts) - set(case.expect)
 
 
-def test_group_after_is_select_hosts_without_the_departing_whatever_the_order():
+def test_group_after_is_select_hosts_without_the_departing_keeping_the_hosts_listed_first():
     hosts = [Host("a", 2), Host("b", 1), Host("c", 1), Host("d", 2)]
     assert group_after(hosts, {"b"}) == [Host("a", 2), Host("c", 1), Host("d", 2)]
     assert group_after(hosts, {"a"}, cap=3) == [Host("b", 1), Host("d", 2)]
     assert group_after(hosts, set(h.name for h in hosts)) == []
-    # The sidecar lists the hostfile's order, the Guard its ranks': a trim keeps the same hosts.
-    same = [Host(n, 1) for n in ("w0", "w1", "w2", "w3")]
-    for order in (same, same[::-1], [same[2], same[0], same[3], same[1]]):
-        assert [h.name for h in group_after(order, {"w1"}, cap=2)] == [h.name for h in order if h.name in ("w0", "w2")]
+    # The supervisor lists the store's host first and the members before the joiners; whatever
+    # their names sort as, a trim keeps the first host and drops the joiners first.
+    one_or_two = {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [4], "max_gpus": 2}
+    rule = ElasticRule.from_block(one_or_two)
+    assert rule is not None and rule.world_sizes == (1, 2)
+    members_then_joiner = [Host(n, 1) for n in ("d", "c", "a")]
+    assert [h.name for h in group_after(members_then_joiner, rule=rule)] == ["d", "c"]
+
+
+def test_a_trim_never_drops_the_store_host_nor_a_member_for_a_joiner(tmp_path):
+    """The reviewer's cases: a group d, c offered d, c, a (a joining, d's store) under a rule of 1
+    or 2 settles and a does not join; a first group n3, n1, n2 (n3's store) under 1, 2 or 4 forms
+    with n3, n1, the hosts every one of them trims it to, n3 serving the store they meet at."""
+    (tmp_path / "ds.json").write_text(json.dumps({"elasticity": {"enabled": True, "max_train_batch_size": 8,
+                                                                 "micro_batch_sizes": [4], "max_gpus": 2}}))
+    env = {names.ENV_DEEPSPEED_CONFIG: str(tmp_path / "ds.json")}
+    grow = Membership(7, ("d", "c", "a"), 3, store="10.0.0.4:29400")
+    survivor = MembershipView.from_env({**env, names.ENV_NODE: "c"})
+    survivor.hosts = ("d", "c")
+    survivor.offer(grow.to_wire())
+    pending = survivor.pending_notice()
+    assert pending is not None
+    assert isinstance(decide(pending, 9, survivor, True), Settle)
+    joiner = MembershipView.from_env({**env, names.ENV_NODE: "a"})
+    assert joiner.trimmed(grow).hosts == ("d", "c")  # a is not listed: it waits
+    (tmp_path / "ds.json").write_text(json.dumps({"elasticity": ONE_TWO_FOUR}))
+    first = Membership(1, ("n3", "n1", "n2"), 3, store="10.0.0.3:29400", start=True)
+    for node in ("n3", "n1", "n2"):
+        trimmed = MembershipView.from_env({**env, names.ENV_NODE: node}).trimmed(first)
+        assert (trimmed.hosts, trimmed.world_size, trimmed.store) == (("n3", "n1"), 2, "10.0.0.3:29400")
 
 
 @pytest.mark.parametrize("text, field", [

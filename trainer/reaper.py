@@ -7,9 +7,9 @@ process tree or a process group no longer does. Only processes of this user whos
 carries this run's token are signalled, each by its PID. The local kubelet marks each pod's
 processes the same way (`POD_ENV=<pod uid>`) and `kill_marked` ends a pod's processes all at
 once, as a container runtime kills a container's cgroup: the workers of a launcher included.
-`dump_stacks` asks a pod's processes that catch SIGUSR1 (the reference trainer's `faulthandler`)
-for the stacks of their threads first, so a rank found still running at its node's death says
-where it was.
+`dump_stacks` asks a pod's processes that catch SIGUSR1 (the reference trainer's `faulthandler`),
+but its launcher, for the stacks of their threads first, so a rank found still running at its
+node's death says where it was.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Collection
 
 import psutil
 
@@ -76,13 +77,15 @@ def catches(pid: int, sig: int) -> bool:
     return bool(caught >> (sig - 1) & 1)
 
 
-def dump_stacks(token: str, env_name: str) -> list[int]:
-    """Sends DUMP_SIGNAL to each process marked `env_name=token` that catches it, and waits
-    DUMP_WAIT once when any did; the PIDs signalled (a process without a handler is left alone:
-    the signal would end it). Blocking: call it in a thread from async code."""
+def dump_stacks(token: str, env_name: str, skip: Collection[int] = ()) -> list[int]:
+    """Sends DUMP_SIGNAL to each process marked `env_name=token` that catches it, but those in
+    `skip`, and waits DUMP_WAIT once when any was; the PIDs signalled. A process without a
+    handler is left alone (the signal would end it), and so must a launcher be (`skip`: `spotguard
+    launch` catches the signal to forward it to every worker, whatever their handlers). Blocking:
+    call it in a thread from async code."""
     asked = []
     for proc in marked(token, env_name):
-        if catches(proc.pid, DUMP_SIGNAL):
+        if proc.pid not in skip and catches(proc.pid, DUMP_SIGNAL):
             _send(proc, DUMP_SIGNAL)
             asked.append(proc.pid)
     if asked:

@@ -34,12 +34,15 @@ Contract (all methods but `offer` run on the training thread):
 - Which hosts form the new group is `hostfile.group_after`, the rule the sidecar writes the
   DeepSpeed hostfile by, each host with `procs_per_host` slots, under the elasticity rule of
   `SPOTGUARD_DEEPSPEED_CONFIG` (`rule`; none without it): a shrink to a world size the rule
-  does not allow trims to the largest one it allows (the hosts trimmed leave with the noticed
-  one, as the hostfile drops them), and a membership's hosts are trimmed alike (`trimmed`, which
+  does not allow trims to the largest one it allows, keeping the hosts listed first (the ranks'
+  order; the hosts trimmed leave with the noticed one, as the hostfile drops them), and a
+  membership's hosts are trimmed alike, in its order (`trimmed`, which
   a joiner and a first group read their rank and world from; one trimmed to the group's own
   hosts is `Settled`); nothing allowed (or fewer than `min_world_size` ranks): every rank drains.
   `learn_hosts` also gathers every rank's rule: ranks that read different configs take rank 0's
-  (logged once). A bad config stops `from_env` with a ConfigError naming the variable.
+  (logged once); a joiner trims by its own, so a pod that reads another config than the group's
+  fails to form with it (the change falls back). A bad config stops `from_env` with a
+  ConfigError naming the variable.
 """
 from __future__ import annotations
 

@@ -147,8 +147,10 @@ class PodRunner:
             log.warning("pod %s: its preStop hook did not run: %s", self.name, exc)
 
     async def dump_stacks(self) -> list[int]:
-        """The pod's processes that can say where their threads are do so in its log (PIDs)."""
-        return await asyncio.to_thread(dump_stacks, self.uid, POD_ENV)
+        """The pod's processes that can say where their threads are do so in its log (PIDs); not
+        the container's main process, a launcher that would forward the signal to every worker."""
+        main = (self.process.pid,) if self.process is not None else ()
+        return await asyncio.to_thread(dump_stacks, self.uid, POD_ENV, main)
 
     async def kill(self) -> list[int]:
         """Every process of the pod, killed now (PIDs)."""
