@@ -30,12 +30,19 @@ def new_token() -> str:
 
 
 def marked(token: str, env_name: str = MARK_ENV) -> list[psutil.Process]:
-    """Live (not zombie) processes other than this one whose environment has `env_name=token`."""
+    """Live (not zombie) processes other than this one whose environment has `env_name=token`.
+
+    Each is a fresh `psutil.Process`, never `process_iter`'s: that one keeps the objects of
+    earlier calls, and on a machine whose PIDs wrap (pid_max 32768 here) the kept object of a
+    reused PID is the earlier process's: the scan missed the marked process behind it
+    (tests/test_reaper.py) and psutil refuses to signal it, so it was never stopped (the likely
+    cause of a worker that outlived its container in one CI run)."""
     found = []
-    for proc in psutil.process_iter(["pid"]):
-        if proc.pid == os.getpid():
+    for pid in psutil.pids():
+        if pid == os.getpid():
             continue
         try:
+            proc = psutil.Process(pid)
             if proc.environ().get(env_name) == token and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
