@@ -60,9 +60,10 @@ def drain_once(adapter: Any, notice: Notice, step: int, *, collectives: Any = No
 def dumped_stacks(run_dir: Path, lines: int = 120) -> dict[str, str]:
     """The end of each pod log of a dry-run that holds a stack dump (a rank still running at its
     node's death: `trainer.reaper.dump_stacks`), by file name."""
+    from spotguard.trainer.cluster.pod_runner import LOG_DIR
     from spotguard.trainer.dryrun import STACK_DUMP
 
-    logs = sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() else []
+    logs = sorted((run_dir / LOG_DIR).glob("*.log")) if (run_dir / LOG_DIR).is_dir() else []
     texts = {path.name: path.read_text(errors="replace") for path in logs}
     return {name: "\n".join(text.splitlines()[-lines:]) for name, text in texts.items() if STACK_DUMP.search(text)}
 

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spotguard.kube.api import PODS
+from spotguard.trainer.cluster.pod_runner import LOG_DIR, container_log
 from spotguard.trainer.cluster_log import PodLog, SupervisorLog
 from spotguard.trainer.crashes import Crash, give_up
 from spotguard.trainer.departures import departure_events, read_messages
@@ -54,7 +55,6 @@ log = logging.getLogger("spotguard.dryrun")
 FRAMEWORK_SCRIPTS = {"hf": "spotguard.trainer.train_hf", "accelerate": "spotguard.trainer.train_accelerate",
                      "lightning": "spotguard.trainer.train_lightning"}
 FINISHED_GRACE = 15.0  # seconds a container may outlast the ranks that finished training
-STACKS_DUMPED_TO = "logs/{pod}.log"  # under the run directory: the pod's log (cluster/pod_runner.py)
 # A thread's header in a faulthandler dump (a C++ exception's "(most recent call first)" is not one).
 STACK_DUMP = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$", re.M)
 
@@ -204,7 +204,7 @@ class DryRun:
             return "finished"
         if "Failed" in conditions:
             return f"the Job failed: {conditions['Failed'].get('message', '')}"
-        self.crash = give_up(self.pod_log.snapshot(), self._trained, self.run_dir / "logs",
+        self.crash = give_up(self.pod_log.snapshot(), self._trained, self.run_dir / LOG_DIR,
                              job_trained=self.started_at is not None)
         if self.crash is not None:
             return self.crash.status
@@ -244,7 +244,7 @@ class DryRun:
             if last.get("pid") in (None, *pids) or written.get(pod, deadline) >= deadline:
                 step = max((e.get("step", 0) for e in mine), default=0)
                 dumped = self._stacks_dumped(pod)
-                stacks = f"; its threads' stacks then: {STACKS_DUMPED_TO.format(pod=pod)}" if dumped else ""
+                stacks = f"; its threads' stacks then: {container_log(pod)}" if dumped else ""
                 self.problems.append(f"{node} reached its deadline with its rank still training (pod {pod}, step "
                                      f"{step}): every process of it was killed{stacks}")
                 log.warning(self.problems[-1])
@@ -252,7 +252,7 @@ class DryRun:
     def _stacks_dumped(self, pod: str) -> bool:
         """Whether the pod's log holds a stack dump (`reaper.dump_stacks` at its node's death)."""
         try:
-            text = (self.run_dir / STACKS_DUMPED_TO.format(pod=pod)).read_text(errors="replace")
+            text = (self.run_dir / container_log(pod)).read_text(errors="replace")
         except OSError:
             return False
         return STACK_DUMP.search(text) is not None

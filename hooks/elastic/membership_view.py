@@ -246,16 +246,14 @@ class MembershipView:
         the same hosts); itself without a rule."""
         if self.rule is None:
             return membership
-        kept = tuple(h.name for h in group_after([Host(h, self.procs_per_host) for h in membership.hosts], (),
-                                                 rule=self.rule))
+        kept = self._kept(membership.hosts, ())
         first = self.trimmed(membership.first) if membership.first is not None else None
         return dataclasses.replace(membership, hosts=kept, world_size=len(kept) * self.procs_per_host, first=first)
 
     def _group_of(self, hosts: tuple[str, ...], departing: tuple[str, ...]) -> tuple[str, ...] | None:
         """`hostfile.group_after` over `hosts`, `procs_per_host` slots each, under the rule; None
         when nothing fits or fewer than `min_world_size` ranks would stay (module docstring)."""
-        kept = tuple(h.name for h in group_after([Host(h, self.procs_per_host) for h in hosts], departing,
-                                                 rule=self.rule))
+        kept = self._kept(hosts, departing)
         allowed = ", ".join(map(str, self.rule.world_sizes)) if self.rule is not None else ""
         if not kept or len(kept) * self.procs_per_host < self.min_world_size:
             if self.rule is not None and not kept:
@@ -266,6 +264,12 @@ class MembershipView:
             log.warning("the elasticity rule allows world sizes %s: %s leave(s) the group too, as the hostfile "
                         "drops them", allowed, ", ".join(trimmed))
         return kept
+
+
+    def _kept(self, hosts: tuple[str, ...], departing: tuple[str, ...]) -> tuple[str, ...]:
+        """`hostfile.group_after` over `hosts`, `procs_per_host` slots each, under the rule."""
+        return tuple(h.name for h in group_after([Host(h, self.procs_per_host) for h in hosts], departing,
+                                                 rule=self.rule))
 
 
 def membership_summary(change: Change) -> str:

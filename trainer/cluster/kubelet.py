@@ -7,8 +7,9 @@ process, status), a deleted one is terminated within its grace period, the readi
 every `probe_period` seconds. `die()`: the instance is gone (a reclaim at its deadline): every
 process of every pod is killed at once (those of a running container that can first write their
 threads' stacks to its log do, `reaper.dump_stacks`) and the kubelet writes nothing more (the
-cluster then deletes the Node and fails its pods, as the pod garbage collector does). `stop(grace)`: the end
-of the dry-run: every pod's container gets SIGTERM, then after `grace` seconds is killed.
+cluster then deletes the Node and fails its pods, as the pod garbage collector does).
+`stop(grace)`: the end of the dry-run: every pod's container gets SIGTERM, then after `grace`
+seconds is killed.
 
 `LaunchEpochs` numbers the job's launches for the trainers' event logs (`SPOTGUARD_GENERATION`):
 a container that starts while no other container of its job runs starts a new epoch (the first

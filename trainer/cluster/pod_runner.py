@@ -55,6 +55,14 @@ def downward_annotations(pod: Mapping[str, Any]) -> str:
     return "".join(f"{k}={json.dumps(str(v))}\n" for k, v in sorted(annotations.items()))
 
 
+LOG_DIR = "logs"  # under the run directory: each pod's container output, one file per pod
+
+
+def container_log(pod: str) -> str:
+    """Where the container of pod `pod` writes its output, relative to the run directory."""
+    return f"{LOG_DIR}/{pod}.log"
+
+
 def exit_status(returncode: int) -> int:
     """A container's exit code: the process's, or 128 + the signal that ended it."""
     return 128 - returncode if returncode < 0 else returncode
@@ -200,10 +208,10 @@ class PodRunner:
     async def _run_container(self) -> int:
         self.env = env = self._environment()
         command = [self.ports.rewrite(w) for w in spec.argv(self.container, env, self.volumes)]
-        logs = self.kubelet.run_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        log_path = self.kubelet.run_dir / container_log(self.name)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.time()
-        out = await asyncio.to_thread(open, logs / f"{self.name}.log", "ab")
+        out = await asyncio.to_thread(open, log_path, "ab")
         with out:
             self.process = await asyncio.create_subprocess_exec(
                 *command, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
